@@ -1,0 +1,97 @@
+# Helpers that turn one folder of src/ into one library (+ its tests), so that the layering of
+# ../shared/spec/04-architecture.md is visible in the build: nibble_<layer> links only the
+# layers below it. Tests live next to the code as *_test.cpp (CPU) and *_test.cu (GPU).
+
+# Flags every nibble target gets. Format code must be bit-exact across CPU and GPU, so
+# floating-point contraction (FMA) is off everywhere and fast-math is never used.
+function(nibble_target_defaults target)
+  target_compile_features(${target} PUBLIC cxx_std_20)
+  set_target_properties(${target} PROPERTIES CXX_EXTENSIONS OFF)
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter -ffp-contract=off>
+    $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20 --fmad=false --expt-relaxed-constexpr -Xcompiler=-ffp-contract=off>)
+  if(NIBBLE_NATIVE)
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-march=native>)
+  endif()
+  if(NIBBLE_SANITIZE)
+    target_compile_options(${target} PRIVATE
+      $<$<COMPILE_LANGUAGE:CXX>:-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer>)
+    target_link_options(${target} PRIVATE -fsanitize=address,undefined)
+  endif()
+endfunction()
+
+# nibble_layer(<dir> DEPS ...): library nibble_<dir with / -> _> from src/<dir>/*.cpp.
+# A folder with no .cpp yet becomes an INTERFACE library (headers only).
+function(nibble_layer dir)
+  cmake_parse_arguments(ARG "" "" "DEPS" ${ARGN})
+  string(REPLACE "/" "_" name ${dir})
+  set(target nibble_${name})
+  file(GLOB srcs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/${dir}/*.cpp)
+  list(FILTER srcs EXCLUDE REGEX "_test\\.cpp$")
+  if(srcs)
+    add_library(${target} STATIC ${srcs})
+    nibble_target_defaults(${target})
+    target_include_directories(${target} PUBLIC ${PROJECT_SOURCE_DIR}/src)
+    target_link_libraries(${target} PUBLIC ${ARG_DEPS})
+    target_compile_definitions(${target} PUBLIC NIBBLE_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+  else()
+    add_library(${target} INTERFACE)
+    target_include_directories(${target} INTERFACE ${PROJECT_SOURCE_DIR}/src)
+    target_link_libraries(${target} INTERFACE ${ARG_DEPS})
+    target_compile_features(${target} INTERFACE cxx_std_20)
+    target_compile_definitions(${target} INTERFACE NIBBLE_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+  endif()
+  if(NIBBLE_TESTS)
+    nibble_tests(${dir} DEPS ${target})
+  endif()
+endfunction()
+
+# nibble_tests(<dir> DEPS ...): one GoogleTest program per folder from src/<dir>/*_test.cpp.
+function(nibble_tests dir)
+  cmake_parse_arguments(ARG "" "" "DEPS" ${ARGN})
+  string(REPLACE "/" "_" name ${dir})
+  file(GLOB tests CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/${dir}/*_test.cpp)
+  if(NOT tests)
+    return()
+  endif()
+  set(target nibble_${name}_tests)
+  add_executable(${target} ${tests})
+  nibble_target_defaults(${target})
+  target_link_libraries(${target} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main)
+  target_compile_definitions(${target} PRIVATE
+    NIBBLE_TESTDATA_DIR="${PROJECT_SOURCE_DIR}/../shared/testdata"
+    NIBBLE_BINARY_DIR="${CMAKE_BINARY_DIR}")
+  set_target_properties(${target} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
+  gtest_discover_tests(${target} DISCOVERY_TIMEOUT 60 PROPERTIES LABELS "${name}" SKIP_RETURN_CODE 77)
+endfunction()
+
+# The CUDA backend: src/<dir>/*.cu + *.cpp; GPU tests from *_test.cu (they GTEST_SKIP without
+# a device, so CI's GPU-less run still builds and starts them).
+function(nibble_cuda_layer dir)
+  cmake_parse_arguments(ARG "" "" "DEPS" ${ARGN})
+  string(REPLACE "/" "_" name ${dir})
+  set(target nibble_${name})
+  file(GLOB srcs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/${dir}/*.cu ${PROJECT_SOURCE_DIR}/src/${dir}/*.cpp)
+  list(FILTER srcs EXCLUDE REGEX "_test\\.(cu|cpp)$")
+  add_library(${target} STATIC ${srcs})
+  nibble_target_defaults(${target})
+  set_target_properties(${target} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF CUDA_ARCHITECTURES ${NIBBLE_CUDA_ARCH})
+  target_include_directories(${target} PUBLIC ${PROJECT_SOURCE_DIR}/src)
+  target_link_libraries(${target} PUBLIC ${ARG_DEPS})
+  target_compile_definitions(${target} PUBLIC NIBBLE_HAVE_CUDA=1)
+  if(NIBBLE_TESTS)
+    file(GLOB tests CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/${dir}/*_test.cu ${PROJECT_SOURCE_DIR}/src/${dir}/*_test.cpp)
+    if(tests)
+      add_executable(${target}_tests ${tests})
+      nibble_target_defaults(${target}_tests)
+      set_target_properties(${target}_tests PROPERTIES CUDA_ARCHITECTURES ${NIBBLE_CUDA_ARCH})
+      target_link_libraries(${target}_tests PRIVATE ${target} nibble_io GTest::gtest GTest::gtest_main)
+      target_compile_definitions(${target}_tests PRIVATE
+        NIBBLE_TESTDATA_DIR="${PROJECT_SOURCE_DIR}/../shared/testdata")
+      set_target_properties(${target}_tests PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
+      # Registered as one ctest entry (discovery would need a GPU-capable run at build time).
+      add_test(NAME ${target}_tests COMMAND ${target}_tests)
+      set_tests_properties(${target}_tests PROPERTIES LABELS "gpu" SKIP_RETURN_CODE 77)
+    endif()
+  endif()
+endfunction()

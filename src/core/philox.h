@@ -1,0 +1,98 @@
+// Philox4x32-10 counter-based random numbers (Salmon et al., SC'11; the generator of cuRAND
+// and Random123), identical on CPU and GPU. nibble keys every random draw by
+// (seed, stream, offset): key = seed (64 bits), counter = (offset lo, offset hi, stream lo,
+// stream hi). Each call yields four 32-bit words, so element i of a stream uses word i%4 of
+// the block at offset i/4. Stochastic rounding, RHT signs and sampling all draw from here.
+#pragma once
+
+#include <cstdint>
+
+#include "core/host_device.h"
+
+namespace nibble {
+
+struct Philox4x32 {
+  uint32_t v[4];
+};
+
+NIB_HOST_DEVICE void philox_mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
+  uint64_t p = static_cast<uint64_t>(a) * static_cast<uint64_t>(b);
+  hi = static_cast<uint32_t>(p >> 32);
+  lo = static_cast<uint32_t>(p);
+}
+
+// The raw generator: 10 rounds of Philox4x32 on `counter` under `key`.
+NIB_HOST_DEVICE Philox4x32 philox4x32_10(Philox4x32 counter, uint32_t key0, uint32_t key1) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+  uint32_t c0 = counter.v[0], c1 = counter.v[1], c2 = counter.v[2], c3 = counter.v[3];
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+  for (int round = 0; round < 10; ++round) {
+    uint32_t hi0, lo0, hi1, lo1;
+    philox_mulhilo(kM0, c0, hi0, lo0);
+    philox_mulhilo(kM1, c2, hi1, lo1);
+    uint32_t n0 = hi1 ^ c1 ^ key0;
+    uint32_t n2 = hi0 ^ c3 ^ key1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+    key0 += kW0;
+    key1 += kW1;
+  }
+  return Philox4x32{{c0, c1, c2, c3}};
+}
+
+// Four random words for block `offset` of `stream` under `seed`.
+NIB_HOST_DEVICE Philox4x32 philox_block(uint64_t seed, uint64_t stream, uint64_t offset) {
+  Philox4x32 ctr{{static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32),
+                  static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32)}};
+  return philox4x32_10(ctr, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+}
+
+// Uniform in [0, 1) with 24 random bits; exact in binary32: (word >> 8) * 2^-24.
+NIB_HOST_DEVICE float u32_to_uniform(uint32_t word) {
+  return static_cast<float>(word >> 8) * 5.9604644775390625e-08f;
+}
+
+// The random word for element `index` of `stream` (word index%4 of block index/4).
+NIB_HOST_DEVICE uint32_t philox_word(uint64_t seed, uint64_t stream, uint64_t index) {
+  Philox4x32 r = philox_block(seed, stream, index >> 2);
+  return r.v[index & 3];
+}
+
+NIB_HOST_DEVICE float philox_uniform(uint64_t seed, uint64_t stream, uint64_t index) {
+  return u32_to_uniform(philox_word(seed, stream, index));
+}
+
+// A sequential host-side generator over one (seed, stream): for sampling, data shuffling and
+// initialisation. Its state is (seed, stream, position), so it can be saved and restored.
+class PhiloxStream {
+ public:
+  PhiloxStream(uint64_t seed = 0, uint64_t stream = 0, uint64_t position = 0)
+      : seed_(seed), stream_(stream), position_(position) {}
+  uint32_t next_u32() { return philox_word(seed_, stream_, position_++); }
+  uint64_t next_u64() {
+    uint64_t hi = next_u32();
+    return (hi << 32) | next_u32();
+  }
+  float next_uniform() { return u32_to_uniform(next_u32()); }
+  // Uniform double in [0, 1) with 53 random bits.
+  double next_uniform_double() { return static_cast<double>(next_u64() >> 11) * 0x1.0p-53; }
+  // Standard normal (Box-Muller on two uniform doubles).
+  double next_normal();
+  // Uniform integer in [0, n), n > 0 (rejection-free multiply-shift; bias < 2^-32 * n).
+  uint64_t next_below(uint64_t n) { return static_cast<uint64_t>((static_cast<unsigned __int128>(next_u64()) * n) >> 64); }
+
+  uint64_t seed() const { return seed_; }
+  uint64_t stream() const { return stream_; }
+  uint64_t position() const { return position_; }
+  void set_position(uint64_t p) { position_ = p; }
+
+ private:
+  uint64_t seed_, stream_, position_;
+};
+
+}  // namespace nibble
