@@ -1,0 +1,135 @@
+// SentencePiece BPE tokenizer training, saving, loading, encode/decode; see tokenizer.h.
+#include "train/tokenizer.h"
+
+#include <sentencepiece_processor.h>
+#include <sentencepiece_trainer.h>
+
+#include <fmt/format.h>
+
+#include <mutex>
+
+#include "train/atomic_dir.h"
+
+namespace nibble::train {
+
+namespace {
+
+// Feeds the non-blank lines of the texts, in order, to the SentencePiece trainer.
+class LineIterator : public sentencepiece::SentenceIterator {
+ public:
+  explicit LineIterator(const std::vector<std::string>& texts) : texts_(texts) { advance(); }
+  bool done() const override { return done_; }
+  void Next() override { advance(); }
+  const std::string& value() const override { return line_; }
+  sentencepiece::util::Status status() const override { return {}; }
+
+ private:
+  void advance() {
+    while (text_ < texts_.size()) {
+      const std::string& t = texts_[text_];
+      if (pos_ >= t.size()) {
+        ++text_;
+        pos_ = 0;
+        continue;
+      }
+      size_t nl = t.find('\n', pos_);
+      size_t end = nl == std::string::npos ? t.size() : nl;
+      line_.assign(t, pos_, end - pos_);
+      pos_ = end + 1;
+      if (!line_.empty() && line_.back() == '\r') line_.pop_back();
+      if (line_.find_first_not_of(" \t\r\f\v") != std::string::npos) return;
+    }
+    done_ = true;
+  }
+  const std::vector<std::string>& texts_;
+  size_t text_ = 0, pos_ = 0;
+  std::string line_;
+  bool done_ = false;
+};
+
+Status from_sp(const sentencepiece::util::Status& s, std::string_view what) {
+  if (s.ok()) return Status::ok();
+  return invalid_argument("tokenizer: {}: {}", what, s.ToString());
+}
+
+}  // namespace
+
+Tokenizer::Tokenizer() : sp_(std::make_unique<sentencepiece::SentencePieceProcessor>()) {}
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+Tokenizer::~Tokenizer() = default;
+
+Result<Tokenizer> Tokenizer::train(const std::vector<std::string>& texts, const TokenizerTrainOptions& o) {
+  if (o.vocab_size < 261 || o.vocab_size > (1 << 24))
+    return invalid_argument("tokenizer: vocab_size {} out of range [261, 2^24] (4 specials + 256 bytes + 1)",
+                            o.vocab_size);
+  if (o.num_threads < 1) return invalid_argument("tokenizer: num_threads must be >= 1");
+  if (o.max_sentences < 1) return invalid_argument("tokenizer: max_sentences must be >= 1");
+  LineIterator probe(texts);
+  if (probe.done()) return invalid_argument("tokenizer: no text to train on");
+
+  std::string args = fmt::format(
+      "--model_type=bpe --vocab_size={} --byte_fallback=true --character_coverage=1.0 "
+      "--normalization_rule_name=identity --remove_extra_whitespaces=false --add_dummy_prefix=false "
+      "--split_digits=true --allow_whitespace_only_pieces=true "
+      "--unk_id=0 --bos_id=1 --eos_id=2 --pad_id=3 "
+      "--num_threads={} --input_sentence_size={} --shuffle_input_sentence=false "
+      "--max_sentence_length={} --hard_vocab_limit={} --minloglevel=2 --model_prefix=",
+      o.vocab_size, o.num_threads, o.max_sentences, o.max_sentence_bytes, o.hard_vocab_limit ? "true" : "false");
+  // SentencePiece's generator is process-global; serialise trainings that set it.
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  sentencepiece::SetRandomGeneratorSeed(o.seed);
+  LineIterator it(texts);
+  std::string proto;
+  NIB_RETURN_IF_ERROR(from_sp(sentencepiece::SentencePieceTrainer::Train(args, &it, &proto), "training failed"));
+  return from_serialized(proto);
+}
+
+Result<Tokenizer> Tokenizer::load(const std::string& path) {
+  Tokenizer t;
+  auto s = t.sp_->Load(path);
+  if (!s.ok()) return invalid_argument("cannot load tokenizer {}: {}", path, s.ToString());
+  return t;
+}
+
+Result<Tokenizer> Tokenizer::from_serialized(std::string_view model_proto) {
+  Tokenizer t;
+  NIB_RETURN_IF_ERROR(from_sp(t.sp_->LoadFromSerializedProto(model_proto), "cannot parse model"));
+  return t;
+}
+
+std::string Tokenizer::serialized() const { return sp_->serialized_model_proto(); }
+
+Status Tokenizer::save(const std::string& path) const { return write_file_atomic(path, serialized()); }
+
+Result<std::vector<int32_t>> Tokenizer::encode(std::string_view text) const {
+  std::vector<int> ids;
+  NIB_RETURN_IF_ERROR(from_sp(sp_->Encode(text, &ids), "encode failed"));
+  return std::vector<int32_t>(ids.begin(), ids.end());
+}
+
+Result<std::string> Tokenizer::decode(std::span<const int32_t> ids) const {
+  const int32_t n = vocab_size();
+  std::vector<int> v(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= n) return invalid_argument("decode: token id {} outside [0, {})", ids[i], n);
+    v[i] = ids[i];
+  }
+  std::string out;
+  NIB_RETURN_IF_ERROR(from_sp(sp_->Decode(v, &out), "decode failed"));
+  return out;
+}
+
+std::string Tokenizer::piece(int32_t id) const {
+  if (id < 0 || id >= vocab_size()) return {};
+  return sp_->IdToPiece(id);
+}
+
+int32_t Tokenizer::vocab_size() const { return sp_->GetPieceSize(); }
+int32_t Tokenizer::unk_id() const { return sp_->unk_id(); }
+int32_t Tokenizer::bos_id() const { return sp_->bos_id(); }
+int32_t Tokenizer::eos_id() const { return sp_->eos_id(); }
+int32_t Tokenizer::pad_id() const { return sp_->pad_id(); }
+
+}  // namespace nibble::train
