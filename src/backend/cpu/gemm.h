@@ -1,0 +1,23 @@
+// Dense matrix products for the CPU backend, through OpenBLAS (cblas_sgemm / cblas_dgemm).
+// Convention as in CUTLASS and the spec's linear layer: A (M,K) x B (N,K) -> C (M,N), all
+// row-major and contiguous. The three products a linear layer needs (forward, dgrad, wgrad)
+// are spelled out so callers never pass transpose flags. Templated on float and double.
+#pragma once
+
+#include <cstdint>
+
+namespace nibble::cpu {
+
+// y: (M,N) = x: (M,K) . w: (N,K)^T            (y += ... when accumulate)
+template <typename T>
+void matmul_nt(T* y, const T* x, const T* w, int64_t M, int64_t N, int64_t K, bool accumulate = false);
+
+// y: (M,N) = a: (M,K) . b: (K,N)              (dgrad: dx (M,K) = dy (M,N) . w (N,K))
+template <typename T>
+void matmul_nn(T* y, const T* a, const T* b, int64_t M, int64_t N, int64_t K, bool accumulate = false);
+
+// y: (M,N) = a: (K,M)^T . b: (K,N)            (wgrad: dw (N,K) += dy (M,N)^T . x (M,K))
+template <typename T>
+void matmul_tn(T* y, const T* a, const T* b, int64_t M, int64_t N, int64_t K, bool accumulate = false);
+
+}  // namespace nibble::cpu
