@@ -1,0 +1,151 @@
+// Seeded, resumable training batches and fixed-order validation batches; see loader.h.
+#include "train/loader.h"
+
+#include "core/check.h"
+#include "core/philox.h"
+
+namespace nibble::train {
+
+namespace {
+
+Status open_windows(const std::vector<std::string>& paths, int64_t seq_len, std::vector<TokenShard>* shards,
+                    std::vector<uint32_t>* window_shard, std::vector<int64_t>* window_start) {
+  if (paths.empty()) return invalid_argument("no token shards given");
+  if (seq_len < 1) return invalid_argument("seq_len must be >= 1 (got {})", seq_len);
+  for (const std::string& p : paths) {
+    NIB_ASSIGN_OR_RETURN(TokenShard s, TokenShard::open(p));
+    if (!shards->empty() && s.vocab_size() != shards->front().vocab_size())
+      return invalid_argument("token shard {} has vocab_size {}, {} has {}", p, s.vocab_size(),
+                              shards->front().path(), shards->front().vocab_size());
+    const int64_t windows = s.size() >= seq_len + 1 ? (s.size() - 1) / seq_len : 0;
+    for (int64_t j = 0; j < windows; ++j) {
+      window_shard->push_back(static_cast<uint32_t>(shards->size()));
+      window_start->push_back(j * seq_len);
+    }
+    shards->push_back(std::move(s));
+  }
+  if (window_start->empty())
+    return invalid_argument("token shards hold no window of seq_len+1 = {} tokens (shard {} has {} tokens)",
+                            seq_len + 1, paths.front(), shards->front().size());
+  return Status::ok();
+}
+
+// row: (T+1) int32 scratch; tokens/targets: (T) int32 each.
+Status fill_row(const std::vector<TokenShard>& shards, uint32_t shard, int64_t start, int64_t seq_len,
+                int32_t* row, int32_t* tokens, int32_t* targets) {
+  NIB_RETURN_IF_ERROR(shards[shard].read(row, start, seq_len + 1));
+  for (int64_t t = 0; t < seq_len; ++t) {
+    tokens[t] = row[t];
+    targets[t] = row[t + 1];
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<TrainLoader> TrainLoader::open(const std::vector<std::string>& shard_paths, int64_t batch, int64_t seq_len,
+                                      uint64_t seed) {
+  if (batch < 1) return invalid_argument("batch size must be >= 1 (got {})", batch);
+  TrainLoader l;
+  NIB_RETURN_IF_ERROR(open_windows(shard_paths, seq_len, &l.shards_, &l.window_shard_, &l.window_start_));
+  l.batch_ = batch;
+  l.seq_len_ = seq_len;
+  l.seed_ = seed;
+  return l;
+}
+
+void TrainLoader::make_order(uint64_t epoch) {
+  if (order_epoch_ == epoch) return;
+  const int64_t n = windows_per_epoch();
+  order_.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) order_[i] = i;
+  PhiloxStream rng(seed_, kLoaderStream + epoch);
+  for (int64_t i = n - 1; i > 0; --i) {  // Fisher-Yates: swap i with a uniform j in [0, i]
+    int64_t j = static_cast<int64_t>(rng.next_below(static_cast<uint64_t>(i) + 1));
+    std::swap(order_[i], order_[j]);
+  }
+  order_epoch_ = epoch;
+}
+
+Status TrainLoader::next(Batch* out) {
+  out->batch = batch_;
+  out->seq_len = seq_len_;
+  out->tokens.resize(static_cast<size_t>(batch_ * seq_len_));
+  out->targets.resize(static_cast<size_t>(batch_ * seq_len_));
+  std::vector<int32_t> row(static_cast<size_t>(seq_len_ + 1));
+  for (int64_t b = 0; b < batch_; ++b) {
+    if (state_.position >= windows_per_epoch()) {
+      ++state_.epoch;
+      state_.position = 0;
+    }
+    make_order(state_.epoch);
+    const int64_t w = order_[static_cast<size_t>(state_.position)];
+    NIB_RETURN_IF_ERROR(fill_row(shards_, window_shard_[w], window_start_[w], seq_len_, row.data(),
+                                 out->tokens.data() + b * seq_len_, out->targets.data() + b * seq_len_));
+    ++state_.position;
+  }
+  return Status::ok();
+}
+
+Status TrainLoader::restore(const LoaderState& s) {
+  if (s.position < 0 || s.position > windows_per_epoch())
+    return invalid_argument("loader state: position {} outside [0, {}]", s.position, windows_per_epoch());
+  state_ = s;
+  return Status::ok();
+}
+
+nlohmann::json TrainLoader::state_json() const {
+  return {{"epoch", state_.epoch},   {"position", state_.position},      {"seed", seed_},
+          {"seq_len", seq_len_},     {"windows", windows_per_epoch()}};
+}
+
+Status TrainLoader::restore_json(const nlohmann::json& j) {
+  try {
+    if (!j.is_object()) return invalid_argument("loader state: expected a JSON object");
+    const uint64_t seed = j.at("seed").get<uint64_t>();
+    const int64_t seq_len = j.at("seq_len").get<int64_t>();
+    const int64_t windows = j.at("windows").get<int64_t>();
+    if (seed != seed_ || seq_len != seq_len_ || windows != windows_per_epoch())
+      return invalid_argument(
+          "loader state was saved for seed {} seq_len {} with {} windows; this run has seed {} seq_len {} with {} "
+          "windows (different data or config)",
+          seed, seq_len, windows, seed_, seq_len_, windows_per_epoch());
+    LoaderState s;
+    s.epoch = j.at("epoch").get<uint64_t>();
+    s.position = j.at("position").get<int64_t>();
+    return restore(s);
+  } catch (const nlohmann::json::exception& e) {
+    return invalid_argument("loader state: {}", e.what());
+  }
+}
+
+Result<ValLoader> ValLoader::open(const std::vector<std::string>& shard_paths, int64_t batch, int64_t seq_len,
+                                  int64_t max_batches) {
+  if (batch < 1) return invalid_argument("batch size must be >= 1 (got {})", batch);
+  if (max_batches < 0) return invalid_argument("max_batches must be >= 0 (got {})", max_batches);
+  ValLoader v;
+  NIB_RETURN_IF_ERROR(open_windows(shard_paths, seq_len, &v.shards_, &v.window_shard_, &v.window_start_));
+  const int64_t windows = static_cast<int64_t>(v.window_start_.size());
+  v.batch_ = windows < batch ? windows : batch;
+  v.seq_len_ = seq_len;
+  v.num_batches_ = windows / v.batch_;
+  if (max_batches > 0 && v.num_batches_ > max_batches) v.num_batches_ = max_batches;
+  return v;
+}
+
+Status ValLoader::get(int64_t i, Batch* out) const {
+  NIB_CHECK_MSG(i >= 0 && i < num_batches_, "validation batch {} of {}", i, num_batches_);
+  out->batch = batch_;
+  out->seq_len = seq_len_;
+  out->tokens.resize(static_cast<size_t>(batch_ * seq_len_));
+  out->targets.resize(static_cast<size_t>(batch_ * seq_len_));
+  std::vector<int32_t> row(static_cast<size_t>(seq_len_ + 1));
+  for (int64_t b = 0; b < batch_; ++b) {
+    const int64_t w = i * batch_ + b;
+    NIB_RETURN_IF_ERROR(fill_row(shards_, window_shard_[w], window_start_[w], seq_len_, row.data(),
+                                 out->tokens.data() + b * seq_len_, out->targets.data() + b * seq_len_));
+  }
+  return Status::ok();
+}
+
+}  // namespace nibble::train
