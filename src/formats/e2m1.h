@@ -1,0 +1,79 @@
+// E2M1 (FP4) element codec shared by the CPU reference and CUDA kernels (01-formats.md §1):
+// code <-> value, round-to-nearest-even with saturation at 6 under both sign conventions
+// (TransformerEngine: sign bit iff the scaled value < 0; TetraJet/MX: sign bit = signbit(x)),
+// the stochastic-rounding step of §5, and nibble packing (even element in the low nibble).
+// Everything is NIB_HOST_DEVICE, branch-light and written with +,-,*,/ and compares only, so
+// GCC vectorises the CPU loops and nvcc (--fmad=false) produces the same bits.
+#pragma once
+
+#include <cstdint>
+
+#include "core/bits.h"
+#include "core/host_device.h"
+
+namespace nibble::formats {
+
+// Magnitude of E2M1 index 0..7: {0, 0.5, 1, 1.5, 2, 3, 4, 6} (built from bits, no table, so
+// device code needs no __constant__ array).
+NIB_HOST_DEVICE float e2m1_magnitude(uint32_t idx) {
+  uint32_t e = idx >> 1, m = idx & 1u;
+  uint32_t bits = idx < 2u ? (idx == 0u ? 0u : 0x3F000000u) : (((e + 126u) << 23) | (m << 22));
+  return u32_as_float(bits);
+}
+
+// Value of a 4-bit code (bit 3 = sign). Code 0x8 decodes to -0.0.
+NIB_HOST_DEVICE float e2m1_decode(uint32_t code) {
+  float m = e2m1_magnitude(code & 7u);
+  return (code & 8u) ? -m : m;
+}
+
+// Round-to-nearest-even magnitude index of a >= 0, saturating to 7 (=6.0). Decision
+// thresholds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (ties go to the even code: `>` at the ties
+// whose lower neighbour has an even index, `>=` where the upper one has). NaN gives 0.
+NIB_HOST_DEVICE uint32_t e2m1_rne_index(float a) {
+  return static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f) + static_cast<uint32_t>(a > 1.25f) +
+         static_cast<uint32_t>(a >= 1.75f) + static_cast<uint32_t>(a > 2.5f) + static_cast<uint32_t>(a >= 3.5f) +
+         static_cast<uint32_t>(a > 5.0f);
+}
+
+// TransformerEngine convention: sign bit iff v < 0 (so -0.0 -> 0x0, a small negative that
+// rounds to zero -> 0x8). |v| > 6 saturates. NaN -> 0x0.
+NIB_HOST_DEVICE uint32_t e2m1_rne_code_te(float v) {
+  float a = v < 0.0f ? -v : v;
+  return e2m1_rne_index(a) | (static_cast<uint32_t>(v < 0.0f) << 3);
+}
+
+// TetraJet / MX convention: sign bit = signbit(v) (-0.0 -> 0x8). NaN -> 0x0 | its sign bit.
+NIB_HOST_DEVICE uint32_t e2m1_rne_code_signbit(float v) {
+  uint32_t s = float_as_u32(v) >> 31;
+  float a = u32_as_float(float_as_u32(v) & 0x7FFFFFFFu);
+  return e2m1_rne_index(a) | (s << 3);
+}
+
+// Stochastic rounding of a magnitude a >= 0 on the E2M1 grid (01-formats.md §5), given a
+// uniform u in [0,1): down = largest grid value <= a, gap = 0.5 on [0,2), 1 on [2,4), 2 on
+// [4,6); round up iff u < (a - down) / gap. a - down is exact (Sterbenz, or down == 0) and
+// gap is a power of two, so the probability is computed exactly. a >= 6 -> 7 (saturate);
+// NaN -> 0. The result is always `down` or the next grid value: never more than one step.
+NIB_HOST_DEVICE uint32_t e2m1_sr_index(float a, float u) {
+  uint32_t di = static_cast<uint32_t>(a >= 0.5f) + static_cast<uint32_t>(a >= 1.0f) +
+                static_cast<uint32_t>(a >= 1.5f) + static_cast<uint32_t>(a >= 2.0f) +
+                static_cast<uint32_t>(a >= 3.0f) + static_cast<uint32_t>(a >= 4.0f) + static_cast<uint32_t>(a >= 6.0f);
+  float down = e2m1_magnitude(di);
+  float gap = di < 4u ? 0.5f : (di < 6u ? 1.0f : 2.0f);
+  float frac = (a - down) / gap;
+  uint32_t up = (di < 7u && u < frac) ? 1u : 0u;
+  return di + up;
+}
+
+// Pack two codes into one byte: even element low nibble, odd element high nibble.
+NIB_HOST_DEVICE uint8_t e2m1_pack(uint32_t even_code, uint32_t odd_code) {
+  return static_cast<uint8_t>((even_code & 0xFu) | ((odd_code & 0xFu) << 4));
+}
+
+// Code of element i of a packed row (i-th element, byte i/2).
+NIB_HOST_DEVICE uint32_t e2m1_unpack(const uint8_t* packed, int64_t i) {
+  return (static_cast<uint32_t>(packed[i >> 1]) >> ((i & 1) * 4)) & 0xFu;
+}
+
+}  // namespace nibble::formats

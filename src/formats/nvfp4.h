@@ -1,0 +1,196 @@
+// NVFP4 per-element and per-block quantizers, host+device (01-formats.md §2-§3, §5; testdata
+// README `nvfp4_te_*` and `nvfp4_tetrajet_v2_doubleblock_*`). Two families:
+//  - TransformerEngine ("nvfp4", per-tensor amax + 1x16 E4M3 scales; 2-D 16x16 tiles reuse the
+//    same functions with the tile amax), sign bit iff the scaled value < 0;
+//  - TetraJet-v2 double block ("nvfp4-2level", 1x128 FP32 outer + 1x16 E4M3 inner), sign bit =
+//    signbit(x). Every step is one IEEE binary32 operation in the order the README writes it.
+// The CPU drivers (quantize_cpu.h) loop over these; CUDA threads call the same functions.
+#pragma once
+
+#include <cstdint>
+
+#include "core/bits.h"
+#include "core/host_device.h"
+#include "core/philox.h"
+#include "formats/e2m1.h"
+#include "formats/e4m3.h"
+
+namespace nibble::formats {
+
+inline constexpr float kFltMax = 3.40282346638528859812e+38f;
+inline constexpr float kRecip6 = 0x1.555556p-3f;     // fl(1/6)   = 0x3E2AAAAB
+inline constexpr float kRecip448 = 0x1.24924Ap-9f;   // fl(1/448) = 0x3B124925
+inline constexpr float kRecip2688 = 1.0f / 2688.0f;  // fl(1/2688), TE's dequant constant
+
+// Input element -> binary32. uint16_t means BF16 bits throughout formats/.
+NIB_HOST_DEVICE float load_f32(float x) { return x; }
+NIB_HOST_DEVICE float load_f32(uint16_t bf16_bits) { return bf16_bits_to_f32(bf16_bits); }
+
+// max(m, |x|) that ignores NaN (like fmaxf): the amax of a tensor/block skips NaN elements.
+NIB_HOST_DEVICE float amax_update(float m, float x) {
+  float a = u32_as_float(float_as_u32(x) & 0x7FFFFFFFu);
+  return a > m ? a : m;
+}
+
+// Uniform u in [0,1) for stochastic rounding of flat element `index`: word index%4 of Philox
+// block index/4 of (seed, stream), i.e. philox_uniform(seed, stream, index) (core/philox.h).
+struct SrKey {
+  uint64_t seed = 0;
+  uint64_t stream = 0;
+};
+NIB_HOST_DEVICE float sr_uniform(const SrKey& key, uint64_t index) { return philox_uniform(key.seed, key.stream, index); }
+
+// ---- TransformerEngine NVFP4 -----------------------------------------------------------------
+
+// Per-tensor constants derived from the stored amax (README order):
+//   s_enc = min(fl(2688/amax), FLT_MAX)  (amax == 0 -> inf -> FLT_MAX); if s_enc == 0: 1
+//   s_dec = fl(1/s_enc);  m = fl(s_enc * fl(1/6))
+struct Nvfp4TeGlobal {
+  float amax;
+  float s_enc;
+  float s_dec;
+  float m;
+};
+NIB_HOST_DEVICE Nvfp4TeGlobal nvfp4_te_global(float amax) {
+  float s_enc = 2688.0f / amax;
+  s_enc = s_enc < kFltMax ? s_enc : kFltMax;
+  if (s_enc == 0.0f) s_enc = 1.0f;
+  Nvfp4TeGlobal g;
+  g.amax = amax;
+  g.s_enc = s_enc;
+  g.s_dec = 1.0f / s_enc;
+  g.m = s_enc * kRecip6;
+  return g;
+}
+
+// E4M3 block-scale byte from the block (or 16x16 tile) amax: e4m3_rne(min(fl(bamax*m), 448)).
+NIB_HOST_DEVICE uint32_t nvfp4_te_block_scale(float bamax, const Nvfp4TeGlobal& g) {
+  float t = bamax * g.m;
+  t = t < 448.0f ? t : 448.0f;
+  return e4m3_rne_sat_magnitude(t);
+}
+
+// Encode multiplier of a block: min(fl(1 / fl(float(s) * s_dec)), FLT_MAX).
+NIB_HOST_DEVICE float nvfp4_te_block_enc(uint32_t scale_byte, const Nvfp4TeGlobal& g) {
+  float enc = 1.0f / (e4m3_decode(scale_byte) * g.s_dec);
+  return enc < kFltMax ? enc : kFltMax;
+}
+
+// Element code, RTN: e2m1 of clamp(fl(x*enc), -6, 6), sign bit iff the scaled value < 0.
+NIB_HOST_DEVICE uint32_t nvfp4_te_encode_rtn(float x, float enc) { return e2m1_rne_code_te(x * enc); }
+
+// Element code, SR with uniform u: a = |clamp(fl(x*enc), -6, 6)|, e2m1_sr_index(a, u).
+NIB_HOST_DEVICE uint32_t nvfp4_te_encode_sr(float x, float enc, float u) {
+  float v = x * enc;
+  float a = v < 0.0f ? -v : v;
+  return e2m1_sr_index(a, u) | (static_cast<uint32_t>(v < 0.0f) << 3);
+}
+
+// Dequant factor, TE's kernel: fl(fl(float(s) * amax) * fl(1/2688)).
+NIB_HOST_DEVICE float nvfp4_te_dequant_factor(uint32_t scale_byte, float amax) {
+  return (e4m3_decode(scale_byte) * amax) * kRecip2688;
+}
+NIB_HOST_DEVICE float nvfp4_te_decode(uint32_t code, float factor) { return e2m1_decode(code) * factor; }
+
+// One 1x16 block: x (16 contiguous elements) -> packed (8 bytes), returns the scale byte.
+// bamax is the amax the scale comes from: the block's own (1x16) or its 16x16 tile's (2-D).
+// sr == nullptr: RTN; else element i uses sr_uniform(*sr, index0 + i).
+template <typename In>
+NIB_HOST_DEVICE uint32_t nvfp4_te_quantize_block16(uint8_t* packed, const In* x, float bamax, const Nvfp4TeGlobal& g,
+                                                   const SrKey* sr = nullptr, uint64_t index0 = 0) {
+  uint32_t s = nvfp4_te_block_scale(bamax, g);
+  float enc = nvfp4_te_block_enc(s, g);
+  uint32_t c[16];
+  if (sr == nullptr) {
+    for (int i = 0; i < 16; ++i) c[i] = nvfp4_te_encode_rtn(load_f32(x[i]), enc);
+  } else {
+    for (int q = 0; q < 16; q += 4) {
+      // index0 need not be a multiple of 4: fetch words per element through philox_uniform's rule.
+      for (int i = q; i < q + 4; ++i) c[i] = nvfp4_te_encode_sr(load_f32(x[i]), enc, sr_uniform(*sr, index0 + i));
+    }
+  }
+  for (int i = 0; i < 8; ++i) packed[i] = e2m1_pack(c[2 * i], c[2 * i + 1]);
+  return s;
+}
+
+template <typename In>
+NIB_HOST_DEVICE float block_amax(const In* x, int n) {
+  float m = 0.0f;
+  for (int i = 0; i < n; ++i) m = amax_update(m, load_f32(x[i]));
+  return m;
+}
+
+// y (16) <- dequantized block.
+NIB_HOST_DEVICE void nvfp4_te_dequantize_block16(float* y, const uint8_t* packed, uint32_t scale_byte, float amax) {
+  float f = nvfp4_te_dequant_factor(scale_byte, amax);
+  for (int i = 0; i < 16; ++i) y[i] = nvfp4_te_decode(e2m1_unpack(packed, i), f);
+}
+
+// ---- TetraJet-v2 double block ("nvfp4-2level") -----------------------------------------------
+
+// Outer FP32 scale of a 1x128 block: so = fl(fl(amax * R448) * R6); 0 -> 1.
+NIB_HOST_DEVICE float nvfp4_2level_outer_scale(float amax128) {
+  float so = (amax128 * kRecip448) * kRecip6;
+  return so == 0.0f ? 1.0f : so;
+}
+
+// Inner E4M3 byte of a 1x16 block: e4m3_rne(min(fl(fl(bamax / so) * R6), 448)); may be 0.
+// `/` is the correctly rounded binary32 division (nvcc's default -prec-div=true).
+NIB_HOST_DEVICE uint32_t nvfp4_2level_inner_scale(float bamax, float so) {
+  float t = (bamax / so) * kRecip6;
+  t = t < 448.0f ? t : 448.0f;
+  return e4m3_rne_sat_magnitude(t);
+}
+
+// sp = fl(float(si) * so): the block's effective scale.
+NIB_HOST_DEVICE float nvfp4_2level_block_scale(uint32_t inner_byte, float so) { return e4m3_decode(inner_byte) * so; }
+
+NIB_HOST_DEVICE float nvfp4_2level_scaled_magnitude(float x, float sp) {
+  float a = u32_as_float(float_as_u32(x) & 0x7FFFFFFFu);
+  return sp == 0.0f ? 0.0f : a / sp;
+}
+NIB_HOST_DEVICE uint32_t nvfp4_2level_encode_rtn(float x, float sp) {
+  return e2m1_rne_index(nvfp4_2level_scaled_magnitude(x, sp)) | ((float_as_u32(x) >> 31) << 3);
+}
+NIB_HOST_DEVICE uint32_t nvfp4_2level_encode_sr(float x, float sp, float u) {
+  return e2m1_sr_index(nvfp4_2level_scaled_magnitude(x, sp), u) | ((float_as_u32(x) >> 31) << 3);
+}
+// dequant = (sign ? -1 : 1) * fl(q * sp)
+NIB_HOST_DEVICE float nvfp4_2level_decode(uint32_t code, float sp) {
+  float v = e2m1_magnitude(code & 7u) * sp;
+  return (code & 8u) ? -v : v;
+}
+
+// One 1x128 outer block (n elements, n % 16 == 0, 16 <= n <= 128; a shorter last block is the
+// zero-padded 128-block): packed (n/2 bytes), inner (n/16 bytes), returns the outer scale.
+template <typename In>
+NIB_HOST_DEVICE float nvfp4_2level_quantize_block128(uint8_t* packed, uint8_t* inner, const In* x, int n,
+                                                     const SrKey* sr = nullptr, uint64_t index0 = 0) {
+  float so = nvfp4_2level_outer_scale(block_amax(x, n));
+  for (int b = 0; b < n / 16; ++b) {
+    const In* xb = x + 16 * b;
+    uint32_t si = nvfp4_2level_inner_scale(block_amax(xb, 16), so);
+    inner[b] = static_cast<uint8_t>(si);
+    float sp = nvfp4_2level_block_scale(si, so);
+    uint32_t c[16];
+    if (sr == nullptr) {
+      for (int i = 0; i < 16; ++i) c[i] = nvfp4_2level_encode_rtn(load_f32(xb[i]), sp);
+    } else {
+      for (int i = 0; i < 16; ++i)
+        c[i] = nvfp4_2level_encode_sr(load_f32(xb[i]), sp, sr_uniform(*sr, index0 + 16 * b + i));
+    }
+    for (int i = 0; i < 8; ++i) packed[8 * b + i] = e2m1_pack(c[2 * i], c[2 * i + 1]);
+  }
+  return so;
+}
+
+// y (n) <- dequantized outer block (n % 16 == 0).
+NIB_HOST_DEVICE void nvfp4_2level_dequantize_block128(float* y, const uint8_t* packed, const uint8_t* inner, float so,
+                                                      int n) {
+  for (int b = 0; b < n / 16; ++b) {
+    float sp = nvfp4_2level_block_scale(inner[b], so);
+    for (int i = 0; i < 16; ++i) y[16 * b + i] = nvfp4_2level_decode(e2m1_unpack(packed, 16 * b + i), sp);
+  }
+}
+
+}  // namespace nibble::formats

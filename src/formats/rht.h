@@ -1,0 +1,99 @@
+// 16-point random Hadamard transform, host+device (01-formats.md §6; testdata README
+// `nvfp4_te_rht_normal`): x' = x_tile(1x16) · (1/4) · diag(s) · H16, Sylvester H16[i][j] =
+// (-1)^popcount(i&j). Sign vectors are 16-bit masks, bit i set <=> s[i] = -1.
+//  - TE (fixed signs, BF16 output): the exact sum (in double) rounded once to BF16.
+//  - TetraJet-v2 (random signs from Philox, FP32): y_i = s_i x_i, then the 4-stage in-place
+//    butterfly for h = 1, 2, 4, 8 ((a, b) -> (a + b, a - b) on pairs i, i+h with i & h == 0),
+//    then each output * 0.25f. Plain binary32 adds (no FMA), so CPU and GPU agree bit for bit.
+#pragma once
+
+#include <cstdint>
+
+#include "core/bits.h"
+#include "core/host_device.h"
+#include "core/philox.h"
+
+namespace nibble::formats {
+
+// TE's fixed vector s = (+1,+1,+1,-1,+1,-1,-1,-1,-1,-1,-1,+1,-1,+1,-1,-1).
+inline constexpr uint32_t kRhtTeSignMask = (1u << 3) | (1u << 5) | (1u << 6) | (1u << 7) | (1u << 8) | (1u << 9) |
+                                           (1u << 10) | (1u << 12) | (1u << 14) | (1u << 15);
+
+// Random sign mask of one layer call: the low 16 bits of word 0 of Philox block 0 of
+// (seed, stream), i.e. philox_word(seed, stream, 0) & 0xFFFF.
+NIB_HOST_DEVICE uint32_t rht_random_sign_mask(uint64_t seed, uint64_t stream) {
+  return philox_word(seed, stream, 0) & 0xFFFFu;
+}
+
+// H16 entry (+1/-1) and the full transform matrix entry T[i][j] = s_i H[i][j] / 4.
+NIB_HOST_DEVICE int rht_h16(int i, int j) {
+  unsigned v = static_cast<unsigned>(i & j) & 15u;
+  v ^= v >> 2;
+  v ^= v >> 1;
+  return (v & 1u) ? -1 : 1;
+}
+
+// y (16) <- x (16) · (1/4) diag(s) H16 in binary32, fixed order (see the file comment).
+// y may alias x.
+NIB_HOST_DEVICE void rht16_f32(float* y, const float* x, uint32_t sign_mask) {
+  float t[16];
+  for (int i = 0; i < 16; ++i) t[i] = ((sign_mask >> i) & 1u) ? -x[i] : x[i];
+  for (int h = 1; h < 16; h <<= 1) {
+    for (int i = 0; i < 16; ++i) {
+      if (i & h) continue;
+      float a = t[i], b = t[i + h];
+      t[i] = a + b;
+      t[i + h] = a - b;
+    }
+  }
+  for (int j = 0; j < 16; ++j) y[j] = t[j] * 0.25f;
+}
+
+// double -> BF16 bits, one rounding to nearest even (no intermediate binary32 rounding);
+// overflow -> +-Inf, BF16 subnormals handled at their fixed step 2^-133. Finite input assumed
+// (NaN/Inf go through the binary32 path).
+NIB_HOST_DEVICE uint16_t f64_to_bf16_bits(double d) {
+  if (d != d) return f32_to_bf16_bits(static_cast<float>(d));  // NaN: quiet, sign kept
+  double a = d < 0 ? -d : d;
+  uint32_t sign = d < 0 ? 0x8000u : 0u;
+  if (a == 0.0) return static_cast<uint16_t>(sign);
+  if (a < 0x1p-126) {  // below 2^-126: BF16 subnormal step 2^-133
+    double q = a * 0x1p133;                                    // exact scaling
+    double r = (q + 4503599627370496.0) - 4503599627370496.0;  // RNE to integer (q < 2^52)
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(r));  // r <= 128 (= min normal)
+  }
+  // Normal: round the double's 52-bit mantissa to 7 bits, RNE at bit 45.
+  uint64_t u;
+#if NIB_ON_DEVICE
+  u = static_cast<uint64_t>(__double_as_longlong(a));
+#else
+  __builtin_memcpy(&u, &a, 8);
+#endif
+  uint64_t ur = u + ((uint64_t{1} << 44) - 1) + ((u >> 45) & 1u);
+  int64_t e = static_cast<int64_t>(ur >> 52) - 1023;  // unbiased exponent after rounding
+  if (e > 127) return static_cast<uint16_t>(sign | 0x7F80u);
+  uint32_t bits = (static_cast<uint32_t>(e + 127) << 7) | static_cast<uint32_t>((ur >> 45) & 0x7Fu);
+  return static_cast<uint16_t>(sign | bits);
+}
+
+// TE's transform of one 16-element tile of BF16 values: y_bf16[j] = BF16_RNE(Σ_i x_i T[i][j])
+// with the sum formed exactly in double (exact whenever the tile's non-zero magnitudes span
+// less than 2^41, always true for real activations/gradients; beyond that one extra rounding
+// in the double sum may occur).
+NIB_HOST_DEVICE void rht16_bf16_exact(uint16_t* y_bf16, const float* x_bf16_values, uint32_t sign_mask) {
+  double t[16];
+  for (int i = 0; i < 16; ++i) {
+    double v = static_cast<double>(x_bf16_values[i]);
+    t[i] = ((sign_mask >> i) & 1u) ? -v : v;
+  }
+  for (int h = 1; h < 16; h <<= 1)
+    for (int i = 0; i < 16; ++i) {
+      if (i & h) continue;
+      double a = t[i], b = t[i + h];
+      t[i] = a + b;
+      t[i + h] = a - b;
+    }
+  for (int j = 0; j < 16; ++j) y_bf16[j] = f64_to_bf16_bits(t[j] * 0.25);
+}
+
+}  // namespace nibble::formats
