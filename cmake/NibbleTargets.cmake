@@ -9,7 +9,9 @@ function(nibble_target_defaults target)
   set_target_properties(${target} PROPERTIES CXX_EXTENSIONS OFF)
   target_compile_options(${target} PRIVATE
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter -ffp-contract=off>
-    $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20 --fmad=false --expt-relaxed-constexpr -Xcompiler=-ffp-contract=off>)
+    $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20 --fmad=false --expt-relaxed-constexpr -Xcompiler=-ffp-contract=off>
+    # nvcc's front end rejects fmt 9's consteval format-string checks: check them in C++ only.
+    $<$<COMPILE_LANGUAGE:CUDA>:-DFMT_CONSTEVAL= -DFMT_USE_CONSTEXPR=1>)
   if(NIBBLE_NATIVE)
     target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-march=native>)
   endif()
@@ -20,10 +22,11 @@ function(nibble_target_defaults target)
   endif()
 endfunction()
 
-# nibble_layer(<dir> DEPS ...): library nibble_<dir with / -> _> from src/<dir>/*.cpp.
-# A folder with no .cpp yet becomes an INTERFACE library (headers only).
+# nibble_layer(<dir> DEPS ... [TEST_DEPS ...]): library nibble_<dir with / -> _> from src/<dir>/*.cpp.
+# A folder with no .cpp yet becomes an INTERFACE library (headers only). TEST_DEPS: extra
+# libraries only the layer's test program links (e.g. formats tests read golden files with io).
 function(nibble_layer dir)
-  cmake_parse_arguments(ARG "" "" "DEPS" ${ARGN})
+  cmake_parse_arguments(ARG "" "" "DEPS;TEST_DEPS" ${ARGN})
   string(REPLACE "/" "_" name ${dir})
   set(target nibble_${name})
   file(GLOB srcs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/${dir}/*.cpp)
@@ -42,7 +45,7 @@ function(nibble_layer dir)
     target_compile_definitions(${target} INTERFACE NIBBLE_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
   endif()
   if(NIBBLE_TESTS)
-    nibble_tests(${dir} DEPS ${target})
+    nibble_tests(${dir} DEPS ${target} ${ARG_TEST_DEPS})
   endif()
 endfunction()
 

@@ -1,0 +1,91 @@
+// Small device helpers shared by nibble's CUDA format kernels: 16-byte vector loads/stores of
+// element arrays held in registers, warp max-reductions, the grid-wide amax (atomicMax on the
+// float bits: non-negative floats order like uint32), and Philox words for a run of four
+// consecutive flat elements (the same words formats::sr_uniform() draws one at a time).
+// Mirrors the vectorised load/store helpers of llm.c's dev/cuda (x128) and TE's Vec<>.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/bits.h"
+#include "core/philox.h"
+#include "formats/nvfp4.h"
+
+namespace nibble::cuda {
+
+// N elements of type T that travel as whole 16-byte words (N * sizeof(T) % 16 == 0).
+template <typename T, int N>
+struct alignas(16) Vec {
+  static_assert((N * sizeof(T)) % 16 == 0, "Vec must be a whole number of 16-byte words");
+  static constexpr int kWords = static_cast<int>(N * sizeof(T) / 16);
+  union {
+    uint4 w[kWords];
+    T e[N];
+  };
+  __device__ __forceinline__ Vec() {}
+};
+
+// Streaming 16-byte loads (read once: do not keep in L1) of N elements starting at p (16-B aligned).
+template <typename T, int N>
+__device__ __forceinline__ void load_vec(Vec<T, N>& v, const T* p) {
+  const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int i = 0; i < Vec<T, N>::kWords; ++i) v.w[i] = __ldcs(q + i);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
+  uint4* q = reinterpret_cast<uint4*>(p);
+#pragma unroll
+  for (int i = 0; i < Vec<T, N>::kWords; ++i) __stcs(q + i, v.w[i]);
+}
+
+// Packed bytes of n codes built in registers as 32-bit words (4 bytes each).
+template <int kBytes>
+struct alignas(16) PackedBytes {
+  static_assert(kBytes % 4 == 0, "whole words");
+  uint32_t w[kBytes / 4];
+  __device__ __forceinline__ void set(int i, uint32_t byte) {  // i must be a compile-time constant after unrolling
+    w[i / 4] = (i % 4 == 0) ? byte : (w[i / 4] | (byte << (8 * (i % 4))));
+  }
+};
+
+template <int kBytes>
+__device__ __forceinline__ void store_packed(uint8_t* p, const PackedBytes<kBytes>& b) {
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i)
+      __stcs(reinterpret_cast<uint4*>(p) + i, make_uint4(b.w[4 * i], b.w[4 * i + 1], b.w[4 * i + 2], b.w[4 * i + 3]));
+  } else if constexpr (kBytes == 8) {
+    __stcs(reinterpret_cast<uint2*>(p), make_uint2(b.w[0], b.w[1]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBytes / 4; ++i) reinterpret_cast<uint32_t*>(p)[i] = b.w[i];
+  }
+}
+
+// max over the lanes of groups of `kWidth` consecutive lanes (kWidth a power of two <= 32);
+// NaN-free inputs (amax_update already dropped NaN), so plain max == formats::amax_update.
+template <int kWidth>
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int o = 1; o < kWidth; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+
+// *amax_bits <- max(*amax_bits, bits(v)) for v >= 0 (or +0).
+__device__ __forceinline__ void atomic_max_nonneg(float* amax, float v) {
+  atomicMax(reinterpret_cast<unsigned int*>(amax), __float_as_uint(v));
+}
+
+// The four Philox words of flat elements 4q .. 4q+3 of (seed, stream): word j is what
+// formats::sr_uniform(key, 4q + j) turns into a uniform.
+__device__ __forceinline__ Philox4x32 sr_words(const formats::SrKey& key, uint64_t q) {
+  return philox_block(key.seed, key.stream, q);
+}
+
+inline int ceil_div_int(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+}  // namespace nibble::cuda

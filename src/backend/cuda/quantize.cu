@@ -1,0 +1,570 @@
+// CUDA kernels and launchers for nibble's block formats (see quantize.h). One thread owns whole
+// blocks (16, 32 or a quarter of a 128-block) held in registers: 16-byte streaming loads, the
+// per-block math of src/formats/ (the functions the CPU drivers call), 16-byte code stores.
+// Grid-wide amax: per-thread max -> warp -> CTA -> one atomicMax on the float bits. SR draws one
+// Philox block per four consecutive elements (the words formats::sr_uniform() would draw).
+// Mirrors TE's cast kernels (one thread per 1x16 block) and llm.c's vectorised elementwise style.
+#include "backend/cuda/quantize.h"
+
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernel_util.cuh"
+#include "formats/e2m1.h"
+#include "formats/mx.h"
+#include "formats/nvfp4.h"
+#include "formats/rht.h"
+#include "formats/swizzle.h"
+
+namespace nibble::cuda {
+
+namespace fm = ::nibble::formats;
+
+namespace {
+
+constexpr int kThreads = 256;
+
+int sm_count() {
+  static int n = [] {
+    int dev = 0, v = 0;
+    NIB_CUDA_CHECK(cudaGetDevice(&dev));
+    NIB_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename T>
+constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
+
+__device__ __forceinline__ int64_t scale_index(int64_t block, int64_t blocks_per_row, bool swizzled) {
+  if (!swizzled) return block;
+  return fm::swizzled_scale_offset(block / blocks_per_row, block % blocks_per_row, blocks_per_row);
+}
+
+// u for element 4q + j (j compile-time after unrolling).
+__device__ __forceinline__ float word_uniform(const Philox4x32& w, int j) { return u32_to_uniform(w.v[j]); }
+
+}  // namespace
+
+// ---- amax ------------------------------------------------------------------------------------
+
+// amax (1) f32 (zeroed by the launcher) <- max |x|, x (n). Each thread keeps 4 x 16-byte loads
+// in flight per step of a grid-stride loop.
+template <typename In>
+__global__ void __launch_bounds__(kThreads) absmax_kernel(float* amax, const In* x, int64_t n) {
+  constexpr int V = kVecElems<In>;
+  constexpr int U = 4;
+  const int64_t nvec = n / V;
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  float m = 0.0f;
+  int64_t v0 = tid;
+  for (; v0 + (U - 1) * nthreads < nvec; v0 += U * nthreads) {
+    Vec<In, V> r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) load_vec(r[u], x + (v0 + u * nthreads) * V);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int i = 0; i < V; ++i) m = fm::amax_update(m, fm::load_f32(r[u].e[i]));
+  }
+  for (; v0 < nvec; v0 += nthreads) {
+    Vec<In, V> r;
+    load_vec(r, x + v0 * V);
+#pragma unroll
+    for (int i = 0; i < V; ++i) m = fm::amax_update(m, fm::load_f32(r.e[i]));
+  }
+  for (int64_t i = nvec * V + tid; i < n; i += nthreads) m = fm::amax_update(m, fm::load_f32(x[i]));
+  m = group_max<32>(m);
+  __shared__ float warp_max[kThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float w = threadIdx.x < blockDim.x / 32 ? warp_max[threadIdx.x] : 0.0f;
+    w = group_max<32>(w);
+    if (threadIdx.x == 0) atomic_max_nonneg(amax, w);
+  }
+}
+
+template <typename In>
+Status absmax(float* amax, const In* x, int64_t n, cudaStream_t stream) {
+  if (n < 0) return invalid_argument("absmax: negative length {}", n);
+  if (!aligned16(x)) return invalid_argument("absmax: x must be 16-byte aligned");
+  NIB_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  if (n == 0) return Status::ok();
+  int64_t nvec = (n + kVecElems<In> - 1) / kVecElems<In>;
+  int64_t want = (nvec + 4 * kThreads - 1) / (4 * kThreads);
+  int grid = static_cast<int>(std::min<int64_t>(std::max<int64_t>(want, 1), static_cast<int64_t>(sm_count()) * 8));
+  absmax_kernel<In><<<grid, kThreads, 0, stream>>>(amax, x, n);
+  NIB_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+// ---- NVFP4 TE 1x16 ---------------------------------------------------------------------------
+
+// One thread quantizes NB consecutive 1x16 blocks starting at flat block b0 (all in range).
+template <typename In, int NB, bool kSR>
+__device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales, const In* x, int64_t b0,
+                                                const fm::Nvfp4TeGlobal& g, int64_t kb, bool swizzled,
+                                                const fm::SrKey& key) {
+  Vec<In, 16 * NB> v;
+  load_vec(v, x + b0 * 16);
+  PackedBytes<8 * NB> packed;
+  uint32_t s[NB];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    const In* xb = &v.e[16 * b];
+    float bamax = fm::block_amax(xb, 16);
+    if constexpr (!kSR) {
+      uint8_t p[8];
+      s[b] = fm::nvfp4_te_quantize_block16(p, xb, bamax, g);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) packed.set(8 * b + i, p[i]);
+    } else {
+      s[b] = fm::nvfp4_te_block_scale(bamax, g);
+      float enc = fm::nvfp4_te_block_enc(s[b], g);
+      const uint64_t q0 = static_cast<uint64_t>(b0 + b) * 4;  // flat element (b0+b)*16, / 4
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        Philox4x32 w = sr_words(key, q0 + q);
+        uint32_t c0 = fm::nvfp4_te_encode_sr(fm::load_f32(xb[4 * q + 0]), enc, word_uniform(w, 0));
+        uint32_t c1 = fm::nvfp4_te_encode_sr(fm::load_f32(xb[4 * q + 1]), enc, word_uniform(w, 1));
+        uint32_t c2 = fm::nvfp4_te_encode_sr(fm::load_f32(xb[4 * q + 2]), enc, word_uniform(w, 2));
+        uint32_t c3 = fm::nvfp4_te_encode_sr(fm::load_f32(xb[4 * q + 3]), enc, word_uniform(w, 3));
+        packed.set(8 * b + 2 * q, fm::e2m1_pack(c0, c1));
+        packed.set(8 * b + 2 * q + 1, fm::e2m1_pack(c2, c3));
+      }
+    }
+  }
+  store_packed(codes + b0 * 8, packed);
+  if (!swizzled && NB == 2) {
+    *reinterpret_cast<uint16_t*>(scales + b0) = static_cast<uint16_t>(s[0] | (s[1] << 8));
+  } else {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) scales[scale_index(b0 + b, kb, swizzled)] = static_cast<uint8_t>(s[b]);
+  }
+}
+
+// codes (M, K/2), scales (M, K/16) or swizzled; amax (1) already holds max |x|; x (M, K) flat as
+// nblocks 1x16 blocks. Thread t owns blocks 2t, 2t+1.
+template <typename In, bool kSR>
+__global__ void __launch_bounds__(kThreads) nvfp4_te_quantize_kernel(uint8_t* codes, uint8_t* scales, const float* amax,
+                                                                    const In* x, int64_t nblocks, int64_t kb,
+                                                                    bool swizzled, fm::SrKey key) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t b0 = 2 * t;
+  if (b0 >= nblocks) return;
+  const fm::Nvfp4TeGlobal g = fm::nvfp4_te_global(*amax);
+  if (b0 + 1 < nblocks) nvfp4_te_blocks<In, 2, kSR>(codes, scales, x, b0, g, kb, swizzled, key);
+  else nvfp4_te_blocks<In, 1, kSR>(codes, scales, x, b0, g, kb, swizzled, key);
+}
+
+template <typename In>
+Status quantize_nvfp4_te(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
+                         const SrKey* sr, AmaxMode amax_mode, ScaleLayout layout, cudaStream_t stream) {
+  if (M < 0 || K <= 0 || K % 16 != 0) return invalid_argument("quantize_nvfp4_te: K={} must be a positive multiple of 16", K);
+  if (!aligned16(x) || !aligned16(codes)) return invalid_argument("quantize_nvfp4_te: x and codes must be 16-byte aligned");
+  const int64_t kb = K / 16, nblocks = M * kb;
+  const bool swz = layout == ScaleLayout::kSwizzled;
+  if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(scales, 0, fm::swizzled_scale_bytes(M, kb), stream));
+  if (amax_mode == AmaxMode::kCompute) NIB_RETURN_IF_ERROR(absmax(amax, x, M * K, stream));
+  if (nblocks == 0) return Status::ok();
+  const int64_t threads = (nblocks + 1) / 2;
+  const int grid = ceil_div_int(threads, kThreads);
+  fm::SrKey key = sr ? *sr : fm::SrKey{};
+  if (sr) nvfp4_te_quantize_kernel<In, true><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
+  else nvfp4_te_quantize_kernel<In, false><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
+  NIB_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+// ---- NVFP4 TE 2-D (16x16 tiles) --------------------------------------------------------------
+
+// A warp covers 16 rows x 4 column blocks: lane l owns row 16*blockIdx.y + (l & 15) and column
+// blocks 4*warp + 2*(l >> 4) + {0, 1}. The tile amax is a max over the 16 lanes of one half-warp.
+// CTA: 8 warps side by side = 16 rows x 32 column blocks.
+template <typename In>
+__global__ void __launch_bounds__(kThreads) nvfp4_te_2d_quantize_kernel(uint8_t* codes, uint8_t* scales,
+                                                                       const float* amax, const In* x, int64_t M,
+                                                                       int64_t kb, bool swizzled) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.y) * 16 + (lane & 15);
+  const int64_t cb0 = static_cast<int64_t>(blockIdx.x) * 32 + warp * 4 + 2 * (lane >> 4);
+  const bool row_ok = row < M;
+  const fm::Nvfp4TeGlobal g = fm::nvfp4_te_global(*amax);
+  const In* xr = x + row * kb * 16;
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    const int64_t cb = cb0 + b;
+    const bool ok = row_ok && cb < kb;
+    Vec<In, 16> v;
+    if (ok) load_vec(v, xr + cb * 16);
+    else
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v.e[i] = In(0);
+    float tile_amax = group_max<16>(fm::block_amax(v.e, 16));
+    if (ok) {
+      uint8_t p[8];
+      uint32_t s = fm::nvfp4_te_quantize_block16(p, v.e, tile_amax, g);
+      PackedBytes<8> pk;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) pk.set(i, p[i]);
+      store_packed(codes + (row * kb + cb) * 8, pk);
+      scales[scale_index(row * kb + cb, kb, swizzled)] = static_cast<uint8_t>(s);
+    }
+  }
+}
+
+template <typename In>
+Status quantize_nvfp4_te_2d(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
+                            AmaxMode amax_mode, ScaleLayout layout, cudaStream_t stream) {
+  if (M < 0 || K <= 0 || K % 16 != 0) return invalid_argument("quantize_nvfp4_te_2d: K={} must be a positive multiple of 16", K);
+  if (!aligned16(x) || (reinterpret_cast<uintptr_t>(codes) & 7u)) return invalid_argument("quantize_nvfp4_te_2d: misaligned pointers");
+  const int64_t kb = K / 16;
+  const bool swz = layout == ScaleLayout::kSwizzled;
+  if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(scales, 0, fm::swizzled_scale_bytes(M, kb), stream));
+  if (amax_mode == AmaxMode::kCompute) NIB_RETURN_IF_ERROR(absmax(amax, x, M * K, stream));
+  if (M == 0) return Status::ok();
+  dim3 grid(ceil_div_int(kb, 32), ceil_div_int(M, 16));
+  nvfp4_te_2d_quantize_kernel<In><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, M, kb, swz);
+  NIB_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+// ---- NVFP4 TE dequantize -----------------------------------------------------------------------
+
+template <typename Out>
+__device__ __forceinline__ Out from_f32(float v) {
+  if constexpr (std::is_same_v<Out, float>) return v;
+  else return f32_to_bf16_bits(v);
+}
+
+// y (nblocks*16) <- codes/scales (linear); thread per 1x16 block.
+template <typename Out>
+__global__ void __launch_bounds__(kThreads) nvfp4_te_dequantize_kernel(Out* y, const uint8_t* codes,
+                                                                      const uint8_t* scales, const float* amax,
+                                                                      int64_t nblocks) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= nblocks) return;
+  uint2 c = *reinterpret_cast<const uint2*>(codes + b * 8);
+  uint8_t p[8];
+  for (int i = 0; i < 4; ++i) { p[i] = (c.x >> (8 * i)) & 0xFF; p[4 + i] = (c.y >> (8 * i)) & 0xFF; }
+  float f[16];
+  fm::nvfp4_te_dequantize_block16(f, p, scales[b], *amax);
+  Vec<Out, 16> v;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v.e[i] = from_f32<Out>(f[i]);
+  store_vec(y + b * 16, v);
+}
+
+template <typename Out>
+Status dequantize_nvfp4_te(Out* y, const uint8_t* codes, const uint8_t* scales, const float* amax, int64_t M, int64_t K,
+                           cudaStream_t stream) {
+  if (M < 0 || K <= 0 || K % 16 != 0) return invalid_argument("dequantize_nvfp4_te: K={} must be a positive multiple of 16", K);
+  const int64_t nblocks = M * K / 16;
+  if (nblocks == 0) return Status::ok();
+  nvfp4_te_dequantize_kernel<Out><<<ceil_div_int(nblocks, kThreads), kThreads, 0, stream>>>(y, codes, scales, amax, nblocks);
+  NIB_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+// ---- nvfp4-2level (TetraJet-v2 double block) ---------------------------------------------------
+
+// Quantize the 32 elements v (flat elements 32*t .. 32*t+31, a quarter of one 128-block) given the
+// 128-block's outer scale; writes 16 code bytes, returns the two inner scale bytes.
+template <typename In, bool kSR>
+__device__ __forceinline__ void nvfp4_2level_quarter(PackedBytes<16>& packed, uint32_t si[2], const In* e,
+                                                     const float bamax[2], float so, uint64_t elem0,
+                                                     const fm::SrKey& key) {
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    si[b] = fm::nvfp4_2level_inner_scale(bamax[b], so);
+    const float sp = fm::nvfp4_2level_block_scale(si[b], so);
+    const In* xb = e + 16 * b;
+    if constexpr (!kSR) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        packed.set(8 * b + i, fm::e2m1_pack(fm::nvfp4_2level_encode_rtn(fm::load_f32(xb[2 * i]), sp),
+                                            fm::nvfp4_2level_encode_rtn(fm::load_f32(xb[2 * i + 1]), sp)));
+    } else {
+      const uint64_t q0 = (elem0 + 16 * b) / 4;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        Philox4x32 w = sr_words(key, q0 + q);
+        uint32_t c0 = fm::nvfp4_2level_encode_sr(fm::load_f32(xb[4 * q + 0]), sp, word_uniform(w, 0));
+        uint32_t c1 = fm::nvfp4_2level_encode_sr(fm::load_f32(xb[4 * q + 1]), sp, word_uniform(w, 1));
+        uint32_t c2 = fm::nvfp4_2level_encode_sr(fm::load_f32(xb[4 * q + 2]), sp, word_uniform(w, 2));
+        uint32_t c3 = fm::nvfp4_2level_encode_sr(fm::load_f32(xb[4 * q + 3]), sp, word_uniform(w, 3));
+        packed.set(8 * b + 2 * q, fm::e2m1_pack(c0, c1));
+        packed.set(8 * b + 2 * q + 1, fm::e2m1_pack(c2, c3));
+      }
+    }
+  }
+}
+
+// Thread t owns flat elements 32t .. 32t+31; four consecutive lanes form one 128-block.
+template <typename In, bool kSR>
+__global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t* codes, uint8_t* inner, float* outer,
+                                                                        const In* x, int64_t n128, int64_t kb,
+                                                                        bool swizzled, fm::SrKey key) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool ok = t < n128 * 4;  // whole warps stay for the shuffles
+  Vec<In, 32> v;
+  if (ok) load_vec(v, x + t * 32);
+  else
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v.e[i] = In(0);
+  float bamax[2] = {fm::block_amax(v.e, 16), fm::block_amax(v.e + 16, 16)};
+  const float amax128 = group_max<4>(fmaxf(bamax[0], bamax[1]));
+  const float so = fm::nvfp4_2level_outer_scale(amax128);
+  if (!ok) return;
+  PackedBytes<16> packed;
+  uint32_t si[2];
+  nvfp4_2level_quarter<In, kSR>(packed, si, v.e, bamax, so, static_cast<uint64_t>(t) * 32, key);
+  store_packed(codes + t * 16, packed);
+  const int64_t b0 = 2 * t;
+  if (!swizzled) {
+    *reinterpret_cast<uint16_t*>(inner + b0) = static_cast<uint16_t>(si[0] | (si[1] << 8));
+  } else {
+    inner[scale_index(b0, kb, true)] = static_cast<uint8_t>(si[0]);
+    inner[scale_index(b0 + 1, kb, true)] = static_cast<uint8_t>(si[1]);
+  }
+  if ((t & 3) == 0) outer[t >> 2] = so;
+}
+
+template <typename In>
+Status quantize_nvfp4_2level(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
+                             const SrKey* sr, ScaleLayout inner_layout, cudaStream_t stream) {
+  if (M < 0 || K <= 0 || K % 128 != 0) return invalid_argument("quantize_nvfp4_2level: K={} must be a positive multiple of 128", K);
+  if (!aligned16(x) || !aligned16(codes)) return invalid_argument("quantize_nvfp4_2level: x and codes must be 16-byte aligned");
+  const int64_t kb = K / 16, n128 = M * K / 128;
+  const bool swz = inner_layout == ScaleLayout::kSwizzled;
+  if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(inner, 0, fm::swizzled_scale_bytes(M, kb), stream));
+  if (n128 == 0) return Status::ok();
+  const int grid = ceil_div_int(n128 * 4, kThreads);
+  fm::SrKey key = sr ? *sr : fm::SrKey{};
+  if (sr) nvfp4_2level_quantize_kernel<In, true><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, n128, kb, swz, key);
+  else nvfp4_2level_quantize_kernel<In, false><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, n128, kb, swz, key);
+  NIB_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+// y <- dequantized; thread per 1x16 block.
+template <typename Out>
+__global__ void __launch_bounds__(kThreads) nvfp4_2level_dequantize_kernel(Out* y, const uint8_t* codes,
+                                                                          const uint8_t* inner, const float* outer,
+                                                                          int64_t nblocks) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= nblocks) return;
+  uint2 c = *reinterpret_cast<const uint2*>(codes + b * 8);
+  uint8_t p[8];
+  for (int i = 0; i < 4; ++i) { p[i] = (c.x >> (8 * i)) & 0xFF; p[4 + i] = (c.y >> (8 * i)) & 0xFF; }
+  const float sp = fm::nvfp4_2level_block_scale(inner[b], outer[b / 8]);
+  Vec<Out, 16> v;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v.e[i] = from_f32<Out>(fm::nvfp4_2level_decode(fm::e2m1_unpack(p, i), sp));
+  store_vec(y + b * 16, v);
+}
+
+template <typename Out>
+Status dequantize_nvfp4_2level(Out* y, const uint8_t* codes, const uint8_t* inner, const float* outer, int64_t M,
+                               int64_t K, cudaStream_t stream) {
+  if (M < 0 || K <= 0 || K % 128 != 0) return invalid_argument("dequantize_nvfp4_2level: K={} must be a positive multiple of 128", K);
+  const int64_t nblocks = M * K / 16;
+  if (nblocks == 0) return Status::ok();
+  nvfp4_2level_dequantize_kernel<Out><<<ceil_div_int(nblocks, kThreads), kThreads, 0, stream>>>(y, codes, inner, outer, nblocks);
+  NIB_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+// ---- MXFP4 / MXFP8 -----------------------------------------------------------------------------
+
+// Thread per 1x32 block.
+template <typename In, MxScaleRule kRule, bool kSR>
+__global__ void __launch_bounds__(kThreads) mxfp4_quantize_kernel(uint8_t* codes, uint8_t* scales, const In* x,
+                                                                 int64_t nblocks, int64_t kb, bool swizzled,
+                                                                 fm::SrKey key) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= nblocks) return;
+  Vec<In, 32> v;
+  load_vec(v, x + b * 32);
+  PackedBytes<16> packed;
+  uint32_t byte;
+  if constexpr (!kSR) {
+    uint8_t p[16];
+    byte = fm::mxfp4_quantize_block32(p, v.e, kRule);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) packed.set(i, p[i]);
+  } else {
+    byte = fm::mxfp4_scale_byte(fm::block_amax(v.e, 32), kRule);
+    const float inv = fm::e8m0_inverse(byte);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      Philox4x32 w = sr_words(key, static_cast<uint64_t>(b) * 8 + q);
+      uint32_t c0 = fm::mxfp4_encode_sr(fm::load_f32(v.e[4 * q + 0]), inv, kRule, word_uniform(w, 0));
+      uint32_t c1 = fm::mxfp4_encode_sr(fm::load_f32(v.e[4 * q + 1]), inv, kRule, word_uniform(w, 1));
+      uint32_t c2 = fm::mxfp4_encode_sr(fm::load_f32(v.e[4 * q + 2]), inv, kRule, word_uniform(w, 2));
+      uint32_t c3 = fm::mxfp4_encode_sr(fm::load_f32(v.e[4 * q + 3]), inv, kRule, word_uniform(w, 3));
+      packed.set(2 * q, fm::e2m1_pack(c0, c1));
+      packed.set(2 * q + 1, fm::e2m1_pack(c2, c3));
+    }
+  }
+  store_packed(codes + b * 16, packed);
+  scales[scale_index(b, kb, swizzled)] = static_cast<uint8_t>(byte);
+}
+
+template <typename In, bool kSR>
+void launch_mxfp4(uint8_t* codes, uint8_t* scales, const In* x, int64_t nblocks, int64_t kb, bool swz, MxScaleRule rule,
+                  fm::SrKey key, cudaStream_t stream) {
+  const int grid = ceil_div_int(nblocks, kThreads);
+  switch (rule) {
+    case MxScaleRule::kFloor:
+      mxfp4_quantize_kernel<In, MxScaleRule::kFloor, kSR><<<grid, kThreads, 0, stream>>>(codes, scales, x, nblocks, kb, swz, key);
+      break;
+    case MxScaleRule::kRceil:
+      mxfp4_quantize_kernel<In, MxScaleRule::kRceil, kSR><<<grid, kThreads, 0, stream>>>(codes, scales, x, nblocks, kb, swz, key);
+      break;
+    default:
+      mxfp4_quantize_kernel<In, MxScaleRule::kTeCeil, kSR><<<grid, kThreads, 0, stream>>>(codes, scales, x, nblocks, kb, swz, key);
+      break;
+  }
+  NIB_CUDA_CHECK_LAUNCH();
+}
+
+template <typename In>
+Status quantize_mxfp4(uint8_t* codes, uint8_t* scales, const In* x, int64_t M, int64_t K, MxScaleRule rule,
+                      const SrKey* sr, ScaleLayout layout, cudaStream_t stream) {
+  if (M < 0 || K <= 0 || K % 32 != 0) return invalid_argument("quantize_mxfp4: K={} must be a positive multiple of 32", K);
+  if (!aligned16(x) || !aligned16(codes)) return invalid_argument("quantize_mxfp4: x and codes must be 16-byte aligned");
+  const int64_t kb = K / 32, nblocks = M * kb;
+  const bool swz = layout == ScaleLayout::kSwizzled;
+  if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(scales, 0, fm::swizzled_scale_bytes(M, kb), stream));
+  if (nblocks == 0) return Status::ok();
+  if (sr) launch_mxfp4<In, true>(codes, scales, x, nblocks, kb, swz, rule, *sr, stream);
+  else launch_mxfp4<In, false>(codes, scales, x, nblocks, kb, swz, rule, fm::SrKey{}, stream);
+  return Status::ok();
+}
+
+template <typename Out>
+__global__ void __launch_bounds__(kThreads) mxfp4_dequantize_kernel(Out* y, const uint8_t* codes, const uint8_t* scales,
+                                                                   int64_t nblocks) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= nblocks) return;
+  Vec<uint8_t, 16> c;
+  c.w[0] = *reinterpret_cast<const uint4*>(codes + b * 16);
+  const uint32_t byte = scales[b];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    Vec<Out, 16> v;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v.e[i] = from_f32<Out>(fm::mxfp4_decode(fm::e2m1_unpack(c.e, 16 * h + i), byte));
+    store_vec(y + b * 32 + 16 * h, v);
+  }
+}
+
+template <typename Out>
+Status dequantize_mxfp4(Out* y, const uint8_t* codes, const uint8_t* scales, int64_t M, int64_t K, cudaStream_t stream) {
+  if (M < 0 || K <= 0 || K % 32 != 0) return invalid_argument("dequantize_mxfp4: K={} must be a positive multiple of 32", K);
+  const int64_t nblocks = M * K / 32;
+  if (nblocks == 0) return Status::ok();
+  mxfp4_dequantize_kernel<Out><<<ceil_div_int(nblocks, kThreads), kThreads, 0, stream>>>(y, codes, scales, nblocks);
+  NIB_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+template <typename In, MxScaleRule kRule>
+__global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(uint8_t* elems, uint8_t* scales, const In* x,
+                                                                 int64_t nblocks, int64_t kb, bool swizzled) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= nblocks) return;
+  Vec<In, 32> v;
+  load_vec(v, x + b * 32);
+  uint8_t p[32];
+  const uint32_t byte = fm::mxfp8_quantize_block32(p, v.e, kRule);
+  PackedBytes<32> packed;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) packed.set(i, p[i]);
+  store_packed(elems + b * 32, packed);
+  scales[scale_index(b, kb, swizzled)] = static_cast<uint8_t>(byte);
+}
+
+template <typename In>
+Status quantize_mxfp8(uint8_t* elems, uint8_t* scales, const In* x, int64_t M, int64_t K, MxScaleRule rule,
+                      ScaleLayout layout, cudaStream_t stream) {
+  if (M < 0 || K <= 0 || K % 32 != 0) return invalid_argument("quantize_mxfp8: K={} must be a positive multiple of 32", K);
+  if (rule == MxScaleRule::kTeCeil) return invalid_argument("quantize_mxfp8: the TE ceil rule is an MXFP4 rule");
+  if (!aligned16(x) || !aligned16(elems)) return invalid_argument("quantize_mxfp8: x and elems must be 16-byte aligned");
+  const int64_t kb = K / 32, nblocks = M * kb;
+  const bool swz = layout == ScaleLayout::kSwizzled;
+  if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(scales, 0, fm::swizzled_scale_bytes(M, kb), stream));
+  if (nblocks == 0) return Status::ok();
+  const int grid = ceil_div_int(nblocks, kThreads);
+  if (rule == MxScaleRule::kFloor)
+    mxfp8_quantize_kernel<In, MxScaleRule::kFloor><<<grid, kThreads, 0, stream>>>(elems, scales, x, nblocks, kb, swz);
+  else
+    mxfp8_quantize_kernel<In, MxScaleRule::kRceil><<<grid, kThreads, 0, stream>>>(elems, scales, x, nblocks, kb, swz);
+  NIB_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+template <typename Out>
+__global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(Out* y, const uint8_t* elems, const uint8_t* scales,
+                                                                   int64_t nblocks) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= nblocks) return;
+  Vec<uint8_t, 32> c;
+  c.w[0] = *reinterpret_cast<const uint4*>(elems + b * 32);
+  c.w[1] = *reinterpret_cast<const uint4*>(elems + b * 32 + 16);
+  const uint32_t byte = scales[b];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    Vec<Out, 16> v;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v.e[i] = from_f32<Out>(fm::mxfp8_decode(c.e[16 * h + i], byte));
+    store_vec(y + b * 32 + 16 * h, v);
+  }
+}
+
+template <typename Out>
+Status dequantize_mxfp8(Out* y, const uint8_t* elems, const uint8_t* scales, int64_t M, int64_t K, cudaStream_t stream) {
+  if (M < 0 || K <= 0 || K % 32 != 0) return invalid_argument("dequantize_mxfp8: K={} must be a positive multiple of 32", K);
+  const int64_t nblocks = M * K / 32;
+  if (nblocks == 0) return Status::ok();
+  mxfp8_dequantize_kernel<Out><<<ceil_div_int(nblocks, kThreads), kThreads, 0, stream>>>(y, elems, scales, nblocks);
+  NIB_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+// ---- explicit instantiations ------------------------------------------------------------------
+
+#define NIB_INSTANTIATE_IN(In)                                                                                   \
+  template Status absmax<In>(float*, const In*, int64_t, cudaStream_t);                                          \
+  template Status quantize_nvfp4_te<In>(uint8_t*, uint8_t*, float*, const In*, int64_t, int64_t, const SrKey*,   \
+                                        AmaxMode, ScaleLayout, cudaStream_t);                                    \
+  template Status quantize_nvfp4_te_2d<In>(uint8_t*, uint8_t*, float*, const In*, int64_t, int64_t, AmaxMode,    \
+                                           ScaleLayout, cudaStream_t);                                           \
+  template Status quantize_nvfp4_2level<In>(uint8_t*, uint8_t*, float*, const In*, int64_t, int64_t,             \
+                                            const SrKey*, ScaleLayout, cudaStream_t);                            \
+  template Status quantize_mxfp4<In>(uint8_t*, uint8_t*, const In*, int64_t, int64_t, MxScaleRule, const SrKey*, \
+                                     ScaleLayout, cudaStream_t);                                                 \
+  template Status quantize_mxfp8<In>(uint8_t*, uint8_t*, const In*, int64_t, int64_t, MxScaleRule, ScaleLayout,  \
+                                     cudaStream_t);
+NIB_INSTANTIATE_IN(float)
+NIB_INSTANTIATE_IN(uint16_t)
+
+#define NIB_INSTANTIATE_OUT(Out)                                                                                       \
+  template Status dequantize_nvfp4_te<Out>(Out*, const uint8_t*, const uint8_t*, const float*, int64_t, int64_t,      \
+                                           cudaStream_t);                                                             \
+  template Status dequantize_nvfp4_2level<Out>(Out*, const uint8_t*, const uint8_t*, const float*, int64_t, int64_t,  \
+                                               cudaStream_t);                                                         \
+  template Status dequantize_mxfp4<Out>(Out*, const uint8_t*, const uint8_t*, int64_t, int64_t, cudaStream_t);        \
+  template Status dequantize_mxfp8<Out>(Out*, const uint8_t*, const uint8_t*, int64_t, int64_t, cudaStream_t);
+NIB_INSTANTIATE_OUT(float)
+NIB_INSTANTIATE_OUT(uint16_t)
+
+}  // namespace nibble::cuda

@@ -1,0 +1,105 @@
+// CUDA format kernels: host-side launchers for NVFP4 (TransformerEngine per-tensor 1x16 and 2-D
+// 16x16; TetraJet-v2 double block "nvfp4-2level"), MXFP4 (three scale rules), MXFP8, their
+// dequantizers, TE's RHT16 wgrad transform, and the fused backward-operand op. Every kernel
+// calls the host+device functions of src/formats/ per element/block, so results are bit-exact
+// with the CPU drivers (SR included: same SrKey -> same bits). Pointers are device memory, the
+// caller allocates, destination first; bad shapes return a Status. `sr == nullptr` means RTN.
+// In = float (F32) or uint16_t (BF16 bits), as in formats/.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "core/status.h"
+#include "formats/mx.h"
+#include "formats/nvfp4.h"
+
+namespace nibble::cuda {
+
+using formats::MxScaleRule;
+using formats::SrKey;
+
+// Where block scales go: row-major (M, K/block) bytes, or the 128x4-tile swizzled layout
+// cuBLASLt reads (formats/swizzle.h; swizzled_scale_bytes(M, K/block) bytes, padding zeroed).
+enum class ScaleLayout : uint8_t { kLinear, kSwizzled };
+
+// Whether quantize_nvfp4_te*() first computes the per-tensor amax into *amax (two passes over
+// x), or uses the amax already stored there (for example a delayed or precomputed one).
+enum class AmaxMode : uint8_t { kCompute, kGiven };
+
+// amax: (1) f32 <- max |x| over n elements, NaN skipped (formats::amax_update).
+template <typename In>
+Status absmax(float* amax, const In* x, int64_t n, cudaStream_t stream = nullptr);
+
+// NVFP4 TE 1x16: codes (M, K/2) u8 e2m1x2, scales (M, K/16) ue4m3, amax (1) f32; x (M, K).
+// K % 16 == 0.
+template <typename In>
+Status quantize_nvfp4_te(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
+                         const SrKey* sr = nullptr, AmaxMode amax_mode = AmaxMode::kCompute,
+                         ScaleLayout layout = ScaleLayout::kLinear, cudaStream_t stream = nullptr);
+
+// NVFP4 TE 2-D weights: one scale per 16x16 tile (tile amax), stored replicated in the
+// (M, K/16) scale tensor. Any M (the last row tile is zero-padded), K % 16 == 0. RTN.
+template <typename In>
+Status quantize_nvfp4_te_2d(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
+                            AmaxMode amax_mode = AmaxMode::kCompute, ScaleLayout layout = ScaleLayout::kLinear,
+                            cudaStream_t stream = nullptr);
+
+// y (M, K) f32 or bf16 <- TE dequantization of codes (M, K/2), scales (M, K/16) linear, amax (1).
+template <typename Out>
+Status dequantize_nvfp4_te(Out* y, const uint8_t* codes, const uint8_t* scales, const float* amax, int64_t M,
+                           int64_t K, cudaStream_t stream = nullptr);
+
+// nvfp4-2level: codes (M, K/2), inner (M, K/16) ue4m3, outer (M, K/128) f32; x (M, K); K % 128 == 0.
+template <typename In>
+Status quantize_nvfp4_2level(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
+                             const SrKey* sr = nullptr, ScaleLayout inner_layout = ScaleLayout::kLinear,
+                             cudaStream_t stream = nullptr);
+
+template <typename Out>
+Status dequantize_nvfp4_2level(Out* y, const uint8_t* codes, const uint8_t* inner, const float* outer, int64_t M,
+                               int64_t K, cudaStream_t stream = nullptr);
+
+// MXFP4: codes (M, K/2), scales (M, K/32) e8m0; x (M, K); K % 32 == 0.
+template <typename In>
+Status quantize_mxfp4(uint8_t* codes, uint8_t* scales, const In* x, int64_t M, int64_t K, MxScaleRule rule,
+                      const SrKey* sr = nullptr, ScaleLayout layout = ScaleLayout::kLinear,
+                      cudaStream_t stream = nullptr);
+template <typename Out>
+Status dequantize_mxfp4(Out* y, const uint8_t* codes, const uint8_t* scales, int64_t M, int64_t K,
+                        cudaStream_t stream = nullptr);
+
+// MXFP8 (E4M3 elements): elems (M, K) e4m3, scales (M, K/32) e8m0; rule kFloor or kRceil.
+template <typename In>
+Status quantize_mxfp8(uint8_t* elems, uint8_t* scales, const In* x, int64_t M, int64_t K, MxScaleRule rule,
+                      ScaleLayout layout = ScaleLayout::kLinear, cudaStream_t stream = nullptr);
+template <typename Out>
+Status dequantize_mxfp8(Out* y, const uint8_t* elems, const uint8_t* scales, int64_t M, int64_t K,
+                        cudaStream_t stream = nullptr);
+
+// TE wgrad RHT: y_t (K, M) bf16 <- for every row of x^T and every 16-group along M,
+// formats::rht16_bf16_exact(group, sign_mask). x (M, K) bf16; M % 16 == 0.
+Status rht16_transpose_bf16(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t K, uint32_t sign_mask,
+                            cudaStream_t stream = nullptr);
+
+// TetraJet-v2 RHT in place along rows: x (M, K) f32, every 16-group of a row <- rht16_f32(group, sign_mask).
+Status rht16_rows_f32(float* y, const float* x, int64_t M, int64_t K, uint32_t sign_mask,
+                      cudaStream_t stream = nullptr);
+
+// The fused backward-operand op (TetraJet-v2 dgrad/wgrad operand): from an nvfp4-2level [M, K]
+// operand (codes (M, K/2), inner (M, K/16), outer (M, K/128)) produce the nvfp4-2level
+// quantization of  RHT16_along_M( dequant(x)^T )  as [K, M]: codes_t (K, M/2), inner_t (K, M/16),
+// outer_t (K, M/128), with stochastic rounding keyed by `sr` on the flat index of the [K, M]
+// output (or RTN when sr == nullptr). M % 128 == 0, K % 128 == 0.
+// Equals, bit for bit: dequantize_nvfp4_2level -> transpose -> rht16_rows_f32 -> quantize_nvfp4_2level.
+Status nvfp4_2level_transpose_rht_requantize(uint8_t* codes_t, uint8_t* inner_t, float* outer_t,
+                                             const uint8_t* codes, const uint8_t* inner, const float* outer,
+                                             int64_t M, int64_t K, uint32_t sign_mask, const SrKey* sr,
+                                             cudaStream_t stream = nullptr);
+
+// y (K, M) <- x (M, K)^T, for any 4-byte or 2-byte element (reference path and tests).
+template <typename T>
+Status transpose(T* y, const T* x, int64_t M, int64_t K, cudaStream_t stream = nullptr);
+
+}  // namespace nibble::cuda

@@ -1,0 +1,226 @@
+// CUDA kernels for the 16-point random Hadamard transform paths (see quantize.h):
+//  - TE wgrad operand: y_t (K, M) bf16 = per-16-group-along-M RHT of x^T, formats::rht16_bf16_exact;
+//  - TetraJet-v2 rows transform in FP32 (formats::rht16_f32);
+//  - the fused backward-operand op: nvfp4-2level [M, K] -> dequantize -> transpose -> RHT16 along M
+//    -> nvfp4-2level requantize with SR along M -> [K, M], in one pass through a shared-memory tile;
+//  - a plain tiled transpose (used by the unfused reference chain in tests).
+// Mirrors TE's hadamard_transform_cast_fusion (tile transpose + RHT + cast) in structure.
+#include <cuda_runtime.h>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/quantize.h"
+#include "formats/e2m1.h"
+#include "formats/nvfp4.h"
+#include "formats/rht.h"
+
+namespace nibble::cuda {
+
+namespace fm = ::nibble::formats;
+
+// ---- transpose -------------------------------------------------------------------------------
+
+// y (K, M) <- x (M, K)^T through a 32x33 shared tile; block 32x8 threads.
+template <typename T>
+__global__ void transpose_kernel(T* y, const T* x, int64_t M, int64_t K) {
+  __shared__ T tile[32][33];
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * 32, k0 = static_cast<int64_t>(blockIdx.x) * 32;
+  for (int r = threadIdx.y; r < 32; r += 8) {
+    int64_t m = m0 + r, k = k0 + threadIdx.x;
+    if (m < M && k < K) tile[r][threadIdx.x] = x[m * K + k];
+  }
+  __syncthreads();
+  for (int r = threadIdx.y; r < 32; r += 8) {
+    int64_t k = k0 + r, m = m0 + threadIdx.x;
+    if (m < M && k < K) y[k * M + m] = tile[threadIdx.x][r];
+  }
+}
+
+template <typename T>
+Status transpose(T* y, const T* x, int64_t M, int64_t K, cudaStream_t stream) {
+  if (M < 0 || K < 0) return invalid_argument("transpose: negative shape");
+  if (M == 0 || K == 0) return Status::ok();
+  dim3 grid(ceil_div_int(K, 32), ceil_div_int(M, 32));
+  transpose_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(y, x, M, K);
+  NIB_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+template Status transpose<float>(float*, const float*, int64_t, int64_t, cudaStream_t);
+template Status transpose<uint16_t>(uint16_t*, const uint16_t*, int64_t, int64_t, cudaStream_t);
+template Status transpose<uint8_t>(uint8_t*, const uint8_t*, int64_t, int64_t, cudaStream_t);
+
+// ---- TE wgrad RHT: x (M, K) bf16 -> y_t (K, M) bf16 ----------------------------------------------
+
+// CTA tile: 64 (M) x 64 (K). Shared tile holds x values as float, [k][m] with m padded.
+// Phase 2: thread (k, g) transforms m = 16g .. 16g+15 of column k: 64 k x 4 groups = 256 threads.
+__global__ void __launch_bounds__(256) rht16_transpose_bf16_kernel(uint16_t* y_t, const uint16_t* x, int64_t M,
+                                                                   int64_t K, uint32_t sign_mask) {
+  __shared__ float tile[64][65];
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * 64, k0 = static_cast<int64_t>(blockIdx.x) * 64;
+  // load: 64 rows x 64 columns, thread reads 16 consecutive k of one row (4 threads per row... 16 rows/pass)
+  for (int pass = 0; pass < 4; ++pass) {
+    const int r = pass * 16 + threadIdx.x / 16, c = threadIdx.x % 16;  // c: which 4-element chunk
+    const int64_t m = m0 + r;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t k = k0 + 4 * c + j;
+      tile[4 * c + j][r] = (m < M && k < K) ? bf16_bits_to_f32(x[m * K + k]) : 0.0f;
+    }
+  }
+  __syncthreads();
+  const int kk = threadIdx.x / 4, g = threadIdx.x % 4;
+  const int64_t k = k0 + kk, m = m0 + 16 * g;
+  if (k >= K || m >= M) return;  // M % 16 == 0: a group is all in or all out
+  float v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = tile[kk][16 * g + i];
+  uint16_t out[16];
+  fm::rht16_bf16_exact(out, v, sign_mask);
+  Vec<uint16_t, 16> o;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) o.e[i] = out[i];
+  store_vec(y_t + k * M + m, o);
+}
+
+Status rht16_transpose_bf16(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t K, uint32_t sign_mask,
+                            cudaStream_t stream) {
+  if (M < 0 || K < 0 || M % 16 != 0) return invalid_argument("rht16_transpose_bf16: M={} must be a multiple of 16", M);
+  if ((reinterpret_cast<uintptr_t>(y_t) & 15u) || (M * 2) % 16 != 0)
+    return invalid_argument("rht16_transpose_bf16: y_t rows must be 16-byte aligned");
+  if (M == 0 || K == 0) return Status::ok();
+  dim3 grid(ceil_div_int(K, 64), ceil_div_int(M, 64));
+  rht16_transpose_bf16_kernel<<<grid, 256, 0, stream>>>(y_t, x, M, K, sign_mask);
+  NIB_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+// ---- TetraJet-v2 RHT along rows, FP32 ------------------------------------------------------------
+
+__global__ void __launch_bounds__(256) rht16_rows_f32_kernel(float* y, const float* x, int64_t ngroups,
+                                                             uint32_t sign_mask) {
+  const int64_t gidx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (gidx >= ngroups) return;
+  Vec<float, 16> v;
+  load_vec(v, x + gidx * 16);
+  fm::rht16_f32(v.e, v.e, sign_mask);
+  store_vec(y + gidx * 16, v);
+}
+
+Status rht16_rows_f32(float* y, const float* x, int64_t M, int64_t K, uint32_t sign_mask, cudaStream_t stream) {
+  if (M < 0 || K <= 0 || K % 16 != 0) return invalid_argument("rht16_rows_f32: K={} must be a multiple of 16", K);
+  const int64_t ngroups = M * K / 16;
+  if (ngroups == 0) return Status::ok();
+  rht16_rows_f32_kernel<<<ceil_div_int(ngroups, 256), 256, 0, stream>>>(y, x, ngroups, sign_mask);
+  NIB_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+// ---- fused backward-operand op -----------------------------------------------------------------
+
+namespace {
+// CTA tile: 128 input rows (m) x 64 input columns (k) = 64 output rows x one 128-block along m.
+constexpr int kFusedTileM = 128, kFusedTileK = 64, kFusedThreads = 256;
+// Shared row (one k) holds 128 m-values as 8 groups of 16, each group padded to 20 floats so the
+// 16-byte reads of 8 consecutive groups hit distinct banks.
+constexpr int kGroupStride = 20, kRowStride = 8 * kGroupStride;
+constexpr int kFusedSmemBytes = kFusedTileK * kRowStride * 4;
+__device__ __forceinline__ int fused_pos(int m) { return (m >> 4) * kGroupStride + (m & 15); }
+}  // namespace
+
+// codes_t (K, M/2), inner_t (K, M/16), outer_t (K, M/128) <- codes (M, K/2), inner (M, K/16),
+// outer (M, K/128). grid = (K/64, M/128).
+template <bool kSR>
+__global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requantize_kernel(
+    uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes, const uint8_t* inner,
+    const float* outer, int64_t M, int64_t K, uint32_t sign_mask, fm::SrKey key) {
+  extern __shared__ float4 smem_f4[];
+  float* tile = reinterpret_cast<float*>(smem_f4);
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kFusedTileM, k0 = static_cast<int64_t>(blockIdx.x) * kFusedTileK;
+
+  // Phase 1: thread (m = t % 128, half h = t / 128) decodes 32 elements k0 + 32h .. +31 of row m0 + m.
+  {
+    const int m = threadIdx.x % kFusedTileM, h = threadIdx.x / kFusedTileM;
+    const int64_t row = m0 + m, kcol = k0 + 32 * h;
+    Vec<uint8_t, 16> c;
+    c.w[0] = __ldcs(reinterpret_cast<const uint4*>(codes + row * (K / 2) + kcol / 2));
+    const uint32_t in2 = __ldcs(reinterpret_cast<const unsigned short*>(inner + row * (K / 16) + kcol / 16));
+    const float so = __ldg(outer + row * (K / 128) + kcol / 128);
+    const int pos = fused_pos(m);
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const float sp = fm::nvfp4_2level_block_scale((in2 >> (8 * b)) & 0xFFu, so);
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        tile[(32 * h + 16 * b + i) * kRowStride + pos] = fm::nvfp4_2level_decode(fm::e2m1_unpack(c.e, 16 * b + i), sp);
+    }
+  }
+  __syncthreads();
+
+  // Phase 2: lane group of 8 = one output row k (8 groups g of 16 m's); 32 rows per pass, 2 passes.
+  const int g = threadIdx.x & 7;
+#pragma unroll 1
+  for (int pass = 0; pass < kFusedTileK / 32; ++pass) {
+    const int kk = pass * 32 + (threadIdx.x >> 3);
+    const float4* src = reinterpret_cast<const float4*>(tile + kk * kRowStride + g * kGroupStride);
+    float v[16];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      float4 f = src[q];
+      v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
+    }
+    fm::rht16_f32(v, v, sign_mask);
+    const float bamax = fm::block_amax(v, 16);
+    const float so = fm::nvfp4_2level_outer_scale(group_max<8>(bamax));
+    const uint32_t si = fm::nvfp4_2level_inner_scale(bamax, so);
+    const float sp = fm::nvfp4_2level_block_scale(si, so);
+    const int64_t orow = k0 + kk, ocol = m0 + 16 * g;
+    PackedBytes<8> packed;
+    if constexpr (!kSR) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        packed.set(i, fm::e2m1_pack(fm::nvfp4_2level_encode_rtn(v[2 * i], sp), fm::nvfp4_2level_encode_rtn(v[2 * i + 1], sp)));
+    } else {
+      const uint64_t q0 = static_cast<uint64_t>(orow * M + ocol) / 4;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        Philox4x32 w = sr_words(key, q0 + q);
+        uint32_t c0 = fm::nvfp4_2level_encode_sr(v[4 * q + 0], sp, u32_to_uniform(w.v[0]));
+        uint32_t c1 = fm::nvfp4_2level_encode_sr(v[4 * q + 1], sp, u32_to_uniform(w.v[1]));
+        uint32_t c2 = fm::nvfp4_2level_encode_sr(v[4 * q + 2], sp, u32_to_uniform(w.v[2]));
+        uint32_t c3 = fm::nvfp4_2level_encode_sr(v[4 * q + 3], sp, u32_to_uniform(w.v[3]));
+        packed.set(2 * q, fm::e2m1_pack(c0, c1));
+        packed.set(2 * q + 1, fm::e2m1_pack(c2, c3));
+      }
+    }
+    store_packed(codes_t + orow * (M / 2) + ocol / 2, packed);
+    inner_t[orow * (M / 16) + ocol / 16] = static_cast<uint8_t>(si);
+    if (g == 0) outer_t[orow * (M / 128) + m0 / 128] = so;
+  }
+}
+
+Status nvfp4_2level_transpose_rht_requantize(uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes,
+                                             const uint8_t* inner, const float* outer, int64_t M, int64_t K,
+                                             uint32_t sign_mask, const SrKey* sr, cudaStream_t stream) {
+  if (M < 0 || K < 0 || M % 128 != 0 || K % 128 != 0)
+    return invalid_argument("nvfp4_2level_transpose_rht_requantize: M={} and K={} must be multiples of 128", M, K);
+  if (M == 0 || K == 0) return Status::ok();
+  static bool attr_set = [] {
+    NIB_CUDA_CHECK(cudaFuncSetAttribute(nvfp4_2level_transpose_rht_requantize_kernel<true>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmemBytes));
+    NIB_CUDA_CHECK(cudaFuncSetAttribute(nvfp4_2level_transpose_rht_requantize_kernel<false>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmemBytes));
+    return true;
+  }();
+  (void)attr_set;
+  dim3 grid(ceil_div_int(K, kFusedTileK), ceil_div_int(M, kFusedTileM));
+  if (sr)
+    nvfp4_2level_transpose_rht_requantize_kernel<true><<<grid, kFusedThreads, kFusedSmemBytes, stream>>>(
+        codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, *sr);
+  else
+    nvfp4_2level_transpose_rht_requantize_kernel<false><<<grid, kFusedThreads, kFusedSmemBytes, stream>>>(
+        codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, fm::SrKey{});
+  NIB_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+}  // namespace nibble::cuda
