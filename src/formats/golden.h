@@ -1,20 +1,21 @@
 // Test helper: loads the golden vectors of ../shared/testdata/fp4/ (safetensors files written by
 // the public reference quantizers; README there). Header-only so CPU tests (formats) and GPU
 // tests (backend/cuda) share it. The folder is $NIBBLE_TESTDATA_DIR if set, else the compile-time
-// NIBBLE_TESTDATA_DIR macro that test targets define. Uses a tiny self-contained safetensors
-// reader (header JSON + raw little-endian bytes) so the formats library stays independent of io.
+// NIBBLE_TESTDATA_DIR macro that test targets define. Reads with nibble::io (tests link
+// nibble_io; the nibble_formats library itself does not depend on io).
 #pragma once
 
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "io/safetensors.h"
 
 namespace nibble::formats::golden {
 
@@ -62,31 +63,25 @@ inline std::string fp4_dir() {
   return base + "/fp4";
 }
 
-// Reads <fp4_dir>/<name>.safetensors; throws std::runtime_error on any problem.
+// Reads <fp4_dir>/<name>.safetensors through nibble::io::SafetensorsFile; throws
+// std::runtime_error on any problem (tests only).
 inline File load(const std::string& name) {
   File f;
   f.path = fp4_dir() + "/" + name + ".safetensors";
-  std::ifstream in(f.path, std::ios::binary);
-  if (!in) throw std::runtime_error("golden: cannot open " + f.path);
-  std::vector<uint8_t> all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (all.size() < 8) throw std::runtime_error("golden: short file " + f.path);
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | all[static_cast<size_t>(i)];
-  if (8 + n > all.size()) throw std::runtime_error("golden: bad header length in " + f.path);
-  nlohmann::json h = nlohmann::json::parse(all.begin() + 8, all.begin() + 8 + static_cast<int64_t>(n));
-  size_t data0 = 8 + n;
-  for (auto& [key, val] : h.items()) {
-    if (key == "__metadata__") {
-      if (val.contains("golden")) f.meta = nlohmann::json::parse(val["golden"].get<std::string>());
-      continue;
-    }
-    Tensor t;
-    t.dtype = val["dtype"].get<std::string>();
-    t.shape = val["shape"].get<std::vector<int64_t>>();
-    uint64_t b = val["data_offsets"][0].get<uint64_t>(), e = val["data_offsets"][1].get<uint64_t>();
-    if (b > e || data0 + e > all.size()) throw std::runtime_error("golden: bad offsets for " + key);
-    t.bytes.assign(all.begin() + static_cast<int64_t>(data0 + b), all.begin() + static_cast<int64_t>(data0 + e));
-    f.tensors.emplace(key, std::move(t));
+  auto opened = io::SafetensorsFile::open(f.path);
+  if (!opened.is_ok()) throw std::runtime_error("golden: cannot open " + f.path + ": " + opened.status().message());
+  const io::SafetensorsFile& st = opened.value();
+  auto meta = st.metadata().find("golden");
+  if (meta != st.metadata().end()) f.meta = nlohmann::json::parse(meta->second);
+  for (const std::string& n : st.names()) {
+    auto t = st.get(n);
+    if (!t.is_ok()) throw std::runtime_error("golden: " + f.path + ": " + t.status().message());
+    Tensor g;
+    g.dtype = std::string(dtype_name(t->dtype()));
+    g.shape = t->shape();
+    const uint8_t* p = static_cast<const uint8_t*>(t->raw());
+    g.bytes.assign(p, p + t->nbytes());
+    f.tensors.emplace(n, std::move(g));
   }
   return f;
 }
