@@ -1,0 +1,80 @@
+// AdamW (Loshchilov & Hutter 2019) with FP32 master weights and FP32 moments, in exactly the
+// operation order of PyTorch's torch.optim.AdamW (single-tensor path): decoupled weight decay
+// w *= 1 - lr*wd, m = lerp(m, g, 1-b1), v = b2*v + (1-b2)*g*g, then
+// w -= (lr / (1-b1^t)) * m / (sqrt(v) / sqrt(1-b2^t) + eps). Also the global gradient-norm
+// clip of torch.nn.utils.clip_grad_norm_ and gradient-accumulation helpers. Threaded over
+// elements; results do not depend on the thread count.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "io/safetensors.h"
+
+namespace nibble::train {
+
+// One trainable tensor as the optimizer sees it. value: (numel) f32 master weights, updated in
+// place; grad: (numel) f32 gradient of the step (unscaled: the step multiplies by grad_scale).
+struct ParamView {
+  std::string name;
+  float* value = nullptr;
+  const float* grad = nullptr;
+  int64_t numel = 0;
+  bool weight_decay = true;  // false for norms' gains and (by convention) embeddings if wanted
+};
+
+struct AdamWConfig {
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;  // spec 02 §6
+};
+Status validate(const AdamWConfig& c);
+
+struct GradNorm {
+  double norm = 0;      // L2 norm over all params of grad * grad_scale (before clipping)
+  bool finite = true;   // false when the norm is NaN or Inf: the caller should skip the step
+  float clip_scale = 1; // min(1, max_norm / (norm + 1e-6)) as torch's clip_grad_norm_; 1 if max_norm <= 0
+};
+
+// The global gradient norm of `params` (grads multiplied by grad_scale) and the clip factor
+// for `max_norm`. Sums squares in double over fixed 64K-element chunks, added in order.
+GradNorm global_grad_norm(const std::vector<ParamView>& params, double max_norm, float grad_scale = 1.0f);
+
+// Gradient accumulation over micro-batches: acc += g, then scale once by 1/n (or pass 1/n as
+// the step's grad_scale instead). acc, g: (n) f32.
+void accumulate_grad(float* acc, const float* g, int64_t n);
+void scale_grad(float* g, int64_t n, float s);
+
+class AdamW {
+ public:
+  explicit AdamW(AdamWConfig config = {}) : config_(config) {}
+
+  // One update of every param with learning rate `lr`, using grad[i] * grad_scale (fold
+  // 1/accumulation-steps and the clip factor in here). Moments are created (zero) the first
+  // time a name is seen; a name whose numel changed is an error. Increments step_count().
+  Status step(const std::vector<ParamView>& params, double lr, float grad_scale = 1.0f);
+
+  int64_t step_count() const { return step_; }
+  const AdamWConfig& config() const { return config_; }
+  // m or v of a param (nullptr if unknown): (numel) f32.
+  const std::vector<float>* exp_avg(const std::string& name) const;
+  const std::vector<float>* exp_avg_sq(const std::string& name) const;
+
+  // State as named tensors for a checkpoint: "optimizer.step" (I64, shape (1)), and per param
+  // "optimizer.<name>.exp_avg", "optimizer.<name>.exp_avg_sq" (F32, shape (numel)).
+  std::vector<io::NamedTensor> export_state() const;
+  // Restores what export_state wrote. Every param in `params` must have both moments with its
+  // numel; tensors for names not in `params`, missing tensors, wrong dtypes or sizes are errors.
+  Status import_state(const std::vector<io::NamedTensor>& tensors, const std::vector<ParamView>& params);
+
+ private:
+  struct Moments {
+    std::vector<float> m, v;
+  };
+  AdamWConfig config_;
+  int64_t step_ = 0;
+  std::map<std::string, Moments> state_;
+};
+
+}  // namespace nibble::train
