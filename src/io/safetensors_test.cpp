@@ -470,6 +470,38 @@ TEST(SafetensorsMalformed, Metadata) {
   expect_parse_error(image(R"({"__metadata__":"a"})"), "__metadata__ is a JSON string");
 }
 
+TEST(SafetensorsMalformed, DeepNestingDoesNotOverflowTheStack) {
+  // nlohmann parses and destroys iteratively; 200000 levels would overflow a recursive parser.
+  const int depth = 200000;
+  std::string arrays = std::string(depth, '[') + std::string(depth, ']');
+  expect_parse_error(image(arrays), "header is a JSON array, not an object");
+  std::string objects;
+  for (int i = 0; i < depth; ++i) objects += "{\"a\":";
+  objects += "1" + std::string(depth, '}');
+  expect_parse_error(image(objects), "tensor 'a': missing 'dtype'");
+}
+
+// The seed corpus of the fuzzer: valid_* files parse, bad_* files are refused.
+TEST(SafetensorsMalformed, FuzzSeedCorpus) {
+  const fs::path dir = fs::path(NIBBLE_SOURCE_DIR) / "fuzz" / "corpus" / "safetensors_fuzz";
+  ASSERT_TRUE(fs::is_directory(dir)) << dir;
+  int valid = 0, bad = 0;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    auto f = SafetensorsFile::open(e.path().string());
+    if (name.rfind("valid_", 0) == 0) {
+      ++valid;
+      ASSERT_TRUE(f.is_ok()) << f.status().message();
+      for (const std::string& t : f->names()) EXPECT_TRUE(f->get(t).is_ok()) << name << " " << t;
+    } else if (name.rfind("bad_", 0) == 0) {
+      ++bad;
+      EXPECT_FALSE(f.is_ok()) << name;
+    }
+  }
+  EXPECT_GE(valid, 3);
+  EXPECT_GE(bad, 5);
+}
+
 // ---- writes that fail ---------------------------------------------------------------------
 
 TEST_F(SafetensorsTest, FailedWritesLeaveTheOldFileIntact) {
