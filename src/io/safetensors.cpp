@@ -256,6 +256,7 @@ Status check_shard_name(const std::string& index_label, const std::string& tenso
 Result<std::string> read_small_file(const std::string& path, uint64_t max_bytes) {
   NIB_ASSIGN_OR_RETURN(std::shared_ptr<MappedFile> map, MappedFile::open(path));
   if (map->size() > max_bytes) return invalid_argument("{}: file of {} bytes is larger than the limit of {}", path, map->size(), max_bytes);
+  if (map->size() == 0) return std::string();
   return std::string(reinterpret_cast<const char*>(map->data()), map->size());
 }
 
@@ -336,7 +337,8 @@ Result<SafetensorsFile> SafetensorsFile::parse(const uint8_t* bytes, size_t size
 Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   std::error_code ec;
   fs::file_status st = fs::status(path, ec);
-  if (ec || !fs::exists(st)) return not_found("{}: no such file or folder", path);
+  if (st.type() == fs::file_type::not_found) return not_found("{}: no such file or folder", path);
+  if (ec) return io_error("{}: cannot stat: {}", path, ec.message());
   std::string target = path;
   bool is_index = false;
   if (fs::is_directory(st)) {
@@ -459,9 +461,9 @@ Result<Tensor> SafetensorsFile::get(const std::string& name) const {
 Status write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
                          const std::map<std::string, std::string>& metadata) {
   NIB_RETURN_IF_ERROR(check_named_tensors(tensors));
-  std::vector<Tensor> host;
-  host.reserve(tensors.size());
-  for (const NamedTensor& nt : tensors) host.push_back(nt.tensor.device() == Device::kCPU ? nt.tensor : nt.tensor.to(Device::kCPU));
+  // Dtype, shape and size come from the tensors as they are; CUDA tensors are copied to the host
+  // one at a time while the data is written, so the host never holds more than one copy.
+  const std::vector<NamedTensor>& host = tensors;
 
   // Data placement: stable-sorted by element size, largest first, so that every tensor starts
   // at a multiple of its element size (the data section starts at a multiple of 8) and readers
@@ -469,12 +471,12 @@ Status write_safetensors(const std::string& path, const std::vector<NamedTensor>
   std::vector<size_t> placement(tensors.size());
   for (size_t i = 0; i < placement.size(); ++i) placement[i] = i;
   std::stable_sort(placement.begin(), placement.end(),
-                   [&](size_t a, size_t b) { return dtype_size(host[a].dtype()) > dtype_size(host[b].dtype()); });
+                   [&](size_t a, size_t b) { return dtype_size(host[a].tensor.dtype()) > dtype_size(host[b].tensor.dtype()); });
   std::vector<std::pair<uint64_t, uint64_t>> offsets(tensors.size());
   uint64_t pos = 0;
   for (size_t i : placement) {
-    offsets[i] = {pos, pos + host[i].nbytes()};
-    pos += host[i].nbytes();
+    offsets[i] = {pos, pos + host[i].tensor.nbytes()};
+    pos += host[i].tensor.nbytes();
   }
 
   ordered_json header = ordered_json::object();
@@ -485,8 +487,8 @@ Status write_safetensors(const std::string& path, const std::vector<NamedTensor>
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
     ordered_json e = ordered_json::object();
-    e["dtype"] = std::string(dtype_name(host[i].dtype()));
-    e["shape"] = host[i].shape();
+    e["dtype"] = std::string(dtype_name(host[i].tensor.dtype()));
+    e["shape"] = host[i].tensor.shape();
     e["data_offsets"] = {offsets[i].first, offsets[i].second};
     header[tensors[i].name] = std::move(e);
   }
@@ -504,8 +506,16 @@ Status write_safetensors(const std::string& path, const std::vector<NamedTensor>
   NIB_ASSIGN_OR_RETURN(AtomicFileWriter w, AtomicFileWriter::create(path));
   NIB_RETURN_IF_ERROR(w.append(len_le, 8));
   NIB_RETURN_IF_ERROR(w.append(text.data(), text.size()));
-  for (size_t i : placement)
-    if (host[i].nbytes() > 0) NIB_RETURN_IF_ERROR(w.append(host[i].raw(), host[i].nbytes()));
+  for (size_t i : placement) {
+    const Tensor& t = host[i].tensor;
+    if (t.nbytes() == 0) continue;
+    if (t.device() == Device::kCPU) {
+      NIB_RETURN_IF_ERROR(w.append(t.raw(), t.nbytes()));
+    } else {
+      Tensor cpu = t.to(Device::kCPU);
+      NIB_RETURN_IF_ERROR(w.append(cpu.raw(), cpu.nbytes()));
+    }
+  }
   return w.commit();
 }
 

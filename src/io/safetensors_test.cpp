@@ -564,6 +564,13 @@ TEST_F(SafetensorsTest, ReadOnlyFolder) {
   fs::permissions(ro, fs::perms::owner_all);
   EXPECT_EQ(s.code(), StatusCode::kIoError);
   EXPECT_EQ(read_bytes(file), before);
+
+  // A folder that cannot be entered: reading is an I/O error, not "no such file".
+  fs::permissions(ro, fs::perms::none);
+  auto f = SafetensorsFile::open(file);
+  fs::permissions(ro, fs::perms::owner_all);
+  ASSERT_FALSE(f.is_ok());
+  EXPECT_EQ(f.status().code(), StatusCode::kIoError) << f.status().message();
 }
 
 TEST_F(SafetensorsTest, AtomicWriterAbandonsOnDestruction) {
