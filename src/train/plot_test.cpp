@@ -1,0 +1,82 @@
+// Tests of the loss plot: a valid PNG (signature, IHDR size, decodes with libpng's reader),
+// both curves and the legend drawn in their colours, tick choice, and errors.
+#include "train/plot.h"
+
+#include <png.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+namespace nibble::train {
+namespace {
+
+uint32_t be32(const std::string& s, size_t at) {
+  return (uint32_t(uint8_t(s[at])) << 24) | (uint32_t(uint8_t(s[at + 1])) << 16) | (uint32_t(uint8_t(s[at + 2])) << 8) |
+         uint32_t(uint8_t(s[at + 3]));
+}
+
+size_t count_color(const std::vector<uint8_t>& rgb, uint8_t r, uint8_t g, uint8_t b) {
+  size_t n = 0;
+  for (size_t i = 0; i + 2 < rgb.size(); i += 3) n += rgb[i] == r && rgb[i + 1] == g && rgb[i + 2] == b;
+  return n;
+}
+
+TEST(Plot, WritesValidPng) {
+  std::vector<PlotPoint> train, val;
+  for (int s = 1; s <= 500; ++s) train.push_back({double(s), 8.0 * std::exp(-s / 120.0) + 2.5 + 0.05 * std::sin(s)});
+  for (int s = 50; s <= 500; s += 50) val.push_back({double(s), 8.0 * std::exp(-s / 120.0) + 2.7});
+  train.push_back({501, NAN});  // skipped
+  std::string path = (std::filesystem::temp_directory_path() / "nibble_plot_test.png").string();
+  ASSERT_TRUE(write_loss_plot(path, train, val).is_ok());
+  std::ifstream f(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(f)), {});
+  ASSERT_GT(bytes.size(), 33u);
+  EXPECT_EQ(bytes.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  EXPECT_EQ(be32(bytes, 8), 13u);           // IHDR length
+  EXPECT_EQ(bytes.substr(12, 4), "IHDR");
+  EXPECT_EQ(be32(bytes, 16), 800u);         // width
+  EXPECT_EQ(be32(bytes, 20), 500u);         // height
+  EXPECT_EQ(uint8_t(bytes[24]), 8);         // bit depth
+  EXPECT_EQ(uint8_t(bytes[25]), 2);         // colour type RGB
+
+  // Decode with libpng (checks every chunk CRC and the zlib stream) and look at the pixels.
+  png_image img{};
+  img.version = PNG_IMAGE_VERSION;
+  ASSERT_TRUE(png_image_begin_read_from_memory(&img, bytes.data(), bytes.size())) << img.message;
+  img.format = PNG_FORMAT_RGB;
+  std::vector<uint8_t> rgb(PNG_IMAGE_SIZE(img));
+  ASSERT_TRUE(png_image_finish_read(&img, nullptr, rgb.data(), 0, nullptr)) << img.message;
+  EXPECT_EQ(img.width, 800u);
+  EXPECT_GT(count_color(rgb, 31, 119, 180), 1000u);  // the train curve (2 px wide, ~700 px long)
+  EXPECT_GT(count_color(rgb, 230, 97, 0), 300u);      // val markers 7x7 x 10 + line
+  EXPECT_GT(count_color(rgb, 0, 0, 0), 2000u);        // axes, ticks, digits, legend text
+  std::filesystem::remove(path);
+}
+
+TEST(Plot, NiceTicks) {
+  auto t = nice_ticks(0.0, 1000.0, 6);  // raw 166.7 -> 200
+  ASSERT_EQ(t.size(), 6u);
+  EXPECT_DOUBLE_EQ(t[0], 0.0);
+  EXPECT_DOUBLE_EQ(t[5], 1000.0);
+  auto u = nice_ticks(2.37, 3.91, 6);  // raw 0.257 -> 0.2 (norm 2.57 < 3)
+  ASSERT_FALSE(u.empty());
+  EXPECT_NEAR(u[0], 2.4, 1e-12);
+  EXPECT_NEAR(u[1] - u[0], 0.2, 1e-12);
+  EXPECT_LE(u.back(), 3.91);
+  EXPECT_TRUE(nice_ticks(1.0, 1.0).empty());
+}
+
+TEST(Plot, EdgeCasesAndErrors) {
+  EXPECT_FALSE(render_loss_plot({}, {}).is_ok());
+  EXPECT_FALSE(render_loss_plot({{1, NAN}}, {{2, INFINITY}}).is_ok());
+  auto one = render_loss_plot({{10, 3.0}}, {});  // a single point still renders
+  ASSERT_TRUE(one.is_ok());
+  EXPECT_EQ(one->rgb.size(), 800u * 500u * 3u);
+  EXPECT_FALSE(render_loss_plot({{1, 1}}, {}, 10, 10).is_ok());
+  EXPECT_FALSE(write_loss_plot("/nonexistent_dir/x.png", {{1, 1}, {2, 0.5}}, {}).is_ok());
+}
+
+}  // namespace
+}  // namespace nibble::train
