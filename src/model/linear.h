@@ -1,0 +1,153 @@
+// The quantized-linear seam: every block linear (fused QKV, attention output, fused gate+up,
+// down; every MoE expert's gate+up and down; the optional shared expert) runs through one
+// LinearRecipe instance, so the pretraining recipes of 02-pretraining-recipes.md (bf16,
+// nvfp4-nvidia, tetrajet-v2) are pluggable. Y = X W^T, X: (M,K), W: (N,K), Y: (M,N), FP32 master
+// weights. The router, embedding and lm_head never go through it. Built-in recipes: `fp32`
+// (plain GEMMs, for gradient checks) and `bf16` (BF16-rounded operands in all three GEMMs).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/status.h"
+#include "core/tensor.h"
+
+namespace nibble::model {
+
+// Per-call context. The pair (layer_id, micro_step) is unique per forward call of one training
+// run, so recipes derive fresh SR/RHT seeds from (seed, step, layer_id, micro_step).
+struct LinearCall {
+  int64_t step = 0;          // optimizer step (Model::set_step)
+  uint64_t seed = 0;         // run seed (Model::set_step)
+  int layer_id = 0;          // LinearInfo::id of this instance
+  int64_t micro_step = 0;    // forward-call counter of the model (one per micro-batch)
+  bool needs_backward = true;  // false in eval/generation forwards: no state need be saved
+};
+
+enum class LinearKind { kQkv, kAttnOut, kGateUp, kDown, kExpertGateUp, kExpertDown, kSharedGateUp, kSharedDown };
+const char* linear_kind_name(LinearKind k);
+
+// What a factory knows about the linear it builds.
+struct LinearInfo {
+  int id = 0;            // 0.. in model order (stable)
+  std::string name;      // e.g. "model.layers.3.self_attn.qkv_proj", "model.layers.1.mlp.experts.5.down_proj"
+  LinearKind kind = LinearKind::kQkv;
+  int block = 0;         // transformer block index
+  int num_blocks = 0;    // number of blocks in the model (for "last k blocks in BF16")
+  int expert = -1;       // expert index for expert linears
+  int64_t N = 0, K = 0;  // weight shape (N,K)
+};
+
+// One instance per linear layer; per-layer state (saved operands, outlier channels,
+// OsciReset buffers) lives in the instance.
+// Contract: backward() pairs with the most recent forward() that had needs_backward = true;
+// the x and w buffers given to that forward stay alive and unchanged until backward returns
+// (the model guarantees this), so a recipe may keep pointers instead of copies.
+// Gradient accumulation over micro-batches = forward/backward pairs in sequence, dw += each time.
+class LinearRecipe {
+ public:
+  virtual ~LinearRecipe() = default;
+  virtual std::string name() const = 0;
+  // y: (M,N) f32 (overwritten); x: (M,K) f32; w: (N,K) f32 master weight.
+  virtual void forward(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
+                       const LinearCall& call) = 0;
+  // dx: (M,K) f32 (overwritten), dw: (N,K) f32 (accumulated +=), dy: (M,N) f32.
+  virtual void backward(float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
+                        const LinearCall& call) = 0;
+  // Called after each optimizer update with the new master weight w: (N,K) (OsciReset hook;
+  // it may modify w). Default: nothing.
+  virtual void after_optimizer_step(float* w, int64_t N, int64_t K, int64_t step) {}
+  // Recipe state that belongs in checkpoints (e.g. outlier channel ids), by short name.
+  virtual std::map<std::string, Tensor> state() const { return {}; }
+  virtual Status load_state(const std::map<std::string, Tensor>& state) { return Status::ok(); }
+};
+
+// ---- recipe configuration (JSON; switches of 02-pretraining-recipes.md) ----------------------
+struct OutlierConfig {          // outcontrol.outliers (TetraJet-v2 static outlier retention)
+  bool enabled = false;
+  double fraction = 0.10;       // top p of input channels kept in MXFP8
+  int64_t round_to = 128;       // channel count rounded up to a multiple of this
+  int64_t calibration_start = 501;  // first step of the calibration window (inclusive)
+  int64_t calibration_end = 550;    // last step (inclusive)
+};
+struct OsciResetConfig {        // oscireset
+  bool enabled = false;
+  double threshold = 8.0;       // risk = dist_Q / dist_W >= threshold -> reset
+  int64_t window = 50;          // T: steps accumulated after each snapshot
+  int64_t period = 200;         // P
+  int64_t start_step = -1;      // absolute start step; -1 = use start_fraction
+  double start_fraction = 0.65; // of total training steps
+  std::string variant = "full"; // "full" | "tracked" (memory-efficient: track the closest elements)
+  double tracked_fraction = 0.10;
+};
+struct RecipeConfig {
+  std::string name = "bf16";    // registry key: "fp32", "bf16", "nvfp4-nvidia", "tetrajet-v2", ...
+  // tetrajet-v2
+  bool alignment = true;        // backward re-quantizes the forward-quantized X^, W^ (double quantization)
+  bool sr = true;               // stochastic rounding of the four backward operands
+  bool rht = true;              // outcontrol.rht: RHT16 on the backward operands
+  OutlierConfig outliers;       // outcontrol.outliers
+  OsciResetConfig oscireset;
+  // nvfp4-nvidia
+  int64_t bf16_last_blocks = 0; // keep the last k blocks' linears in BF16
+  nlohmann::json raw;           // the whole JSON object as given (recipe-specific extras)
+
+  nlohmann::json to_json() const;
+};
+// Accepts {"name": ..., "alignment": b, "sr": b, "outcontrol": {"rht": b, "outliers": {"enabled",
+// "fraction", "round_to", "calibration_start", "calibration_end"}}, "oscireset": {"enabled",
+// "threshold", "window", "period", "start_step", "start_fraction", "variant", "tracked_fraction"},
+// "bf16_last_blocks": n}; a bare string is the name. Unknown keys are errors (typos).
+Result<RecipeConfig> parse_recipe_config(const nlohmann::json& j);
+
+// ---- the registry ------------------------------------------------------------------------------
+using LinearRecipeFactory =
+    std::function<Result<std::unique_ptr<LinearRecipe>>(const RecipeConfig& config, const LinearInfo& info)>;
+// Adds or replaces a recipe. Built-ins are registered in linear_registry.cpp (add a line there
+// for a new recipe so static linking keeps it).
+void register_linear_recipe(const std::string& name, LinearRecipeFactory factory);
+std::vector<std::string> linear_recipe_names();
+bool has_linear_recipe(const std::string& name);
+// Builds the recipe config.name for one linear; unknown name -> invalid_argument listing the names.
+Result<std::unique_ptr<LinearRecipe>> make_linear_recipe(const RecipeConfig& config, const LinearInfo& info);
+
+// ---- the two reference recipes -------------------------------------------------------------------
+// fp32: y = x w^T; dx = dy w; dw += dy^T x, all binary32 (OpenBLAS).
+class Fp32LinearRecipe final : public LinearRecipe {
+ public:
+  std::string name() const override { return "fp32"; }
+  void forward(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
+               const LinearCall& call) override;
+  void backward(float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
+                const LinearCall& call) override;
+
+ private:
+  const float* x_ = nullptr;  // saved pointers (see the LinearRecipe contract)
+  const float* w_ = nullptr;
+};
+
+// bf16: the CPU emulation of BF16 GEMMs with FP32 accumulation: every GEMM operand (x, w in the
+// forward; dy, w in dgrad; dy, x in wgrad) is rounded to the nearest bf16 (round_to_bf16), the
+// products and sums are binary32, outputs are binary32.
+class Bf16LinearRecipe final : public LinearRecipe {
+ public:
+  std::string name() const override { return "bf16"; }
+  void forward(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
+               const LinearCall& call) override;
+  void backward(float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
+                const LinearCall& call) override;
+
+ private:
+  std::vector<float> xq_, wq_, dyq_;  // bf16-rounded x (M,K), w (N,K) saved; dy (M,N) scratch
+};
+
+// dst: (n) = round_to_bf16(src: (n))
+void round_to_bf16_array(float* dst, const float* src, int64_t n);
+
+}  // namespace nibble::model

@@ -1,0 +1,19 @@
+// The built-in LinearRecipe registrations. A new recipe adds one `add(...)` line here
+// (registration from a static initialiser in another file of a static library would be dropped
+// by the linker). A plain name -> factory table, as in ggml's backend registry.
+#include <functional>
+
+#include "model/linear.h"
+
+namespace nibble::model {
+
+void register_builtin_linear_recipes(const std::function<void(const std::string&, LinearRecipeFactory)>& add) {
+  add("fp32", [](const RecipeConfig&, const LinearInfo&) -> Result<std::unique_ptr<LinearRecipe>> {
+    return std::unique_ptr<LinearRecipe>(new Fp32LinearRecipe());
+  });
+  add("bf16", [](const RecipeConfig&, const LinearInfo&) -> Result<std::unique_ptr<LinearRecipe>> {
+    return std::unique_ptr<LinearRecipe>(new Bf16LinearRecipe());
+  });
+}
+
+}  // namespace nibble::model

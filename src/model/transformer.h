@@ -1,0 +1,136 @@
+// The nibble transformer: OLMo-2 (dense; norm-after blocks h = x + RMSNorm(Attn(x)),
+// out = h + RMSNorm(MLP(h)); QK-norm over the full q/k width before RoPE) and Qwen3-MoE (pre-norm;
+// per-head QK-norm; sparse MoE MLPs with top-k routing), each faithful to its transformers class
+// so checkpoints with HF tensor names give the same logits. Forward and backward are written out
+// over the CPU ops of backend/cpu (llm.c style); block linears go through LinearRecipe instances.
+// TransformerT<double> (plain double GEMMs, no recipes) exists to check gradients by finite
+// differences; training uses Model = TransformerT<float>.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "core/tensor.h"
+#include "model/config.h"
+#include "model/linear.h"
+
+namespace nibble::model {
+
+// One trainable tensor, HF-named, viewing the model's flat parameter / gradient buffers.
+struct Parameter {
+  std::string name;     // e.g. "model.layers.0.self_attn.q_proj.weight"
+  Tensor value;         // F32, HF shape (out, in) for matrices
+  Tensor grad;          // F32, same shape
+  bool weight_decay;    // false only for model.embed_tokens.weight (OLMo-2), see docs/model.md
+};
+
+// The same for any float type (the double model's gradient checks use it).
+template <typename T>
+struct ParamRef {
+  std::string name;
+  Shape shape;
+  T* value;
+  T* grad;
+  int64_t numel;
+  bool weight_decay;
+};
+
+struct LossOptions {
+  double z_loss_coef = 0.0;            // OLMo-2 uses 1e-5: loss += z_coef * mean(logsumexp^2)
+  double router_aux_loss_coef = -1.0;  // < 0: use ModelConfig::router_aux_loss_coef
+  double router_z_loss_coef = -1.0;    // < 0: use ModelConfig::router_z_loss_coef
+};
+
+// Unscaled components and the total actually differentiated:
+// loss = ce + z_loss_coef * z_loss + aux_coef * aux_loss + router_z_coef * router_z_loss.
+struct LossParts {
+  double loss = 0;
+  double ce = 0;             // mean cross-entropy over non-ignored targets
+  double z_loss = 0;         // mean logsumexp(logits)^2 over non-ignored targets
+  double aux_loss = 0;       // E * sum_e f_e P_e over all MoE layers' tokens (HF load_balancing_loss_func)
+  double router_z_loss = 0;  // mean over MoE layers and tokens of logsumexp(router logits)^2
+  int64_t n_tokens = 0;      // non-ignored targets
+};
+
+// MoE routing in/out, both (num_moe_layers, B*T, top_k) i32 expert ids, MoE layers in order.
+struct RoutingIO {
+  const int32_t* forced = nullptr;  // R3 replay: use these expert sets (gate = softmax restricted to the set)
+  int32_t* record = nullptr;        // filled with the sets actually used
+};
+
+template <typename T>
+class TransformerT {
+ public:
+  // Builds the model (zero weights; call init_weights). For T = double the recipe is ignored and
+  // every linear is a plain double GEMM. Errors: unknown recipe, recipe factory errors.
+  static Result<std::unique_ptr<TransformerT>> create(const ModelConfig& config, const RecipeConfig& recipe);
+  ~TransformerT();
+  TransformerT(const TransformerT&) = delete;
+  TransformerT& operator=(const TransformerT&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  // OLMo-style init: every matrix ~ N(0, initializer_range^2) truncated at 3 std, norm weights 1.
+  // Parameter i draws from PhiloxStream(seed, stream = i): independent of threads and of T.
+  void init_weights(uint64_t seed);
+
+  // tokens, targets: (B,T) i32 (targets < 0 ignored, e.g. -100). Runs forward and backward,
+  // ACCUMULATES parameter gradients (call zero_grad between optimizer steps) and returns the loss.
+  LossParts forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t Tn,
+                             const LossOptions& options = {}, const RoutingIO& routing = {});
+  // Forward only (eval). token_ce: (B,T) or nullptr: per-token cross-entropy (-log p(target)), 0 if ignored.
+  LossParts forward_loss(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t Tn,
+                         const LossOptions& options = {}, const RoutingIO& routing = {}, T* token_ce = nullptr);
+  // logits: (B,T,V) caller-allocated.
+  void forward_logits(T* logits, const int32_t* tokens, int64_t B, int64_t Tn, const RoutingIO& routing = {});
+
+  void zero_grad();
+  // Step and seed passed to every LinearRecipe call (SR/RHT seeds, calibration windows).
+  void set_step(int64_t step, uint64_t seed) { step_ = step; seed_ = seed; }
+  int64_t step() const { return step_; }
+
+  // All parameters in a stable order (embed, layer 0 .. L-1 in HF order, final norm, lm_head).
+  // Values and grads are each one contiguous buffer in this order (flat_values / flat_grads).
+  const std::vector<ParamRef<T>>& param_refs() const { return params_; }
+  T* flat_values() { return values_; }
+  T* flat_grads() { return grads_; }
+  int64_t num_params() const { return num_params_; }
+  ParamRef<T>* find_param(const std::string& name);
+
+  // Linear instances in model order; recipes are null for T = double.
+  const std::vector<LinearInfo>& linear_infos() const { return linear_infos_; }
+  LinearRecipe* linear_recipe(int id);
+  // Index of each linear's weight view (N,K): q|k|v and gate|up are adjacent parameters.
+  T* linear_weight(int id);
+
+  int64_t num_moe_layers() const { return num_moe_layers_; }
+
+  // Float models only: Tensor views of the parameters (see Parameter).
+  std::vector<Parameter> parameters();
+
+ private:
+  struct Impl;
+  explicit TransformerT(const ModelConfig& config);
+  LossParts run(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t Tn, const LossOptions& options,
+                const RoutingIO& routing, bool backward, T* logits_out, T* token_ce);
+
+  ModelConfig config_;
+  std::vector<ParamRef<T>> params_;
+  std::shared_ptr<Storage> value_storage_, grad_storage_;
+  T* values_ = nullptr;
+  T* grads_ = nullptr;
+  int64_t num_params_ = 0;
+  std::vector<LinearInfo> linear_infos_;
+  int64_t num_moe_layers_ = 0;
+  int64_t step_ = 0;
+  uint64_t seed_ = 0;
+  int64_t micro_step_ = 0;
+  std::unique_ptr<Impl> impl_;
+};
+
+using Model = TransformerT<float>;
+using ModelF64 = TransformerT<double>;
+
+}  // namespace nibble::model
