@@ -187,51 +187,82 @@ Status quantize_nvfp4_te(uint8_t* codes, uint8_t* scales, float* amax, const In*
 
 // A warp covers 16 rows x 4 column blocks: lane l owns row 16*blockIdx.y + (l & 15) and column
 // blocks 4*warp + 2*(l >> 4) + {0, 1}. The tile amax is a max over the 16 lanes of one half-warp.
-// CTA: 8 warps side by side = 16 rows x 32 column blocks.
+// CTA: 8 warps side by side = 16 rows x 32 column blocks. Columnwise outputs (optional): since
+// the tile scale is shared, code (m, k) of x^T equals code (k, m) of x; the half-warp transposes
+// its 16x16 tile of nibbles with 16 shuffles, and lane r writes row k = 16*cb + r of codes_t.
 template <typename In>
 __global__ void __launch_bounds__(kThreads) nvfp4_te_2d_quantize_kernel(uint8_t* codes, uint8_t* scales,
+                                                                       uint8_t* codes_t, uint8_t* scales_t,
                                                                        const float* amax, const In* x, int64_t M,
                                                                        int64_t kb, bool swizzled) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t row = static_cast<int64_t>(blockIdx.y) * 16 + (lane & 15);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r16 = lane & 15;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * 16;
+  const int64_t row = m0 + r16;
   const int64_t cb0 = static_cast<int64_t>(blockIdx.x) * 32 + warp * 4 + 2 * (lane >> 4);
   const bool row_ok = row < M;
   const fm::Nvfp4TeGlobal g = fm::nvfp4_te_global(*amax);
   const In* xr = x + row * kb * 16;
+  const int64_t mt = (M + 15) / 16;
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
     const int64_t cb = cb0 + b;
-    const bool ok = row_ok && cb < kb;
+    const bool col_ok = cb < kb;
+    const bool ok = row_ok && col_ok;
     Vec<In, 16> v;
     if (ok) load_vec(v, xr + cb * 16);
     else
 #pragma unroll
       for (int i = 0; i < 16; ++i) v.e[i] = In(0);
     float tile_amax = group_max<16>(fm::block_amax(v.e, 16));
-    if (ok) {
-      uint8_t p[8];
-      uint32_t s = fm::nvfp4_te_quantize_block16(p, v.e, tile_amax, g);
-      PackedBytes<8> pk;
+    uint8_t p[8];
+    uint32_t s = fm::nvfp4_te_quantize_block16(p, v.e, tile_amax, g);
+    PackedBytes<8> pk;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) pk.set(i, p[i]);
+    for (int i = 0; i < 8; ++i) pk.set(i, p[i]);
+    if (ok) {
       store_packed(codes + (row * kb + cb) * 8, pk);
       scales[scale_index(row * kb + cb, kb, swizzled)] = static_cast<uint8_t>(s);
+    }
+    if (codes_t != nullptr) {
+      // Lane r16 gathers nibble r16 (column k = 16*cb + r16) of every row of the tile.
+      const uint64_t mine = (static_cast<uint64_t>(pk.w[1]) << 32) | pk.w[0];
+      uint64_t col = 0;
+#pragma unroll
+      for (int src = 0; src < 16; ++src) {
+        const uint64_t other = __shfl_sync(0xFFFFFFFFu, mine, (lane & 16) | src);
+        col |= ((other >> (4 * r16)) & 0xFull) << (4 * src);
+      }
+      if (col_ok) {
+        const int64_t k = cb * 16 + r16;
+        uint8_t* dst = codes_t + k * (M / 2) + m0 / 2;
+        if (m0 + 16 <= M && (M % 16) == 0) {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(static_cast<uint32_t>(col), static_cast<uint32_t>(col >> 32));
+        } else {
+          for (int i = 0; 2 * i + 1 < M - m0 && i < 8; ++i) dst[i] = static_cast<uint8_t>(col >> (8 * i));
+        }
+        if (scales_t != nullptr) scales_t[k * mt + m0 / 16] = static_cast<uint8_t>(s);
+      }
+    } else if (scales_t != nullptr && col_ok) {
+      scales_t[(cb * 16 + r16) * mt + m0 / 16] = static_cast<uint8_t>(s);
     }
   }
 }
 
 template <typename In>
-Status quantize_nvfp4_te_2d(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
-                            AmaxMode amax_mode, ScaleLayout layout, cudaStream_t stream) {
+Status quantize_nvfp4_te_2d(uint8_t* codes, uint8_t* scales, uint8_t* codes_t, uint8_t* scales_t, float* amax,
+                            const In* x, int64_t M, int64_t K, AmaxMode amax_mode, ScaleLayout layout,
+                            cudaStream_t stream) {
   if (M < 0 || K <= 0 || K % 16 != 0) return invalid_argument("quantize_nvfp4_te_2d: K={} must be a positive multiple of 16", K);
-  if (!aligned16(x) || (reinterpret_cast<uintptr_t>(codes) & 7u)) return invalid_argument("quantize_nvfp4_te_2d: misaligned pointers");
+  if (codes_t != nullptr && M % 2 != 0) return invalid_argument("quantize_nvfp4_te_2d: columnwise codes need an even M, got {}", M);
+  if (!aligned16(x) || (reinterpret_cast<uintptr_t>(codes) & 7u) || (reinterpret_cast<uintptr_t>(codes_t) & 7u))
+    return invalid_argument("quantize_nvfp4_te_2d: misaligned pointers");
   const int64_t kb = K / 16;
   const bool swz = layout == ScaleLayout::kSwizzled;
   if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(scales, 0, fm::swizzled_scale_bytes(M, kb), stream));
   if (amax_mode == AmaxMode::kCompute) NIB_RETURN_IF_ERROR(absmax(amax, x, M * K, stream));
   if (M == 0) return Status::ok();
   dim3 grid(ceil_div_int(kb, 32), ceil_div_int(M, 16));
-  nvfp4_te_2d_quantize_kernel<In><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, M, kb, swz);
+  nvfp4_te_2d_quantize_kernel<In><<<grid, kThreads, 0, stream>>>(codes, scales, codes_t, scales_t, amax, x, M, kb, swz);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
@@ -307,49 +338,70 @@ __device__ __forceinline__ void nvfp4_2level_quarter(PackedBytes<16>& packed, ui
   }
 }
 
-// Thread t owns flat elements 32t .. 32t+31; four consecutive lanes form one 128-block.
+// Four consecutive lanes form one 128-block of a row: lane q of block (r, j) owns row r's
+// elements c = 128j + 32q .. +31 (K % 16 == 0: a row's last 128-block may be partial, zero-padded,
+// so a lane may own 0, 1 or 2 inner blocks). kFull32: K % 32 == 0 and every lane owns both.
 template <typename In, bool kSR>
 __global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t* codes, uint8_t* inner, float* outer,
-                                                                        const In* x, int64_t n128, int64_t kb,
+                                                                        const In* x, int64_t M, int64_t K,
                                                                         bool swizzled, fm::SrKey key) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool ok = t < n128 * 4;  // whole warps stay for the shuffles
+  const int64_t no = (K + 127) / 128, kb = K / 16;
+  const int64_t o = t >> 2;          // global outer-block index r * no + j
+  const int64_t r = o / no, j = o - r * no;
+  const int64_t c = 128 * j + 32 * (t & 3);
+  const bool row_ok = r < M;         // whole warps stay for the shuffles
+  const bool ok0 = row_ok && c < K, ok1 = row_ok && c + 16 < K;
   Vec<In, 32> v;
-  if (ok) load_vec(v, x + t * 32);
-  else
+  if (ok1) {
+    load_vec(v, x + r * K + c);
+  } else {
 #pragma unroll
     for (int i = 0; i < 32; ++i) v.e[i] = In(0);
+    if (ok0) {
+      Vec<In, 16> h;
+      load_vec(h, x + r * K + c);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v.e[i] = h.e[i];
+    }
+  }
   float bamax[2] = {fm::block_amax(v.e, 16), fm::block_amax(v.e + 16, 16)};
   const float amax128 = group_max<4>(fmaxf(bamax[0], bamax[1]));
   const float so = fm::nvfp4_2level_outer_scale(amax128);
-  if (!ok) return;
+  if (!ok0) return;
   PackedBytes<16> packed;
   uint32_t si[2];
-  nvfp4_2level_quarter<In, kSR>(packed, si, v.e, bamax, so, static_cast<uint64_t>(t) * 32, key);
-  store_packed(codes + t * 16, packed);
-  const int64_t b0 = 2 * t;
-  if (!swizzled) {
+  nvfp4_2level_quarter<In, kSR>(packed, si, v.e, bamax, so, static_cast<uint64_t>(r * K + c), key);
+  uint8_t* cp = codes + (r * K + c) / 2;
+  const int64_t b0 = r * kb + c / 16;
+  if (ok1 && (K % 32 == 0)) {
+    store_packed(cp, packed);  // 16-byte aligned: (r*K + c)/2 is a multiple of 16
+  } else {
+    __stcs(reinterpret_cast<uint2*>(cp), make_uint2(packed.w[0], packed.w[1]));
+    if (ok1) __stcs(reinterpret_cast<uint2*>(cp + 8), make_uint2(packed.w[2], packed.w[3]));
+  }
+  if (!swizzled && ok1 && (b0 & 1) == 0) {
     *reinterpret_cast<uint16_t*>(inner + b0) = static_cast<uint16_t>(si[0] | (si[1] << 8));
   } else {
-    inner[scale_index(b0, kb, true)] = static_cast<uint8_t>(si[0]);
-    inner[scale_index(b0 + 1, kb, true)] = static_cast<uint8_t>(si[1]);
+    inner[scale_index(b0, kb, swizzled)] = static_cast<uint8_t>(si[0]);
+    if (ok1) inner[scale_index(b0 + 1, kb, swizzled)] = static_cast<uint8_t>(si[1]);
   }
-  if ((t & 3) == 0) outer[t >> 2] = so;
+  if ((t & 3) == 0) outer[o] = so;
 }
 
 template <typename In>
 Status quantize_nvfp4_2level(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
                              const SrKey* sr, ScaleLayout inner_layout, cudaStream_t stream) {
-  if (M < 0 || K <= 0 || K % 128 != 0) return invalid_argument("quantize_nvfp4_2level: K={} must be a positive multiple of 128", K);
+  if (M < 0 || K <= 0 || K % 16 != 0) return invalid_argument("quantize_nvfp4_2level: K={} must be a positive multiple of 16", K);
   if (!aligned16(x) || !aligned16(codes)) return invalid_argument("quantize_nvfp4_2level: x and codes must be 16-byte aligned");
-  const int64_t kb = K / 16, n128 = M * K / 128;
+  const int64_t kb = K / 16, n128 = M * ((K + 127) / 128);
   const bool swz = inner_layout == ScaleLayout::kSwizzled;
   if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(inner, 0, fm::swizzled_scale_bytes(M, kb), stream));
   if (n128 == 0) return Status::ok();
   const int grid = ceil_div_int(n128 * 4, kThreads);
   fm::SrKey key = sr ? *sr : fm::SrKey{};
-  if (sr) nvfp4_2level_quantize_kernel<In, true><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, n128, kb, swz, key);
-  else nvfp4_2level_quantize_kernel<In, false><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, n128, kb, swz, key);
+  if (sr) nvfp4_2level_quantize_kernel<In, true><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
+  else nvfp4_2level_quantize_kernel<In, false><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
@@ -358,13 +410,14 @@ Status quantize_nvfp4_2level(uint8_t* codes, uint8_t* inner, float* outer, const
 template <typename Out>
 __global__ void __launch_bounds__(kThreads) nvfp4_2level_dequantize_kernel(Out* y, const uint8_t* codes,
                                                                           const uint8_t* inner, const float* outer,
-                                                                          int64_t nblocks) {
+                                                                          int64_t nblocks, int64_t kb) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= nblocks) return;
   uint2 c = *reinterpret_cast<const uint2*>(codes + b * 8);
   uint8_t p[8];
   for (int i = 0; i < 4; ++i) { p[i] = (c.x >> (8 * i)) & 0xFF; p[4 + i] = (c.y >> (8 * i)) & 0xFF; }
-  const float sp = fm::nvfp4_2level_block_scale(inner[b], outer[b / 8]);
+  const int64_t r = b / kb, cb = b - r * kb;  // outer (M, ceil(K/128)): block (r, cb) -> (r, cb/8)
+  const float sp = fm::nvfp4_2level_block_scale(inner[b], outer[r * ((kb + 7) / 8) + cb / 8]);
   Vec<Out, 16> v;
 #pragma unroll
   for (int i = 0; i < 16; ++i) v.e[i] = from_f32<Out>(fm::nvfp4_2level_decode(fm::e2m1_unpack(p, i), sp));
@@ -374,10 +427,10 @@ __global__ void __launch_bounds__(kThreads) nvfp4_2level_dequantize_kernel(Out* 
 template <typename Out>
 Status dequantize_nvfp4_2level(Out* y, const uint8_t* codes, const uint8_t* inner, const float* outer, int64_t M,
                                int64_t K, cudaStream_t stream) {
-  if (M < 0 || K <= 0 || K % 128 != 0) return invalid_argument("dequantize_nvfp4_2level: K={} must be a positive multiple of 128", K);
+  if (M < 0 || K <= 0 || K % 16 != 0) return invalid_argument("dequantize_nvfp4_2level: K={} must be a positive multiple of 16", K);
   const int64_t nblocks = M * K / 16;
   if (nblocks == 0) return Status::ok();
-  nvfp4_2level_dequantize_kernel<Out><<<ceil_div_int(nblocks, kThreads), kThreads, 0, stream>>>(y, codes, inner, outer, nblocks);
+  nvfp4_2level_dequantize_kernel<Out><<<ceil_div_int(nblocks, kThreads), kThreads, 0, stream>>>(y, codes, inner, outer, nblocks, K / 16);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
@@ -546,8 +599,8 @@ Status dequantize_mxfp8(Out* y, const uint8_t* elems, const uint8_t* scales, int
   template Status absmax<In>(float*, const In*, int64_t, cudaStream_t);                                          \
   template Status quantize_nvfp4_te<In>(uint8_t*, uint8_t*, float*, const In*, int64_t, int64_t, const SrKey*,   \
                                         AmaxMode, ScaleLayout, cudaStream_t);                                    \
-  template Status quantize_nvfp4_te_2d<In>(uint8_t*, uint8_t*, float*, const In*, int64_t, int64_t, AmaxMode,    \
-                                           ScaleLayout, cudaStream_t);                                           \
+  template Status quantize_nvfp4_te_2d<In>(uint8_t*, uint8_t*, uint8_t*, uint8_t*, float*, const In*, int64_t,    \
+                                           int64_t, AmaxMode, ScaleLayout, cudaStream_t);                        \
   template Status quantize_nvfp4_2level<In>(uint8_t*, uint8_t*, float*, const In*, int64_t, int64_t,             \
                                             const SrKey*, ScaleLayout, cudaStream_t);                            \
   template Status quantize_mxfp4<In>(uint8_t*, uint8_t*, const In*, int64_t, int64_t, MxScaleRule, const SrKey*, \

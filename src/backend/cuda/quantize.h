@@ -12,11 +12,13 @@
 #include <cstdint>
 
 #include "core/status.h"
+#include "formats/guided.h"
 #include "formats/mx.h"
 #include "formats/nvfp4.h"
 
 namespace nibble::cuda {
 
+using formats::GuidanceKind;
 using formats::MxScaleRule;
 using formats::SrKey;
 
@@ -41,17 +43,21 @@ Status quantize_nvfp4_te(uint8_t* codes, uint8_t* scales, float* amax, const In*
 
 // NVFP4 TE 2-D weights: one scale per 16x16 tile (tile amax), stored replicated in the
 // (M, K/16) scale tensor. Any M (the last row tile is zero-padded), K % 16 == 0. RTN.
+// Optional columnwise outputs (nullptr to skip): codes_t (K, M/2) (M even), scales_t
+// (K, ceil(M/16)) linear, the quantization of x^T with the same tile scales
+// (formats::nvfp4_te_quantize_2d_cpu).
 template <typename In>
-Status quantize_nvfp4_te_2d(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
-                            AmaxMode amax_mode = AmaxMode::kCompute, ScaleLayout layout = ScaleLayout::kLinear,
-                            cudaStream_t stream = nullptr);
+Status quantize_nvfp4_te_2d(uint8_t* codes, uint8_t* scales, uint8_t* codes_t, uint8_t* scales_t, float* amax,
+                            const In* x, int64_t M, int64_t K, AmaxMode amax_mode = AmaxMode::kCompute,
+                            ScaleLayout layout = ScaleLayout::kLinear, cudaStream_t stream = nullptr);
 
 // y (M, K) f32 or bf16 <- TE dequantization of codes (M, K/2), scales (M, K/16) linear, amax (1).
 template <typename Out>
 Status dequantize_nvfp4_te(Out* y, const uint8_t* codes, const uint8_t* scales, const float* amax, int64_t M,
                            int64_t K, cudaStream_t stream = nullptr);
 
-// nvfp4-2level: codes (M, K/2), inner (M, K/16) ue4m3, outer (M, K/128) f32; x (M, K); K % 128 == 0.
+// nvfp4-2level: codes (M, K/2), inner (M, K/16) ue4m3, outer (M, ceil(K/128)) f32; x (M, K);
+// K % 16 == 0 (a row's last partial 128-block is the zero-padded one). SR index: r*K + c.
 template <typename In>
 Status quantize_nvfp4_2level(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
                              const SrKey* sr = nullptr, ScaleLayout inner_layout = ScaleLayout::kLinear,
@@ -78,10 +84,30 @@ template <typename Out>
 Status dequantize_mxfp8(Out* y, const uint8_t* elems, const uint8_t* scales, int64_t M, int64_t K,
                         cudaStream_t stream = nullptr);
 
+// TRACE guided rounding: codes (M, K/2) <- x (M, K) under the rollout's scales; guide is the
+// rollout's packed codes (M, K/2) for kFull or its bit-packed mantissa bits (M, K/8) for
+// kMantissaBit (formats::e2m1_mantissa_bits_cpu). K % 16 == 0.
+// TE: roll_scales (M, K/16) e4m3 linear, roll_amax (1) f32 (device).
+template <typename In>
+Status quantize_nvfp4_te_guided(uint8_t* codes, const In* x, int64_t M, int64_t K, const uint8_t* roll_scales,
+                                const float* roll_amax, const uint8_t* guide, GuidanceKind kind,
+                                cudaStream_t stream = nullptr);
+// 2-level: roll_inner (M, K/16), roll_outer (M, ceil(K/128)).
+template <typename In>
+Status quantize_nvfp4_2level_guided(uint8_t* codes, const In* x, int64_t M, int64_t K, const uint8_t* roll_inner,
+                                    const float* roll_outer, const uint8_t* guide, GuidanceKind kind,
+                                    cudaStream_t stream = nullptr);
+
 // TE wgrad RHT: y_t (K, M) bf16 <- for every row of x^T and every 16-group along M,
 // formats::rht16_bf16_exact(group, sign_mask). x (M, K) bf16; M % 16 == 0.
 Status rht16_transpose_bf16(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t K, uint32_t sign_mask,
                             cudaStream_t stream = nullptr);
+
+// TE wgrad operand in one call (formats::nvfp4_te_quantize_rht_t_cpu): y_t scratch (K, M) bf16
+// <- rht16_transpose_bf16(x, TE signs), then quantize_nvfp4_te of y_t into codes_t (K, M/2),
+// scales_t (K, M/16), amax_t (1).
+Status quantize_nvfp4_te_rht_t(uint8_t* codes_t, uint8_t* scales_t, float* amax_t, uint16_t* y_t, const uint16_t* x,
+                               int64_t M, int64_t K, const SrKey* sr = nullptr, cudaStream_t stream = nullptr);
 
 // TetraJet-v2 RHT in place along rows: x (M, K) f32, every 16-group of a row <- rht16_f32(group, sign_mask).
 Status rht16_rows_f32(float* y, const float* x, int64_t M, int64_t K, uint32_t sign_mask,
@@ -90,8 +116,8 @@ Status rht16_rows_f32(float* y, const float* x, int64_t M, int64_t K, uint32_t s
 // The fused backward-operand op (TetraJet-v2 dgrad/wgrad operand): from an nvfp4-2level [M, K]
 // operand (codes (M, K/2), inner (M, K/16), outer (M, K/128)) produce the nvfp4-2level
 // quantization of  RHT16_along_M( dequant(x)^T )  as [K, M]: codes_t (K, M/2), inner_t (K, M/16),
-// outer_t (K, M/128), with stochastic rounding keyed by `sr` on the flat index of the [K, M]
-// output (or RTN when sr == nullptr). M % 128 == 0, K % 128 == 0.
+// outer_t (K, M/128), with stochastic rounding keyed by `sr` on the flat index k*M + m of the
+// [K, M] output (or RTN when sr == nullptr). M % 128 == 0, K % 16 == 0 (input outer (M, ceil(K/128))).
 // Equals, bit for bit: dequantize_nvfp4_2level -> transpose -> rht16_rows_f32 -> quantize_nvfp4_2level.
 Status nvfp4_2level_transpose_rht_requantize(uint8_t* codes_t, uint8_t* inner_t, float* outer_t,
                                              const uint8_t* codes, const uint8_t* inner, const float* outer,

@@ -94,6 +94,13 @@ Status rht16_transpose_bf16(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t
   return Status::ok();
 }
 
+Status quantize_nvfp4_te_rht_t(uint8_t* codes_t, uint8_t* scales_t, float* amax_t, uint16_t* y_t, const uint16_t* x,
+                               int64_t M, int64_t K, const SrKey* sr, cudaStream_t stream) {
+  NIB_RETURN_IF_ERROR(rht16_transpose_bf16(y_t, x, M, K, fm::kRhtTeSignMask, stream));
+  return quantize_nvfp4_te(codes_t, scales_t, amax_t, static_cast<const uint16_t*>(y_t), K, M, sr, AmaxMode::kCompute,
+                           ScaleLayout::kLinear, stream);
+}
+
 // ---- TetraJet-v2 RHT along rows, FP32 ------------------------------------------------------------
 
 __global__ void __launch_bounds__(256) rht16_rows_f32_kernel(float* y, const float* x, int64_t ngroups,
@@ -137,21 +144,28 @@ __global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requ
   float* tile = reinterpret_cast<float*>(smem_f4);
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kFusedTileM, k0 = static_cast<int64_t>(blockIdx.x) * kFusedTileK;
 
-  // Phase 1: thread (m = t % 128, half h = t / 128) decodes 32 elements k0 + 32h .. +31 of row m0 + m.
+  // Phase 1: thread (m = t % 128, half h = t / 128) decodes the two 1x16 blocks at input columns
+  // k0 + 32h + {0, 16} of row m0 + m (blocks past K are zero-filled; their rows are not stored).
   {
     const int m = threadIdx.x % kFusedTileM, h = threadIdx.x / kFusedTileM;
-    const int64_t row = m0 + m, kcol = k0 + 32 * h;
-    Vec<uint8_t, 16> c;
-    c.w[0] = __ldcs(reinterpret_cast<const uint4*>(codes + row * (K / 2) + kcol / 2));
-    const uint32_t in2 = __ldcs(reinterpret_cast<const unsigned short*>(inner + row * (K / 16) + kcol / 16));
-    const float so = __ldg(outer + row * (K / 128) + kcol / 128);
+    const int64_t row = m0 + m, no = (K + 127) / 128;
     const int pos = fused_pos(m);
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
-      const float sp = fm::nvfp4_2level_block_scale((in2 >> (8 * b)) & 0xFFu, so);
+      const int64_t kc = k0 + 32 * h + 16 * b;
+      float* dst = tile + (32 * h + 16 * b) * kRowStride + pos;
+      if (kc < K) {
+        Vec<uint8_t, 8 * 2> c;  // only the low 8 bytes are used
+        const uint2 w = __ldcs(reinterpret_cast<const uint2*>(codes + row * (K / 2) + kc / 2));
+        c.w[0] = make_uint4(w.x, w.y, 0u, 0u);
+        const float so = __ldg(outer + row * no + kc / 128);
+        const float sp = fm::nvfp4_2level_block_scale(__ldg(inner + row * (K / 16) + kc / 16), so);
 #pragma unroll
-      for (int i = 0; i < 16; ++i)
-        tile[(32 * h + 16 * b + i) * kRowStride + pos] = fm::nvfp4_2level_decode(fm::e2m1_unpack(c.e, 16 * b + i), sp);
+        for (int i = 0; i < 16; ++i) dst[i * kRowStride] = fm::nvfp4_2level_decode(fm::e2m1_unpack(c.e, i), sp);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) dst[i * kRowStride] = 0.0f;
+      }
     }
   }
   __syncthreads();
@@ -192,17 +206,19 @@ __global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requ
         packed.set(2 * q + 1, fm::e2m1_pack(c2, c3));
       }
     }
-    store_packed(codes_t + orow * (M / 2) + ocol / 2, packed);
-    inner_t[orow * (M / 16) + ocol / 16] = static_cast<uint8_t>(si);
-    if (g == 0) outer_t[orow * (M / 128) + m0 / 128] = so;
+    if (orow < K) {  // the shuffles above ran on whole warps
+      store_packed(codes_t + orow * (M / 2) + ocol / 2, packed);
+      inner_t[orow * (M / 16) + ocol / 16] = static_cast<uint8_t>(si);
+      if (g == 0) outer_t[orow * (M / 128) + m0 / 128] = so;
+    }
   }
 }
 
 Status nvfp4_2level_transpose_rht_requantize(uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes,
                                              const uint8_t* inner, const float* outer, int64_t M, int64_t K,
                                              uint32_t sign_mask, const SrKey* sr, cudaStream_t stream) {
-  if (M < 0 || K < 0 || M % 128 != 0 || K % 128 != 0)
-    return invalid_argument("nvfp4_2level_transpose_rht_requantize: M={} and K={} must be multiples of 128", M, K);
+  if (M < 0 || K < 0 || M % 128 != 0 || K % 16 != 0)
+    return invalid_argument("nvfp4_2level_transpose_rht_requantize: M={} must be a multiple of 128 and K={} of 16", M, K);
   if (M == 0 || K == 0) return Status::ok();
   static bool attr_set = [] {
     NIB_CUDA_CHECK(cudaFuncSetAttribute(nvfp4_2level_transpose_rht_requantize_kernel<true>,

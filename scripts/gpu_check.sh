@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# What the GPU machine runs (one call does everything): build the CUDA backend's GPU tests,
+# run them (golden files + CPU-vs-GPU bit-exactness), then the bandwidth benchmark of the format
+# kernels against a device-to-device copy; logs go to $OUT (default ./gpu_out), a short table last.
+# Build strategies, first that works: (1) NIBBLE_GPU_PREBUILT=<dir> holding nibble_backend_cuda_tests
+# (+ lib/ with its shared libraries) built elsewhere from this tree; (2) the project's CMake build
+# (-DNIBBLE_CUDA=ON -DNIBBLE_CUDA_ARCH=90a -DNIBBLE_BENCH=OFF), target nibble_backend_cuda_tests only;
+# (3) a direct nvcc/g++ build of that same binary from src/ with headers carried in .gpudeps/
+# (fmt header-only, nlohmann, googletest sources) for machines without the Debian packages.
+# Test data: $NIBBLE_TESTDATA_DIR, else ./.testdata (a copy of ../shared/testdata).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu_out}
+mkdir -p "$OUT"
+export NIBBLE_TESTDATA_DIR=${NIBBLE_TESTDATA_DIR:-$ROOT/.testdata}
+JOBS=$(nproc)
+START=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/steps.log"; }
+
+stamp "device"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/device.txt"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/device.txt"
+
+BIN=""
+try_prebuilt() {
+  local dir=${NIBBLE_GPU_PREBUILT:-}
+  [ -n "$dir" ] && [ -x "$dir/nibble_backend_cuda_tests" ] || return 1
+  export LD_LIBRARY_PATH="$ROOT/$dir/lib:${LD_LIBRARY_PATH:-}"
+  if "$dir/nibble_backend_cuda_tests" --gtest_list_tests >"$OUT/prebuilt_check.log" 2>&1; then
+    BIN="$ROOT/$dir/nibble_backend_cuda_tests"; return 0
+  fi
+  cat "$OUT/prebuilt_check.log" | head -5
+  return 1
+}
+try_cmake() {
+  command -v cmake >/dev/null || return 1
+  cmake -S . -B build-gpu -G Ninja -DNIBBLE_CUDA=ON -DNIBBLE_CUDA_ARCH=90a -DNIBBLE_BENCH=OFF \
+    -DCMAKE_BUILD_TYPE=Release >"$OUT/cmake_configure.log" 2>&1 || { tail -3 "$OUT/cmake_configure.log"; return 1; }
+  cmake --build build-gpu -j "$JOBS" --target nibble_backend_cuda_tests >"$OUT/cmake_build.log" 2>&1 \
+    || { tail -20 "$OUT/cmake_build.log"; return 1; }
+  BIN="$ROOT/build-gpu/tests/nibble_backend_cuda_tests"
+}
+try_direct() {
+  local D=$ROOT/.gpudeps O=$ROOT/build-gpu-direct
+  [ -d "$D/include" ] || return 1
+  local NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+  mkdir -p "$O"
+  local defs="-DFMT_HEADER_ONLY -DNIBBLE_HAVE_CUDA=1 -DNIBBLE_SOURCE_DIR=\"$ROOT\" -DNIBBLE_TESTDATA_DIR=\"$ROOT/../shared/testdata\""
+  local inc="-I$ROOT/src -I$D/include -I$D/googletest/include -I$D/googletest"
+  local nvf="-std=c++20 -O3 --fmad=false --expt-relaxed-constexpr -Xcompiler=-ffp-contract=off,-fopenmp -DFMT_CONSTEVAL= -DFMT_USE_CONSTEXPR=1 -gencode=arch=compute_90a,code=sm_90a"
+  local cxf="-std=c++20 -O3 -ffp-contract=off -fopenmp"
+  local pids=()
+  for f in src/backend/cuda/*.cu; do
+    eval "$NVCC $nvf $defs $inc -c $f -o $O/$(basename $f).o" >"$O/$(basename $f).log" 2>&1 & pids+=($!)
+  done
+  for f in src/backend/cuda/*.cpp src/formats/*.cpp src/core/tensor.cpp src/core/philox.cpp src/core/parallel.cpp \
+           "$D/googletest/src/gtest-all.cc" "$D/googletest/src/gtest_main.cc"; do
+    case $f in *_test.cpp) continue;; esac
+    eval "g++ $cxf $defs $inc -c $f -o $O/$(basename $f).o" >"$O/$(basename $f).log" 2>&1 & pids+=($!)
+  done
+  local fail=0
+  for p in "${pids[@]}"; do wait "$p" || fail=1; done
+  if [ $fail = 1 ]; then cat "$O"/*.log | grep -m 20 -i error; return 1; fi
+  $NVCC -o "$O/nibble_backend_cuda_tests" "$O"/*.o -Xcompiler=-fopenmp -lcudart >"$O/link.log" 2>&1 || { tail -20 "$O/link.log"; return 1; }
+  BIN="$O/nibble_backend_cuda_tests"
+}
+
+stamp "build"
+if try_prebuilt; then stamp "using prebuilt $BIN"
+elif try_cmake; then stamp "built with CMake: $BIN"
+elif try_direct; then stamp "built directly with nvcc: $BIN"
+else stamp "no build strategy worked"; exit 1; fi
+
+stamp "GPU tests"
+"$BIN" --gtest_brief=0 >"$OUT/tests.log" 2>&1
+TEST_RC=$?
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|differ|cuda tests" "$OUT/tests.log" | head -60
+stamp "GPU tests exit code $TEST_RC"
+
+stamp "bandwidth benchmark"
+NIBBLE_BENCH_OUT="$OUT/bench.txt" "$BIN" --gtest_also_run_disabled_tests --gtest_filter='CudaBench.*' \
+  >"$OUT/bench.log" 2>&1
+BENCH_RC=$?
+stamp "bench exit code $BENCH_RC"
+echo
+echo "tests rc=$TEST_RC bench rc=$BENCH_RC ($(grep -c '^\[       OK \]' "$OUT/tests.log") tests OK, $(grep -c '^\[  FAILED  \]' "$OUT/tests.log") failed lines)"
+cat "$OUT/bench.txt" 2>/dev/null || tail -20 "$OUT/bench.log"
+[ $TEST_RC = 0 ] && [ $BENCH_RC = 0 ]
