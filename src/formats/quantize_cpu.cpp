@@ -6,6 +6,7 @@
 #include "formats/quantize_cpu.h"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "core/check.h"
@@ -17,6 +18,66 @@ namespace {
 
 // Rows per parallel chunk so that a chunk holds at least ~64K elements.
 int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1)); }
+
+#if defined(__GNUC__) && !defined(NIBBLE_FORMATS_SCALAR_ONLY) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+// GCC/Clang vector extensions (portable C++ with a scalar fallback below): 16 lanes of the same
+// IEEE binary32 operations as the scalar functions in nvfp4.h/e2m1.h, so the bits are identical
+// (checked by formats_test against the per-block functions).
+#define NIBBLE_FORMATS_VEC16 1
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef uint64_t v8q __attribute__((vector_size(64)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v16f load16(const uint16_t* p) {  // BF16 bits -> binary32 (exact)
+  v16h h;
+  std::memcpy(&h, p, sizeof h);
+  v16u u = __builtin_convertvector(h, v16u) << 16;
+  return (v16f)(u);
+}
+inline v16f vabs(v16f v) {
+  v16u u = (v16u)(v) & 0x7FFFFFFFu;
+  return (v16f)(u);
+}
+inline v16u vsignbit(v16f v) { return (v16u)(v) >> 31; }
+// max over lanes of |values| with NaN lanes ignored (= the sequential amax_update result).
+inline float hmax_abs16(v16f a) {
+  a = vabs(a);
+  a = a == a ? a : 0.0f;
+  v8f lo, hi;
+  std::memcpy(&lo, &a, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&a) + 32, 32);
+  v8f m8 = lo > hi ? lo : hi;
+  v4f l4, h4;
+  std::memcpy(&l4, &m8, 16);
+  std::memcpy(&h4, reinterpret_cast<const char*>(&m8) + 16, 16);
+  v4f m4 = l4 > h4 ? l4 : h4;
+  float m = 0.0f;
+  for (int i = 0; i < 4; ++i) m = m4[i] > m ? m4[i] : m;
+  return m;
+}
+// e2m1_rne_index on 16 lanes (a >= 0 or NaN).
+inline v16u e2m1_rne_index16(v16f a) {
+  v16i s = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return (v16u)(-s);
+}
+// 16 codes -> 8 packed bytes (even element low nibble); little-endian lane pairing.
+inline void pack16(uint8_t* out, v16u code) {
+  v8q q = (v8q)(code);
+  v8q p = (q & 0xFu) | ((q >> 32) << 4);
+  v8b b = __builtin_convertvector(p, v8b);
+  std::memcpy(out, &b, 8);
+}
+#endif
 
 template <typename In>
 float amax_impl(const In* x, int64_t n) {
@@ -45,7 +106,22 @@ float amax_impl(const In* x, int64_t n) {
 
 // ---- TE ----------------------------------------------------------------------------------------
 
-// One row of K elements, RTN, blocks in groups of kGroup (structure of arrays).
+// One row of K elements, RTN.
+#if NIBBLE_FORMATS_VEC16
+template <typename In>
+void te_row_rtn(uint8_t* codes, uint8_t* scales, const In* x, int64_t K, const Nvfp4TeGlobal& g) {
+  for (int64_t b = 0; b < K / 16; ++b) {
+    v16f xv = load16(x + 16 * b);
+    uint32_t s = nvfp4_te_block_scale(hmax_abs16(xv), g);
+    float enc = nvfp4_te_block_enc(s, g);
+    v16f v = xv * enc;
+    v16i neg = v < 0.0f;
+    v16u code = e2m1_rne_index16(vabs(v)) | ((v16u)(neg) & 8u);
+    pack16(codes + 8 * b, code);
+    scales[b] = static_cast<uint8_t>(s);
+  }
+}
+#else
 template <typename In>
 void te_row_rtn(uint8_t* codes, uint8_t* scales, const In* x, int64_t K, const Nvfp4TeGlobal& g) {
   constexpr int kGroup = 16;
@@ -79,6 +155,8 @@ void te_row_rtn(uint8_t* codes, uint8_t* scales, const In* x, int64_t K, const N
   }
 }
 
+#endif
+
 template <typename In>
 void te_quantize_impl(uint8_t* codes, uint8_t* scales, const In* x, int64_t M, int64_t K, float amax,
                       const SrKey* sr) {
@@ -101,6 +179,33 @@ void te_quantize_impl(uint8_t* codes, uint8_t* scales, const In* x, int64_t M, i
 }
 
 // ---- 2-level -------------------------------------------------------------------------------------
+
+#if NIBBLE_FORMATS_VEC16
+// RTN row of whole 128-blocks (K % 128 == 0), vectorised; bit-identical to twolevel_row.
+template <typename In>
+void twolevel_row_rtn_vec(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t K) {
+  for (int64_t o = 0; o < K / 128; ++o) {
+    v16f xv[8];
+    float bamax[8];
+    float amax = 0.0f;
+    for (int b = 0; b < 8; ++b) {
+      xv[b] = load16(x + 128 * o + 16 * b);
+      bamax[b] = hmax_abs16(xv[b]);
+      amax = amax_update(amax, bamax[b]);
+    }
+    float so = nvfp4_2level_outer_scale(amax);
+    outer[o] = so;
+    for (int b = 0; b < 8; ++b) {
+      uint32_t si = nvfp4_2level_inner_scale(bamax[b], so);
+      inner[8 * o + b] = static_cast<uint8_t>(si);
+      float sp = nvfp4_2level_block_scale(si, so);
+      v16u sign = vsignbit(xv[b]) << 3;
+      v16u code = sp == 0.0f ? sign : (e2m1_rne_index16(vabs(xv[b]) / sp) | sign);
+      pack16(codes + 64 * o + 8 * b, code);
+    }
+  }
+}
+#endif
 
 template <typename In>
 void twolevel_row(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t K, const SrKey* sr,
@@ -156,9 +261,16 @@ void twolevel_quantize_impl(uint8_t* codes, uint8_t* inner, float* outer, const 
   NIB_CHECK_MSG(K % 16 == 0, "nvfp4-2level: K={} must be a multiple of 16", K);
   int64_t no = (K + 127) / 128;
   parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
+    for (int64_t r = r0; r < r1; ++r) {
+#if NIBBLE_FORMATS_VEC16
+      if (sr == nullptr && K % 128 == 0) {
+        twolevel_row_rtn_vec(codes + r * (K / 2), inner + r * (K / 16), outer + r * no, x + r * K, K);
+        continue;
+      }
+#endif
       twolevel_row(codes + r * (K / 2), inner + r * (K / 16), outer + r * no, x + r * K, K, sr,
                    static_cast<uint64_t>(r * K));
+    }
   });
 }
 

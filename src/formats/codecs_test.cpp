@@ -1,0 +1,192 @@
+// Element/scale codec tests (e2m1.h, e4m3.h, e8m0.h, nvfp4.h constants) against independent
+// double-precision oracles written here: nearest representable value by exhaustive search,
+// ties to the even code, saturation; E8M0 rules against frexp/ceil(log2) formulations.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cfloat>
+#include <cmath>
+#include <limits>
+
+#include "core/bits.h"
+#include "core/philox.h"
+#include "formats/e2m1.h"
+#include "formats/e4m3.h"
+#include "formats/e8m0.h"
+#include "formats/nvfp4.h"
+
+namespace nibble::formats {
+namespace {
+
+const double kE2M1[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+
+// Oracle: nearest magnitude index, ties to the even index, saturating.
+uint32_t e2m1_index_ref(double a) {
+  uint32_t best = 0;
+  for (uint32_t i = 1; i < 8; ++i) {
+    double d = std::fabs(a - kE2M1[i]), db = std::fabs(a - kE2M1[best]);
+    if (d < db || (d == db && (i % 2 == 0))) best = i;
+  }
+  return best;
+}
+
+// Oracle: nearest non-negative finite E4M3 byte (0x00..0x7E), ties to even mantissa, saturating.
+uint32_t e4m3_ref(double a) {
+  if (a >= 448.0) return 0x7E;
+  uint32_t best = 0;
+  for (uint32_t c = 1; c <= 0x7E; ++c) {
+    double v = e4m3_decode(c), bv = e4m3_decode(best);
+    double d = std::fabs(a - v), db = std::fabs(a - bv);
+    if (d < db || (d == db && (c % 2 == 0))) best = c;
+  }
+  return best;
+}
+
+TEST(E2M1, TableAndDecode) {
+  for (uint32_t c = 0; c < 16; ++c) {
+    double v = kE2M1[c & 7];
+    EXPECT_EQ(e2m1_decode(c), c & 8 ? -v : v) << c;
+    EXPECT_EQ(std::signbit(e2m1_decode(c)), (c & 8) != 0) << c;  // 0x8 is -0.0
+  }
+  // Mantissa bit alternates along the magnitude ladder (TRACE 1-bit guidance relies on it).
+  for (uint32_t i = 0; i < 8; ++i) EXPECT_EQ(i & 1u, i % 2);
+}
+
+TEST(E2M1, RoundToNearestEvenAgainstOracle) {
+  // The spec's examples.
+  EXPECT_EQ(e2m1_rne_index(0.25f), 0u);
+  EXPECT_EQ(e2m1_rne_index(0.75f), 2u);
+  EXPECT_EQ(e2m1_rne_index(1.25f), 2u);
+  EXPECT_EQ(e2m1_rne_index(1.75f), 4u);
+  EXPECT_EQ(e2m1_rne_index(2.5f), 4u);
+  EXPECT_EQ(e2m1_rne_index(3.5f), 6u);
+  EXPECT_EQ(e2m1_rne_index(5.0f), 6u);
+  EXPECT_EQ(e2m1_rne_index(6.5f), 7u);
+  EXPECT_EQ(e2m1_rne_index(std::numeric_limits<float>::infinity()), 7u);
+  EXPECT_EQ(e2m1_rne_index(std::numeric_limits<float>::quiet_NaN()), 0u);
+  // Every float in [0, 8] on a fine grid plus the neighbours of each threshold.
+  for (int i = 0; i <= 8 * 4096; ++i) {
+    float a = static_cast<float>(i) / 4096.0f;
+    ASSERT_EQ(e2m1_rne_index(a), e2m1_index_ref(a)) << a;
+  }
+  for (float t : {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f})
+    for (float a : {std::nextafter(t, 0.0f), t, std::nextafter(t, 10.0f)}) ASSERT_EQ(e2m1_rne_index(a), e2m1_index_ref(a)) << a;
+}
+
+TEST(E2M1, SignConventions) {
+  // TE: sign bit iff the scaled value < 0.
+  EXPECT_EQ(e2m1_rne_code_te(-0.0f), 0x0u);
+  EXPECT_EQ(e2m1_rne_code_te(0.0f), 0x0u);
+  EXPECT_EQ(e2m1_rne_code_te(-0.1f), 0x8u);  // small negative rounding to zero
+  EXPECT_EQ(e2m1_rne_code_te(-7.0f), 0xFu);
+  EXPECT_EQ(e2m1_rne_code_te(std::numeric_limits<float>::quiet_NaN()), 0x0u);
+  // signbit convention (TetraJet/MX).
+  EXPECT_EQ(e2m1_rne_code_signbit(-0.0f), 0x8u);
+  EXPECT_EQ(e2m1_rne_code_signbit(0.0f), 0x0u);
+  EXPECT_EQ(e2m1_rne_code_signbit(-0.1f), 0x8u);
+  EXPECT_EQ(e2m1_rne_code_signbit(-1.3f), 0xBu);  // 1.3 > 1.25 -> 1.5
+  EXPECT_EQ(e2m1_rne_code_signbit(-1.2f), 0xAu);
+  EXPECT_EQ(e2m1_rne_code_signbit(-std::numeric_limits<float>::infinity()), 0xFu);
+}
+
+TEST(E2M1, Packing) {
+  for (uint32_t a = 0; a < 16; ++a)
+    for (uint32_t b = 0; b < 16; ++b) {
+      uint8_t p[1] = {e2m1_pack(a, b)};
+      EXPECT_EQ(p[0] & 0xF, static_cast<int>(a));  // even element in the low nibble
+      EXPECT_EQ(e2m1_unpack(p, 0), a);
+      EXPECT_EQ(e2m1_unpack(p, 1), b);
+    }
+}
+
+TEST(E4M3, DecodeRoundTripAndSpecials) {
+  for (uint32_t c = 0; c < 256; ++c) {
+    float v = e4m3_decode(c);
+    if ((c & 0x7F) == 0x7F) {
+      EXPECT_TRUE(std::isnan(v)) << c;
+      continue;
+    }
+    EXPECT_EQ(e4m3_rne_sat(v), c) << c;  // includes -0.0 -> 0x80
+  }
+  EXPECT_EQ(e4m3_decode(0x7E), 448.0f);
+  EXPECT_EQ(e4m3_decode(0x01), 0x1p-9f);
+  EXPECT_EQ(e4m3_decode(0x08), 0x1p-6f);
+  EXPECT_EQ(e4m3_rne_sat(1e30f), 0x7Eu);
+  EXPECT_EQ(e4m3_rne_sat(-std::numeric_limits<float>::infinity()), 0xFEu);
+  EXPECT_EQ(e4m3_rne_sat(464.0f), 0x7Eu);   // tie 448/480 -> even (448)
+  EXPECT_EQ(e4m3_rne_sat(470.0f), 0x7Eu);   // would round to 480: saturates
+  EXPECT_EQ(e4m3_rne_sat(std::numeric_limits<float>::quiet_NaN()) & 0x7F, 0x7Fu);
+  EXPECT_EQ(e4m3_rne_sat(0x1p-10f), 0x00u);  // half the smallest subnormal: tie -> 0
+  EXPECT_EQ(e4m3_rne_sat(0x1.8p-9f), 0x02u); // 1.5 * 2^-9: tie -> even (2)
+  EXPECT_EQ(e4m3_rne_sat(1e-45f), 0x00u);    // FP32 subnormal
+}
+
+TEST(E4M3, RoundToNearestEvenAgainstOracle) {
+  // All midpoints between consecutive codes and their float neighbours, then random values.
+  for (uint32_t c = 0; c < 0x7E; ++c) {
+    double mid = 0.5 * (static_cast<double>(e4m3_decode(c)) + e4m3_decode(c + 1));
+    float m = static_cast<float>(mid);  // exact: mid has at most 5 significant bits
+    for (float a : {std::nextafter(m, 0.0f), m, std::nextafter(m, 1000.0f)})
+      ASSERT_EQ(e4m3_rne_sat_magnitude(a), e4m3_ref(a)) << a;
+  }
+  PhiloxStream rng(1, 2);
+  for (int i = 0; i < 20000; ++i) {
+    float a = static_cast<float>(std::ldexp(1.0 + rng.next_uniform_double(), static_cast<int>(rng.next_below(24)) - 14));
+    ASSERT_EQ(e4m3_rne_sat_magnitude(a), e4m3_ref(a)) << a;
+  }
+}
+
+TEST(E8M0, DecodeAndInverse) {
+  EXPECT_EQ(e8m0_decode(127), 1.0f);
+  EXPECT_EQ(e8m0_decode(0), 0x1p-127f);
+  EXPECT_EQ(e8m0_decode(254), 0x1p127f);
+  EXPECT_TRUE(std::isnan(e8m0_decode(255)));
+  for (uint32_t b = 0; b < 255; ++b) EXPECT_EQ(static_cast<double>(e8m0_inverse(b)), std::ldexp(1.0, 127 - static_cast<int>(b))) << b;
+}
+
+// Oracles: floor via frexp, round-up via the exact value, for normal and FP32-subnormal inputs.
+uint32_t floor_ref(float bamax, int emax) {
+  if (!std::isfinite(bamax)) return 255;
+  if (bamax == 0.0f || std::fpclassify(bamax) == FP_SUBNORMAL) return 0;
+  int e;
+  std::frexp(bamax, &e);  // bamax = f * 2^e, f in [0.5, 1): floor(log2) = e - 1
+  int E = std::clamp(e - 1 - emax, -127, 128);
+  return static_cast<uint32_t>(E + 127);
+}
+// smallest byte b with 2^(b-127) >= d (d >= 0 finite), capped at 255.
+uint32_t round_up_ref(double d) {
+  for (int b = 0; b < 255; ++b)
+    if (std::ldexp(1.0, b - 127) >= d) return static_cast<uint32_t>(b);
+  return 255;
+}
+
+TEST(E8M0, ScaleRulesAgainstOracles) {
+  PhiloxStream rng(3, 4);
+  std::vector<float> vals = {0.0f, 1e-45f, 0x1p-149f, 0x1p-127f, 0x1.000002p-127f, 0x1p-126f, 6.0f, 448.0f,
+                             3.0f, 5.9999995f, 6.0000005f, FLT_MAX, 1.0f, 0x1p-130f, 0x1.8p-128f};
+  for (int i = 0; i < 5000; ++i)
+    vals.push_back(static_cast<float>(std::ldexp(1.0 + rng.next_uniform_double(), static_cast<int>(rng.next_below(300)) - 160)));
+  for (float b : vals) {
+    if (!std::isfinite(b)) continue;
+    EXPECT_EQ(e8m0_floor(b, 2), floor_ref(b, 2)) << b;
+    EXPECT_EQ(e8m0_floor(b, 8), floor_ref(b, 8)) << b;
+    float d6 = b * kRecip6, d448 = b * kRecip448;
+    EXPECT_EQ(e8m0_rceil(b, kRecip6), round_up_ref(d6)) << b;
+    EXPECT_EQ(e8m0_rceil(b, kRecip448), round_up_ref(d448)) << b;
+    float dte = b / 6.0f;
+    EXPECT_EQ(e8m0_te_ceil(b), std::min<uint32_t>(round_up_ref(dte), 254)) << b;
+  }
+  EXPECT_EQ(e8m0_floor(std::numeric_limits<float>::infinity(), 2), 255u);
+  EXPECT_EQ(e8m0_rceil(std::numeric_limits<float>::quiet_NaN(), kRecip6), 255u);
+}
+
+TEST(Constants, ReciprocalBits) {
+  EXPECT_EQ(std::bit_cast<uint32_t>(kRecip6), 0x3E2AAAABu);
+  EXPECT_EQ(std::bit_cast<uint32_t>(kRecip448), 0x3B124925u);
+  volatile float v2688 = 2688.0f;  // runtime division: the constant equals fl(1/2688)
+  EXPECT_EQ(kRecip2688, 1.0f / v2688);
+  EXPECT_EQ(kFltMax, FLT_MAX);
+}
+
+}  // namespace
+}  // namespace nibble::formats
