@@ -1,0 +1,312 @@
+// Whole-tensor quantizer tests: the CPU drivers (vectorised paths included) equal the host+device
+// per-block functions the GPU runs, bit for bit, on inputs full of edge values; the documented
+// edge-case behaviour (zero blocks/tensors, E4M3-subnormal scales, saturation, huge/tiny
+// magnitudes, NaN/Inf inputs, -0.0 sign conventions; docs/formats.md) for every family.
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/bits.h"
+#include "core/philox.h"
+#include "formats/quantize_cpu.h"
+
+namespace nibble::formats {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// N(0,1) values times a per-16-block lognormal factor, sprinkled with -0.0, exact ties,
+// FP32 subnormals and huge values: exercises every branch of the scale and element paths.
+std::vector<float> edge_input(int64_t n, uint64_t seed) {
+  PhiloxStream rng(seed, 11);
+  std::vector<float> x(static_cast<size_t>(n));
+  float f = 1.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i % 16 == 0) f = static_cast<float>(std::exp(4.0 * rng.next_normal()));
+    double v = rng.next_normal() * f;
+    switch (rng.next_below(20)) {
+      case 0: v = -0.0; break;
+      case 1: v = 0.0; break;
+      case 2: v = (rng.next_below(2) ? -1 : 1) * 1e-40; break;          // FP32 subnormal
+      case 3: v = (rng.next_below(2) ? -1 : 1) * 0.25 * (1 + rng.next_below(24)); break;  // ties
+      case 4: v = (rng.next_below(2) ? -1 : 1) * 1e37; break;
+      default: break;
+    }
+    x[static_cast<size_t>(i)] = static_cast<float>(v);
+  }
+  return x;
+}
+
+std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
+  std::vector<uint16_t> b(x.size());
+  for (size_t i = 0; i < x.size(); ++i) b[i] = f32_to_bf16_bits(x[i]);
+  return b;
+}
+
+template <typename In>
+void check_te_matches_block_functions(const std::vector<In>& x, int64_t M, int64_t K, const SrKey* sr) {
+  std::vector<uint8_t> codes(static_cast<size_t>(M * K / 2)), scales(static_cast<size_t>(M * K / 16));
+  float amax = nvfp4_te_quantize_cpu(codes.data(), scales.data(), x.data(), M, K, sr);
+  float amax_ref = 0.0f;
+  for (const In& v : x) amax_ref = amax_update(amax_ref, load_f32(v));
+  ASSERT_EQ(float_as_u32(amax), float_as_u32(amax_ref));
+  Nvfp4TeGlobal g = nvfp4_te_global(amax_ref);
+  std::vector<uint8_t> c_ref(codes.size());
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < K / 16; ++b) {
+      const In* xb = x.data() + r * K + 16 * b;
+      uint32_t s = nvfp4_te_quantize_block16(c_ref.data() + r * K / 2 + 8 * b, xb, block_amax(xb, 16), g, sr,
+                                             static_cast<uint64_t>(r * K + 16 * b));
+      ASSERT_EQ(scales[static_cast<size_t>(r * K / 16 + b)], s) << r << "," << b;
+    }
+  ASSERT_EQ(codes, c_ref);
+}
+
+template <typename In>
+void check_2level_matches_block_functions(const std::vector<In>& x, int64_t M, int64_t K, const SrKey* sr) {
+  int64_t no = (K + 127) / 128;
+  std::vector<uint8_t> codes(static_cast<size_t>(M * K / 2)), inner(static_cast<size_t>(M * K / 16));
+  std::vector<float> outer(static_cast<size_t>(M * no));
+  nvfp4_2level_quantize_cpu(codes.data(), inner.data(), outer.data(), x.data(), M, K, sr);
+  std::vector<uint8_t> c_ref(codes.size()), i_ref(inner.size());
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t o = 0; o < no; ++o) {
+      int n = static_cast<int>(std::min<int64_t>(128, K - 128 * o));
+      float so = nvfp4_2level_quantize_block128(c_ref.data() + r * K / 2 + 64 * o, i_ref.data() + r * K / 16 + 8 * o,
+                                                x.data() + r * K + 128 * o, n, sr, static_cast<uint64_t>(r * K + 128 * o));
+      ASSERT_EQ(float_as_u32(outer[static_cast<size_t>(r * no + o)]), float_as_u32(so));
+    }
+  ASSERT_EQ(inner, i_ref);
+  ASSERT_EQ(codes, c_ref);
+}
+
+TEST(Drivers, TeEqualsBlockFunctions) {
+  const int64_t M = 24, K = 256;
+  std::vector<float> x = edge_input(M * K, 1);
+  SrKey key{77, 3};
+  check_te_matches_block_functions(x, M, K, nullptr);
+  check_te_matches_block_functions(to_bf16(x), M, K, nullptr);
+  check_te_matches_block_functions(x, M, K, &key);
+  check_te_matches_block_functions(to_bf16(x), M, K, &key);
+}
+
+TEST(Drivers, TwoLevelEqualsBlockFunctions) {
+  SrKey key{78, 4};
+  for (int64_t K : {256, 272, 48}) {  // whole 128-blocks, a partial last block, a single partial block
+    SCOPED_TRACE(K);
+    const int64_t M = 12;
+    std::vector<float> x = edge_input(M * K, 2);
+    check_2level_matches_block_functions(x, M, K, nullptr);
+    check_2level_matches_block_functions(to_bf16(x), M, K, nullptr);
+    check_2level_matches_block_functions(x, M, K, &key);
+  }
+}
+
+TEST(Drivers, PartialLast128BlockEqualsZeroPadding) {
+  // A row of K = 144 equals the first 144 columns of the zero-padded row of 256.
+  const int64_t K = 144, Kp = 256;
+  std::vector<float> x = edge_input(K, 5), xp(Kp, 0.0f);
+  std::copy(x.begin(), x.end(), xp.begin());
+  std::vector<uint8_t> c(K / 2), i(K / 16), cp(Kp / 2), ip(Kp / 16);
+  float o[2], op[2];
+  nvfp4_2level_quantize_cpu(c.data(), i.data(), o, x.data(), 1, K);
+  nvfp4_2level_quantize_cpu(cp.data(), ip.data(), op, xp.data(), 1, Kp);
+  EXPECT_EQ(std::vector<uint8_t>(cp.begin(), cp.begin() + K / 2), c);
+  EXPECT_EQ(std::vector<uint8_t>(ip.begin(), ip.begin() + K / 16), i);
+  EXPECT_EQ(o[0], op[0]);
+  EXPECT_EQ(o[1], op[1]);
+}
+
+TEST(Drivers, MxEqualsBlockFunctions) {
+  const int64_t M = 8, K = 256;
+  std::vector<float> x = edge_input(M * K, 3);
+  for (MxScaleRule rule : {MxScaleRule::kFloor, MxScaleRule::kRceil, MxScaleRule::kTeCeil}) {
+    std::vector<uint8_t> codes(M * K / 2), scales(M * K / 32), c_ref(M * K / 2);
+    mxfp4_quantize_cpu(codes.data(), scales.data(), x.data(), M, K, rule);
+    for (int64_t b = 0; b < M * K / 32; ++b)
+      ASSERT_EQ(scales[b], mxfp4_quantize_block32(c_ref.data() + 16 * b, x.data() + 32 * b, rule));
+    ASSERT_EQ(codes, c_ref);
+  }
+}
+
+// ---- edge cases -----------------------------------------------------------------------------
+
+TEST(EdgeCases, ZeroTensorAllFamilies) {
+  const int64_t M = 2, K = 128;
+  std::vector<float> x(M * K, 0.0f);
+  x[3] = -0.0f;
+  std::vector<uint8_t> codes(M * K / 2), s16(M * K / 16), s32(M * K / 32), e8(M * K);
+  std::vector<float> outer(M), y(M * K);
+  // TE: amax 0 -> S_enc = FLT_MAX (2688/0 = inf, clamped), scales 0, codes 0 (-0.0 -> 0x0).
+  EXPECT_EQ(nvfp4_te_quantize_cpu(codes.data(), s16.data(), x.data(), M, K), 0.0f);
+  for (uint8_t c : codes) EXPECT_EQ(c, 0);
+  for (uint8_t s : s16) EXPECT_EQ(s, 0);
+  nvfp4_te_dequantize_cpu(y.data(), codes.data(), s16.data(), 0.0f, M, K);
+  for (float v : y) EXPECT_EQ(float_as_u32(v), 0u);
+  // 2-level: s_o = 1, inner 0, codes = sign bit only (-0.0 -> 0x8).
+  nvfp4_2level_quantize_cpu(codes.data(), s16.data(), outer.data(), x.data(), M, K);
+  EXPECT_EQ(outer[0], 1.0f);
+  EXPECT_EQ(codes[1], 0x80);  // element 3 is -0.0: high nibble of byte 1
+  EXPECT_EQ(codes[0], 0x00);
+  // MX floor/rceil: byte 0 (2^-127), codes 0 / 0x8 for -0.0; te-ceil: byte 0, -0.0 -> 0x0.
+  mxfp4_quantize_cpu(codes.data(), s32.data(), x.data(), M, K, MxScaleRule::kFloor);
+  EXPECT_EQ(s32[0], 0);
+  EXPECT_EQ(codes[1], 0x80);
+  mxfp4_quantize_cpu(codes.data(), s32.data(), x.data(), M, K, MxScaleRule::kTeCeil);
+  EXPECT_EQ(s32[0], 0);
+  EXPECT_EQ(codes[1], 0x00);
+  mxfp8_quantize_cpu(e8.data(), s32.data(), x.data(), M, K, MxScaleRule::kRceil);
+  EXPECT_EQ(e8[3], 0x80);
+  EXPECT_EQ(e8[2], 0x00);
+}
+
+TEST(EdgeCases, TeSubnormalAndZeroScales) {
+  // amax 2688 -> S_enc = 1, m = fl(1/6): a block with bamax 6 * 2^-9 gets the smallest
+  // subnormal scale 0x01; a block with bamax <= 6 * 2^-10 rounds its scale to 0 and saturates.
+  std::vector<float> x(48, 0.0f);
+  x[0] = 2688.0f;
+  x[16] = 6.0f * 0x1p-9f;
+  x[17] = -3.0f * 0x1p-9f;
+  x[32] = 6.0f * 0x1p-11f;
+  x[33] = -1e-30f;
+  std::vector<uint8_t> c(24), s(3);
+  nvfp4_te_quantize_cpu(c.data(), s.data(), x.data(), 1, 48);
+  EXPECT_EQ(s[0], 0x7E);
+  EXPECT_EQ(s[1], 0x01);
+  EXPECT_EQ(c[8], 0xD7) << "element 16: 6 -> 0x7 (low nibble), element 17: -3 -> 0xD";
+  EXPECT_EQ(s[2], 0x00);
+  EXPECT_EQ(c[16], 0xF7) << "zero scale: enc = FLT_MAX, non-zero elements saturate to +-6";
+  std::vector<float> y(48);
+  nvfp4_te_dequantize_cpu(y.data(), c.data(), s.data(), 2688.0f, 1, 48);
+  EXPECT_EQ(y[16], 6.0f * 0x1p-9f);
+  EXPECT_EQ(y[17], -3.0f * 0x1p-9f);
+  EXPECT_EQ(y[32], 0.0f);  // scale 0 dequantizes to +-0
+}
+
+TEST(EdgeCases, TeScaleRoundingDownSaturates) {
+  // bamax * m rounds down in E4M3 -> |x * enc| slightly above 6 -> saturates to code 7.
+  // amax = 2688 (S_enc = 1); bamax = 6 * 4.5 = 27 -> fl(27 * fl(1/6)) = 4.5 -> E4M3 4.5 exact;
+  // choose bamax = 6 * 4.6: 4.6 rounds to E4M3 4.5, so 27.6 * (1/4.5) = 6.13 > 6.
+  std::vector<float> x(32, 0.0f);
+  x[0] = 2688.0f;
+  x[16] = 27.6f;
+  x[17] = -27.6f;
+  std::vector<uint8_t> c(16), s(2);
+  nvfp4_te_quantize_cpu(c.data(), s.data(), x.data(), 1, 32);
+  EXPECT_EQ(e4m3_decode(s[1]), 4.5f);
+  EXPECT_EQ(c[8], 0xF7);
+}
+
+TEST(EdgeCases, HugeAndTinyMagnitudes) {
+  // Round trip stays within half an E2M1 step plus the scale rounding for every magnitude the
+  // formats represent. TE's dequant factor fl(s * amax) overflows for amax > FLT_MAX/448, so TE is
+  // checked up to 1e35 (beyond: see TeDequantOverflowIsReferenceBehaviour); below
+  // amax = 2688/FLT_MAX (~7.9e-36) S_enc clamps to FLT_MAX while dequant still uses amax/2688, so
+  // TE does not round-trip there either (reference behaviour). 2-level: 1e-38 .. 3e38.
+  for (float big : {3.0e38f, 1e35f, 1e-30f, 1e-38f}) {
+    SCOPED_TRACE(big);
+    const bool te_in_range = big <= 1e35f && big >= 1e-35f;
+    std::vector<float> x(16);
+    for (int i = 0; i < 16; ++i) x[i] = big * ((i - 7.5f) / 7.5f);
+    std::vector<uint8_t> c(8), s(1), ci(8), si(1);
+    std::vector<float> y(16), y2(16), outer(1);
+    float amax = nvfp4_te_quantize_cpu(c.data(), s.data(), x.data(), 1, 16);
+    nvfp4_te_dequantize_cpu(y.data(), c.data(), s.data(), amax, 1, 16);
+    nvfp4_2level_quantize_cpu(ci.data(), si.data(), outer.data(), x.data(), 1, 16);
+    nvfp4_2level_dequantize_cpu(y2.data(), ci.data(), si.data(), outer.data(), 1, 16);
+    for (int i = 0; i < 16; ++i) {
+      // RTN error <= half the widest E2M1 gap (1 of 6, relative to the block max) plus the E4M3
+      // scale rounding (<= 2^-4 relative) and, for 1e-38 (E4M3-subnormal block scales relative to
+      // S_dec), one subnormal scale step: 0.25 * |big| covers all of them.
+      if (te_in_range) {
+        EXPECT_LE(std::fabs(static_cast<double>(y[i]) - x[i]), 0.25 * std::fabs(big)) << i;
+      }
+      EXPECT_LE(std::fabs(static_cast<double>(y2[i]) - x[i]), 0.25 * std::fabs(big)) << i;
+    }
+  }
+}
+
+TEST(EdgeCases, TeDequantOverflowIsReferenceBehaviour) {
+  // README: "Binary32 overflow gives +-inf and 0 * inf gives NaN, as in the CUDA kernel".
+  std::vector<float> x(16, 0.0f);
+  x[0] = 3e38f;
+  std::vector<uint8_t> c(8), s(1);
+  std::vector<float> y(16);
+  float amax = nvfp4_te_quantize_cpu(c.data(), s.data(), x.data(), 1, 16);
+  nvfp4_te_dequantize_cpu(y.data(), c.data(), s.data(), amax, 1, 16);
+  EXPECT_EQ(y[0], kInf);
+  EXPECT_TRUE(std::isnan(y[1]));
+}
+
+TEST(EdgeCases, NaNAndInfPolicy) {
+  // docs/formats.md "NaN and Inf": amax skips NaN; a NaN element quantizes to magnitude 0.
+  std::vector<float> x(32, 1.0f);
+  x[5] = kNaN;
+  x[6] = -kNaN;
+  std::vector<uint8_t> c(16), s(2);
+  float amax = nvfp4_te_quantize_cpu(c.data(), s.data(), x.data(), 1, 32);
+  EXPECT_EQ(amax, 1.0f);
+  EXPECT_EQ(e2m1_unpack(c.data(), 5), 0x0u);  // TE: NaN -> 0x0 (not "< 0")
+  EXPECT_EQ(e2m1_unpack(c.data(), 6), 0x0u);
+  EXPECT_EQ(e2m1_unpack(c.data(), 4), 0x7u);
+  std::vector<float> outer(1);
+  nvfp4_2level_quantize_cpu(c.data(), s.data(), outer.data(), x.data(), 1, 32);
+  EXPECT_EQ(e2m1_unpack(c.data(), 5), 0x0u);  // 2-level: magnitude 0, sign bit = signbit(NaN)
+  EXPECT_EQ(e2m1_unpack(c.data(), 6), 0x8u);
+  // TE with +Inf: amax = Inf -> S_enc = 1; Inf block scale 448, the Inf element -> code 0x7;
+  // dequantization gives Inf/NaN (TE's kernel behaviour): the caller must check finiteness.
+  x[5] = kInf;
+  x[6] = 1.0f;
+  amax = nvfp4_te_quantize_cpu(c.data(), s.data(), x.data(), 1, 32);
+  EXPECT_EQ(amax, kInf);
+  EXPECT_EQ(s[0], 0x7E);
+  EXPECT_EQ(e2m1_unpack(c.data(), 5), 0x7u);
+  // 2-level with Inf: its 128-block gets outer scale Inf and magnitude-0 codes; other 128-blocks
+  // are unaffected.
+  std::vector<float> x2(256, 1.0f);
+  x2[3] = -kInf;
+  std::vector<uint8_t> c2(128), s2(16);
+  std::vector<float> o2(2);
+  nvfp4_2level_quantize_cpu(c2.data(), s2.data(), o2.data(), x2.data(), 1, 256);
+  EXPECT_EQ(o2[0], kInf);
+  for (int i = 0; i < 128; ++i) EXPECT_EQ(e2m1_unpack(c2.data(), i) & 7u, 0u) << i;
+  EXPECT_EQ(e2m1_unpack(c2.data(), 3), 0x8u);
+  EXPECT_EQ(o2[1], nvfp4_2level_outer_scale(1.0f));
+  EXPECT_EQ(e2m1_unpack(c2.data(), 200), 0x7u);
+  // MX: a block with Inf gets the NaN scale byte 0xFF (floor and rceil); MXFP8 NaN element 0x7F.
+  std::vector<float> x3(32, 1.0f);
+  x3[0] = kInf;
+  x3[1] = kNaN;
+  std::vector<uint8_t> c3(32), s3(1);
+  mxfp4_quantize_cpu(c3.data(), s3.data(), x3.data(), 1, 32, MxScaleRule::kFloor);
+  EXPECT_EQ(s3[0], 0xFF);
+  mxfp8_quantize_cpu(c3.data(), s3.data(), x3.data(), 1, 32, MxScaleRule::kRceil);
+  EXPECT_EQ(s3[0], 0xFF);
+  EXPECT_EQ(c3[1] & 0x7F, 0x7F);
+}
+
+// ---- dequantize(quantize(x)) is idempotent on the grid ------------------------------------------
+
+TEST(RoundTrip, RequantizingDequantizedValuesIsIdentity) {
+  const int64_t M = 8, K = 256;
+  std::vector<float> x = edge_input(M * K, 9);
+  std::vector<uint8_t> c(M * K / 2), s(M * K / 16), c2(M * K / 2), s2(M * K / 16);
+  std::vector<float> o(M * 2), o2(M * 2), y(M * K), y2(M * K);
+  nvfp4_2level_quantize_cpu(c.data(), s.data(), o.data(), x.data(), M, K);
+  nvfp4_2level_dequantize_cpu(y.data(), c.data(), s.data(), o.data(), M, K);
+  nvfp4_2level_quantize_cpu(c2.data(), s2.data(), o2.data(), y.data(), M, K);
+  nvfp4_2level_dequantize_cpu(y2.data(), c2.data(), s2.data(), o2.data(), M, K);
+  // Grid values map to themselves up to the outer scale recomputation (amax' <= amax):
+  // |y2 - y| <= one E2M1 step of y's block, i.e. 2 * sp; bound by 1/3 of the 128-block amax.
+  for (int64_t i = 0; i < M * K; ++i) {
+    float amax = o[static_cast<size_t>(i / 128)] * 2688.0f;
+    EXPECT_LE(std::fabs(y2[i] - y[i]), amax / 3.0f) << i;
+  }
+}
+
+}  // namespace
+}  // namespace nibble::formats
