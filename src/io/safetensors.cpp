@@ -9,7 +9,6 @@
 #include <bit>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <new>
 #include <regex>
@@ -277,18 +276,18 @@ Status check_named_tensors(const std::vector<NamedTensor>& tensors) {
 Status remove_stale_checkpoint_files(const std::string& dir, const std::set<std::string>& keep) {
   static const std::regex shard_re(R"(model-[0-9]{5,}-of-[0-9]{5,}\.safetensors)");
   std::error_code ec;
-  bool removed = false;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    std::string name = e.path().filename().string();
+  std::vector<fs::path> stale;  // collected first: no unlinking while the folder is being listed
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::string name = it->path().filename().string();
     bool ours = name == kSingleName || name == kIndexName || std::regex_match(name, shard_re);
-    if (!ours || keep.count(name)) continue;
-    std::error_code rec;
-    fs::remove(e.path(), rec);
-    if (rec) return io_error("{}: cannot remove stale checkpoint file: {}", e.path().string(), rec.message());
-    removed = true;
+    if (ours && !keep.count(name)) stale.push_back(it->path());
   }
   if (ec) return io_error("{}: cannot list folder: {}", dir, ec.message());
-  return removed ? fsync_dir(dir) : Status::ok();
+  for (const fs::path& p : stale) {
+    fs::remove(p, ec);
+    if (ec) return io_error("{}: cannot remove stale checkpoint file: {}", p.string(), ec.message());
+  }
+  return stale.empty() ? Status::ok() : fsync_dir(dir);
 }
 
 }  // namespace
