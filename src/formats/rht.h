@@ -54,8 +54,15 @@ NIB_HOST_DEVICE void rht16_f32(float* y, const float* x, uint32_t sign_mask) {
 // (NaN/Inf go through the binary32 path).
 NIB_HOST_DEVICE uint16_t f64_to_bf16_bits(double d) {
   if (d != d) return f32_to_bf16_bits(static_cast<float>(d));  // NaN: quiet, sign kept
+  uint64_t u;
+#if NIB_ON_DEVICE
+  u = static_cast<uint64_t>(__double_as_longlong(d));
+#else
+  __builtin_memcpy(&u, &d, 8);
+#endif
+  uint32_t sign = static_cast<uint32_t>(u >> 48) & 0x8000u;  // -0.0 keeps its sign
+  u &= ~(uint64_t{1} << 63);
   double a = d < 0 ? -d : d;
-  uint32_t sign = d < 0 ? 0x8000u : 0u;
   if (a == 0.0) return static_cast<uint16_t>(sign);
   if (a < 0x1p-126) {  // below 2^-126: BF16 subnormal step 2^-133
     double q = a * 0x1p133;                                    // exact scaling
@@ -63,12 +70,6 @@ NIB_HOST_DEVICE uint16_t f64_to_bf16_bits(double d) {
     return static_cast<uint16_t>(sign | static_cast<uint32_t>(r));  // r <= 128 (= min normal)
   }
   // Normal: round the double's 52-bit mantissa to 7 bits, RNE at bit 45.
-  uint64_t u;
-#if NIB_ON_DEVICE
-  u = static_cast<uint64_t>(__double_as_longlong(a));
-#else
-  __builtin_memcpy(&u, &a, 8);
-#endif
   uint64_t ur = u + ((uint64_t{1} << 44) - 1) + ((u >> 45) & 1u);
   int64_t e = static_cast<int64_t>(ur >> 52) - 1023;  // unbiased exponent after rounding
   if (e > 127) return static_cast<uint16_t>(sign | 0x7F80u);
