@@ -1,7 +1,18 @@
 // OpenBLAS-backed matrix products (see gemm.h). Row-major cblas calls; beta = 1 accumulates.
+// Threading: OpenBLAS's own pthread pool is switched to one thread and the output is split into
+// row (or column) blocks over nibble's OpenMP pool instead. Two pools of spinning threads on the
+// same cores (OpenMP for the elementwise ops, OpenBLAS pthreads for GEMMs) were measured to be
+// 4-7x slower on a 2-core machine than one shared pool. The split depends only on the shape and
+// the thread count, so results are reproducible for a given thread count.
 #include "backend/cpu/gemm.h"
 
 #include <cblas.h>
+
+#include <mutex>
+
+#include "core/parallel.h"
+
+extern "C" void openblas_set_num_threads(int);
 
 namespace nibble::cpu {
 
@@ -26,22 +37,60 @@ bool empty_product(T* y, int64_t M, int64_t N, int64_t K, bool accumulate) {
 }
 }  // namespace
 
+// Below this many multiply-adds a GEMM runs on the calling thread.
+constexpr int64_t kParallelGemmWork = 1 << 18;
+
+void single_threaded_blas() {
+  static std::once_flag once;
+  std::call_once(once, [] { openblas_set_num_threads(1); });
+}
+
+// Runs the C (M,N) = op(A) op(B) product as independent blocks of C rows or columns.
+// a_row(m0) / b_col(n0) give the operand pointers of a block starting at row m0 / column n0.
+template <typename T, typename ARow, typename BCol>
+void split_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int64_t M, int64_t N, int64_t K, ARow a_row, int64_t lda,
+                BCol b_col, int64_t ldb, T beta, T* c) {
+  single_threaded_blas();
+  const int threads = num_threads();
+  if (threads <= 1 || M * N * K < kParallelGemmWork) {
+    blas_gemm(ta, tb, M, N, K, a_row(0), lda, b_col(0), ldb, beta, c, N);
+    return;
+  }
+  if (M >= N) {
+    const int64_t grain = (M + threads - 1) / threads;
+    parallel_for(M, grain, [&](int64_t m0, int64_t m1) {
+      blas_gemm(ta, tb, m1 - m0, N, K, a_row(m0), lda, b_col(0), ldb, beta, c + m0 * N, N);
+    });
+  } else {
+    const int64_t grain = (N + threads - 1) / threads;
+    parallel_for(N, grain, [&](int64_t n0, int64_t n1) {
+      blas_gemm(ta, tb, M, n1 - n0, K, a_row(0), lda, b_col(n0), ldb, beta, c + n0, N);
+    });
+  }
+}
+
 template <typename T>
 void matmul_nt(T* y, const T* x, const T* w, int64_t M, int64_t N, int64_t K, bool accumulate) {
   if (empty_product(y, M, N, K, accumulate)) return;
-  blas_gemm(CblasNoTrans, CblasTrans, M, N, K, x, K, w, K, accumulate ? T(1) : T(0), y, N);
+  // x rows m: x + m*K; w^T columns n = w rows n: w + n*K
+  split_gemm(CblasNoTrans, CblasTrans, M, N, K, [&](int64_t m) { return x + m * K; }, K,
+             [&](int64_t n) { return w + n * K; }, K, accumulate ? T(1) : T(0), y);
 }
 
 template <typename T>
 void matmul_nn(T* y, const T* a, const T* b, int64_t M, int64_t N, int64_t K, bool accumulate) {
   if (empty_product(y, M, N, K, accumulate)) return;
-  blas_gemm(CblasNoTrans, CblasNoTrans, M, N, K, a, K, b, N, accumulate ? T(1) : T(0), y, N);
+  // a rows m: a + m*K; b columns n: b + n (ld N)
+  split_gemm(CblasNoTrans, CblasNoTrans, M, N, K, [&](int64_t m) { return a + m * K; }, K,
+             [&](int64_t n) { return b + n; }, N, accumulate ? T(1) : T(0), y);
 }
 
 template <typename T>
 void matmul_tn(T* y, const T* a, const T* b, int64_t M, int64_t N, int64_t K, bool accumulate) {
   if (empty_product(y, M, N, K, accumulate)) return;
-  blas_gemm(CblasTrans, CblasNoTrans, M, N, K, a, M, b, N, accumulate ? T(1) : T(0), y, N);
+  // a: (K,M), rows m of a^T are columns m of a: a + m (ld M); b columns n: b + n (ld N)
+  split_gemm(CblasTrans, CblasNoTrans, M, N, K, [&](int64_t m) { return a + m; }, M,
+             [&](int64_t n) { return b + n; }, N, accumulate ? T(1) : T(0), y);
 }
 
 template void matmul_nt<float>(float*, const float*, const float*, int64_t, int64_t, int64_t, bool);
