@@ -83,6 +83,18 @@ NIBBLE_BENCH_OUT="$OUT/bench.txt" "$BIN" --gtest_also_run_disabled_tests --gtest
   >"$OUT/bench.log" 2>&1
 BENCH_RC=$?
 stamp "bench exit code $BENCH_RC"
+if [ "${NIBBLE_GPU_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
+  # Hardware counters of three kernels on the quick (4096^2) bench: is it issue- or memory-bound?
+  stamp "ncu profiles"
+  for k in 'nvfp4_te_quantize_kernel<nibble::cuda::FormatsCodec' 'nvfp4_2level_quantize_kernel<nibble::cuda::FormatsCodec' \
+           'transpose_rht_requantize_kernel<nibble::cuda::FormatsCodec, true'; do
+    NIBBLE_BENCH_QUICK=1 timeout 120 ncu --clock-control none --kernel-name-base demangled -k "regex:${k//[<>:,]/.}" -c 1 \
+      --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+      "$BIN" --gtest_also_run_disabled_tests --gtest_filter='CudaBench.*' >>"$OUT/ncu.txt" 2>&1
+  done
+  grep -E "nvfp4|transpose_rht|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|No Eligible|Duration" "$OUT/ncu.txt" | head -40
+fi
+
 echo
 echo "tests rc=$TEST_RC bench rc=$BENCH_RC ($(grep -c '^\[       OK \]' "$OUT/tests.log") tests OK, $(grep -c '^\[  FAILED  \]' "$OUT/tests.log") failed lines)"
 cat "$OUT/bench.txt" 2>/dev/null || tail -20 "$OUT/bench.log"

@@ -10,6 +10,7 @@
 
 #include <type_traits>
 
+#include "backend/cuda/codec_candidates.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernel_util.cuh"
 #include "formats/e2m1.h"
@@ -107,8 +108,18 @@ Status absmax(float* amax, const In* x, int64_t n, cudaStream_t stream) {
 
 // ---- NVFP4 TE 1x16 ---------------------------------------------------------------------------
 
-// One thread quantizes NB consecutive 1x16 blocks starting at flat block b0 (all in range).
-template <typename In, int NB, bool kSR>
+// max over 16 elements with the codec's NaN-skipping max (formats::block_amax for FormatsCodec).
+template <typename Codec, typename In>
+__device__ __forceinline__ float block16_amax(const In* x) {
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) m = Codec::amax(m, fm::load_f32(x[i]));
+  return m;
+}
+
+// One thread quantizes NB consecutive 1x16 blocks starting at flat block b0 (all in range):
+// the steps of formats::nvfp4_te_quantize_block16, with the element step from Codec.
+template <typename Codec, typename In, int NB, bool kSR>
 __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales, const In* x, int64_t b0,
                                                 const fm::Nvfp4TeGlobal& g, int64_t kb, bool swizzled,
                                                 const fm::SrKey& key) {
@@ -119,23 +130,22 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
     const In* xb = &v.e[16 * b];
-    float bamax = fm::block_amax(xb, 16);
+    s[b] = fm::nvfp4_te_block_scale(block16_amax<Codec>(xb), g);
+    const float enc = fm::nvfp4_te_block_enc(s[b], g);
     if constexpr (!kSR) {
-      uint8_t p[8];
-      s[b] = fm::nvfp4_te_quantize_block16(p, xb, bamax, g);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) packed.set(8 * b + i, p[i]);
+      for (int i = 0; i < 8; ++i)
+        packed.set(8 * b + i, fm::e2m1_pack(Codec::te_rtn(fm::load_f32(xb[2 * i]), enc),
+                                            Codec::te_rtn(fm::load_f32(xb[2 * i + 1]), enc)));
     } else {
-      s[b] = fm::nvfp4_te_block_scale(bamax, g);
-      float enc = fm::nvfp4_te_block_enc(s[b], g);
       const uint64_t q0 = static_cast<uint64_t>(b0 + b) * 4;  // flat element (b0+b)*16, / 4
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         Philox4x32 w = sr_words(key, q0 + q);
-        uint32_t c0 = fm::nvfp4_te_encode_sr(fm::load_f32(xb[4 * q + 0]), enc, word_uniform(w, 0));
-        uint32_t c1 = fm::nvfp4_te_encode_sr(fm::load_f32(xb[4 * q + 1]), enc, word_uniform(w, 1));
-        uint32_t c2 = fm::nvfp4_te_encode_sr(fm::load_f32(xb[4 * q + 2]), enc, word_uniform(w, 2));
-        uint32_t c3 = fm::nvfp4_te_encode_sr(fm::load_f32(xb[4 * q + 3]), enc, word_uniform(w, 3));
+        uint32_t c0 = Codec::te_sr(fm::load_f32(xb[4 * q + 0]), enc, word_uniform(w, 0));
+        uint32_t c1 = Codec::te_sr(fm::load_f32(xb[4 * q + 1]), enc, word_uniform(w, 1));
+        uint32_t c2 = Codec::te_sr(fm::load_f32(xb[4 * q + 2]), enc, word_uniform(w, 2));
+        uint32_t c3 = Codec::te_sr(fm::load_f32(xb[4 * q + 3]), enc, word_uniform(w, 3));
         packed.set(8 * b + 2 * q, fm::e2m1_pack(c0, c1));
         packed.set(8 * b + 2 * q + 1, fm::e2m1_pack(c2, c3));
       }
@@ -152,7 +162,7 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
 
 // codes (M, K/2), scales (M, K/16) or swizzled; amax (1) already holds max |x|; x (M, K) flat as
 // nblocks 1x16 blocks. Thread t owns blocks 2t, 2t+1.
-template <typename In, bool kSR>
+template <typename Codec, typename In, bool kSR>
 __global__ void __launch_bounds__(kThreads) nvfp4_te_quantize_kernel(uint8_t* codes, uint8_t* scales, const float* amax,
                                                                     const In* x, int64_t nblocks, int64_t kb,
                                                                     bool swizzled, fm::SrKey key) {
@@ -160,13 +170,13 @@ __global__ void __launch_bounds__(kThreads) nvfp4_te_quantize_kernel(uint8_t* co
   const int64_t b0 = 2 * t;
   if (b0 >= nblocks) return;
   const fm::Nvfp4TeGlobal g = fm::nvfp4_te_global(*amax);
-  if (b0 + 1 < nblocks) nvfp4_te_blocks<In, 2, kSR>(codes, scales, x, b0, g, kb, swizzled, key);
-  else nvfp4_te_blocks<In, 1, kSR>(codes, scales, x, b0, g, kb, swizzled, key);
+  if (b0 + 1 < nblocks) nvfp4_te_blocks<Codec, In, 2, kSR>(codes, scales, x, b0, g, kb, swizzled, key);
+  else nvfp4_te_blocks<Codec, In, 1, kSR>(codes, scales, x, b0, g, kb, swizzled, key);
 }
 
-template <typename In>
-Status quantize_nvfp4_te(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
-                         const SrKey* sr, AmaxMode amax_mode, ScaleLayout layout, cudaStream_t stream) {
+template <typename Codec, typename In>
+Status quantize_nvfp4_te_impl(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
+                              const SrKey* sr, AmaxMode amax_mode, ScaleLayout layout, cudaStream_t stream) {
   if (M < 0 || K <= 0 || K % 16 != 0) return invalid_argument("quantize_nvfp4_te: K={} must be a positive multiple of 16", K);
   if (!aligned16(x) || !aligned16(codes)) return invalid_argument("quantize_nvfp4_te: x and codes must be 16-byte aligned");
   const int64_t kb = K / 16, nblocks = M * kb;
@@ -177,10 +187,21 @@ Status quantize_nvfp4_te(uint8_t* codes, uint8_t* scales, float* amax, const In*
   const int64_t threads = (nblocks + 1) / 2;
   const int grid = ceil_div_int(threads, kThreads);
   fm::SrKey key = sr ? *sr : fm::SrKey{};
-  if (sr) nvfp4_te_quantize_kernel<In, true><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
-  else nvfp4_te_quantize_kernel<In, false><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
+  if (sr) nvfp4_te_quantize_kernel<Codec, In, true><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
+  else nvfp4_te_quantize_kernel<Codec, In, false><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
+}
+
+template <typename In>
+Status quantize_nvfp4_te(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
+                         const SrKey* sr, AmaxMode amax_mode, ScaleLayout layout, cudaStream_t stream) {
+  return quantize_nvfp4_te_impl<FormatsCodec>(codes, scales, amax, x, M, K, sr, amax_mode, layout, stream);
+}
+template <typename In>
+Status quantize_nvfp4_te_candidate(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
+                                   const SrKey* sr, AmaxMode amax_mode, ScaleLayout layout, cudaStream_t stream) {
+  return quantize_nvfp4_te_impl<CandidateCodec>(codes, scales, amax, x, M, K, sr, amax_mode, layout, stream);
 }
 
 // ---- NVFP4 TE 2-D (16x16 tiles) --------------------------------------------------------------
@@ -308,7 +329,7 @@ Status dequantize_nvfp4_te(Out* y, const uint8_t* codes, const uint8_t* scales, 
 
 // Quantize the 32 elements v (flat elements 32*t .. 32*t+31, a quarter of one 128-block) given the
 // 128-block's outer scale; writes 16 code bytes, returns the two inner scale bytes.
-template <typename In, bool kSR>
+template <typename Codec, typename In, bool kSR>
 __device__ __forceinline__ void nvfp4_2level_quarter(PackedBytes<16>& packed, uint32_t si[2], const In* e,
                                                      const float bamax[2], float so, uint64_t elem0,
                                                      const fm::SrKey& key) {
@@ -320,17 +341,17 @@ __device__ __forceinline__ void nvfp4_2level_quarter(PackedBytes<16>& packed, ui
     if constexpr (!kSR) {
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        packed.set(8 * b + i, fm::e2m1_pack(fm::nvfp4_2level_encode_rtn(fm::load_f32(xb[2 * i]), sp),
-                                            fm::nvfp4_2level_encode_rtn(fm::load_f32(xb[2 * i + 1]), sp)));
+        packed.set(8 * b + i, fm::e2m1_pack(Codec::tl_rtn(fm::load_f32(xb[2 * i]), sp),
+                                            Codec::tl_rtn(fm::load_f32(xb[2 * i + 1]), sp)));
     } else {
       const uint64_t q0 = (elem0 + 16 * b) / 4;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         Philox4x32 w = sr_words(key, q0 + q);
-        uint32_t c0 = fm::nvfp4_2level_encode_sr(fm::load_f32(xb[4 * q + 0]), sp, word_uniform(w, 0));
-        uint32_t c1 = fm::nvfp4_2level_encode_sr(fm::load_f32(xb[4 * q + 1]), sp, word_uniform(w, 1));
-        uint32_t c2 = fm::nvfp4_2level_encode_sr(fm::load_f32(xb[4 * q + 2]), sp, word_uniform(w, 2));
-        uint32_t c3 = fm::nvfp4_2level_encode_sr(fm::load_f32(xb[4 * q + 3]), sp, word_uniform(w, 3));
+        uint32_t c0 = Codec::tl_sr(fm::load_f32(xb[4 * q + 0]), sp, word_uniform(w, 0));
+        uint32_t c1 = Codec::tl_sr(fm::load_f32(xb[4 * q + 1]), sp, word_uniform(w, 1));
+        uint32_t c2 = Codec::tl_sr(fm::load_f32(xb[4 * q + 2]), sp, word_uniform(w, 2));
+        uint32_t c3 = Codec::tl_sr(fm::load_f32(xb[4 * q + 3]), sp, word_uniform(w, 3));
         packed.set(8 * b + 2 * q, fm::e2m1_pack(c0, c1));
         packed.set(8 * b + 2 * q + 1, fm::e2m1_pack(c2, c3));
       }
@@ -341,7 +362,7 @@ __device__ __forceinline__ void nvfp4_2level_quarter(PackedBytes<16>& packed, ui
 // Four consecutive lanes form one 128-block of a row: lane q of block (r, j) owns row r's
 // elements c = 128j + 32q .. +31 (K % 16 == 0: a row's last 128-block may be partial, zero-padded,
 // so a lane may own 0, 1 or 2 inner blocks). kFull32: K % 32 == 0 and every lane owns both.
-template <typename In, bool kSR>
+template <typename Codec, typename In, bool kSR>
 __global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t* codes, uint8_t* inner, float* outer,
                                                                         const In* x, int64_t M, int64_t K,
                                                                         bool swizzled, fm::SrKey key) {
@@ -365,13 +386,13 @@ __global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t
       for (int i = 0; i < 16; ++i) v.e[i] = h.e[i];
     }
   }
-  float bamax[2] = {fm::block_amax(v.e, 16), fm::block_amax(v.e + 16, 16)};
+  float bamax[2] = {block16_amax<Codec>(v.e), block16_amax<Codec>(v.e + 16)};
   const float amax128 = group_max<4>(fmaxf(bamax[0], bamax[1]));
   const float so = fm::nvfp4_2level_outer_scale(amax128);
   if (!ok0) return;
   PackedBytes<16> packed;
   uint32_t si[2];
-  nvfp4_2level_quarter<In, kSR>(packed, si, v.e, bamax, so, static_cast<uint64_t>(r * K + c), key);
+  nvfp4_2level_quarter<Codec, In, kSR>(packed, si, v.e, bamax, so, static_cast<uint64_t>(r * K + c), key);
   uint8_t* cp = codes + (r * K + c) / 2;
   const int64_t b0 = r * kb + c / 16;
   if (ok1 && (K % 32 == 0)) {
@@ -389,9 +410,9 @@ __global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t
   if ((t & 3) == 0) outer[o] = so;
 }
 
-template <typename In>
-Status quantize_nvfp4_2level(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
-                             const SrKey* sr, ScaleLayout inner_layout, cudaStream_t stream) {
+template <typename Codec, typename In>
+Status quantize_nvfp4_2level_impl(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
+                                  const SrKey* sr, ScaleLayout inner_layout, cudaStream_t stream) {
   if (M < 0 || K <= 0 || K % 16 != 0) return invalid_argument("quantize_nvfp4_2level: K={} must be a positive multiple of 16", K);
   if (!aligned16(x) || !aligned16(codes)) return invalid_argument("quantize_nvfp4_2level: x and codes must be 16-byte aligned");
   const int64_t kb = K / 16, n128 = M * ((K + 127) / 128);
@@ -400,10 +421,21 @@ Status quantize_nvfp4_2level(uint8_t* codes, uint8_t* inner, float* outer, const
   if (n128 == 0) return Status::ok();
   const int grid = ceil_div_int(n128 * 4, kThreads);
   fm::SrKey key = sr ? *sr : fm::SrKey{};
-  if (sr) nvfp4_2level_quantize_kernel<In, true><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
-  else nvfp4_2level_quantize_kernel<In, false><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
+  if (sr) nvfp4_2level_quantize_kernel<Codec, In, true><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
+  else nvfp4_2level_quantize_kernel<Codec, In, false><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
+}
+
+template <typename In>
+Status quantize_nvfp4_2level(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
+                             const SrKey* sr, ScaleLayout inner_layout, cudaStream_t stream) {
+  return quantize_nvfp4_2level_impl<FormatsCodec>(codes, inner, outer, x, M, K, sr, inner_layout, stream);
+}
+template <typename In>
+Status quantize_nvfp4_2level_candidate(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
+                                       const SrKey* sr, ScaleLayout inner_layout, cudaStream_t stream) {
+  return quantize_nvfp4_2level_impl<CandidateCodec>(codes, inner, outer, x, M, K, sr, inner_layout, stream);
 }
 
 // y <- dequantized; thread per 1x16 block.
@@ -609,6 +641,10 @@ Status dequantize_mxfp8(Out* y, const uint8_t* elems, const uint8_t* scales, int
                                      cudaStream_t);
 NIB_INSTANTIATE_IN(float)
 NIB_INSTANTIATE_IN(uint16_t)
+template Status quantize_nvfp4_te_candidate<uint16_t>(uint8_t*, uint8_t*, float*, const uint16_t*, int64_t, int64_t,
+                                                      const SrKey*, AmaxMode, ScaleLayout, cudaStream_t);
+template Status quantize_nvfp4_2level_candidate<uint16_t>(uint8_t*, uint8_t*, float*, const uint16_t*, int64_t, int64_t,
+                                                          const SrKey*, ScaleLayout, cudaStream_t);
 
 #define NIB_INSTANTIATE_OUT(Out)                                                                                       \
   template Status dequantize_nvfp4_te<Out>(Out*, const uint8_t*, const uint8_t*, const float*, int64_t, int64_t,      \

@@ -7,6 +7,7 @@
 // Mirrors TE's hadamard_transform_cast_fusion (tile transpose + RHT + cast) in structure.
 #include <cuda_runtime.h>
 
+#include "backend/cuda/codec_candidates.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/quantize.h"
@@ -136,7 +137,7 @@ __device__ __forceinline__ int fused_pos(int m) { return (m >> 4) * kGroupStride
 
 // codes_t (K, M/2), inner_t (K, M/16), outer_t (K, M/128) <- codes (M, K/2), inner (M, K/16),
 // outer (M, K/128). grid = (K/64, M/128).
-template <bool kSR>
+template <typename Codec, bool kSR>
 __global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requantize_kernel(
     uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes, const uint8_t* inner,
     const float* outer, int64_t M, int64_t K, uint32_t sign_mask, fm::SrKey key) {
@@ -183,7 +184,9 @@ __global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requ
       v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
     }
     fm::rht16_f32(v, v, sign_mask);
-    const float bamax = fm::block_amax(v, 16);
+    float bamax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) bamax = Codec::amax(bamax, v[i]);
     const float so = fm::nvfp4_2level_outer_scale(group_max<8>(bamax));
     const uint32_t si = fm::nvfp4_2level_inner_scale(bamax, so);
     const float sp = fm::nvfp4_2level_block_scale(si, so);
@@ -192,16 +195,16 @@ __global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requ
     if constexpr (!kSR) {
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        packed.set(i, fm::e2m1_pack(fm::nvfp4_2level_encode_rtn(v[2 * i], sp), fm::nvfp4_2level_encode_rtn(v[2 * i + 1], sp)));
+        packed.set(i, fm::e2m1_pack(Codec::tl_rtn(v[2 * i], sp), Codec::tl_rtn(v[2 * i + 1], sp)));
     } else {
       const uint64_t q0 = static_cast<uint64_t>(orow * M + ocol) / 4;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         Philox4x32 w = sr_words(key, q0 + q);
-        uint32_t c0 = fm::nvfp4_2level_encode_sr(v[4 * q + 0], sp, u32_to_uniform(w.v[0]));
-        uint32_t c1 = fm::nvfp4_2level_encode_sr(v[4 * q + 1], sp, u32_to_uniform(w.v[1]));
-        uint32_t c2 = fm::nvfp4_2level_encode_sr(v[4 * q + 2], sp, u32_to_uniform(w.v[2]));
-        uint32_t c3 = fm::nvfp4_2level_encode_sr(v[4 * q + 3], sp, u32_to_uniform(w.v[3]));
+        uint32_t c0 = Codec::tl_sr(v[4 * q + 0], sp, u32_to_uniform(w.v[0]));
+        uint32_t c1 = Codec::tl_sr(v[4 * q + 1], sp, u32_to_uniform(w.v[1]));
+        uint32_t c2 = Codec::tl_sr(v[4 * q + 2], sp, u32_to_uniform(w.v[2]));
+        uint32_t c3 = Codec::tl_sr(v[4 * q + 3], sp, u32_to_uniform(w.v[3]));
         packed.set(2 * q, fm::e2m1_pack(c0, c1));
         packed.set(2 * q + 1, fm::e2m1_pack(c2, c3));
       }
@@ -214,29 +217,41 @@ __global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requ
   }
 }
 
-Status nvfp4_2level_transpose_rht_requantize(uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes,
-                                             const uint8_t* inner, const float* outer, int64_t M, int64_t K,
-                                             uint32_t sign_mask, const SrKey* sr, cudaStream_t stream) {
+template <typename Codec>
+Status fused_impl(uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes, const uint8_t* inner,
+                  const float* outer, int64_t M, int64_t K, uint32_t sign_mask, const SrKey* sr, cudaStream_t stream) {
   if (M < 0 || K < 0 || M % 128 != 0 || K % 16 != 0)
     return invalid_argument("nvfp4_2level_transpose_rht_requantize: M={} must be a multiple of 128 and K={} of 16", M, K);
   if (M == 0 || K == 0) return Status::ok();
   static bool attr_set = [] {
-    NIB_CUDA_CHECK(cudaFuncSetAttribute(nvfp4_2level_transpose_rht_requantize_kernel<true>,
+    NIB_CUDA_CHECK(cudaFuncSetAttribute(nvfp4_2level_transpose_rht_requantize_kernel<Codec, true>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmemBytes));
-    NIB_CUDA_CHECK(cudaFuncSetAttribute(nvfp4_2level_transpose_rht_requantize_kernel<false>,
+    NIB_CUDA_CHECK(cudaFuncSetAttribute(nvfp4_2level_transpose_rht_requantize_kernel<Codec, false>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmemBytes));
     return true;
   }();
   (void)attr_set;
   dim3 grid(ceil_div_int(K, kFusedTileK), ceil_div_int(M, kFusedTileM));
   if (sr)
-    nvfp4_2level_transpose_rht_requantize_kernel<true><<<grid, kFusedThreads, kFusedSmemBytes, stream>>>(
+    nvfp4_2level_transpose_rht_requantize_kernel<Codec, true><<<grid, kFusedThreads, kFusedSmemBytes, stream>>>(
         codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, *sr);
   else
-    nvfp4_2level_transpose_rht_requantize_kernel<false><<<grid, kFusedThreads, kFusedSmemBytes, stream>>>(
+    nvfp4_2level_transpose_rht_requantize_kernel<Codec, false><<<grid, kFusedThreads, kFusedSmemBytes, stream>>>(
         codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, fm::SrKey{});
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
+}
+
+Status nvfp4_2level_transpose_rht_requantize(uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes,
+                                             const uint8_t* inner, const float* outer, int64_t M, int64_t K,
+                                             uint32_t sign_mask, const SrKey* sr, cudaStream_t stream) {
+  return fused_impl<FormatsCodec>(codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, sr, stream);
+}
+Status nvfp4_2level_transpose_rht_requantize_candidate(uint8_t* codes_t, uint8_t* inner_t, float* outer_t,
+                                                       const uint8_t* codes, const uint8_t* inner, const float* outer,
+                                                       int64_t M, int64_t K, uint32_t sign_mask, const SrKey* sr,
+                                                       cudaStream_t stream) {
+  return fused_impl<CandidateCodec>(codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, sr, stream);
 }
 
 }  // namespace nibble::cuda

@@ -1,0 +1,152 @@
+// Exhaustive GPU checks that the candidate element steps of codec_candidates.cuh equal the
+// formats/ functions they shadow for every binary32 input (2^32 patterns; SR at three u per
+// input, two of them on the rounding boundary), and that the kernels built on CandidateCodec
+// reproduce the CPU drivers bit for bit. Skips without a CUDA device.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "backend/cuda/codec_candidates.cuh"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.h"
+#include "core/philox.h"
+#include "formats/e2m1.h"
+#include "formats/quantize_cpu.h"
+#include "formats/rht.h"
+
+namespace nibble::cuda {
+namespace {
+
+namespace fm = ::nibble::formats;
+
+bool gpu_ok() {
+  static bool ok = init().is_ok();
+  return ok;
+}
+
+// mismatches[0]: rne index, [1]: SR index, [2]: amax step; first[]: one failing bit pattern.
+__global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* first, uint64_t base, uint64_t count) {
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t bits = static_cast<uint32_t>(base + i);
+    const float a = __uint_as_float(bits);
+    if (fm::e2m1_rne_index(a) != e2m1_rne_index_intround(a)) {
+      atomicAdd(&mismatches[0], 1ull);
+      first[0] = bits;
+    }
+    // SR: a random u, and u just at / below the up-probability (the decision boundary).
+    const uint32_t di = fm::e2m1_sr_index(a, 1.0f) ;  // u = 1 never rounds up: the floor index
+    const float down = fm::e2m1_magnitude(di);
+    const float gap = di < 4u ? 0.5f : (di < 6u ? 1.0f : 2.0f);
+    const float frac = (a - down) / gap;
+    const float us[3] = {u32_to_uniform(philox_word(12345, 0, bits)), frac, nextafterf(frac, 0.0f)};
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+      if (fm::e2m1_sr_index(a, us[j]) != e2m1_sr_index_mul(a, us[j])) {
+        atomicAdd(&mismatches[1], 1ull);
+        first[1] = bits;
+      }
+    }
+    // amax step: m from a small set of non-negative values, x = a.
+    const float ms[4] = {0.0f, 1.0f, 3.0e38f, 1e-42f};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (__float_as_uint(fm::amax_update(ms[j], a)) != __float_as_uint(CandidateCodec::amax(ms[j], a))) {
+        atomicAdd(&mismatches[2], 1ull);
+        first[2] = bits;
+      }
+    }
+  }
+}
+
+TEST(CodecCandidates, ExhaustiveAgainstFormats) {
+  if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
+  unsigned long long* mism;
+  unsigned int* first;
+  NIB_CUDA_CHECK(cudaMalloc(&mism, 3 * sizeof(unsigned long long)));
+  NIB_CUDA_CHECK(cudaMalloc(&first, 3 * sizeof(unsigned int)));
+  NIB_CUDA_CHECK(cudaMemset(mism, 0, 3 * sizeof(unsigned long long)));
+  exhaustive_kernel<<<132 * 16, 256>>>(mism, first, 0, uint64_t{1} << 32);
+  NIB_CUDA_CHECK_LAUNCH();
+  unsigned long long h[3];
+  unsigned int f[3];
+  NIB_CUDA_CHECK(cudaMemcpy(h, mism, sizeof h, cudaMemcpyDeviceToHost));
+  NIB_CUDA_CHECK(cudaMemcpy(f, first, sizeof f, cudaMemcpyDeviceToHost));
+  cudaFree(mism);
+  cudaFree(first);
+  EXPECT_EQ(h[0], 0u) << "e2m1 rne index differs, e.g. bits 0x" << std::hex << f[0];
+  EXPECT_EQ(h[1], 0u) << "e2m1 SR index differs, e.g. bits 0x" << std::hex << f[1];
+  EXPECT_EQ(h[2], 0u) << "amax step differs, e.g. bits 0x" << std::hex << f[2];
+}
+
+template <typename T>
+struct DevVec {
+  T* p = nullptr;
+  size_t n;
+  explicit DevVec(size_t n_) : n(n_) {
+    NIB_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+    NIB_CUDA_CHECK(cudaMemset(p, 0xA5, std::max<size_t>(n, 1) * sizeof(T)));
+  }
+  explicit DevVec(const std::vector<T>& h) : DevVec(h.size()) {
+    NIB_CUDA_CHECK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  ~DevVec() { cudaFree(p); }
+  std::vector<T> host() const {
+    std::vector<T> h(n);
+    NIB_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+TEST(CodecCandidates, KernelsMatchCpu) {
+  if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
+  const int64_t M = 256, K = 384, n = M * K;
+  PhiloxStream rng(77, 0);
+  std::vector<uint16_t> xb(n);
+  std::vector<float> xf(n);
+  for (int64_t i = 0; i < n; ++i) {
+    float v = static_cast<float>(rng.next_normal() * std::exp(2.0 * rng.next_normal()));
+    if (i % 97 == 0) v = 0.0f;
+    if (i % 89 == 0) v = -0.0f;
+    xb[i] = f32_to_bf16_bits(v);
+    xf[i] = bf16_bits_to_f32(xb[i]);
+  }
+  DevVec<uint16_t> x(xb);
+  for (int s = 0; s < 2; ++s) {
+    fm::SrKey key{static_cast<uint64_t>(s) + 5, 2};
+    const fm::SrKey* sr = s ? &key : nullptr;
+    std::vector<uint8_t> c(n / 2), sc(n / 16);
+    float amax = fm::nvfp4_te_quantize_cpu(c.data(), sc.data(), xb.data(), M, K, sr);
+    DevVec<uint8_t> cd(n / 2), sd(n / 16);
+    DevVec<float> ad(1);
+    ASSERT_TRUE(quantize_nvfp4_te_candidate(cd.p, sd.p, ad.p, x.p, M, K, sr, AmaxMode::kCompute, ScaleLayout::kLinear, nullptr).is_ok());
+    EXPECT_EQ(cd.host(), c);
+    EXPECT_EQ(sd.host(), sc);
+    EXPECT_EQ(ad.host()[0], amax);
+    std::vector<uint8_t> ti(n / 16);
+    std::vector<float> to(n / 128);
+    fm::nvfp4_2level_quantize_cpu(c.data(), ti.data(), to.data(), xb.data(), M, K, sr);
+    DevVec<float> od(n / 128);
+    ASSERT_TRUE(quantize_nvfp4_2level_candidate(cd.p, sd.p, od.p, x.p, M, K, sr, ScaleLayout::kLinear, nullptr).is_ok());
+    EXPECT_EQ(cd.host(), c);
+    EXPECT_EQ(sd.host(), ti);
+    EXPECT_EQ(od.host(), to);
+    if (s) {  // fused op (CPU reference is SR only)
+      const uint32_t mask = fm::rht_random_sign_mask(9, 9);
+      std::vector<uint8_t> ct(n / 2), it(n / 16);
+      std::vector<float> ot(n / 128);
+      fm::nvfp4_2level_backward_operand_cpu(ct.data(), it.data(), ot.data(), c.data(), ti.data(), to.data(), M, K, mask, key);
+      DevVec<uint8_t> ctd(n / 2), itd(n / 16);
+      DevVec<float> otd(n / 128);
+      ASSERT_TRUE(nvfp4_2level_transpose_rht_requantize_candidate(ctd.p, itd.p, otd.p, cd.p, sd.p, od.p, M, K, mask, &key,
+                                                                  nullptr).is_ok());
+      EXPECT_EQ(ctd.host(), ct);
+      EXPECT_EQ(itd.host(), it);
+      EXPECT_EQ(otd.host(), ot);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace nibble::cuda
