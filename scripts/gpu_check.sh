@@ -83,11 +83,17 @@ NIBBLE_BENCH_OUT="$OUT/bench.txt" "$BIN" --gtest_also_run_disabled_tests --gtest
   >"$OUT/bench.log" 2>&1
 BENCH_RC=$?
 stamp "bench exit code $BENCH_RC"
+if command -v cuobjdump >/dev/null; then
+  # SASS instruction count per kernel (the format kernels are issue-bound: this is their cost).
+  cuobjdump -sass "$BIN" 2>/dev/null | awk '/Function :/ {name=$3} /^ +\/\*[0-9a-f]+\*\/ / {n[name]++} END {for (k in n) print n[k], k}' \
+    | sort -k2 >"$OUT/sass_counts.txt"
+fi
+
 if [ "${NIBBLE_GPU_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   # Hardware counters of three kernels on the quick (4096^2) bench: is it issue- or memory-bound?
   stamp "ncu profiles"
   for k in 'nvfp4_te_quantize_kernel<nibble::cuda::FormatsCodec' 'nvfp4_2level_quantize_kernel<nibble::cuda::FormatsCodec' \
-           'transpose_rht_requantize_kernel<nibble::cuda::FormatsCodec, true'; do
+           'transpose_rht_requantize_kernel<nibble::cuda::FormatsCodec, .bool.1'; do
     NIBBLE_BENCH_QUICK=1 timeout 120 ncu --clock-control none --kernel-name-base demangled -k "regex:${k//[<>:,]/.}" -c 1 \
       --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
       "$BIN" --gtest_also_run_disabled_tests --gtest_filter='CudaBench.*' >>"$OUT/ncu.txt" 2>&1
