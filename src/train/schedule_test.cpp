@@ -89,7 +89,9 @@ TEST(Schedule, JsonRoundTripAndErrors) {
                           R"({"type":"wsd","decay_shape":"cubic"})", R"({"type":"cosine","warmup":3})", R"([1,2])"}) {
     auto r = schedule_from_json(nlohmann::json::parse(bad));
     EXPECT_FALSE(r.is_ok()) << bad;
-    if (!r.is_ok()) EXPECT_NE(r.status().message().find("schedule"), std::string::npos);
+    if (!r.is_ok()) {
+      EXPECT_NE(r.status().message().find("schedule"), std::string::npos);
+    }
   }
   ScheduleConfig w;
   w.warmup_steps = 10;

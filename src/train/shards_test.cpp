@@ -8,6 +8,8 @@
 #include <fstream>
 #include <set>
 
+#include <fmt/format.h>
+
 #include "train/corpus.h"
 #include "train/tokenizer.h"
 
@@ -17,7 +19,11 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string temp_path(const std::string& name) {
-  return (fs::temp_directory_path() / ("nibble_shards_test_" + std::to_string(::getpid()) + "_" + name)).string();
+  std::string file = "nibble_shards_test_";
+  file += std::to_string(::getpid());
+  file += '_';
+  file += name;
+  return (fs::temp_directory_path() / file).string();
 }
 
 std::string read_all(const std::string& path) {
@@ -90,7 +96,9 @@ TEST(Shards, CorruptFilesGiveClearErrors) {
   expect_open_error(path, "shorter than the 32-byte header");
   write_all(path, bytes.substr(0, bytes.size() - 1));
   expect_open_error(path, "size mismatch");
-  write_all(path, bytes + "xx");
+  std::string longer = bytes;
+  longer.append(2, 'x');
+  write_all(path, longer);
   expect_open_error(path, "size mismatch");
   std::string m = bytes;
   m[0] = 'X';
@@ -123,7 +131,7 @@ TEST(Split, ValidationShareIsFractionOfLinesAndTails) {
   int64_t total = 0;
   for (int k = 0; k < 37; ++k) {
     docs.emplace_back();
-    for (int i = 0; i < 1 + (k * 13) % 50; ++i) docs.back().push_back("d" + std::to_string(k) + "l" + std::to_string(i));
+    for (int i = 0; i < 1 + (k * 13) % 50; ++i) docs.back().push_back(fmt::format("d{}l{}", k, i));
     total += static_cast<int64_t>(docs.back().size());
   }
   for (double f : {0.0, 0.05, 0.1, 0.5}) {
