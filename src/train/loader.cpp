@@ -1,6 +1,8 @@
 // Seeded, resumable training batches and fixed-order validation batches; see loader.h.
 #include "train/loader.h"
 
+#include <algorithm>
+
 #include "core/check.h"
 #include "core/philox.h"
 
@@ -8,31 +10,34 @@ namespace nibble::train {
 
 namespace {
 
+// Opens the shards; window_begin gets (shards+1) prefix sums of each shard's window count.
 Status open_windows(const std::vector<std::string>& paths, int64_t seq_len, std::vector<TokenShard>* shards,
-                    std::vector<uint32_t>* window_shard, std::vector<int64_t>* window_start) {
+                    std::vector<int64_t>* window_begin) {
   if (paths.empty()) return invalid_argument("no token shards given");
   if (seq_len < 1) return invalid_argument("seq_len must be >= 1 (got {})", seq_len);
+  window_begin->assign(1, 0);
   for (const std::string& p : paths) {
     NIB_ASSIGN_OR_RETURN(TokenShard s, TokenShard::open(p));
     if (!shards->empty() && s.vocab_size() != shards->front().vocab_size())
       return invalid_argument("token shard {} has vocab_size {}, {} has {}", p, s.vocab_size(),
                               shards->front().path(), shards->front().vocab_size());
     const int64_t windows = s.size() >= seq_len + 1 ? (s.size() - 1) / seq_len : 0;
-    for (int64_t j = 0; j < windows; ++j) {
-      window_shard->push_back(static_cast<uint32_t>(shards->size()));
-      window_start->push_back(j * seq_len);
-    }
+    window_begin->push_back(window_begin->back() + windows);
     shards->push_back(std::move(s));
   }
-  if (window_start->empty())
+  if (window_begin->back() == 0)
     return invalid_argument("token shards hold no window of seq_len+1 = {} tokens (shard {} has {} tokens)",
                             seq_len + 1, paths.front(), shards->front().size());
   return Status::ok();
 }
 
-// row: (T+1) int32 scratch; tokens/targets: (T) int32 each.
-Status fill_row(const std::vector<TokenShard>& shards, uint32_t shard, int64_t start, int64_t seq_len,
-                int32_t* row, int32_t* tokens, int32_t* targets) {
+// Global window w -> its shard and first token. row: (T+1) int32 scratch; tokens/targets: (T)
+// int32 each.
+Status fill_row(const std::vector<TokenShard>& shards, const std::vector<int64_t>& window_begin, int64_t w,
+                int64_t seq_len, int32_t* row, int32_t* tokens, int32_t* targets) {
+  const size_t shard = static_cast<size_t>(std::upper_bound(window_begin.begin(), window_begin.end(), w) -
+                                           window_begin.begin()) - 1;
+  const int64_t start = (w - window_begin[shard]) * seq_len;
   NIB_RETURN_IF_ERROR(shards[shard].read(row, start, seq_len + 1));
   for (int64_t t = 0; t < seq_len; ++t) {
     tokens[t] = row[t];
@@ -47,7 +52,7 @@ Result<TrainLoader> TrainLoader::open(const std::vector<std::string>& shard_path
                                       uint64_t seed) {
   if (batch < 1) return invalid_argument("batch size must be >= 1 (got {})", batch);
   TrainLoader l;
-  NIB_RETURN_IF_ERROR(open_windows(shard_paths, seq_len, &l.shards_, &l.window_shard_, &l.window_start_));
+  NIB_RETURN_IF_ERROR(open_windows(shard_paths, seq_len, &l.shards_, &l.shard_window_begin_));
   l.batch_ = batch;
   l.seq_len_ = seq_len;
   l.seed_ = seed;
@@ -80,7 +85,7 @@ Status TrainLoader::next(Batch* out) {
     }
     make_order(state_.epoch);
     const int64_t w = order_[static_cast<size_t>(state_.position)];
-    NIB_RETURN_IF_ERROR(fill_row(shards_, window_shard_[w], window_start_[w], seq_len_, row.data(),
+    NIB_RETURN_IF_ERROR(fill_row(shards_, shard_window_begin_, w, seq_len_, row.data(),
                                  out->tokens.data() + b * seq_len_, out->targets.data() + b * seq_len_));
     ++state_.position;
   }
@@ -124,8 +129,8 @@ Result<ValLoader> ValLoader::open(const std::vector<std::string>& shard_paths, i
   if (batch < 1) return invalid_argument("batch size must be >= 1 (got {})", batch);
   if (max_batches < 0) return invalid_argument("max_batches must be >= 0 (got {})", max_batches);
   ValLoader v;
-  NIB_RETURN_IF_ERROR(open_windows(shard_paths, seq_len, &v.shards_, &v.window_shard_, &v.window_start_));
-  const int64_t windows = static_cast<int64_t>(v.window_start_.size());
+  NIB_RETURN_IF_ERROR(open_windows(shard_paths, seq_len, &v.shards_, &v.shard_window_begin_));
+  const int64_t windows = v.shard_window_begin_.back();
   v.batch_ = windows < batch ? windows : batch;
   v.seq_len_ = seq_len;
   v.num_batches_ = windows / v.batch_;
@@ -142,7 +147,7 @@ Status ValLoader::get(int64_t i, Batch* out) const {
   std::vector<int32_t> row(static_cast<size_t>(seq_len_ + 1));
   for (int64_t b = 0; b < batch_; ++b) {
     const int64_t w = i * batch_ + b;
-    NIB_RETURN_IF_ERROR(fill_row(shards_, window_shard_[w], window_start_[w], seq_len_, row.data(),
+    NIB_RETURN_IF_ERROR(fill_row(shards_, shard_window_begin_, w, seq_len_, row.data(),
                                  out->tokens.data() + b * seq_len_, out->targets.data() + b * seq_len_));
   }
   return Status::ok();

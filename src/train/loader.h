@@ -50,7 +50,7 @@ class TrainLoader {
   nlohmann::json state_json() const;
   Status restore_json(const nlohmann::json& j);
 
-  int64_t windows_per_epoch() const { return static_cast<int64_t>(window_start_.size()); }
+  int64_t windows_per_epoch() const { return shard_window_begin_.back(); }
   int64_t batch() const { return batch_; }
   int64_t seq_len() const { return seq_len_; }
   uint64_t seed() const { return seed_; }
@@ -58,9 +58,8 @@ class TrainLoader {
  private:
   void make_order(uint64_t epoch);
   std::vector<TokenShard> shards_;
-  std::vector<uint32_t> window_shard_;  // window -> shard index
-  std::vector<int64_t> window_start_;   // window -> first token in its shard
-  std::vector<int64_t> order_;          // this epoch's permutation of windows
+  std::vector<int64_t> shard_window_begin_;  // (shards+1): first global window of each shard
+  std::vector<int64_t> order_;               // this epoch's permutation of windows (8 B/window)
   int64_t batch_ = 0, seq_len_ = 0;
   uint64_t seed_ = 0;
   LoaderState state_;
@@ -80,8 +79,7 @@ class ValLoader {
 
  private:
   std::vector<TokenShard> shards_;
-  std::vector<uint32_t> window_shard_;
-  std::vector<int64_t> window_start_;
+  std::vector<int64_t> shard_window_begin_;
   int64_t batch_ = 0, seq_len_ = 0, num_batches_ = 0;
 };
 
