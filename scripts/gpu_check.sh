@@ -7,7 +7,10 @@
 # (-DNIBBLE_CUDA=ON -DNIBBLE_CUDA_ARCH=90a -DNIBBLE_BENCH=OFF), target nibble_backend_cuda_tests only;
 # (3) a direct nvcc/g++ build of that same binary from src/ with headers carried in .gpudeps/
 # (fmt header-only, nlohmann, googletest sources) for machines without the Debian packages.
-# Test data: $NIBBLE_TESTDATA_DIR, else ./.testdata (a copy of ../shared/testdata).
+# Test data: $NIBBLE_TESTDATA_DIR, else ./.testdata (a copy of ../shared/testdata). Options:
+# NIBBLE_GPU_NCU=1 (ncu counters of three kernels), NIBBLE_GPU_SANITIZE=1 (compute-sanitizer).
+# Files under $OUT: steps.log, tests.log, bench.log, and with the options ncu.txt, sanitizer.log,
+# sass_counts.txt (instructions per kernel).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -19,18 +22,18 @@ START=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/steps.log"; }
 
 stamp "device"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/device.txt"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/device.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$OUT/steps.log"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || cat .gpubin/COMMIT 2>/dev/null || echo unknown)" | tee -a "$OUT/steps.log"
 
 BIN=""
 try_prebuilt() {
   local dir=${NIBBLE_GPU_PREBUILT:-}
   [ -n "$dir" ] && [ -x "$dir/nibble_backend_cuda_tests" ] || return 1
   export LD_LIBRARY_PATH="$ROOT/$dir/lib:${LD_LIBRARY_PATH:-}"
-  if "$dir/nibble_backend_cuda_tests" --gtest_list_tests >"$OUT/prebuilt_check.log" 2>&1; then
-    BIN="$ROOT/$dir/nibble_backend_cuda_tests"; return 0
+  if "$dir/nibble_backend_cuda_tests" --gtest_list_tests >/dev/null 2>"$OUT/prebuilt_check.err"; then
+    rm -f "$OUT/prebuilt_check.err"; BIN="$ROOT/$dir/nibble_backend_cuda_tests"; return 0
   fi
-  cat "$OUT/prebuilt_check.log" | head -5
+  head -5 "$OUT/prebuilt_check.err" | tee -a "$OUT/steps.log"; rm -f "$OUT/prebuilt_check.err"
   return 1
 }
 try_cmake() {
@@ -79,10 +82,22 @@ grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|differ|cuda tests
 stamp "GPU tests exit code $TEST_RC"
 
 stamp "bandwidth benchmark"
-NIBBLE_BENCH_OUT="$OUT/bench.txt" "$BIN" --gtest_also_run_disabled_tests --gtest_filter='CudaBench.*' \
+"$BIN" --gtest_also_run_disabled_tests --gtest_filter='CudaBench.*' \
   >"$OUT/bench.log" 2>&1
 BENCH_RC=$?
 stamp "bench exit code $BENCH_RC"
+if [ "${NIBBLE_GPU_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  # Out-of-bounds / misaligned accesses and races in the kernels, on the small test shapes
+  # (the 2^32-input exhaustive check is left out: too slow under the sanitizer).
+  stamp "compute-sanitizer memcheck + racecheck"
+  timeout 240 compute-sanitizer --tool memcheck --leak-check no "$BIN" \
+    --gtest_filter='CudaGolden.*:CudaVsCpu.*:CodecCandidates.KernelsMatchCpu' >"$OUT/sanitizer.log" 2>&1
+  echo "memcheck rc=$? $(grep 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)" | tee -a "$OUT/steps.log"
+  timeout 120 compute-sanitizer --tool racecheck "$BIN" \
+    --gtest_filter='CudaVsCpu.FusedBackwardOperand:CudaVsCpu.Absmax:CudaVsCpu.RhtAndTranspose' >>"$OUT/sanitizer.log" 2>&1
+  echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)" | tee -a "$OUT/steps.log"
+fi
+
 if command -v cuobjdump >/dev/null; then
   # SASS instruction count per kernel (the format kernels are issue-bound: this is their cost).
   cuobjdump -sass "$BIN" 2>/dev/null | awk '/Function :/ {name=$3} /^ +\/\*[0-9a-f]+\*\/ / {n[name]++} END {for (k in n) print n[k], k}' \
@@ -103,5 +118,5 @@ fi
 
 echo
 echo "tests rc=$TEST_RC bench rc=$BENCH_RC ($(grep -c '^\[       OK \]' "$OUT/tests.log") tests OK, $(grep -c '^\[  FAILED  \]' "$OUT/tests.log") failed lines)"
-cat "$OUT/bench.txt" 2>/dev/null || tail -20 "$OUT/bench.log"
+grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |te rht)' "$OUT/bench.log" || tail -20 "$OUT/bench.log"
 [ $TEST_RC = 0 ] && [ $BENCH_RC = 0 ]
