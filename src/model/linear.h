@@ -66,7 +66,28 @@ class LinearRecipe {
   // Recipe state that belongs in checkpoints (e.g. outlier channel ids), by short name.
   virtual std::map<std::string, Tensor> state() const { return {}; }
   virtual Status load_state(const std::map<std::string, Tensor>& state) { return Status::ok(); }
+  // The run's total optimizer step count (OsciReset's start_fraction); the trainer calls it once
+  // before training (0 = unknown). Default: nothing.
+  virtual void set_total_steps(int64_t total_steps) {}
+  // Counters for logging by short name (e.g. "oscireset.resets_total", "outliers.channels").
+  // Default: none.
+  virtual std::map<std::string, double> stats() const { return {}; }
 };
+
+// A Philox stream for random draw `purpose` (0..15) of one linear call, a function of
+// (step, layer_id, micro_step) only: each quantizer / RHT sign vector of a call draws from
+// its own stream under key call.seed, so no two operands share SR noise.
+inline uint64_t linear_call_stream(const LinearCall& call, uint32_t purpose) {
+  auto mix = [](uint64_t z) {  // splitmix64 finaliser
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  uint64_t h = mix(static_cast<uint64_t>(call.step) + 0x9E3779B97F4A7C15ull);
+  h = mix(h ^ static_cast<uint64_t>(static_cast<uint32_t>(call.layer_id)));
+  h = mix(h ^ static_cast<uint64_t>(call.micro_step));
+  return (h << 4) | (purpose & 15u);
+}
 
 // ---- recipe configuration (JSON; switches of 02-pretraining-recipes.md) ----------------------
 struct OutlierConfig {          // outcontrol.outliers (TetraJet-v2 static outlier retention)

@@ -4,6 +4,8 @@
 #include <functional>
 
 #include "model/linear.h"
+#include "model/recipe_nvfp4_nvidia.h"
+#include "model/recipe_tetrajet_v2.h"
 
 namespace nibble::model {
 
@@ -14,6 +16,8 @@ void register_builtin_linear_recipes(const std::function<void(const std::string&
   add("bf16", [](const RecipeConfig&, const LinearInfo&) -> Result<std::unique_ptr<LinearRecipe>> {
     return std::unique_ptr<LinearRecipe>(new Bf16LinearRecipe());
   });
+  add("nvfp4-nvidia", make_nvfp4_nvidia_recipe);
+  add("tetrajet-v2", make_tetrajet_v2_recipe);
 }
 
 }  // namespace nibble::model

@@ -1,0 +1,138 @@
+// The `tetrajet-v2` LinearRecipe (02-pretraining-recipes.md §2-§4): six nvfp4-2level quantizers
+// (Q1/Q2 RTN forward along K; Q3/Q4 SR(RHT) dgrad along N; Q5/Q6 SR(RHT) wgrad along tokens) with
+// tensor alignment (the backward re-quantizes the forward-quantized X̂, Ŵ), OutControl (RHT +
+// static outlier channels kept in MXFP8) and OsciReset (per-element weight-oscillation reset).
+// CPU emulation: operands are fake-quantized to FP32 exactly and multiplied with FP32 GEMMs.
+// Switches come from RecipeConfig; docs/recipes.md maps every spec line to this file.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "model/linear.h"
+
+namespace nibble::model {
+
+// Stream purposes (linear_call_stream) of one tetrajet-v2 backward call.
+inline constexpr uint32_t kTetraStreamQ3 = 0;         // SR of RHT(dY) along N        (dgrad)
+inline constexpr uint32_t kTetraStreamQ4 = 1;         // SR of RHT(Ŵ^T) along N       (dgrad)
+inline constexpr uint32_t kTetraStreamQ5 = 2;         // SR of RHT(dY^T) along tokens (wgrad)
+inline constexpr uint32_t kTetraStreamQ6 = 3;         // SR of RHT(X̂^T) along tokens  (wgrad)
+inline constexpr uint32_t kTetraStreamRhtDgrad = 4;   // sign vector shared by Q3, Q4
+inline constexpr uint32_t kTetraStreamRhtWgrad = 5;   // sign vector shared by Q5, Q6
+
+// OsciReset of one weight (N,K) (spec §3). Driven by after_optimizer_step(step): a snapshot at
+// step % period == 0 (step >= start), distances accumulated over the `window` following steps,
+// decision and reset at snapshot + window + 1, then the buffers are freed. `quant` is the
+// forward weight quantize-dequantize: wq (N,K) <- Q(w) and, when `scale` is not null, the
+// effective FP4 block scale sp of every element (N,K) (0 for elements that are not FP4).
+class OsciReset {
+ public:
+  using QuantFn = std::function<void(float* wq, float* scale, const float* w)>;
+  explicit OsciReset(const OsciResetConfig& config) : config_(config) {}
+  void set_total_steps(int64_t total_steps) { total_steps_ = total_steps; }
+  // The first step at which snapshots may happen: start_step, or floor(start_fraction * total
+  // steps); -1 when start_step < 0 and the total is unknown (then OsciReset never runs).
+  int64_t start_step() const;
+  // eligible: (N*K) 1 for FP4 elements (others are never tracked or reset); empty = all.
+  // Returns the number of elements reset at this step (0 on non-decision steps).
+  int64_t on_step(float* w, int64_t N, int64_t K, int64_t step, const QuantFn& quant,
+                  const std::vector<uint8_t>& eligible);
+  bool active() const { return snapshot_step_ >= 0; }
+  int64_t snapshot_step() const { return snapshot_step_; }
+  int64_t tracked() const { return static_cast<int64_t>(index_.size()); }
+  int64_t resets_last() const { return resets_last_; }
+  int64_t resets_total() const { return resets_total_; }
+  int64_t decisions() const { return decisions_; }
+  // Checkpoint state: "oscireset.counters" I64 (3) = (snapshot_step, resets_total, decisions),
+  // and while a window is open "oscireset.index" I64 (n), "oscireset.buffers" F32 (4, n) =
+  // (w_prev, q_prev, dist_w, dist_q).
+  void save(std::map<std::string, Tensor>& out) const;
+  Status load(const std::map<std::string, Tensor>& in, int64_t numel);
+
+  // Score of an element for the tracked variant: distance of |w|/sp to its nearest E2M1 grid
+  // point divided by the width of the grid interval holding it (0 on the grid, 0.5 at a rounding
+  // threshold; 0 when saturated at 6 or sp == 0). Larger = closer to a rounding threshold.
+  static float threshold_score(float w, float sp);
+
+ private:
+  OsciResetConfig config_;
+  int64_t total_steps_ = 0;
+  int64_t snapshot_step_ = -1;
+  std::vector<int64_t> index_;                        // tracked flat element indices, ascending
+  std::vector<float> w_prev_, q_prev_, dist_w_, dist_q_;  // one per tracked element
+  std::vector<float> wq_, scale_;                      // (N,K) scratch, freed with the window
+  int64_t resets_last_ = 0, resets_total_ = 0, decisions_ = 0;
+};
+
+// Per call, Y = X W^T with X (M,K), W (N,K), dY (M,N); every source operand is first rounded to
+// BF16 (the engine's activations/gradients/compute weights are BF16). With alignment on:
+//  forward  Y  = BF16( X̂ Ŵ^T ),  X̂ = Q1 = RTN(X), Ŵ = Q2 = RTN(W)           nvfp4-2level along K
+//  dgrad    dX = BF16( Q3 · Q4^T ), Q3 = SR(RHT_d(dY)) (M,N), Q4 = SR(RHT_d(Ŵ^T)) (K,N)  along N
+//  wgrad    dW += Q5 · Q6^T (FP32), Q5 = SR(RHT_w(dY^T)) (N,M), Q6 = SR(RHT_w(X̂^T)) (K,M) along M
+// alignment off: Q4/Q6 quantize W^T / X^T (BF16) instead of Ŵ^T / X̂^T. sr off: RTN in Q3..Q6.
+// rht off: no transform. Tokens M and outputs N are zero-padded to multiples of 128 for the
+// 128-blocks along them (zero blocks have s_o = 1, codes 0, and add nothing to any GEMM); K must
+// be a multiple of 16 (a last partial 128-block along K is the driver's zero-padded block); N is any.
+// Outlier channels (after calibration): X and W columns `outlier_channels()` are gathered into
+// dense (M, n_o) / (N, n_o) operands quantized MXFP8 (E4M3, E8M0 rounded up, blocks of 32 along
+// the gathered channels, zero-padded to 32); the rest are gathered into (M, K_m) / (N, K_m) and
+// quantized as above. Y = X̂_m Ŵ_m^T + X̂_o Ŵ_o^T. dgrad rebuilds Ŵ (N,K) from both parts, then
+// Q4 as above. wgrad: dW[:, main] += Q5 Q6_m^T, dW[:, out] += Q5 · MXFP8_RTN(RHT_w(X̂_o^T))^T.
+class TetraJetV2LinearRecipe final : public LinearRecipe {
+ public:
+  TetraJetV2LinearRecipe(const RecipeConfig& config, const LinearInfo& info);
+  std::string name() const override { return "tetrajet-v2"; }
+  void forward(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
+               const LinearCall& call) override;
+  void backward(float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
+                const LinearCall& call) override;
+  void after_optimizer_step(float* w, int64_t N, int64_t K, int64_t step) override;
+  std::map<std::string, Tensor> state() const override;
+  Status load_state(const std::map<std::string, Tensor>& state) override;
+  void set_total_steps(int64_t total_steps) override { oscireset_.set_total_steps(total_steps); }
+  std::map<std::string, double> stats() const override;
+
+  // The forward weight quantize-dequantize Q(w) (what OsciReset compares): wq (N,K) <- FP4 main
+  // channels fake-quantized exactly as Q2, outlier channels MXFP8 as in the forward; scale
+  // (N,K) or null <- sp of each FP4 element, 0 on outlier channels.
+  void fake_quantize_weight(float* wq, float* scale, const float* w) const;
+  // Outlier input channels (ascending), empty before/without selection.
+  const std::vector<int64_t>& outlier_channels() const { return out_idx_; }
+  bool outliers_selected() const { return selected_; }
+  // Selects outliers now from the accumulated calibration sums (normally automatic at the first
+  // forward after calibration_end). Returns the count selected.
+  int64_t select_outliers();
+  const OsciReset& oscireset() const { return oscireset_; }
+
+ private:
+  void set_outliers(std::vector<int64_t> channels);
+  void calibrate(const float* x, int64_t M, const LinearCall& call);
+
+  RecipeConfig config_;
+  LinearInfo info_;
+  // outliers
+  std::vector<double> calib_sumsq_;   // (K) sum over calibration tokens of x^2 per input channel
+  int64_t calib_calls_ = 0;
+  bool selected_ = false;
+  std::vector<int64_t> out_idx_, main_idx_;  // ascending channel ids
+  // OsciReset
+  OsciReset oscireset_;
+  // saved forward state
+  int64_t M_ = 0, N_ = 0, K_ = 0;
+  const float* w_saved_ = nullptr;     // (N,K) w of the last forward (alignment off: fresh W^T)
+  std::vector<float> xs_;              // (Mp, Km) bf16-rounded main-channel X (alignment off)
+  std::vector<float> ws_;              // (Np, Km) bf16-rounded main-channel W (alignment off)
+  std::vector<uint8_t> xc_, xi_, wc_, wi_;  // X̂_m (Mp,Km) / Ŵ_m (Np,Km) codes + inner scales
+  std::vector<float> xo_, wo_;              // outer scales
+  std::vector<float> xq_, wq_;              // dequantized X̂_m (Mp,Km), Ŵ_m (Np,Km)
+  std::vector<float> xoq_, woq_;            // dequantized MXFP8 X̂_o (Mp,No), Ŵ_o (N,No); No = n_o padded to 32
+  std::vector<float> xos_;                  // (Mp,No) bf16 X_o (alignment off)
+};
+
+Result<std::unique_ptr<LinearRecipe>> make_tetrajet_v2_recipe(const RecipeConfig& config, const LinearInfo& info);
+
+}  // namespace nibble::model
