@@ -102,7 +102,8 @@ struct TransformerT<T>::Impl {
   std::vector<int64_t> larena;
   std::vector<BlockActs<T>> acts;
   std::vector<T*> res;  // L+1 residual streams (N,C)
-  T *qkv = nullptr, *mtmp = nullptr, *sy = nullptr, *xf = nullptr, *xf_rstd = nullptr, *logits = nullptr, *lse = nullptr;
+  T *qkv = nullptr, *mtmp = nullptr, *sy = nullptr, *xf = nullptr, *xf_rstd = nullptr, *logits = nullptr, *lse = nullptr,
+    *tok_ce = nullptr;
   T *dres = nullptr, *dt1 = nullptr, *dt2 = nullptr, *dt3 = nullptr, *dqkv = nullptr, *dq = nullptr, *dk = nullptr,
     *dv = nullptr, *datt = nullptr, *dk2 = nullptr, *dgu = nullptr, *dact = nullptr, *dye = nullptr, *dxe = nullptr,
     *dgue = nullptr, *dacte = nullptr, *dtopk = nullptr, *drl = nullptr;
@@ -285,6 +286,13 @@ LossParts TransformerT<T>::forward_backward(const int32_t* tokens, const int32_t
 }
 
 template <typename T>
+LossParts TransformerT<T>::forward_backward_custom(const int32_t* tokens, int64_t B, int64_t Tn,
+                                                   const LogitsLossFn& loss_fn, const LossOptions& options,
+                                                   const RoutingIO& routing) {
+  return run(tokens, nullptr, B, Tn, options, routing, /*backward=*/true, nullptr, nullptr, &loss_fn);
+}
+
+template <typename T>
 LossParts TransformerT<T>::forward_loss(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t Tn,
                                         const LossOptions& options, const RoutingIO& routing, T* token_ce) {
   NIB_CHECK(targets != nullptr);
@@ -301,7 +309,7 @@ void TransformerT<T>::forward_logits(T* logits, const int32_t* tokens, int64_t B
 template <typename T>
 LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t Tn,
                                const LossOptions& options, const RoutingIO& routing, bool backward, T* logits_out,
-                               T* token_ce) {
+                               T* token_ce, const LogitsLossFn* custom_loss) {
   const ModelConfig& cfg = config_;
   Impl& im = *impl_;
   const bool olmo = cfg.arch == Architecture::kOlmo2;
@@ -353,7 +361,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
       }
     }
     need(im.qkv, N * Nqkv); need(im.mtmp, N * C); need(im.sy, N * C);
-    need(im.xf, N * C); need(im.xf_rstd, N); need(im.logits, N * V); need(im.lse, N);
+    need(im.xf, N * C); need(im.xf_rstd, N); need(im.logits, N * V); need(im.lse, N); need(im.tok_ce, N);
     need(im.dres, N * C); need(im.dt1, N * C); need(im.dt2, N * C); need(im.dt3, N * C);
     need(im.dqkv, N * Nqkv); need(im.dq, N * Nq); need(im.dk, N * Nkv); need(im.dv, N * Nkv);
     need(im.datt, N * Nq); need(im.dk2, N * Nkv);
@@ -485,12 +493,27 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   cpu::matmul_nt(im.logits, im.xf, W(im.lm_head), N, V, C);
 
   // ---- loss ----
+  // After this block im.logits holds dL/dlogits when backward is set (the fused CE op and the
+  // custom loss both work in place).
   LossParts lp;
-  auto sums = cpu::cross_entropy_forward(im.lse, token_ce, im.logits, targets, N, V);
-  lp.n_tokens = sums.n_valid;
-  const double inv_n = sums.n_valid > 0 ? 1.0 / static_cast<double>(sums.n_valid) : 0.0;
-  lp.ce = sums.ce_sum * inv_n;
-  lp.z_loss = sums.z_sum * inv_n;
+  if (custom_loss) {
+    lp.ce = (*custom_loss)(im.logits, N, V);
+  } else {
+    cpu::CrossEntropySums sums;
+    if (backward) {
+      int64_t n_valid = 0;
+      for (int64_t n = 0; n < N; ++n) n_valid += targets[n] >= 0;
+      const double inv = n_valid > 0 ? 1.0 / static_cast<double>(n_valid) : 0.0;
+      sums = cpu::cross_entropy_forward_backward(im.logits, im.lse, token_ce ? token_ce : im.tok_ce, im.logits,
+                                                 targets, N, V, inv, options.z_loss_coef * inv);
+    } else {
+      sums = cpu::cross_entropy_forward(im.lse, token_ce, im.logits, targets, N, V);
+    }
+    lp.n_tokens = sums.n_valid;
+    const double inv_n = sums.n_valid > 0 ? 1.0 / static_cast<double>(sums.n_valid) : 0.0;
+    lp.ce = sums.ce_sum * inv_n;
+    lp.z_loss = sums.z_sum * inv_n;
+  }
   const double aux_coef = options.router_aux_loss_coef >= 0 ? options.router_aux_loss_coef : cfg.router_aux_loss_coef;
   const double rz_coef = options.router_z_loss_coef >= 0 ? options.router_z_loss_coef : cfg.router_z_loss_coef;
   std::vector<double> f(E > 0 ? E : 0, 0.0);
@@ -514,8 +537,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     for (int64_t e = 0; e < E; ++e) aux_extra[e] = static_cast<T>(aux_coef * static_cast<double>(E) * f[e] / denom);
     router_z_scale = rz_coef / denom;
   }
-  T* dlogits = im.logits;  // in place
-  cpu::cross_entropy_backward(dlogits, im.logits, im.lse, targets, N, V, inv_n, options.z_loss_coef * inv_n);
+  T* dlogits = im.logits;  // written in place by the loss above
   cpu::matmul_nn(im.dt1, dlogits, W(im.lm_head), N, C, V);               // dxf (N,C)
   cpu::matmul_tn(G(im.lm_head), dlogits, im.xf, V, C, N, true);          // dW_lm (V,C)
   cpu::rmsnorm_backward(im.dres, G(im.final_norm), im.dt1, im.res[L], W(im.final_norm), im.xf_rstd, N, C);

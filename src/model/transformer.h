@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -80,6 +81,12 @@ class TransformerT {
   // ACCUMULATES parameter gradients (call zero_grad between optimizer steps) and returns the loss.
   LossParts forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t Tn,
                              const LossOptions& options = {}, const RoutingIO& routing = {});
+  // A custom objective on the logits (e.g. RL policy-gradient losses): loss_fn receives the logits
+  // (N,V) = (B*T,V), must overwrite them in place with dL/dlogits and return L. The MoE aux and
+  // router z-losses are added as usual; LossParts::ce holds loss_fn's value, n_tokens = 0.
+  using LogitsLossFn = std::function<double(T* logits_to_dlogits, int64_t N, int64_t V)>;
+  LossParts forward_backward_custom(const int32_t* tokens, int64_t B, int64_t Tn, const LogitsLossFn& loss_fn,
+                                    const LossOptions& options = {}, const RoutingIO& routing = {});
   // Forward only (eval). token_ce: (B,T) or nullptr: per-token cross-entropy (-log p(target)), 0 if ignored.
   LossParts forward_loss(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t Tn,
                          const LossOptions& options = {}, const RoutingIO& routing = {}, T* token_ce = nullptr);
@@ -90,6 +97,10 @@ class TransformerT {
   // Step and seed passed to every LinearRecipe call (SR/RHT seeds, calibration windows).
   void set_step(int64_t step, uint64_t seed) { step_ = step; seed_ = seed; }
   int64_t step() const { return step_; }
+  // Forward-call counter passed as LinearCall::micro_step (incremented by every forward). The
+  // trainer sets it before each training micro-batch so a resumed run derives the same SR seeds.
+  void set_micro_step(int64_t m) { micro_step_ = m; }
+  int64_t micro_step() const { return micro_step_; }
 
   // All parameters in a stable order (embed, layer 0 .. L-1 in HF order, final norm, lm_head).
   // Values and grads are each one contiguous buffer in this order (flat_values / flat_grads).
@@ -114,7 +125,8 @@ class TransformerT {
   struct Impl;
   explicit TransformerT(const ModelConfig& config);
   LossParts run(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t Tn, const LossOptions& options,
-                const RoutingIO& routing, bool backward, T* logits_out, T* token_ce);
+                const RoutingIO& routing, bool backward, T* logits_out, T* token_ce,
+                const LogitsLossFn* custom_loss = nullptr);
 
   ModelConfig config_;
   std::vector<ParamRef<T>> params_;

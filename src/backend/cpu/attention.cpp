@@ -1,10 +1,16 @@
-// Causal GQA attention forward/backward on the CPU (see attention.h). One parallel work item is
-// one (batch, key/value head) pair with all of its query heads, so dk/dv have a single writer.
+// Causal GQA attention forward/backward on the CPU (see attention.h). Per (batch, head) the
+// score, PV and gradient products are GEMMs on strided views of the (B,T,H,D) tensors
+// (gemm_serial, one BLAS call per product on the calling thread); the full T x T score matrix is
+// computed and the causal mask applied before the softmax (2x the causal flops, but BLAS speed).
+// Forward work items are (batch, query head); backward items are (batch, kv head) with all query
+// heads of the group, so dk/dv have a single writer.
 #include "backend/cpu/attention.h"
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
+#include "backend/cpu/gemm.h"
 #include "core/check.h"
 #include "core/parallel.h"
 
@@ -18,38 +24,28 @@ void attention_forward(T* out, T* att, const T* q, const T* k, const T* v, int64
   const T scale = T(1) / std::sqrt(static_cast<T>(D));
   parallel_for(B * H, 1, [&](int64_t b0, int64_t e0) {
     for (int64_t bh = b0; bh < e0; ++bh) {
-      int64_t b = bh / H, h = bh % H, hk = h / group;
+      const int64_t b = bh / H, h = bh % H, hk = h / group;
+      const T* qb = q + (b * Tn * H + h) * D;      // (T,D) ld H*D
+      const T* kb = k + (b * Tn * Hkv + hk) * D;   // (T,D) ld Hkv*D
+      const T* vb = v + (b * Tn * Hkv + hk) * D;   // (T,D) ld Hkv*D
+      T* a = att + bh * Tn * Tn;                   // (T,T)
+      // a = scale * q k^T
+      gemm_serial<T>(false, true, Tn, Tn, D, scale, qb, H * D, kb, Hkv * D, T(0), a, Tn);
       for (int64_t t = 0; t < Tn; ++t) {
-        const T* qt = q + ((b * Tn + t) * H + h) * D;
-        T* a = att + ((b * H + h) * Tn + t) * Tn;
-        // scores s = q.k * scale over t2 <= t, then a numerically stable softmax
+        T* row = a + t * Tn;
         T mx = -std::numeric_limits<T>::infinity();
-        for (int64_t t2 = 0; t2 <= t; ++t2) {
-          const T* kt = k + ((b * Tn + t2) * Hkv + hk) * D;
-          T s = 0;
-          for (int64_t d = 0; d < D; ++d) s += qt[d] * kt[d];
-          s *= scale;
-          a[t2] = s;
-          mx = s > mx ? s : mx;
-        }
+        for (int64_t t2 = 0; t2 <= t; ++t2) mx = row[t2] > mx ? row[t2] : mx;
         T sum = 0;
         for (int64_t t2 = 0; t2 <= t; ++t2) {
-          T e = std::exp(a[t2] - mx);
-          a[t2] = e;
-          sum += e;
+          row[t2] = std::exp(row[t2] - mx);
+          sum += row[t2];
         }
         T inv = T(1) / sum;
-        for (int64_t t2 = 0; t2 <= t; ++t2) a[t2] *= inv;
-        for (int64_t t2 = t + 1; t2 < Tn; ++t2) a[t2] = T(0);
-        // out = sum_t2 a[t2] v[t2]
-        T* o = out + ((b * Tn + t) * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = T(0);
-        for (int64_t t2 = 0; t2 <= t; ++t2) {
-          const T* vt = v + ((b * Tn + t2) * Hkv + hk) * D;
-          T p = a[t2];
-          for (int64_t d = 0; d < D; ++d) o[d] += p * vt[d];
-        }
+        for (int64_t t2 = 0; t2 <= t; ++t2) row[t2] *= inv;
+        for (int64_t t2 = t + 1; t2 < Tn; ++t2) row[t2] = T(0);  // causal mask
       }
+      // out (T,D) ld H*D = a (T,T) . v (T,D)
+      gemm_serial<T>(false, false, Tn, D, Tn, T(1), a, Tn, vb, Hkv * D, T(0), out + (b * Tn * H + h) * D, H * D);
     }
   });
 }
@@ -61,49 +57,36 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* att, const 
   const int64_t group = H / Hkv;
   const T scale = T(1) / std::sqrt(static_cast<T>(D));
   parallel_for(B * Hkv, 1, [&](int64_t b0, int64_t e0) {
-    T* dp = new T[Tn];  // one scratch row per work chunk
+    std::vector<T> ds(static_cast<size_t>(Tn * Tn));  // one (T,T) scratch per work chunk
     for (int64_t bk = b0; bk < e0; ++bk) {
-      int64_t b = bk / Hkv, hk = bk % Hkv;
-      for (int64_t t = 0; t < Tn; ++t) {
-        T* dkt = dk + ((b * Tn + t) * Hkv + hk) * D;
-        T* dvt = dv + ((b * Tn + t) * Hkv + hk) * D;
-        for (int64_t d = 0; d < D; ++d) dkt[d] = dvt[d] = T(0);
-      }
+      const int64_t b = bk / Hkv, hk = bk % Hkv;
+      const T* kb = k + (b * Tn * Hkv + hk) * D;
+      const T* vb = v + (b * Tn * Hkv + hk) * D;
+      T* dkb = dk + (b * Tn * Hkv + hk) * D;
+      T* dvb = dv + (b * Tn * Hkv + hk) * D;
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        const T beta = h == hk * group ? T(0) : T(1);  // first head of the group overwrites dk, dv
+        const T* a = att + (b * H + h) * Tn * Tn;
+        const T* qb = q + (b * Tn * H + h) * D;
+        const T* dob = dout + (b * Tn * H + h) * D;
+        // out = a v:  dv += a^T dout;  da = dout v^T
+        gemm_serial<T>(true, false, Tn, D, Tn, T(1), a, Tn, dob, H * D, beta, dvb, Hkv * D);
+        gemm_serial<T>(false, true, Tn, Tn, D, T(1), dob, H * D, vb, Hkv * D, T(0), ds.data(), Tn);
+        // softmax backward: ds = a (da - sum_t2 a da) * scale (masked entries have a = 0)
         for (int64_t t = 0; t < Tn; ++t) {
-          const T* a = att + ((b * H + h) * Tn + t) * Tn;
-          const T* dot = dout + ((b * Tn + t) * H + h) * D;
-          const T* qt = q + ((b * Tn + t) * H + h) * D;
-          T* dqt = dq + ((b * Tn + t) * H + h) * D;
-          // out = sum a v: dv[t2] += a[t2] dout; da[t2] = dout . v[t2]
-          T sum_adp = 0;
-          for (int64_t t2 = 0; t2 <= t; ++t2) {
-            const T* vt = v + ((b * Tn + t2) * Hkv + hk) * D;
-            T* dvt = dv + ((b * Tn + t2) * Hkv + hk) * D;
-            T p = a[t2];
-            T s = 0;
-            for (int64_t d = 0; d < D; ++d) {
-              s += dot[d] * vt[d];
-              dvt[d] += p * dot[d];
-            }
-            dp[t2] = s;
-            sum_adp += p * s;
-          }
-          // softmax backward: ds = a (da - sum a da); scores = scale q.k
-          for (int64_t d = 0; d < D; ++d) dqt[d] = T(0);
-          for (int64_t t2 = 0; t2 <= t; ++t2) {
-            T ds = a[t2] * (dp[t2] - sum_adp) * scale;
-            const T* kt = k + ((b * Tn + t2) * Hkv + hk) * D;
-            T* dkt = dk + ((b * Tn + t2) * Hkv + hk) * D;
-            for (int64_t d = 0; d < D; ++d) {
-              dqt[d] += ds * kt[d];
-              dkt[d] += ds * qt[d];
-            }
-          }
+          const T* ar = a + t * Tn;
+          T* dr = ds.data() + t * Tn;
+          T dot = 0;
+          for (int64_t t2 = 0; t2 <= t; ++t2) dot += ar[t2] * dr[t2];
+          for (int64_t t2 = 0; t2 <= t; ++t2) dr[t2] = ar[t2] * (dr[t2] - dot) * scale;
+          for (int64_t t2 = t + 1; t2 < Tn; ++t2) dr[t2] = T(0);
         }
+        // scores = scale q k^T:  dq = ds k;  dk += ds^T q
+        gemm_serial<T>(false, false, Tn, D, Tn, T(1), ds.data(), Tn, kb, Hkv * D, T(0), dq + (b * Tn * H + h) * D,
+                       H * D);
+        gemm_serial<T>(true, false, Tn, D, Tn, T(1), ds.data(), Tn, qb, H * D, beta, dkb, Hkv * D);
       }
     }
-    delete[] dp;
   });
 }
 

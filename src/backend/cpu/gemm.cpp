@@ -9,6 +9,7 @@
 #include <cblas.h>
 
 #include <mutex>
+#include <type_traits>
 
 #include "core/parallel.h"
 
@@ -93,6 +94,24 @@ void matmul_tn(T* y, const T* a, const T* b, int64_t M, int64_t N, int64_t K, bo
              [&](int64_t n) { return b + n; }, N, accumulate ? T(1) : T(0), y);
 }
 
+template <typename T>
+void gemm_serial(bool a_trans, bool b_trans, int64_t M, int64_t N, int64_t K, T alpha, const T* a, int64_t lda,
+                 const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+  single_threaded_blas();
+  if (M == 0 || N == 0) return;
+  if constexpr (std::is_same_v<T, float>) {
+    cblas_sgemm(CblasRowMajor, a_trans ? CblasTrans : CblasNoTrans, b_trans ? CblasTrans : CblasNoTrans, (int)M,
+                (int)N, (int)K, alpha, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);
+  } else {
+    cblas_dgemm(CblasRowMajor, a_trans ? CblasTrans : CblasNoTrans, b_trans ? CblasTrans : CblasNoTrans, (int)M,
+                (int)N, (int)K, alpha, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);
+  }
+}
+
+template void gemm_serial<float>(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*,
+                                 int64_t, float, float*, int64_t);
+template void gemm_serial<double>(bool, bool, int64_t, int64_t, int64_t, double, const double*, int64_t,
+                                  const double*, int64_t, double, double*, int64_t);
 template void matmul_nt<float>(float*, const float*, const float*, int64_t, int64_t, int64_t, bool);
 template void matmul_nt<double>(double*, const double*, const double*, int64_t, int64_t, int64_t, bool);
 template void matmul_nn<float>(float*, const float*, const float*, int64_t, int64_t, int64_t, bool);

@@ -20,4 +20,11 @@ void matmul_nn(T* y, const T* a, const T* b, int64_t M, int64_t N, int64_t K, bo
 template <typename T>
 void matmul_tn(T* y, const T* a, const T* b, int64_t M, int64_t N, int64_t K, bool accumulate = false);
 
+// The raw strided product on the calling thread (for callers already inside a parallel_for):
+// c: (M,N) ld ldc = alpha * op(a) . op(b) + beta * c; op(a): (M,K), op(b): (K,N); a_trans /
+// b_trans select the transpose of a row-major a: (K,M) ld lda / b: (N,K) ld ldb.
+template <typename T>
+void gemm_serial(bool a_trans, bool b_trans, int64_t M, int64_t N, int64_t K, T alpha, const T* a, int64_t lda,
+                 const T* b, int64_t ldb, T beta, T* c, int64_t ldc);
+
 }  // namespace nibble::cpu

@@ -192,7 +192,7 @@ CrossEntropySums cross_entropy_forward(T* lse, T* token_ce, const T* logits, con
     int32_t t = targets[n];
     if (t < 0) continue;
     double ls = static_cast<double>(lse[n]);
-    s.ce_sum += ls - static_cast<double>(logits[n * V + t]);
+    s.ce_sum += static_cast<double>(static_cast<T>(lse[n] - logits[n * V + t]));  // the per-token ce in T
     s.z_sum += ls * ls;
     s.n_valid += 1;
   }
@@ -218,6 +218,50 @@ void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int
       d[t] -= static_cast<T>(ce_scale);
     }
   });
+}
+
+template <typename T>
+CrossEntropySums cross_entropy_forward_backward(T* dlogits, T* lse, T* token_ce, const T* logits,
+                                                const int32_t* targets, int64_t N, int64_t V, double ce_scale,
+                                                double z_scale) {
+  NIB_CHECK(token_ce != nullptr);
+  parallel_for(N, 8, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n) {
+      const T* l = logits + n * V;
+      T* d = dlogits + n * V;
+      int32_t t = targets[n];
+      NIB_CHECK_MSG(t < V, "target id {} >= vocab {}", t, V);
+      T mx = -std::numeric_limits<T>::infinity();
+      for (int64_t v = 0; v < V; ++v) mx = l[v] > mx ? l[v] : mx;
+      const T lt = t >= 0 ? l[t] : T(0);  // read before d (which may alias l) is written
+      double sum = 0;
+      for (int64_t v = 0; v < V; ++v) {
+        T ev = std::exp(l[v] - mx);
+        d[v] = ev;
+        sum += static_cast<double>(ev);
+      }
+      T ls = mx + static_cast<T>(std::log(sum));
+      lse[n] = ls;
+      token_ce[n] = t >= 0 ? ls - lt : T(0);
+      if (t < 0) {
+        for (int64_t v = 0; v < V; ++v) d[v] = T(0);
+        continue;
+      }
+      // p_v = exp(l_v - mx) / sum = exp(l_v - lse) up to rounding; d = coef p - ce_scale [v == t]
+      T coef = (static_cast<T>(ce_scale) + T(2) * static_cast<T>(z_scale) * ls) / static_cast<T>(sum);
+      for (int64_t v = 0; v < V; ++v) d[v] *= coef;
+      d[t] -= static_cast<T>(ce_scale);
+    }
+  });
+  CrossEntropySums s;
+  for (int64_t n = 0; n < N; ++n) {
+    if (targets[n] < 0) continue;
+    double ls = static_cast<double>(lse[n]);
+    s.ce_sum += static_cast<double>(token_ce[n]);
+    s.z_sum += ls * ls;
+    s.n_valid += 1;
+  }
+  return s;
 }
 
 template <typename T>
@@ -249,6 +293,8 @@ void add(T* y, const T* a, const T* b, int64_t n) {
   template CrossEntropySums cross_entropy_forward<T>(T*, T*, const T*, const int32_t*, int64_t, int64_t);         \
   template void cross_entropy_backward<T>(T*, const T*, const T*, const int32_t*, int64_t, int64_t, double,       \
                                           double);                                                                \
+  template CrossEntropySums cross_entropy_forward_backward<T>(T*, T*, T*, const T*, const int32_t*, int64_t,        \
+                                                              int64_t, double, double);                           \
   template void add_inplace<T>(T*, const T*, int64_t);                                                            \
   template void add<T>(T*, const T*, const T*, int64_t);
 

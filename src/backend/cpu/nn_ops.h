@@ -50,7 +50,7 @@ void swiglu_backward(T* dgu, const T* dout, const T* gu, int64_t N, int64_t I);
 
 // ---- softmax cross-entropy with z-loss ---------------------------------------------------
 // Rows with target < 0 (e.g. -100) are ignored. Per valid row: lse = logsumexp(logits),
-// ce = lse - logits[target], z = lse^2. The loss the model reports is
+// ce = lse - logits[target] (computed in T), z = lse^2. The loss the model reports is
 //   (sum ce + z_coef * sum z) / n_valid.
 struct CrossEntropySums {
   double ce_sum = 0;   // sum over valid rows of ce
@@ -68,6 +68,15 @@ CrossEntropySums cross_entropy_forward(T* lse, T* token_ce, const T* logits, con
 template <typename T>
 void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int32_t* targets, int64_t N, int64_t V,
                             double ce_scale, double z_scale);
+
+// Forward and backward in one pass over the logits (one exp per element instead of two):
+// fills lse (N), token_ce (N) (required), dlogits (N,V) exactly as cross_entropy_backward would
+// (may alias logits), and returns the sums. ce_scale/z_scale as above (the caller counts the
+// valid targets first).
+template <typename T>
+CrossEntropySums cross_entropy_forward_backward(T* dlogits, T* lse, T* token_ce, const T* logits,
+                                                const int32_t* targets, int64_t N, int64_t V, double ce_scale,
+                                                double z_scale);
 
 // ---- small helpers -------------------------------------------------------------------------
 // y: (n) += x: (n)

@@ -161,6 +161,18 @@ TEST(CrossEntropy, ZLossIgnoreIndexAndBackward) {
   std::vector<double> inplace = logits;
   cross_entropy_backward(inplace.data(), inplace.data(), lse.data(), tgt.data(), N, V, 1.0 / 3, zc / 3);
   EXPECT_EQ(inplace, dl);
+  // the fused one-pass op: same sums and lse bit for bit, dlogits equal up to a few roundings
+  // (exp(l - max) / sum instead of exp(l - lse): relative difference <= ~4 eps = 1e-15)
+  std::vector<double> fused = logits, lse2(N), tok2(N);
+  auto s3 = cross_entropy_forward_backward(fused.data(), lse2.data(), tok2.data(), fused.data(), tgt.data(), N, V,
+                                           1.0 / 3, zc / 3);
+  auto s4 = cross_entropy_forward(lse.data(), tok.data(), logits.data(), tgt.data(), N, V);
+  EXPECT_EQ(s3.ce_sum, s4.ce_sum);
+  EXPECT_EQ(s3.z_sum, s4.z_sum);
+  EXPECT_EQ(s3.n_valid, s4.n_valid);
+  EXPECT_EQ(lse2, lse);
+  EXPECT_EQ(tok2, tok);
+  for (size_t i = 0; i < dl.size(); ++i) EXPECT_NEAR(fused[i], dl[i], 1e-14 * std::fabs(dl[i]) + 1e-17) << i;
 }
 
 }  // namespace
