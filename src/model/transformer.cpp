@@ -375,9 +375,11 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     for (auto& r : req) total += round16(r.second);
     for (auto& r : ireq) itotal += r.second;
     for (auto& r : lreq) ltotal += r.second;
-    im.arena.assign(static_cast<size_t>(total), T(0));
-    im.iarena.assign(static_cast<size_t>(itotal), 0);
-    im.larena.assign(static_cast<size_t>(ltotal), 0);
+    // Grow only: a smaller (B,T) (eval, generation) reuses the memory of a larger one. Every
+    // buffer is fully written before it is read, so stale contents never leak into results.
+    if (im.arena.size() < static_cast<size_t>(total)) im.arena.resize(static_cast<size_t>(total));
+    if (im.iarena.size() < static_cast<size_t>(itotal)) im.iarena.resize(static_cast<size_t>(itotal));
+    if (im.larena.size() < static_cast<size_t>(ltotal)) im.larena.resize(static_cast<size_t>(ltotal));
     int64_t at = 0;
     for (auto& r : req) { *r.first = im.arena.data() + at; at += round16(r.second); }
     at = 0;
