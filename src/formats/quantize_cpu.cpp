@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "core/check.h"
@@ -65,10 +66,21 @@ inline float hmax_abs16(v16f a) {
   for (int i = 0; i < 4; ++i) m = m4[i] > m ? m4[i] : m;
   return m;
 }
-// e2m1_rne_index on 16 lanes (a >= 0 or NaN).
+// e2m1_rne_index on 16 lanes (a = |v|, may be NaN or > 6), by float rounding instead of seven
+// threshold compares: clamp a to [0, 6] (NaN -> 0), e' = max(exponent(a), 0), C = 2^(e'+22).
+// a + C lies in [C, 2C) whose ulp 2^(e'-1) is exactly the E2M1 step of a's binade (0.5 below 2),
+// so the IEEE addition rounds a to the grid, ties to an even number of steps; steps = bits(a+C) -
+// bits(C), and idx = steps + 2e' (steps have the parity of the code, so ties go to the even code).
+// Equal to the scalar thresholds for every input (tests: golden files, TeEqualsBlockFunctions,
+// VectorIndexEqualsScalarOnThresholdNeighbours).
 inline v16u e2m1_rne_index16(v16f a) {
-  v16i s = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-  return (v16u)(-s);
+  a = a > 0.0f ? a : 0.0f;  // NaN -> 0
+  a = a < 6.0f ? a : 6.0f;
+  v16u e = (v16u)(a) >> 23;
+  e = e > 127u ? e : 127u;
+  v16u cb = (e << 23) + (22u << 23);
+  v16f sum = a + (v16f)(cb);
+  return ((v16u)(sum)-cb) + ((e - 127u) << 1);
 }
 // 16 codes -> 8 packed bytes (even element low nibble); little-endian lane pairing.
 inline void pack16(uint8_t* out, v16u code) {
@@ -77,6 +89,154 @@ inline void pack16(uint8_t* out, v16u code) {
   v8b b = __builtin_convertvector(p, v8b);
   std::memcpy(out, &b, 8);
 }
+inline v16f vbroadcast(float f) { return v16f{} + f; }
+inline v16f vmax0(v16f a) { return a > 0.0f ? a : 0.0f; }  // NaN -> 0 (NaN-skipping amax)
+
+// e4m3_rne_sat_magnitude on 16 lanes (a >= 0, not NaN): the same integer/float steps.
+inline v16u e4m3_rne_sat_magnitude16(v16f a) {
+  v16i sub = a < 0.015625f;
+  v16f s = (sub ? a : 0.0f) * 512.0f;
+  v16f r = s + 8388608.0f;
+  v16u q = (v16u)(r)-0x4B000000u;  // = (s + 2^23) - 2^23 as an integer (s < 8)
+  v16u u = (v16u)(sub ? vbroadcast(1.0f) : a);
+  v16u ur = u + 0x7FFFFu + ((u >> 20) & 1u);
+  v16u code = ((((ur >> 23) & 0xFFu) - 120u) << 3) | ((ur >> 20) & 7u);
+  code = code > 0x7Eu ? 0x7Eu : code;
+  return sub ? q : code;
+}
+// e4m3_decode on 16 lanes of non-negative finite bytes (0x00..0x7E).
+inline v16f e4m3_decode16(v16u byte) {
+  v16u e = (byte >> 3) & 0xFu, m = byte & 7u;
+  v16f subv = __builtin_convertvector(m, v16f) * 0.001953125f;
+  v16f norm = (v16f)(((e + 120u) << 23) | (m << 20));
+  return e == 0u ? subv : norm;
+}
+inline void store_bytes16(uint8_t* out, v16u v) {
+  typedef uint8_t v16b __attribute__((vector_size(16)));
+  v16b b = __builtin_convertvector(v, v16b);
+  std::memcpy(out, &b, 16);
+}
+
+#if !defined(__clang__)
+#define NIBBLE_FORMATS_HMAX_TREE 1
+// Maxima of 16 vectors (already |.| and NaN-free), lane b = max over vector b: a shuffle tree of
+// 15 merges. Each merge halves the lanes per source: output lanes = [a's groups, b's groups].
+inline v16f merge_max(v16f a, v16f b, v16i lo, v16i hi) {
+  v16f l = __builtin_shuffle(a, b, lo), h = __builtin_shuffle(a, b, hi);
+  return l > h ? l : h;
+}
+inline v16f hmax16x16(const v16f* v) {
+  const v16i lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const v16i lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const v16i lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const v16i lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  v16f l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i) l1[i] = merge_max(v[2 * i], v[2 * i + 1], lo1, lo1 + 8);
+  for (int i = 0; i < 4; ++i) l2[i] = merge_max(l1[2 * i], l1[2 * i + 1], lo2, lo2 + 4);
+  for (int i = 0; i < 2; ++i) l3[i] = merge_max(l2[2 * i], l2[2 * i + 1], lo3, lo3 + 2);
+  return merge_max(l3[0], l3[1], lo4, lo4 + 1);
+}
+// Same, starting from 8 vectors that already hold [block 2i: 8 partial maxima, block 2i+1: 8].
+inline v16f hmax16x16_from_pairs(const v16f* p) {
+  const v16i lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const v16i lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const v16i lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  v16f l2[4], l3[2];
+  for (int i = 0; i < 4; ++i) l2[i] = merge_max(p[2 * i], p[2 * i + 1], lo2, lo2 + 4);
+  for (int i = 0; i < 2; ++i) l3[i] = merge_max(l2[2 * i], l2[2 * i + 1], lo3, lo3 + 2);
+  return merge_max(l3[0], l3[1], lo4, lo4 + 1);
+}
+// Lanes 0-7 = v[2i], lanes 8-15 = v[2i+1]: the per-block factor of the block pair i.
+inline v16f pair_broadcast(v16f v, int i) {
+  v16i idx = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+  return __builtin_shuffle(v, idx + 2 * i);
+}
+// 32 consecutive elements (two 16-blocks) split into even and odd elements: lane j of `even` is
+// element 2j, of `odd` element 2j+1, so lanes 0-7 belong to the first block, 8-15 to the second,
+// and the packed byte j is code(even_j) | code(odd_j) << 4.
+inline void split32(const uint16_t* x, v16f& even, v16f& odd) {
+  v16u w;
+  std::memcpy(&w, x, 64);
+  even = (v16f)(w << 16);
+  odd = (v16f)(w & 0xFFFF0000u);
+}
+inline void split32(const float* x, v16f& even, v16f& odd) {
+  v16f a = load16(x), b = load16(x + 16);
+  const v16i ie = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  even = __builtin_shuffle(a, b, ie);
+  odd = __builtin_shuffle(a, b, ie + 1);
+}
+// ---- stochastic rounding on 16 lanes ----
+// Philox4x32-10 (core/philox.h) for 16 consecutive counters `offset0 + lane` of (seed, stream).
+inline void mulhilo16(uint32_t m, v16u c, v16u& hi, v16u& lo) {
+  lo = c * m;
+  v8q pe = ((v8q)(c)&0xFFFFFFFFull) * static_cast<uint64_t>(m);
+  v8q po = ((v8q)(c) >> 32) * static_cast<uint64_t>(m);
+  hi = (v16u)((pe >> 32) | (po & 0xFFFFFFFF00000000ull));
+}
+inline void philox16(v16u w[4], const SrKey& key, uint64_t offset0) {
+  const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  uint32_t lo0 = static_cast<uint32_t>(offset0), hi0 = static_cast<uint32_t>(offset0 >> 32);
+  v16u c0 = lane + lo0;
+  v16u c1 = (v16u{} + hi0) + (c0 < lo0 ? 1u : 0u);  // carry into the high word
+  v16u c2 = v16u{} + static_cast<uint32_t>(key.stream), c3 = v16u{} + static_cast<uint32_t>(key.stream >> 32);
+  uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    v16u hi0v, lo0v, hi1v, lo1v;
+    mulhilo16(0xD2511F53u, c0, hi0v, lo0v);
+    mulhilo16(0xCD9E8D57u, c2, hi1v, lo1v);
+    v16u n0 = hi1v ^ c1 ^ k0, n2 = hi0v ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1v;
+    c2 = n2;
+    c3 = lo0v;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  w[0] = c0;
+  w[1] = c1;
+  w[2] = c2;
+  w[3] = c3;
+}
+inline v16f u32_to_uniform16(v16u w) { return __builtin_convertvector(w >> 8, v16f) * 5.9604644775390625e-08f; }
+// Uniforms of 256 consecutive elements from flat index0 (index0 % 4 == 0), in the even/odd
+// layout of split32: pair-group g holds elements 32g .. 32g+31. Element e uses word e%4 of
+// counter e/4, exactly as sr_uniform / philox_uniform.
+inline void sr_uniforms256(v16f ue[8], v16f uo[8], const SrKey& key, uint64_t index0) {
+  const v16i il = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+  for (int q = 0; q < 4; ++q) {
+    v16u w[4];
+    philox16(w, key, (index0 >> 2) + 16 * q);
+    for (int h = 0; h < 2; ++h) {  // counters 8h..8h+7 of this batch = elements 32(2q+h) ..
+      v16i idx = il + 8 * h;
+      ue[2 * q + h] = u32_to_uniform16(__builtin_shuffle(w[0], w[2], idx));  // elements 4j, 4j+2
+      uo[2 * q + h] = u32_to_uniform16(__builtin_shuffle(w[1], w[3], idx));  // elements 4j+1, 4j+3
+    }
+  }
+}
+// e2m1_sr_index on 16 lanes (same steps: down index by >= compares, table lookups, exact frac).
+inline v16u e2m1_sr_index16(v16f a, v16f u) {
+  v16u di = {};
+  di = a >= 0.5f ? di + 1u : di;
+  di = a >= 1.0f ? di + 1u : di;
+  di = a >= 1.5f ? di + 1u : di;
+  di = a >= 2.0f ? di + 1u : di;
+  di = a >= 3.0f ? di + 1u : di;
+  di = a >= 4.0f ? di + 1u : di;
+  di = a >= 6.0f ? di + 1u : di;
+  const v16f mag = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0, 0, 0, 0, 0, 0, 0, 0};
+  const v16f gaps = {0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 1.0f, 2.0f, 2.0f, 1, 1, 1, 1, 1, 1, 1, 1};
+  v16f down = __builtin_shuffle(mag, di), gap = __builtin_shuffle(gaps, di);
+  v16f frac = (a - down) / gap;
+  return di < 7u && u < frac ? di + 1u : di;
+}
+
+// Partial maxima (NaN skipped) of a split pair: lanes 0-7 first block, 8-15 second block.
+inline v16f pair_max_abs(v16f even, v16f odd) {
+  v16f a = vmax0(vabs(even)), b = vabs(odd);
+  return b > a ? b : a;  // NaN b compares false: skipped
+}
+#endif
 #endif
 
 template <typename In>
@@ -88,14 +248,30 @@ float amax_impl(const In* x, int64_t n) {
     for (int64_t c = c0; c < c1; ++c) {
       const In* p = x + c * kChunk;
       int64_t len = std::min(kChunk, n - c * kChunk);
-      // 16 independent lanes so the reduction vectorises (max is order-independent).
-      float lane[16] = {};
+      // NaN-skipping max is order-independent, so lanes/accumulators may be combined freely.
+      float m = 0.0f;
       int64_t i = 0;
+#if NIBBLE_FORMATS_VEC16
+      v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (; i + 64 <= len; i += 64) {
+        v16f x0 = vabs(load16(p + i)), x1 = vabs(load16(p + i + 16)), x2 = vabs(load16(p + i + 32)),
+             x3 = vabs(load16(p + i + 48));
+        a0 = x0 > a0 ? x0 : a0;  // NaN lanes compare false: skipped
+        a1 = x1 > a1 ? x1 : a1;
+        a2 = x2 > a2 ? x2 : a2;
+        a3 = x3 > a3 ? x3 : a3;
+      }
+      a0 = a1 > a0 ? a1 : a0;
+      a2 = a3 > a2 ? a3 : a2;
+      a0 = a2 > a0 ? a2 : a0;
+      for (int j = 0; j < 16; ++j) m = amax_update(m, a0[j]);
+#else
+      float lane[16] = {};
       for (; i + 16 <= len; i += 16)
         for (int j = 0; j < 16; ++j) lane[j] = amax_update(lane[j], load_f32(p[i + j]));
-      float m = 0.0f;
-      for (; i < len; ++i) m = amax_update(m, load_f32(p[i]));
       for (int j = 0; j < 16; ++j) m = amax_update(m, lane[j]);
+#endif
+      for (; i < len; ++i) m = amax_update(m, load_f32(p[i]));
       part[static_cast<size_t>(c)] = m;
     }
   });
@@ -108,22 +284,83 @@ float amax_impl(const In* x, int64_t n) {
 
 // One row of K elements, RTN.
 #if NIBBLE_FORMATS_VEC16
+// Encode one 16-element block with its encode factor (RTN, TE sign convention) into 8 bytes.
 template <typename In>
-void te_row_rtn(uint8_t* codes, uint8_t* scales, const In* x, int64_t K, const Nvfp4TeGlobal& g) {
-  for (int64_t b = 0; b < K / 16; ++b) {
+inline void te_encode_block16(uint8_t* codes, const In* x, float enc) {
+  v16f v = load16(x) * enc;
+  v16i neg = v < 0.0f;
+  pack16(codes, e2m1_rne_index16(vabs(v)) | ((v16u)(neg)&8u));
+}
+inline v16u te_code16(v16f v) {
+  v16i neg = v < 0.0f;
+  return e2m1_rne_index16(vabs(v)) | ((v16u)(neg)&8u);
+}
+// sr == nullptr: RTN; else SR with element (flat index index0 + c) as in the block functions.
+template <typename In>
+void te_row_rtn(uint8_t* codes, uint8_t* scales, const In* x, int64_t K, const Nvfp4TeGlobal& g,
+                const SrKey* sr = nullptr, uint64_t index0 = 0) {
+  int64_t nb = K / 16, b = 0;
+#if NIBBLE_FORMATS_HMAX_TREE
+  // 16 blocks at a time: elements split even/odd (see split32), block maxima by a shuffle
+  // tree, the scale chain on 16 lanes, then 32 elements -> 16 packed bytes per step.
+  for (; b + 16 <= nb; b += 16) {
+    const In* xg = x + 16 * b;
+    v16f ev[8], od[8], pm[8];
+    for (int i = 0; i < 8; ++i) {
+      split32(xg + 32 * i, ev[i], od[i]);
+      pm[i] = pair_max_abs(ev[i], od[i]);
+    }
+    v16f bamax = hmax16x16_from_pairs(pm);
+    v16f t = bamax * g.m;
+    t = t < 448.0f ? t : 448.0f;
+    v16u s = e4m3_rne_sat_magnitude16(t);
+    v16f enc = 1.0f / (e4m3_decode16(s) * g.s_dec);
+    enc = enc < kFltMax ? enc : kFltMax;
+    store_bytes16(scales + b, s);
+    if (sr == nullptr) {
+      for (int i = 0; i < 8; ++i) {
+        v16f e2 = pair_broadcast(enc, i);
+        store_bytes16(codes + 8 * b + 16 * i, te_code16(ev[i] * e2) | (te_code16(od[i] * e2) << 4));
+      }
+    } else {
+      v16f ue[8], uo[8];
+      sr_uniforms256(ue, uo, *sr, index0 + static_cast<uint64_t>(16 * b));
+      for (int i = 0; i < 8; ++i) {
+        v16f e2 = pair_broadcast(enc, i);
+        v16f ve = ev[i] * e2, vo = od[i] * e2;
+        v16i ne = ve < 0.0f, no = vo < 0.0f;
+        v16u ce = e2m1_sr_index16(vabs(ve), ue[i]) | ((v16u)(ne)&8u);
+        v16u co = e2m1_sr_index16(vabs(vo), uo[i]) | ((v16u)(no)&8u);
+        store_bytes16(codes + 8 * b + 16 * i, ce | (co << 4));
+      }
+    }
+  }
+#endif
+  if (sr != nullptr) {
+    for (; b < nb; ++b) {
+      const In* xb = x + 16 * b;
+      scales[b] = static_cast<uint8_t>(
+          nvfp4_te_quantize_block16(codes + 8 * b, xb, block_amax(xb, 16), g, sr, index0 + static_cast<uint64_t>(16 * b)));
+    }
+    return;
+  }
+  for (; b < nb; ++b) {
     v16f xv = load16(x + 16 * b);
     uint32_t s = nvfp4_te_block_scale(hmax_abs16(xv), g);
-    float enc = nvfp4_te_block_enc(s, g);
-    v16f v = xv * enc;
-    v16i neg = v < 0.0f;
-    v16u code = e2m1_rne_index16(vabs(v)) | ((v16u)(neg) & 8u);
-    pack16(codes + 8 * b, code);
     scales[b] = static_cast<uint8_t>(s);
+    te_encode_block16(codes + 8 * b, x + 16 * b, nvfp4_te_block_enc(s, g));
   }
 }
 #else
 template <typename In>
-void te_row_rtn(uint8_t* codes, uint8_t* scales, const In* x, int64_t K, const Nvfp4TeGlobal& g) {
+void te_row_rtn(uint8_t* codes, uint8_t* scales, const In* x, int64_t K, const Nvfp4TeGlobal& g,
+                const SrKey* sr = nullptr, uint64_t index0 = 0) {
+  if (sr != nullptr) {
+    for (int64_t b = 0; b < K / 16; ++b)
+      scales[b] = static_cast<uint8_t>(nvfp4_te_quantize_block16(codes + 8 * b, x + 16 * b, block_amax(x + 16 * b, 16), g,
+                                                                 sr, index0 + static_cast<uint64_t>(16 * b)));
+    return;
+  }
   constexpr int kGroup = 16;
   int64_t nb = K / 16;
   for (int64_t b0 = 0; b0 < nb; b0 += kGroup) {
@@ -167,13 +404,7 @@ void te_quantize_impl(uint8_t* codes, uint8_t* scales, const In* x, int64_t M, i
       const In* xr = x + r * K;
       uint8_t* cr = codes + r * (K / 2);
       uint8_t* sr_row = scales + r * (K / 16);
-      if (sr == nullptr) {
-        te_row_rtn(cr, sr_row, xr, K, g);
-      } else {
-        for (int64_t b = 0; b < K / 16; ++b)
-          sr_row[b] = static_cast<uint8_t>(
-              nvfp4_te_quantize_block16(cr + 8 * b, xr + 16 * b, block_amax(xr + 16 * b, 16), g, sr, r * K + 16 * b));
-      }
+      te_row_rtn(cr, sr_row, xr, K, g, sr, static_cast<uint64_t>(r * K));
     }
   });
 }
@@ -183,24 +414,76 @@ void te_quantize_impl(uint8_t* codes, uint8_t* scales, const In* x, int64_t M, i
 #if NIBBLE_FORMATS_VEC16
 // RTN row of whole 128-blocks (K % 128 == 0), vectorised; bit-identical to twolevel_row.
 template <typename In>
-void twolevel_row_rtn_vec(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t K) {
-  for (int64_t o = 0; o < K / 128; ++o) {
-    v16f xv[8];
-    float bamax[8];
-    float amax = 0.0f;
-    for (int b = 0; b < 8; ++b) {
-      xv[b] = load16(x + 128 * o + 16 * b);
-      bamax[b] = hmax_abs16(xv[b]);
-      amax = amax_update(amax, bamax[b]);
+void twolevel_row_vec(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t K,
+                          const SrKey* sr = nullptr, uint64_t index0 = 0) {
+  int64_t o = 0;
+#if NIBBLE_FORMATS_HMAX_TREE
+  // Two 128-blocks (16 inner blocks, 256 elements) at a time, as in te_row_rtn.
+  for (; o + 2 <= K / 128; o += 2) {
+    const In* xg = x + 128 * o;
+    v16f ev[8], od[8], pm[8];
+    for (int i = 0; i < 8; ++i) {
+      split32(xg + 32 * i, ev[i], od[i]);
+      pm[i] = pair_max_abs(ev[i], od[i]);
     }
+    v16f bamax = hmax16x16_from_pairs(pm);
+    float amax0 = 0.0f, amax1 = 0.0f;
+    for (int j = 0; j < 8; ++j) {
+      amax0 = amax_update(amax0, bamax[j]);
+      amax1 = amax_update(amax1, bamax[j + 8]);
+    }
+    float so0 = nvfp4_2level_outer_scale(amax0), so1 = nvfp4_2level_outer_scale(amax1);
+    outer[o] = so0;
+    outer[o + 1] = so1;
+    v16f so = {so0, so0, so0, so0, so0, so0, so0, so0, so1, so1, so1, so1, so1, so1, so1, so1};
+    v16f t = (bamax / so) * kRecip6;
+    t = t < 448.0f ? t : 448.0f;
+    v16u si = e4m3_rne_sat_magnitude16(t);
+    store_bytes16(inner + 8 * o, si);
+    v16f sp = e4m3_decode16(si) * so;
+    v16f ue[8], uo[8];
+    if (sr != nullptr) sr_uniforms256(ue, uo, *sr, index0 + static_cast<uint64_t>(128 * o));
+    for (int i = 0; i < 8; ++i) {
+      v16f p2 = pair_broadcast(sp, i);
+      v16i zero = p2 == 0.0f;
+      v16f qe = vabs(ev[i]) / p2, qo = vabs(od[i]) / p2;
+      qe = zero ? 0.0f : qe;
+      qo = zero ? 0.0f : qo;
+      v16u ie = sr == nullptr ? e2m1_rne_index16(qe) : e2m1_sr_index16(qe, ue[i]);
+      v16u io = sr == nullptr ? e2m1_rne_index16(qo) : e2m1_sr_index16(qo, uo[i]);
+      store_bytes16(codes + 64 * o + 16 * i, (ie | (vsignbit(ev[i]) << 3)) | ((io | (vsignbit(od[i]) << 3)) << 4));
+    }
+  }
+#endif
+  if (sr != nullptr) {  // remaining single 128-block: per-block functions
+    for (; o < K / 128; ++o)
+      outer[o] = nvfp4_2level_quantize_block128(codes + 64 * o, inner + 8 * o, x + 128 * o, 128, sr,
+                                                index0 + static_cast<uint64_t>(128 * o));
+    return;
+  }
+  for (; o < K / 128; ++o) {
+    const In* xo = x + 128 * o;
+    float bamax[16];
+#if NIBBLE_FORMATS_HMAX_TREE
+    // Two 128-blocks' worth of lanes: the first 8 vectors are this block, the rest repeat them.
+    v16f a[16];
+    for (int b = 0; b < 8; ++b) a[b] = a[b + 8] = vmax0(vabs(load16(xo + 16 * b)));
+    v16f bm = hmax16x16(a);
+    for (int b = 0; b < 8; ++b) bamax[b] = bm[b];
+#else
+    for (int b = 0; b < 8; ++b) bamax[b] = hmax_abs16(load16(xo + 16 * b));
+#endif
+    float amax = 0.0f;
+    for (int b = 0; b < 8; ++b) amax = amax_update(amax, bamax[b]);
     float so = nvfp4_2level_outer_scale(amax);
     outer[o] = so;
     for (int b = 0; b < 8; ++b) {
       uint32_t si = nvfp4_2level_inner_scale(bamax[b], so);
       inner[8 * o + b] = static_cast<uint8_t>(si);
       float sp = nvfp4_2level_block_scale(si, so);
-      v16u sign = vsignbit(xv[b]) << 3;
-      v16u code = sp == 0.0f ? sign : (e2m1_rne_index16(vabs(xv[b]) / sp) | sign);
+      v16f xv = load16(xo + 16 * b);
+      v16u sign = vsignbit(xv) << 3;
+      v16u code = sp == 0.0f ? sign : (e2m1_rne_index16(vabs(xv) / sp) | sign);
       pack16(codes + 64 * o + 8 * b, code);
     }
   }
@@ -263,8 +546,9 @@ void twolevel_quantize_impl(uint8_t* codes, uint8_t* inner, float* outer, const 
   parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
 #if NIBBLE_FORMATS_VEC16
-      if (sr == nullptr && K % 128 == 0) {
-        twolevel_row_rtn_vec(codes + r * (K / 2), inner + r * (K / 16), outer + r * no, x + r * K, K);
+      if (K % 128 == 0) {
+        twolevel_row_vec(codes + r * (K / 2), inner + r * (K / 16), outer + r * no, x + r * K, K, sr,
+                             static_cast<uint64_t>(r * K));
         continue;
       }
 #endif

@@ -85,13 +85,46 @@ void check_2level_matches_block_functions(const std::vector<In>& x, int64_t M, i
 }
 
 TEST(Drivers, TeEqualsBlockFunctions) {
-  const int64_t M = 24, K = 256;
-  std::vector<float> x = edge_input(M * K, 1);
   SrKey key{77, 3};
-  check_te_matches_block_functions(x, M, K, nullptr);
-  check_te_matches_block_functions(to_bf16(x), M, K, nullptr);
-  check_te_matches_block_functions(x, M, K, &key);
-  check_te_matches_block_functions(to_bf16(x), M, K, &key);
+  for (int64_t K : {256, 272, 784}) {  // whole 16-block groups, remainder blocks, both
+    SCOPED_TRACE(K);
+    const int64_t M = 24;
+    std::vector<float> x = edge_input(M * K, 1);
+    check_te_matches_block_functions(x, M, K, nullptr);
+    check_te_matches_block_functions(to_bf16(x), M, K, nullptr);
+    check_te_matches_block_functions(x, M, K, &key);
+    check_te_matches_block_functions(to_bf16(x), M, K, &key);
+  }
+}
+
+TEST(Drivers, VectorIndexEqualsScalarOnThresholdNeighbours) {
+  // Rows of 16-blocks [6, v1..v15] with amax = 2688: S_enc = 1, block scale E4M3(1) = 1, enc = 1,
+  // so the scaled values are exactly the v's: every E2M1 threshold, grid point and SR step
+  // boundary with its float neighbours, both signs, +-0, NaN, Inf-free huge values.
+  std::vector<float> vals;
+  for (float t : {0.25f, 0.5f, 0.75f, 1.0f, 1.25f, 1.5f, 1.75f, 2.0f, 2.5f, 3.0f, 3.5f, 4.0f, 5.0f, 5.99f, 6.0f})
+    for (float v : {std::nextafter(t, 0.0f), t, std::nextafter(t, 10.0f)}) {
+      vals.push_back(v);
+      vals.push_back(-v);
+    }
+  for (float v : {0.0f, -0.0f, 1e-45f, 0.1f, 5.5f, kNaN, -kNaN}) vals.push_back(v);
+  const int64_t K = 256;
+  int64_t rows = (static_cast<int64_t>(vals.size()) + 15 * 16 - 1) / (15 * 16);
+  std::vector<float> x(static_cast<size_t>(rows * K), 0.0f);
+  size_t next = 0;
+  for (int64_t i = 0; i < rows * K; ++i) x[i] = i % 16 == 0 ? 6.0f : (next < vals.size() ? vals[next++] : 0.3f);
+  std::vector<uint8_t> codes(x.size() / 2), scales(x.size() / 16), c_ref(x.size() / 2);
+  SrKey key{5, 5};
+  const SrKey* modes[] = {nullptr, &key};
+  for (const SrKey* sr : modes) {
+    nvfp4_te_quantize_with_amax_cpu(codes.data(), scales.data(), x.data(), rows, K, 2688.0f, sr);
+    Nvfp4TeGlobal g = nvfp4_te_global(2688.0f);
+    for (int64_t b = 0; b < rows * K / 16; ++b) {
+      ASSERT_EQ(scales[b], 0x38);
+      nvfp4_te_quantize_block16(c_ref.data() + 8 * b, x.data() + 16 * b, 6.0f, g, sr, static_cast<uint64_t>(16 * b));
+    }
+    ASSERT_EQ(codes, c_ref);
+  }
 }
 
 TEST(Drivers, TwoLevelEqualsBlockFunctions) {
