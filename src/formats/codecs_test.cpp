@@ -87,6 +87,7 @@ TEST(E2M1, SignConventions) {
   EXPECT_EQ(e2m1_rne_code_signbit(-1.3f), 0xBu);  // 1.3 > 1.25 -> 1.5
   EXPECT_EQ(e2m1_rne_code_signbit(-1.2f), 0xAu);
   EXPECT_EQ(e2m1_rne_code_signbit(-std::numeric_limits<float>::infinity()), 0xFu);
+  EXPECT_EQ(e2m1_rne_code_signbit(-std::numeric_limits<float>::quiet_NaN()), 0x0u);  // NaN: positive
 }
 
 TEST(E2M1, Packing) {
@@ -115,7 +116,8 @@ TEST(E4M3, DecodeRoundTripAndSpecials) {
   EXPECT_EQ(e4m3_rne_sat(-std::numeric_limits<float>::infinity()), 0xFEu);
   EXPECT_EQ(e4m3_rne_sat(464.0f), 0x7Eu);   // tie 448/480 -> even (448)
   EXPECT_EQ(e4m3_rne_sat(470.0f), 0x7Eu);   // would round to 480: saturates
-  EXPECT_EQ(e4m3_rne_sat(std::numeric_limits<float>::quiet_NaN()) & 0x7F, 0x7Fu);
+  EXPECT_EQ(e4m3_rne_sat(std::numeric_limits<float>::quiet_NaN()), 0x7Fu);
+  EXPECT_EQ(e4m3_rne_sat(-std::numeric_limits<float>::quiet_NaN()), 0x7Fu);
   EXPECT_EQ(e4m3_rne_sat(0x1p-10f), 0x00u);  // half the smallest subnormal: tie -> 0
   EXPECT_EQ(e4m3_rne_sat(0x1.8p-9f), 0x02u); // 1.5 * 2^-9: tie -> even (2)
   EXPECT_EQ(e4m3_rne_sat(1e-45f), 0x00u);    // FP32 subnormal

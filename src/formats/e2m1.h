@@ -43,9 +43,14 @@ NIB_HOST_DEVICE uint32_t e2m1_rne_code_te(float v) {
   return e2m1_rne_index(a) | (static_cast<uint32_t>(v < 0.0f) << 3);
 }
 
-// TetraJet / MX convention: sign bit = signbit(v) (-0.0 -> 0x8). NaN -> 0x0 | its sign bit.
+// Sign bit of v for the signbit convention, with NaN counted as positive: IEEE leaves the sign
+// of a NaN produced by arithmetic unspecified (x86 makes -NaN, CUDA +NaN), so a NaN's code must not
+// depend on it for CPU and GPU to agree bit for bit.
+NIB_HOST_DEVICE uint32_t signbit_nan_positive(float v) { return (float_as_u32(v) >> 31) & static_cast<uint32_t>(v == v); }
+
+// TetraJet / MX convention: sign bit = signbit(v) (-0.0 -> 0x8). NaN -> 0x0 (any NaN sign).
 NIB_HOST_DEVICE uint32_t e2m1_rne_code_signbit(float v) {
-  uint32_t s = float_as_u32(v) >> 31;
+  uint32_t s = signbit_nan_positive(v);
   float a = u32_as_float(float_as_u32(v) & 0x7FFFFFFFu);
   return e2m1_rne_index(a) | (s << 3);
 }

@@ -38,12 +38,12 @@ NIB_HOST_DEVICE uint32_t e4m3_rne_sat_magnitude(float a) {
 }
 
 // binary32 -> E4M3 byte, round to nearest even, saturating at +-448; sign bit = signbit(v)
-// (-0.0 -> 0x80); NaN -> 0x7F | sign.
+// (-0.0 -> 0x80); NaN -> 0x7F whatever its sign (NaN signs differ between CPU and GPU).
 NIB_HOST_DEVICE uint32_t e4m3_rne_sat(float v) {
   uint32_t u = float_as_u32(v);
   uint32_t sign = (u >> 24) & 0x80u;
   uint32_t au = u & 0x7FFFFFFFu;
-  if (au > 0x7F800000u) return sign | 0x7Fu;
+  if (au > 0x7F800000u) return 0x7Fu;
   return sign | e4m3_rne_sat_magnitude(u32_as_float(au));
 }
 

@@ -72,7 +72,7 @@ NIB_HOST_DEVICE uint32_t nvfp4_te_encode_guided(float x, float enc_roll, uint32_
 // magnitude |x| / sp_roll, sign bit = signbit(x).
 NIB_HOST_DEVICE uint32_t nvfp4_2level_encode_guided(float x, float sp_roll, uint32_t guide, GuidanceKind kind) {
   float a = nvfp4_2level_scaled_magnitude(x, sp_roll);
-  uint32_t sign = float_as_u32(x) >> 31;
+  uint32_t sign = signbit_nan_positive(x);
   float z = sign ? -a : a;
   return kind == GuidanceKind::kFull ? guided_code_full(z, guide, sign) : guided_code_mbit(z, guide, sign);
 }

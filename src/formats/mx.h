@@ -35,7 +35,7 @@ NIB_HOST_DEVICE uint32_t mxfp4_encode_rtn(float x, float inv, MxScaleRule rule) 
 }
 NIB_HOST_DEVICE uint32_t mxfp4_encode_sr(float x, float inv, MxScaleRule rule, float u) {
   float v = x * inv;
-  uint32_t sign = rule == MxScaleRule::kTeCeil ? static_cast<uint32_t>(v < 0.0f) : (float_as_u32(v) >> 31);
+  uint32_t sign = rule == MxScaleRule::kTeCeil ? static_cast<uint32_t>(v < 0.0f) : signbit_nan_positive(v);
   float a = u32_as_float(float_as_u32(v) & 0x7FFFFFFFu);
   return e2m1_sr_index(a, u) | (sign << 3);
 }

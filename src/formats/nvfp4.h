@@ -150,10 +150,10 @@ NIB_HOST_DEVICE float nvfp4_2level_scaled_magnitude(float x, float sp) {
   return sp == 0.0f ? 0.0f : a / sp;
 }
 NIB_HOST_DEVICE uint32_t nvfp4_2level_encode_rtn(float x, float sp) {
-  return e2m1_rne_index(nvfp4_2level_scaled_magnitude(x, sp)) | ((float_as_u32(x) >> 31) << 3);
+  return e2m1_rne_index(nvfp4_2level_scaled_magnitude(x, sp)) | (signbit_nan_positive(x) << 3);
 }
 NIB_HOST_DEVICE uint32_t nvfp4_2level_encode_sr(float x, float sp, float u) {
-  return e2m1_sr_index(nvfp4_2level_scaled_magnitude(x, sp), u) | ((float_as_u32(x) >> 31) << 3);
+  return e2m1_sr_index(nvfp4_2level_scaled_magnitude(x, sp), u) | (signbit_nan_positive(x) << 3);
 }
 // dequant = (sign ? -1 : 1) * fl(q * sp)
 NIB_HOST_DEVICE float nvfp4_2level_decode(uint32_t code, float sp) {

@@ -49,7 +49,8 @@ inline v16f vabs(v16f v) {
   v16u u = (v16u)(v) & 0x7FFFFFFFu;
   return (v16f)(u);
 }
-inline v16u vsignbit(v16f v) { return (v16u)(v) >> 31; }
+// signbit_nan_positive on 16 lanes.
+inline v16u vsignbit(v16f v) { return ((v16u)(v) >> 31) & (v == v ? 1u : 0u); }
 // max over lanes of |values| with NaN lanes ignored (= the sequential amax_update result).
 inline float hmax_abs16(v16f a) {
   a = vabs(a);
