@@ -64,7 +64,8 @@ Result<Tokenizer> Tokenizer::train(const std::vector<std::string>& texts, const 
     return invalid_argument("tokenizer: vocab_size {} out of range [261, 2^24] (4 specials + 256 bytes + 1)",
                             o.vocab_size);
   if (o.num_threads < 1) return invalid_argument("tokenizer: num_threads must be >= 1");
-  if (o.max_sentences < 1) return invalid_argument("tokenizer: max_sentences must be >= 1");
+  if (o.max_sentences <= 100)  // SentencePiece's own lower bound on input_sentence_size
+    return invalid_argument("tokenizer: max_sentences must be > 100 (got {})", o.max_sentences);
   LineIterator probe(texts);
   if (probe.done()) return invalid_argument("tokenizer: no text to train on");
 
@@ -73,7 +74,7 @@ Result<Tokenizer> Tokenizer::train(const std::vector<std::string>& texts, const 
       "--normalization_rule_name=identity --remove_extra_whitespaces=false --add_dummy_prefix=false "
       "--split_digits=true --allow_whitespace_only_pieces=true "
       "--unk_id=0 --bos_id=1 --eos_id=2 --pad_id=3 "
-      "--num_threads={} --input_sentence_size={} --shuffle_input_sentence=false "
+      "--num_threads={} --input_sentence_size={} --shuffle_input_sentence=true "
       "--max_sentence_length={} --hard_vocab_limit={} --minloglevel=2 --model_prefix=",
       o.vocab_size, o.num_threads, o.max_sentences, o.max_sentence_bytes, o.hard_vocab_limit ? "true" : "false");
   // SentencePiece's generator is process-global; serialise trainings that set it.

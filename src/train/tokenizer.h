@@ -1,7 +1,7 @@
 // The tokenizer: a SentencePiece BPE model (Kudo & Richardson 2018; the tokenizer library of
 // Llama/Gemma) trained on the corpus, byte fallback on (any UTF-8 byte encodes, so
 // decode(encode(s)) == s exactly), identity normalization, no dummy prefix. Training is
-// deterministic (fixed seed, one thread, bounded sentence count). Ids: unk 0, bos 1, eos 2, pad 3.
+// deterministic (fixed seed, one thread, a seeded sample of at most max_sentences lines). Ids: unk 0, bos 1, eos 2, pad 3.
 // Saved as the standard `tokenizer.model` protobuf that Python's sentencepiece loads.
 #pragma once
 
@@ -24,7 +24,7 @@ struct TokenizerTrainOptions {
   int vocab_size = 4096;            // total pieces incl. 4 specials and 256 byte pieces
   uint32_t seed = 1234;             // SentencePiece's random generator (sentence sampling)
   int num_threads = 1;              // 1 keeps training bit-reproducible
-  int64_t max_sentences = 200000;   // input_sentence_size: lines used (the first ones, in order)
+  int64_t max_sentences = 200000;   // input_sentence_size: a seeded uniform sample of this many lines
   int max_sentence_bytes = 16384;   // longer lines are skipped by the trainer
   bool hard_vocab_limit = true;     // false: a smaller vocab is accepted when the text is tiny
 };

@@ -64,6 +64,17 @@ TEST(Tokenizer, DeterministicAndSaveLoad) {
   ASSERT_TRUE(a.is_ok() && b.is_ok());
   EXPECT_EQ(a->serialized(), b->serialized());
 
+  // With fewer sentences allowed than lines, SentencePiece samples lines with its seeded
+  // generator: still identical across trainings.
+  std::string many;
+  for (int rep = 0; rep < 13; ++rep) many += small_text();  // 312 lines
+  TokenizerTrainOptions sampled = small_options();
+  sampled.max_sentences = 150;
+  auto s1 = Tokenizer::train({many}, sampled);
+  auto s2 = Tokenizer::train({many}, sampled);
+  ASSERT_TRUE(s1.is_ok() && s2.is_ok()) << s1.status().message();
+  EXPECT_EQ(s1->serialized(), s2->serialized());
+
   std::string path = (std::filesystem::temp_directory_path() / "nibble_tokenizer_test.model").string();
   ASSERT_TRUE(a->save(path).is_ok());
   auto c = Tokenizer::load(path);
@@ -75,6 +86,9 @@ TEST(Tokenizer, DeterministicAndSaveLoad) {
 
 TEST(Tokenizer, Errors) {
   EXPECT_FALSE(Tokenizer::train({""}, small_options()).is_ok());
+  TokenizerTrainOptions few = small_options();
+  few.max_sentences = 100;
+  EXPECT_FALSE(Tokenizer::train({small_text()}, few).is_ok());
   TokenizerTrainOptions tiny = small_options();
   tiny.vocab_size = 10;
   EXPECT_FALSE(Tokenizer::train({small_text()}, tiny).is_ok());
