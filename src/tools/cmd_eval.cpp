@@ -1,0 +1,124 @@
+// `nibble eval`: validation loss and perplexity of a checkpoint on text files (tokenized with
+// the checkpoint's tokenizer, each file followed by eos) or NIBTOK token shards, in windows of
+// the run's sequence length (train/loader.h ValLoader: fixed order, full batches).
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "tools/command.h"
+#include "train/checkpoint.h"
+#include "train/corpus.h"
+#include "train/loader.h"
+#include "train/shards.h"
+#include "train/tokenizer.h"
+#include "train/trainer.h"
+
+namespace nibble::tools {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct EvalArgs {
+  std::string checkpoint, recipe;
+  std::vector<std::string> data;
+  bool json = false;
+  int64_t batch_size = 0, seq_len = 0, batches = 0;
+};
+
+bool is_token_shard(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[8] = {};
+  return in.read(magic, 8) && std::memcmp(magic, "NIBTOK\0\0", 8) == 0;
+}
+
+// Removes a temporary folder when the command ends.
+struct TempDir {
+  std::string path;
+  ~TempDir() {
+    std::error_code ec;
+    if (!path.empty()) fs::remove_all(path, ec);
+  }
+};
+
+int run_eval(const EvalArgs& a) {
+  auto ck = train::open_checkpoint(a.checkpoint);
+  if (!ck) return report_error("eval", ck.status());
+  if (a.data.empty()) return report_error("eval", invalid_argument("no --data given"));
+  model::RecipeConfig rc;
+  const model::RecipeConfig* rcp = nullptr;
+  if (!a.recipe.empty()) {
+    auto r = model::parse_recipe_config(nlohmann::json(a.recipe));
+    if (!r) return report_error("eval", r.status());
+    rc = *r;
+    rcp = &rc;
+  }
+  auto m = train::load_checkpoint_model(*ck, rcp);
+  if (!m) return report_error("eval", m.status());
+  const nlohmann::json& rj = ck->run_config;
+  const int64_t B = a.batch_size > 0 ? a.batch_size : rj.value("batch_size", int64_t{8});
+  const int64_t T = a.seq_len > 0 ? a.seq_len : rj.value("seq_len", int64_t{128});
+
+  TempDir tmp;
+  std::vector<std::string> shards;
+  for (const auto& path : a.data) {
+    if (!fs::exists(path)) return report_error("eval", not_found("data file '{}' does not exist", path));
+    if (is_token_shard(path)) {
+      shards.push_back(path);
+      continue;
+    }
+    auto text = train::read_text_file(path);
+    if (!text) return report_error("eval", text.status());
+    auto tok = train::Tokenizer::load(ck->tokenizer_path);
+    if (!tok) return report_error("eval", tok.status());
+    auto ids = tok->encode(*text);
+    if (!ids) return report_error("eval", ids.status());
+    ids->push_back(tok->eos_id());
+    if (tmp.path.empty()) {
+      char tmpl[] = "/tmp/nibble-eval-XXXXXX";
+      if (!mkdtemp(tmpl)) return report_error("eval", io_error("cannot create a temporary folder in /tmp"));
+      tmp.path = tmpl;
+    }
+    std::string shard = tmp.path + "/" + std::to_string(shards.size()) + ".bin";
+    Status s = train::write_token_shard(shard, *ids, tok->vocab_size());
+    if (!s) return report_error("eval", s);
+    shards.push_back(shard);
+  }
+  auto val = train::ValLoader::open(shards, B, T, a.batches);
+  if (!val) return report_error("eval", Status(val.status().code(), "data: " + val.status().message()));
+  auto e = train::evaluate(m->get(), *val);
+  if (!e) return report_error("eval", e.status());
+  if (a.json) {
+    nlohmann::json j{{"loss", e->loss},      {"ppl", e->ppl},         {"tokens", e->tokens},
+                     {"batches", e->batches}, {"checkpoint", ck->dir}, {"step", ck->step}};
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("eval: loss %.4f  ppl %.3f  (%lld tokens in %lld batches of %lldx%lld; checkpoint %s, step %lld)\n",
+                e->loss, e->ppl, static_cast<long long>(e->tokens), static_cast<long long>(e->batches),
+                static_cast<long long>(B), static_cast<long long>(T), ck->dir.c_str(), static_cast<long long>(ck->step));
+  }
+  return 0;
+}
+
+}  // namespace
+
+NIBBLE_REGISTER_COMMAND(kEvalCommand, "eval", "Validation loss and perplexity of a checkpoint on text files or token shards",
+                        [](CLI::App& app) -> CommandRun {
+                          auto a = std::make_shared<EvalArgs>();
+                          app.add_option("--checkpoint", a->checkpoint, "Run folder (uses its latest checkpoint) or step folder")
+                              ->required();
+                          app.add_option("--data", a->data, "Text files or NIBTOK shards (e.g. RUN/data/val.bin)")->required();
+                          app.add_flag("--json", a->json, "Print one JSON object");
+                          app.add_option("--batch-size", a->batch_size, "Sequences per batch (default: the run's)");
+                          app.add_option("--seq-len", a->seq_len, "Window length (default: the run's)");
+                          app.add_option("--batches", a->batches, "At most this many batches (default 0: all)");
+                          app.add_option("--recipe", a->recipe, "Evaluate with this linear recipe (default: the run's)");
+                          return [a] { return run_eval(*a); };
+                        });
+
+}  // namespace nibble::tools

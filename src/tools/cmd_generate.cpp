@@ -1,0 +1,86 @@
+// `nibble generate`: samples text from a checkpoint (train/generate.h: temperature, top-p,
+// Philox per seed); `--dump-logits FILE` also writes the prompt's logits (T, V) F32 and ids
+// (T) I32 as safetensors, to compare with transformers after `nibble export --to hf`.
+#include <cstdio>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "io/safetensors.h"
+#include "tools/command.h"
+#include "train/checkpoint.h"
+#include "train/generate.h"
+#include "train/tokenizer.h"
+
+namespace nibble::tools {
+namespace {
+
+struct GenerateArgs {
+  std::string checkpoint, prompt, dump_logits, recipe;
+  train::SamplingOptions sampling;
+  bool no_stop = false;
+};
+
+int run_generate(GenerateArgs a) {
+  auto ck = train::open_checkpoint(a.checkpoint);
+  if (!ck) return report_error("generate", ck.status());
+  model::RecipeConfig rc;
+  const model::RecipeConfig* rcp = nullptr;
+  if (!a.recipe.empty()) {
+    auto r = model::parse_recipe_config(nlohmann::json(a.recipe));
+    if (!r) return report_error("generate", r.status());
+    rc = *r;
+    rcp = &rc;
+  }
+  auto m = train::load_checkpoint_model(*ck, rcp);
+  if (!m) return report_error("generate", m.status());
+  auto tok = train::Tokenizer::load(ck->tokenizer_path);
+  if (!tok) return report_error("generate", tok.status());
+  auto ids = tok->encode(a.prompt);
+  if (!ids) return report_error("generate", ids.status());
+  if (ids->empty()) ids->push_back(tok->eos_id());  // an empty prompt starts a new document
+  if (!a.dump_logits.empty()) {
+    std::vector<float> logits;
+    Status s = train::context_logits(&logits, m->get(), *ids);
+    if (!s) return report_error("generate", s);
+    const int64_t T = static_cast<int64_t>(ids->size()), V = (*m)->config().vocab_size;
+    Tensor lt(DType::kF32, Shape{T, V});
+    std::copy(logits.begin(), logits.end(), lt.data<float>());
+    Tensor it(DType::kI32, Shape{T});
+    std::copy(ids->begin(), ids->end(), it.data<int32_t>());
+    s = io::write_safetensors(a.dump_logits, {{"input_ids", it}, {"logits", lt}});
+    if (!s) return report_error("generate", s);
+  }
+  a.sampling.stop_id = a.no_stop ? -1 : tok->eos_id();
+  auto out = train::generate_tokens(m->get(), *ids, a.sampling);
+  if (!out) return report_error("generate", out.status());
+  if (!out->empty() && out->back() == tok->eos_id()) out->pop_back();
+  auto text = tok->decode(*out);
+  if (!text) return report_error("generate", text.status());
+  std::printf("%s%s\n", a.prompt.c_str(), text->c_str());
+  return 0;
+}
+
+}  // namespace
+
+NIBBLE_REGISTER_COMMAND(kGenerateCommand, "generate", "Sample text from a checkpoint (temperature, top-p, seed)",
+                        [](CLI::App& app) -> CommandRun {
+                          auto a = std::make_shared<GenerateArgs>();
+                          app.add_option("--checkpoint", a->checkpoint, "Run folder (uses its latest checkpoint) or step folder")
+                              ->required();
+                          app.add_option("--prompt", a->prompt, "Prompt text (empty: start a new document)");
+                          app.add_option("--max-new-tokens", a->sampling.max_new_tokens, "Tokens to sample (default 64)")
+                              ->check(CLI::NonNegativeNumber);
+                          app.add_option("--temperature", a->sampling.temperature, "Softmax temperature; 0 = greedy (default 0.8)")
+                              ->check(CLI::NonNegativeNumber);
+                          app.add_option("--top-p", a->sampling.top_p, "Nucleus mass in (0, 1] (default 0.95)")
+                              ->check(CLI::Range(1e-9, 1.0));
+                          app.add_option("--seed", a->sampling.seed, "Sampling seed (Philox; default 0)");
+                          app.add_flag("--no-stop", a->no_stop, "Do not stop at eos");
+                          app.add_option("--dump-logits", a->dump_logits,
+                                         "Write the prompt's logits (T,V) and input_ids to this safetensors file");
+                          app.add_option("--recipe", a->recipe, "Run the model with this linear recipe (default: the run's)");
+                          return [a] { return run_generate(*a); };
+                        });
+
+}  // namespace nibble::tools

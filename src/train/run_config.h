@@ -1,0 +1,66 @@
+// The run config of `nibble pretrain`: one JSON file (model, recipe, seed, batch, schedule,
+// optimizer, eval, checkpoint and data settings) merged over documented defaults, plus
+// `--set dotted.key=value` overrides (values parsed as JSON when they parse, else strings), in
+// the spirit of OLMo/torchtitan YAML configs with CLI overrides. Unknown keys and bad values give
+// one-line errors naming the key. The resolved JSON is what a checkpoint stores (run_config.json).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/status.h"
+#include "model/config.h"
+#include "model/linear.h"
+#include "train/optimizer.h"
+#include "train/schedule.h"
+
+namespace nibble::train {
+
+struct RunConfig {
+  nlohmann::json json;            // the resolved config (defaults + file + overrides; model inlined)
+  model::ModelConfig model;
+  nlohmann::json model_json;      // the model's HF config object
+  model::RecipeConfig recipe;
+  uint64_t seed = 1234;
+  int64_t batch_size = 8;         // sequences per micro-batch
+  int64_t seq_len = 128;
+  int64_t grad_accum = 1;         // micro-batches per optimizer step
+  int64_t steps = 200;            // optimizer steps in total
+  double lr = 1e-3;               // peak learning rate
+  AdamWConfig adamw;
+  double grad_clip = 1.0;         // global L2 norm; <= 0: off
+  ScheduleConfig schedule;
+  double z_loss = 1e-5;
+  int64_t eval_interval = 50;     // steps between validations (0: only at the end)
+  int64_t eval_batches = 8;       // validation batches (0: the whole validation split)
+  int64_t checkpoint_interval = 100;  // steps between checkpoints (0: only at the end)
+  int64_t keep_last = 2;          // checkpoints kept (>= 1)
+  std::vector<std::string> data_files;  // text files; empty: the default corpus
+  std::string data_dir;           // prepared data folder ("" : <run dir>/data)
+  int64_t vocab_size = 0;         // tokenizer vocabulary (0: the model's vocab_size)
+  double val_fraction = 0.05;
+  int64_t max_bad_steps = 5;      // consecutive NaN/Inf steps before aborting
+  int threads = 0;                // OpenMP threads (0: leave the default)
+  int64_t log_interval = 10;      // steps between plain progress lines / train metrics flush
+};
+
+// The defaults, as a JSON object (the schema: keys outside it are unknown, except inside
+// "model", "recipe" and "schedule", which their own parsers check).
+nlohmann::json default_run_config_json();
+
+// Applies one "dotted.key=value" override to `j` (a run config object). Value: JSON if it parses
+// (numbers, true/false, null, arrays, objects, quoted strings), else the raw string.
+Status apply_override(nlohmann::json* j, const std::string& assignment);
+
+// Merges `user` over the defaults (unknown keys are errors), applies `overrides`, inlines the
+// model config (a path is read relative to the current folder, then to `base_dir`, then to the
+// source tree) and validates everything.
+Result<RunConfig> resolve_run_config(const nlohmann::json& user, const std::vector<std::string>& overrides,
+                                     const std::string& base_dir = "");
+// Reads `path` (JSON) and resolves it (base_dir = the file's folder).
+Result<RunConfig> load_run_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+}  // namespace nibble::train

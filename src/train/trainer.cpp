@@ -1,0 +1,256 @@
+// The pretraining loop (see trainer.h). Step numbering: step s (0-based) is the s-th optimizer
+// update; metrics, checkpoints and `trainer.json` count steps done (s + 1).
+#include "train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <optional>
+
+#include "core/log.h"
+#include "core/parallel.h"
+#include "train/atomic_dir.h"
+#include "train/dataset.h"
+#include "train/metrics.h"
+#include "train/plot.h"
+#include "train/progress.h"
+#include "train/schedule.h"
+
+namespace nibble::train {
+
+namespace {
+namespace fs = std::filesystem;
+using nlohmann::json;
+}  // namespace
+
+Result<EvalResult> evaluate(model::Model* model, const ValLoader& val) {
+  EvalResult r;
+  double ce_sum = 0;
+  Batch b;
+  for (int64_t i = 0; i < val.num_batches(); ++i) {
+    NIB_RETURN_IF_ERROR(val.get(i, &b));
+    model::LossParts lp = model->forward_loss(b.tokens.data(), b.targets.data(), b.batch, b.seq_len);
+    ce_sum += lp.ce * static_cast<double>(lp.n_tokens);
+    r.tokens += lp.n_tokens;
+    ++r.batches;
+  }
+  if (r.tokens == 0) return invalid_argument("evaluation: no validation tokens");
+  r.loss = ce_sum / static_cast<double>(r.tokens);
+  r.ppl = std::exp(r.loss);
+  return r;
+}
+
+Result<RunConfig> resume_run_config(const std::string& run_dir, const std::vector<std::string>& overrides) {
+  NIB_ASSIGN_OR_RETURN(std::string dir, latest_checkpoint_dir(run_dir));
+  NIB_ASSIGN_OR_RETURN(Checkpoint ck, open_checkpoint(dir));
+  return resolve_run_config(ck.run_config, overrides);
+}
+
+Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& opt) {
+  if (opt.run_dir.empty()) return invalid_argument("pretrain: no output folder (--out)");
+  if (cfg.threads > 0) set_num_threads(cfg.threads);
+  const fs::path run(opt.run_dir);
+  NIB_RETURN_IF_ERROR(make_dirs(run.string()));
+
+  Checkpoint ck;
+  if (opt.resume) {
+    NIB_ASSIGN_OR_RETURN(std::string dir, latest_checkpoint_dir(run.string()));
+    NIB_ASSIGN_OR_RETURN(ck, open_checkpoint(dir));
+  } else if (fs::exists(run / "checkpoints" / "latest")) {
+    return invalid_argument("'{}' already holds checkpoints: pass --resume to continue it, or choose another --out",
+                            run.string());
+  }
+
+  // ---- data ----
+  DatasetOptions dopt;
+  dopt.text_files = cfg.data_files;
+  dopt.vocab_size = static_cast<int>(cfg.vocab_size);
+  dopt.val_fraction = cfg.val_fraction;
+  const std::string data_dir = cfg.data_dir.empty() ? (run / "data").string() : cfg.data_dir;
+  auto ds_or = prepare_dataset(data_dir, dopt);
+  if (!ds_or) return Status(ds_or.status().code(), "data: " + ds_or.status().message());
+  Dataset ds = std::move(ds_or).value();
+  if (ds.vocab_size > cfg.model.vocab_size)
+    return invalid_argument("data: tokenizer vocabulary {} exceeds the model's vocab_size {}", ds.vocab_size,
+                            cfg.model.vocab_size);
+  NIB_LOG_INFO("data: {} ({} train / {} val tokens, vocab {}{})", ds.dir, ds.summary.train_tokens,
+               ds.summary.val_tokens, ds.vocab_size, ds.reused ? ", reused" : "");
+
+  // ---- model, optimizer, loaders ----
+  NIB_ASSIGN_OR_RETURN(auto model, model::Model::create(cfg.model, cfg.recipe));
+  model->init_weights(cfg.seed);
+  AdamW adamw(cfg.adamw);
+  const int64_t B = cfg.batch_size, T = cfg.seq_len;
+  auto loader_or = TrainLoader::open({ds.train_path}, B, T, cfg.seed);
+  if (!loader_or) return Status(loader_or.status().code(), "data: " + loader_or.status().message());
+  TrainLoader loader = std::move(loader_or).value();
+  auto val_or = ValLoader::open({ds.val_path}, B, T, cfg.eval_batches);
+  if (!val_or) return Status(val_or.status().code(), "data: validation split: " + val_or.status().message());
+  ValLoader val = std::move(val_or).value();
+  if (val.num_batches() == 0) return invalid_argument("data: the validation split has no full batch of {}x{}", B, T + 1);
+
+  std::vector<ParamView> views;
+  for (auto& p : model->param_refs()) views.push_back({p.name, p.value, p.grad, p.numel, p.weight_decay});
+
+  int64_t start = 0, bad_in_row = 0, skipped_total = 0;
+  if (opt.resume) {
+    NIB_RETURN_IF_ERROR(load_model_state(model.get(), ck.dir));
+    const std::string opath = (fs::path(ck.dir) / "optimizer.safetensors").string();
+    auto of = io::SafetensorsFile::open(opath);
+    if (!of) return data_loss("corrupt checkpoint file '{}': {}", opath, of.status().message());
+    std::vector<io::NamedTensor> ostate;
+    for (auto& n : of->names()) {
+      NIB_ASSIGN_OR_RETURN(Tensor t, of->get(n));
+      ostate.push_back({n, t});
+    }
+    Status s = adamw.import_state(ostate, views);
+    if (!s) return data_loss("checkpoint '{}': optimizer state: {}", opath, s.message());
+    s = loader.restore_json(ck.trainer.value("loader", json::object()));
+    if (!s) return invalid_argument("checkpoint '{}': data loader state: {}", ck.dir, s.message());
+    start = ck.step;
+    bad_in_row = ck.trainer.value("bad_steps_in_row", int64_t{0});
+    skipped_total = ck.trainer.value("skipped_steps", int64_t{0});
+    NIB_LOG_INFO("resumed from {} (step {})", ck.dir, start);
+  }
+  NIB_ASSIGN_OR_RETURN(LrSchedule schedule, LrSchedule::create(cfg.schedule, cfg.lr, cfg.steps));
+
+  // ---- metrics and plot ----
+  const std::string metrics_path = (run / "metrics.jsonl").string();
+  std::vector<PlotPoint> train_pts, val_pts;
+  if (opt.resume) {
+    NIB_RETURN_IF_ERROR(drop_metrics_after_step(metrics_path, start));
+    auto old = read_metrics(metrics_path);
+    if (old) {
+      for (auto& e : *old) {
+        if (e.contains("ce") && e["ce"].is_number()) train_pts.push_back({e["step"].get<double>(), e["ce"].get<double>()});
+        if (e.contains("val_loss") && e["val_loss"].is_number())
+          val_pts.push_back({e["step"].get<double>(), e["val_loss"].get<double>()});
+      }
+    }
+  }
+  NIB_ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open(metrics_path, /*truncate=*/!opt.resume));
+  if (!opt.resume) {
+    NIB_RETURN_IF_ERROR(metrics.write(json{{"event", "start"}, {"step", 0}, {"recipe", cfg.recipe.name},
+                                           {"params", model->num_params()}, {"threads", num_threads()}}));
+  }
+
+  TrainResult res;
+  res.start_step = start;
+  res.end_step = start;
+  const std::string tokenizer_path = ds.tokenizer_path;
+  json run_config_json = cfg.json;
+  auto save = [&](int64_t step_done) -> Status {
+    CheckpointWrite w;
+    w.model = model.get();
+    w.optimizer = &adamw;
+    w.trainer = json{{"format", "nibble-trainer-1"},
+                     {"loader", loader.state_json()},
+                     {"bad_steps_in_row", bad_in_row},
+                     {"skipped_steps", skipped_total},
+                     {"seed", cfg.seed},
+                     {"total_steps", cfg.steps},
+                     {"next_lr", schedule.lr(step_done)},
+                     {"optimizer_updates", adamw.step_count()},
+                     {"recipe", cfg.recipe.to_json()},
+                     {"data_dir", ds.dir}};
+    w.run_config = run_config_json;
+    w.tokenizer_path = tokenizer_path;
+    w.keep_last = cfg.keep_last;
+    w.hook = opt.checkpoint_hook;
+    auto d = write_checkpoint(run.string(), step_done, w);
+    if (!d) return Status(d.status().code(), "checkpoint at step " + std::to_string(step_done) + ": " + d.status().message());
+    res.checkpoint_dir = *d;
+    return Status::ok();
+  };
+  auto run_eval = [&](int64_t step_done) -> Status {
+    NIB_ASSIGN_OR_RETURN(EvalResult e, evaluate(model.get(), val));
+    res.val_loss = e.loss;
+    res.val_ppl = e.ppl;
+    val_pts.push_back({static_cast<double>(step_done), e.loss});
+    NIB_RETURN_IF_ERROR(metrics.write(json{{"step", step_done}, {"val_loss", e.loss}, {"val_ppl", e.ppl},
+                                           {"val_tokens", e.tokens}}));
+    if (!opt.progress) NIB_LOG_DEBUG("step {}: val loss {:.4f} ppl {:.2f}", step_done, e.loss, e.ppl);
+    Status s = write_loss_plot((run / "loss.png").string(), train_pts, val_pts);
+    if (!s) NIB_LOG_WARN("loss plot not written: {}", s.message());
+    return Status::ok();
+  };
+
+  const model::LossOptions loss_opt{cfg.z_loss};
+  const double tokens_per_step = static_cast<double>(B * T * cfg.grad_accum);
+  std::optional<ProgressBar> bar;
+  if (opt.progress) bar.emplace(cfg.steps, start, cfg.log_interval);
+  const auto t0 = std::chrono::steady_clock::now();
+  Batch batch;
+  const int64_t end = opt.stop_after_step > 0 ? std::min(cfg.steps, opt.stop_after_step) : cfg.steps;
+  for (int64_t s = start; s < end; ++s) {
+    model->set_step(s, cfg.seed);
+    model->zero_grad();
+    double loss = 0, ce = 0, zl = 0;
+    for (int64_t a = 0; a < cfg.grad_accum; ++a) {
+      NIB_RETURN_IF_ERROR(loader.next(&batch));
+      model->set_micro_step(s * cfg.grad_accum + a);
+      model::LossParts lp = model->forward_backward(batch.tokens.data(), batch.targets.data(), batch.batch, batch.seq_len,
+                                                    loss_opt);
+      loss += lp.loss;
+      ce += lp.ce;
+      zl += lp.z_loss;
+    }
+    loss /= cfg.grad_accum;
+    ce /= cfg.grad_accum;
+    zl /= cfg.grad_accum;
+    if (opt.grad_hook) opt.grad_hook(s, model->flat_grads(), model->num_params());
+    const float grad_scale = static_cast<float>(1.0 / static_cast<double>(cfg.grad_accum));
+    GradNorm gn = global_grad_norm(views, cfg.grad_clip, grad_scale);
+    const double lr = schedule.lr(s);
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double tps = elapsed > 0 ? tokens_per_step * static_cast<double>(s + 1 - start) / elapsed : 0;
+    if (!std::isfinite(loss) || !gn.finite) {
+      ++bad_in_row;
+      ++skipped_total;
+      ++res.skipped_steps;
+      res.losses.push_back(std::numeric_limits<double>::quiet_NaN());
+      const char* why = !std::isfinite(loss) ? "non-finite loss" : "non-finite gradient norm";
+      NIB_LOG_WARN("step {}: {} (loss {}, grad norm {}): update skipped ({} in a row, limit {})", s + 1, why, loss,
+                   gn.norm, bad_in_row, cfg.max_bad_steps);
+      NIB_RETURN_IF_ERROR(metrics.write(json{{"step", s + 1}, {"skipped", true}, {"reason", why}, {"loss", loss},
+                                             {"grad_norm", gn.norm}, {"lr", lr}}));
+      if (bad_in_row >= cfg.max_bad_steps)
+        return Status(StatusCode::kInternal,
+                      fmt::format("aborting at step {}: {} consecutive steps with non-finite loss or gradients "
+                                  "(max_bad_steps); last good checkpoint: {}",
+                                  s + 1, bad_in_row, res.checkpoint_dir.empty() ? "none" : res.checkpoint_dir));
+    } else {
+      bad_in_row = 0;
+      NIB_RETURN_IF_ERROR(adamw.step(views, lr, grad_scale * gn.clip_scale));
+      for (const auto& info : model->linear_infos()) {
+        model::LinearRecipe* r = model->linear_recipe(info.id);
+        if (r) r->after_optimizer_step(model->linear_weight(info.id), info.N, info.K, s);
+      }
+      res.losses.push_back(loss);
+      train_pts.push_back({static_cast<double>(s + 1), ce});
+      NIB_RETURN_IF_ERROR(metrics.write(json{{"step", s + 1}, {"loss", loss}, {"ce", ce}, {"z_loss", zl}, {"lr", lr},
+                                             {"grad_norm", gn.norm}, {"tokens_per_s", tps}, {"elapsed_s", elapsed}}));
+    }
+    if (bar) bar->update(s + 1, ce, tps);
+    res.end_step = s + 1;
+    const bool last = s + 1 == cfg.steps;
+    if (last || (cfg.eval_interval > 0 && (s + 1) % cfg.eval_interval == 0)) NIB_RETURN_IF_ERROR(run_eval(s + 1));
+    if (last || s + 1 == end || (cfg.checkpoint_interval > 0 && (s + 1) % cfg.checkpoint_interval == 0))
+      NIB_RETURN_IF_ERROR(save(s + 1));
+  }
+  if (bar) bar->finish();
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  res.tokens_per_second = res.seconds > 0 ? tokens_per_step * static_cast<double>(res.end_step - start) / res.seconds : 0;
+  if (res.end_step == start && start >= cfg.steps) {
+    NIB_ASSIGN_OR_RETURN(EvalResult e, evaluate(model.get(), val));  // nothing left to train: report
+    res.val_loss = e.loss;
+    res.val_ppl = e.ppl;
+  }
+  NIB_RETURN_IF_ERROR(metrics.write(json{{"event", "end"}, {"step", res.end_step}, {"val_loss", res.val_loss},
+                                         {"val_ppl", res.val_ppl}, {"seconds", res.seconds},
+                                         {"skipped_steps", res.skipped_steps}}));
+  return res;
+}
+
+}  // namespace nibble::train

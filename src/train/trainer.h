@@ -1,0 +1,60 @@
+// The pretraining loop of `nibble pretrain` (llm.c's train_gpt2 main loop, nanoGPT's train.py):
+// prepare the data folder, build the model with its LinearRecipe, then per optimizer step:
+// grad_accum micro-batches of forward+backward (CE + z-loss), global-norm clip, AdamW with the
+// LR schedule, the recipes' after_optimizer_step hooks (OsciReset), progress bar, metrics.jsonl,
+// periodic validation (loss, perplexity) with loss.png, and atomic checkpoints. Non-finite loss
+// or gradients skip the update (logged) and abort after max_bad_steps in a row. A resumed run
+// reproduces the uninterrupted run's losses bit for bit (same thread count).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "model/transformer.h"
+#include "train/checkpoint.h"
+#include "train/loader.h"
+#include "train/run_config.h"
+
+namespace nibble::train {
+
+struct TrainOptions {
+  std::string run_dir;            // outputs: metrics.jsonl, loss.png, checkpoints/, data/ (default)
+  bool resume = false;            // continue from run_dir's latest checkpoint
+  int64_t stop_after_step = -1;   // > 0: stop after this step (with a checkpoint), as if interrupted
+  bool progress = true;           // progress bar on stderr
+  CheckpointHook checkpoint_hook; // tests: inject failures into checkpoint writes
+  // tests: called after each step's backward with (step, grads (n) f32, n) to inject NaNs.
+  std::function<void(int64_t step, float* grads, int64_t n)> grad_hook;
+};
+
+struct TrainResult {
+  int64_t start_step = 0;          // the step this call started from (0, or the resumed one)
+  int64_t end_step = 0;            // steps done at return
+  std::vector<double> losses;      // training loss (CE + z-loss) of each step of this call; NaN if skipped
+  int64_t skipped_steps = 0;
+  double val_loss = 0, val_ppl = 0;  // last validation
+  double seconds = 0, tokens_per_second = 0;
+  std::string checkpoint_dir;      // the last checkpoint written
+};
+
+struct EvalResult {
+  double loss = 0;      // mean cross-entropy per target token (nats)
+  double ppl = 0;       // exp(loss)
+  int64_t tokens = 0;
+  int64_t batches = 0;
+};
+
+// Validation: mean CE over the loader's batches (no z-loss), forward only.
+Result<EvalResult> evaluate(model::Model* model, const ValLoader& val);
+
+// The run config saved in run_dir's latest checkpoint, with `overrides` applied (for --resume).
+Result<RunConfig> resume_run_config(const std::string& run_dir, const std::vector<std::string>& overrides);
+
+// Trains per `config`; see TrainOptions. Errors: bad data, model/recipe errors, a run_dir that
+// already has checkpoints without resume, max_bad_steps consecutive non-finite steps.
+Result<TrainResult> run_pretraining(const RunConfig& config, const TrainOptions& options);
+
+}  // namespace nibble::train
