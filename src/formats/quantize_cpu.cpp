@@ -167,6 +167,22 @@ inline void split32(const float* x, v16f& even, v16f& odd) {
   even = __builtin_shuffle(a, b, ie);
   odd = __builtin_shuffle(a, b, ie + 1);
 }
+// 8 packed bytes -> 16 codes in element order (even element = low nibble).
+inline v16u unpack_codes16(const uint8_t* p) {
+  typedef uint8_t v16b __attribute__((vector_size(16)));
+  v16b b = {};
+  std::memcpy(&b, p, 8);
+  const v16b dup = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+  v16u w = __builtin_convertvector(__builtin_shuffle(b, dup), v16u);
+  const v16u sh = {0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4};
+  return (w >> sh) & 0xFu;
+}
+// e2m1_decode on 16 lanes (table of the 16 signed values; 0x8 -> -0.0).
+inline v16f e2m1_decode16(v16u code) {
+  const v16f tbl = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  return __builtin_shuffle(tbl, code);
+}
+
 // ---- stochastic rounding on 16 lanes ----
 // Philox4x32-10 (core/philox.h) for 16 consecutive counters `offset0 + lane` of (seed, stream).
 inline void mulhilo16(uint32_t m, v16u c, v16u& hi, v16u& lo) {
@@ -539,23 +555,28 @@ void twolevel_row(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int
   }
 }
 
+// One row of K elements (K % 16 == 0), vectorised when K % 128 == 0.
+template <typename In>
+void twolevel_quantize_row(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t K, const SrKey* sr,
+                           uint64_t index0) {
+#if NIBBLE_FORMATS_VEC16
+  if (K % 128 == 0) {
+    twolevel_row_vec(codes, inner, outer, x, K, sr, index0);
+    return;
+  }
+#endif
+  twolevel_row(codes, inner, outer, x, K, sr, index0);
+}
+
 template <typename In>
 void twolevel_quantize_impl(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
                             const SrKey* sr) {
   NIB_CHECK_MSG(K % 16 == 0, "nvfp4-2level: K={} must be a multiple of 16", K);
   int64_t no = (K + 127) / 128;
   parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-#if NIBBLE_FORMATS_VEC16
-      if (K % 128 == 0) {
-        twolevel_row_vec(codes + r * (K / 2), inner + r * (K / 16), outer + r * no, x + r * K, K, sr,
-                             static_cast<uint64_t>(r * K));
-        continue;
-      }
-#endif
-      twolevel_row(codes + r * (K / 2), inner + r * (K / 16), outer + r * no, x + r * K, K, sr,
-                   static_cast<uint64_t>(r * K));
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      twolevel_quantize_row(codes + r * (K / 2), inner + r * (K / 16), outer + r * no, x + r * K, K, sr,
+                            static_cast<uint64_t>(r * K));
   });
 }
 
@@ -615,8 +636,16 @@ void nvfp4_te_dequantize_cpu(float* y, const uint8_t* codes, const uint8_t* scal
   NIB_CHECK_MSG(K % 16 == 0, "nvfp4: K={} must be a multiple of 16", K);
   parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < K / 16; ++b)
+      for (int64_t b = 0; b < K / 16; ++b) {
+#if NIBBLE_FORMATS_VEC16
+        // e2m1_decode(code) * factor on 16 lanes: the same two binary32 values multiplied.
+        v16f v = e2m1_decode16(unpack_codes16(codes + r * (K / 2) + 8 * b)) *
+                 nvfp4_te_dequant_factor(scales[r * (K / 16) + b], amax);
+        std::memcpy(y + r * K + 16 * b, &v, 64);
+#else
         nvfp4_te_dequantize_block16(y + r * K + 16 * b, codes + r * (K / 2) + 8 * b, scales[r * (K / 16) + b], amax);
+#endif
+      }
   });
 }
 
@@ -682,8 +711,17 @@ void nvfp4_2level_dequantize_cpu(float* y, const uint8_t* codes, const uint8_t* 
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t o = 0; o < no; ++o) {
         int n = static_cast<int>(std::min<int64_t>(128, K - 128 * o));
+#if NIBBLE_FORMATS_VEC16
+        // (+-mag) * sp == +-(mag * sp) for every non-NaN sp (IEEE rounding is sign-symmetric).
+        for (int b = 0; b < n / 16; ++b) {
+          float sp = nvfp4_2level_block_scale(inner[r * (K / 16) + 8 * o + b], outer[r * no + o]);
+          v16f v = e2m1_decode16(unpack_codes16(codes + r * (K / 2) + 64 * o + 8 * b)) * sp;
+          std::memcpy(y + r * K + 128 * o + 16 * b, &v, 64);
+        }
+#else
         nvfp4_2level_dequantize_block128(y + r * K + 128 * o, codes + r * (K / 2) + 64 * o, inner + r * (K / 16) + 8 * o,
                                          outer[r * no + o], n);
+#endif
       }
   });
 }
@@ -754,25 +792,54 @@ void nvfp4_2level_backward_operand_cpu(uint8_t* codes_t, uint8_t* inner_t, float
                                        uint32_t sign_mask, const SrKey& sr) {
   NIB_CHECK_MSG(M % 128 == 0, "nvfp4-2level backward operand: M={} must be a multiple of 128", M);
   NIB_CHECK_MSG(K % 16 == 0, "nvfp4-2level backward operand: K={} must be a multiple of 16", K);
-  int64_t no_in = (K + 127) / 128, mt = M / 128, kt = K / 16;
-  // One task = a 128 (m) x 16 (k) tile: decode 128 input rows' 16-element blocks, transpose to
-  // 16 output rows of 128, RHT each 16-group, requantize each as one 128-block with SR.
+  int64_t no_in = (K + 127) / 128, kt = K / 16;
+  // One task = a TM (m) x 16 (k) tile, TM = 256 when M allows (two output 128-blocks per row, the
+  // vectorised requantizer's unit), else 128: decode the TM input rows' 16-element blocks into
+  // tile[m][k], RHT along m (16-row groups; each op is per k-lane, the same binary32 operations
+  // as rht16_f32 on a transposed row), transpose to rows of TM along m, requantize with SR.
+  const int TM = M % 256 == 0 ? 256 : 128;
+  int64_t mt = M / TM;
   parallel_for(mt * kt, 1, [&](int64_t t0, int64_t t1) {
-    float tile[16][128];
+    alignas(64) float tile[256][16];
+    alignas(64) float rows[16][256];
     for (int64_t t = t0; t < t1; ++t) {
       int64_t mi = t / kt, kj = t % kt;
-      for (int m = 0; m < 128; ++m) {
-        int64_t row = mi * 128 + m;
-        float so = outer[row * no_in + (16 * kj) / 128];
-        float sp = nvfp4_2level_block_scale(inner[row * (K / 16) + kj], so);
+      for (int m = 0; m < TM; ++m) {
+        int64_t row = mi * TM + m;
+        float sp = nvfp4_2level_block_scale(inner[row * (K / 16) + kj], outer[row * no_in + (16 * kj) / 128]);
         const uint8_t* c = codes + row * (K / 2) + 8 * kj;
-        for (int i = 0; i < 16; ++i) tile[i][m] = nvfp4_2level_decode(e2m1_unpack(c, i), sp);
+#if NIBBLE_FORMATS_VEC16
+        v16f v = e2m1_decode16(unpack_codes16(c)) * sp;
+        std::memcpy(tile[m], &v, 64);
+#else
+        for (int i = 0; i < 16; ++i) tile[m][i] = nvfp4_2level_decode(e2m1_unpack(c, i), sp);
+#endif
       }
+      for (int g = 0; g < TM / 16; ++g) {
+        float(*tg)[16] = tile + 16 * g;
+        for (int i = 0; i < 16; ++i)
+          if ((sign_mask >> i) & 1u)
+            for (int k = 0; k < 16; ++k) tg[i][k] = -tg[i][k];
+        for (int h = 1; h < 16; h <<= 1)
+          for (int i = 0; i < 16; ++i) {
+            if (i & h) continue;
+            for (int k = 0; k < 16; ++k) {
+              float a = tg[i][k], b = tg[i + h][k];
+              tg[i][k] = a + b;
+              tg[i + h][k] = a - b;
+            }
+          }
+        for (int i = 0; i < 16; ++i)
+          for (int k = 0; k < 16; ++k) tg[i][k] = tg[i][k] * 0.25f;
+      }
+      for (int m = 0; m < TM; ++m)
+        for (int k = 0; k < 16; ++k) rows[k][m] = tile[m][k];
       for (int i = 0; i < 16; ++i) {
-        int64_t k = 16 * kj + i;
-        for (int g = 0; g < 8; ++g) rht16_f32(&tile[i][16 * g], &tile[i][16 * g], sign_mask);
-        outer_t[k * mt + mi] = nvfp4_2level_quantize_block128(codes_t + k * (M / 2) + 64 * mi, inner_t + k * (M / 16) + 8 * mi,
-                                                              tile[i], 128, &sr, static_cast<uint64_t>(k * M + 128 * mi));
+        int64_t k = 16 * kj + i, m0 = mi * TM;
+        float* ot = outer_t + k * (M / 128) + m0 / 128;
+        uint8_t* ct = codes_t + k * (M / 2) + m0 / 2;
+        uint8_t* it = inner_t + k * (M / 16) + m0 / 16;
+        twolevel_quantize_row(ct, it, ot, rows[i], TM, &sr, static_cast<uint64_t>(k * M + m0));
       }
     }
   });

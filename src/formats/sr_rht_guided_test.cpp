@@ -201,9 +201,10 @@ TEST(Rht, DoubleToBf16RoundsOnce) {
 // ---- fused backward operand -------------------------------------------------------------------------
 
 TEST(BackwardOperand, EqualsCompositionOfReferenceSteps) {
-  for (int64_t K : {48, 256}) {
-    SCOPED_TRACE(K);
-    const int64_t M = 256, no = (K + 127) / 128;
+  // M = 256: 256-row tiles (vectorised SR requantizer); M = 384: 128-row tiles (per-block path).
+  for (auto [M, K] : {std::pair<int64_t, int64_t>{256, 48}, {256, 256}, {384, 48}, {128, 272}}) {
+    SCOPED_TRACE(M * 1000 + K);
+    const int64_t no = (K + 127) / 128;
     std::vector<float> x = normal_input(M * K, 14);
     for (int64_t i = 0; i < M * K; i += 97) x[i] *= 300.0f;  // outliers
     std::vector<uint8_t> codes(M * K / 2), inner(M * K / 16);
