@@ -761,13 +761,35 @@ void mxfp8_dequantize_cpu(float* y, const uint8_t* elems, const uint8_t* scales,
 
 void rht16_te_transpose_cpu(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t K) {
   NIB_CHECK_MSG(M % 16 == 0, "rht16: M={} must be a multiple of 16", M);
-  parallel_for(K, row_grain(M), [&](int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k)
-      for (int64_t g = 0; g < M / 16; ++g) {
-        float t[16];
-        for (int i = 0; i < 16; ++i) t[i] = bf16_bits_to_f32(x[(16 * g + i) * K + k]);
-        rht16_bf16_exact(y_t + k * M + 16 * g, t, kRhtTeSignMask);
+  // Task = 16 rows (one RHT group along M) x 16 columns: load the 16x16 tile row-major, run
+  // rht16_bf16_exact's steps on every column (k-lanes; same double operations, same order), store
+  // transposed. Contiguous loads instead of a 16-row stride per output element.
+  int64_t kc = (K + 15) / 16;
+  parallel_for((M / 16) * kc, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t g = t / kc, k0 = 16 * (t % kc);
+      int kw = static_cast<int>(std::min<int64_t>(16, K - k0));
+      double tile[16][16] = {};
+      for (int i = 0; i < 16; ++i) {
+        const uint16_t* xr = x + (16 * g + i) * K + k0;
+        bool neg = (kRhtTeSignMask >> i) & 1u;
+        for (int k = 0; k < kw; ++k) {
+          double v = static_cast<double>(bf16_bits_to_f32(xr[k]));
+          tile[i][k] = neg ? -v : v;
+        }
       }
+      for (int h = 1; h < 16; h <<= 1)
+        for (int i = 0; i < 16; ++i) {
+          if (i & h) continue;
+          for (int k = 0; k < 16; ++k) {
+            double a = tile[i][k], b = tile[i + h][k];
+            tile[i][k] = a + b;
+            tile[i + h][k] = a - b;
+          }
+        }
+      for (int k = 0; k < kw; ++k)
+        for (int j = 0; j < 16; ++j) y_t[(k0 + k) * M + 16 * g + j] = f64_to_bf16_bits(tile[j][k] * 0.25);
+    }
   });
 }
 

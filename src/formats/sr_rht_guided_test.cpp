@@ -198,6 +198,23 @@ TEST(Rht, DoubleToBf16RoundsOnce) {
   }
 }
 
+TEST(Rht, TeTransposeDriverEqualsTileFunction) {
+  // Any K (partial 16-column tiles), wide magnitudes: driver == rht16_bf16_exact per column group.
+  const int64_t M = 48, K = 40;
+  std::vector<float> xf = normal_input(M * K, 15, 100.0);
+  std::vector<uint16_t> x(M * K), yt(K * M);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = f32_to_bf16_bits(xf[i] * static_cast<float>(std::exp(3.0 * (i % 7))));
+  rht16_te_transpose_cpu(yt.data(), x.data(), M, K);
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t g = 0; g < M / 16; ++g) {
+      float t[16];
+      uint16_t ref[16];
+      for (int i = 0; i < 16; ++i) t[i] = bf16_bits_to_f32(x[(16 * g + i) * K + k]);
+      rht16_bf16_exact(ref, t, kRhtTeSignMask);
+      for (int j = 0; j < 16; ++j) ASSERT_EQ(yt[k * M + 16 * g + j], ref[j]) << k << "," << g << "," << j;
+    }
+}
+
 // ---- fused backward operand -------------------------------------------------------------------------
 
 TEST(BackwardOperand, EqualsCompositionOfReferenceSteps) {
