@@ -54,7 +54,7 @@ int run_bench_quantize(const BenchArgs& a) {
   auto rows = formats::bench_quantize_cpu(M, K, cpu_repeats, a.filter);
   std::printf("  %-32s %10s %10s %10s %12s %8s\n", "kernel", "MB moved", "ms", "GB/s", "memcpy GB/s", "ratio");
   for (const auto& r : rows)
-    std::printf("  %-32s %10.1f %10.3f %10.2f %12.2f %8.3f\n", r.name.c_str(), r.bytes / 1e6, r.seconds * 1e3, r.gbps,
+    std::printf("  %-32s %10.4g %10.4g %10.4g %12.4g %8.3g\n", r.name.c_str(), r.bytes / 1e6, r.seconds * 1e3, r.gbps,
                 r.memcpy_gbps, r.ratio_to_memcpy);
   if (a.cpu_only) return 0;
 

@@ -268,6 +268,27 @@ TEST_F(QuantizeCli, StochasticRoundingIsDeterministicBySeed) {
   EXPECT_EQ(slurp(dir.path / "s1.safetensors"), slurp(dir.path / "s1b.safetensors"));
 }
 
+TEST_F(QuantizeCli, ShardedCheckpointFolder) {
+  // An HF-style sharded folder (model-0000i-of-0000n.safetensors + index) is read as one file;
+  // SR streams follow the tensor order across shards.
+  fs::create_directories(dir.path / "sharded");
+  ASSERT_TRUE(io::write_safetensors_sharded(dir / "sharded", test_checkpoint(), 20000).is_ok());
+  ASSERT_TRUE(fs::exists(dir.path / "sharded" / "model.safetensors.index.json"));
+  RunResult r = run_nibble(dir.path, "quantize '" + dir / "sharded" + "' '" + dir / "q.safetensors" +
+                                         "' --format nvfp4 --rounding sr --seed 5");
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto in = io::SafetensorsFile::open(dir / "sharded");
+  auto out = io::SafetensorsFile::open(dir / "q.safetensors");
+  ASSERT_TRUE(in.is_ok() && out.is_ok());
+  const auto names = in->names();
+  for (size_t i = 0; i < names.size(); ++i) {
+    Tensor x = *in->get(names[i]);
+    if (!eligible(x, "nvfp4")) continue;
+    Expected e = reference(x, Case{"nvfp4", "nvfp4", false, fm::MxScaleRule::kFloor, true, 5}, i);
+    EXPECT_EQ(bytes_of(*out->get(names[i] + ".codes")), e.codes) << names[i];
+  }
+}
+
 TEST_F(QuantizeCli, BadFlagCombinationsExitTwoWithOneLine) {
   const std::vector<std::string> bad = {
       "--format nvfp4 --scale-rule ocp",

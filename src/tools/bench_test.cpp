@@ -1,0 +1,50 @@
+// Tests of `nibble bench quantize`, driving the built binary on a tiny shape: the CPU table has
+// every row with a positive ratio to the memcpy measured in the same run, the GPU part either
+// prints its table or says it was skipped (CPU-only builds and GPU-less CI), and bad --size
+// values are argument errors (exit 2, one line).
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+#include "tools/cli_test_util.h"
+
+namespace nibble::tools::test {
+namespace {
+
+TEST(BenchCli, QuantizeTableOnTinyShape) {
+  ScratchDir dir("bench_tiny");
+  RunResult r = run_nibble(dir.path, "bench quantize --size 128x256 --repeats 1 --threads 1");
+  ASSERT_EQ(r.code, 0) << r.err;
+  int rows = 0;
+  std::istringstream lines(r.out);
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream f(line);
+    std::string name;
+    double mb, ms, gbps, memcpy_gbps, ratio;
+    if (f >> name >> mb >> ms >> gbps >> memcpy_gbps >> ratio) {
+      ++rows;
+      EXPECT_GT(mb, 0.0) << line;
+      EXPECT_GT(ratio, 0.0) << line;
+    }
+  }
+  EXPECT_GE(rows, 10) << r.out;  // cpu_bench.h times 12 kernels
+  EXPECT_NE(r.out.find("nvfp4_te_bf16_rtn"), std::string::npos) << r.out;
+  const bool gpu_table = r.out.find("GPU quantizers") != std::string::npos;
+  const bool skipped = r.out.find("no CUDA device: GPU table skipped") != std::string::npos;
+  EXPECT_TRUE(gpu_table != skipped) << r.out;
+}
+
+TEST(BenchCli, BadSizeIsAnArgumentError) {
+  ScratchDir dir("bench_bad");
+  for (const std::string size : {"100x256", "128", "axb", "128x256x3"}) {
+    RunResult r = run_nibble(dir.path, "bench quantize --cpu-only --size " + size);
+    EXPECT_EQ(r.code, 2) << size << ": " << r.out << r.err;
+    EXPECT_EQ(r.err_lines(), 1) << r.err;
+  }
+  RunResult r = run_nibble(dir.path, "bench");  // a subcommand is required
+  EXPECT_EQ(r.code, 2);
+}
+
+}  // namespace
+}  // namespace nibble::tools::test
