@@ -368,7 +368,7 @@ TEST(Transformer, DISABLED_TinyDenseSpeed) {
     Batch b = make_batch(cfg.vocab_size, 8, 128);
     m->zero_grad();
     m->forward_backward(b.tokens.data(), b.targets.data(), b.B, b.Tn);  // warm-up (arena)
-    const int iters = 5;
+    const int iters = 10;
     auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < iters; ++i) m->forward_backward(b.tokens.data(), b.targets.data(), b.B, b.Tn);
     double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / iters;
