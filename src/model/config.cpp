@@ -91,12 +91,20 @@ Result<ModelConfig> parse_model_config(const nlohmann::json& j) {
   NIB_RETURN_IF_ERROR(get_bool(j, "tie_word_embeddings", c.tie_word_embeddings));
   NIB_RETURN_IF_ERROR(get_double(j, "initializer_range", c.initializer_range));
   NIB_RETURN_IF_ERROR(get_double(j, "router_z_loss_coef", c.router_z_loss_coef));
+  NIB_RETURN_IF_ERROR(get_int(j, "bos_token_id", c.bos_token_id, false));
+  NIB_RETURN_IF_ERROR(get_int(j, "eos_token_id", c.eos_token_id, false));
+  NIB_RETURN_IF_ERROR(get_int(j, "pad_token_id", c.pad_token_id, false));
 
   NIB_RETURN_IF_ERROR(positive("hidden_size", c.hidden_size));
   NIB_RETURN_IF_ERROR(positive("num_hidden_layers", c.num_hidden_layers));
   NIB_RETURN_IF_ERROR(positive("num_attention_heads", c.num_attention_heads));
   NIB_RETURN_IF_ERROR(positive("vocab_size", c.vocab_size));
   NIB_RETURN_IF_ERROR(positive("max_position_embeddings", c.max_position_embeddings));
+  for (auto [field, v] : {std::pair{"bos_token_id", c.bos_token_id}, std::pair{"eos_token_id", c.eos_token_id},
+                          std::pair{"pad_token_id", c.pad_token_id}})
+    if (v < -1 || v >= c.vocab_size)
+      return invalid_argument("model config: field '{}' ({}) must be a token id in [0, vocab_size {}) or null", field, v,
+                              c.vocab_size);
   if (c.num_key_value_heads == -1) c.num_key_value_heads = c.num_attention_heads;
   NIB_RETURN_IF_ERROR(positive("num_key_value_heads", c.num_key_value_heads));
   if (c.num_attention_heads % c.num_key_value_heads != 0)
@@ -209,6 +217,10 @@ nlohmann::json ModelConfig::to_json() const {
   j["attention_bias"] = false;
   j["attention_dropout"] = 0.0;
   j["torch_dtype"] = "float32";
+  auto id_or_null = [](int64_t v) { return v >= 0 ? nlohmann::json(v) : nlohmann::json(nullptr); };
+  j["bos_token_id"] = id_or_null(bos_token_id);
+  j["eos_token_id"] = id_or_null(eos_token_id);
+  j["pad_token_id"] = id_or_null(pad_token_id);
   if (arch == Architecture::kQwen3Moe) {
     j["head_dim"] = head_dim;
     j["num_experts"] = num_experts;

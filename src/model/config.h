@@ -31,6 +31,9 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   bool tie_word_embeddings = false;  // only false is supported (untied lm_head)
   double initializer_range = 0.02;
+  int64_t bos_token_id = -1;  // -1 = null (written as null)
+  int64_t eos_token_id = -1;
+  int64_t pad_token_id = -1;
   // Qwen3-MoE
   int64_t num_experts = 0;           // E
   int64_t num_experts_per_tok = 0;   // k

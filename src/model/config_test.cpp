@@ -116,6 +116,15 @@ TEST(ModelConfig, ErrorsNameTheField) {
   q2 = q;
   q2["mlp_only_layers"] = {7};
   expect_error_naming(q2, "'mlp_only_layers'");
+  j = olmo_base();
+  j["eos_token_id"] = 100;  // == vocab_size
+  expect_error_naming(j, "'eos_token_id'");
+  j = olmo_base();
+  j["eos_token_id"] = 3;
+  j["bos_token_id"] = nullptr;
+  ASSERT_TRUE(parse_model_config(j).is_ok());
+  EXPECT_EQ(parse_model_config(j)->eos_token_id, 3);
+  EXPECT_TRUE(parse_model_config(j)->to_json()["bos_token_id"].is_null());
   EXPECT_FALSE(parse_model_config_text("{not json").is_ok());
   EXPECT_FALSE(load_model_config("/nonexistent/config.json").is_ok());
 }
