@@ -86,6 +86,12 @@ std::vector<QuantizeBenchRow> bench_quantize_cpu(int64_t M, int64_t K, int repea
        [&] { nvfp4_2level_quantize_cpu(codes.data(), scales.data(), outer.data(), xb.data(), M, K, &key); }},
       {"nvfp4_te_dequant_f32", nvfp4_out + 4 * N,
        [&] { nvfp4_te_dequantize_cpu(y.data(), codes.data(), scales.data(), 3.0f, M, K); }},
+      {"nvfp4_2level_dequant_f32", nvfp4_out + 4 * N / 128 + 4 * N,
+       [&] { nvfp4_2level_dequantize_cpu(y.data(), codes.data(), scales.data(), outer.data(), M, K); }},
+      {"mxfp4_te_ceil_bf16_rtn", 2 * N + N / 2 + N / 32,
+       [&] { mxfp4_quantize_cpu(codes.data(), scales.data(), xb.data(), M, K, MxScaleRule::kTeCeil); }},
+      {"mxfp8_floor_bf16", 2 * N + N + N / 32,
+       [&] { mxfp8_quantize_cpu(elems.data(), scales.data(), xb.data(), M, K, MxScaleRule::kFloor); }},
       {"mxfp4_floor_bf16_rtn", 2 * N + N / 2 + N / 32,
        [&] { mxfp4_quantize_cpu(codes.data(), scales.data(), xb.data(), M, K, MxScaleRule::kFloor); }},
       {"mxfp4_rceil_bf16_rtn", 2 * N + N / 2 + N / 32,
@@ -105,7 +111,7 @@ std::vector<QuantizeBenchRow> bench_quantize_cpu(int64_t M, int64_t K, int repea
   std::vector<QuantizeBenchRow> rows;
   for (const Case& c : cases) {
     if (!filter.empty() && c.name.find(filter) == std::string::npos) continue;
-    if (c.name == "nvfp4_2level_backward_operand")
+    if (c.name == "nvfp4_2level_backward_operand" || c.name == "nvfp4_2level_dequant_f32")
       nvfp4_2level_quantize_cpu(codes.data(), scales.data(), outer.data(), xb.data(), M, K);
     QuantizeBenchRow r;
     r.name = c.name;

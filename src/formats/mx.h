@@ -52,7 +52,9 @@ NIB_HOST_DEVICE uint32_t mxfp4_quantize_block32(uint8_t* packed, const In* x, Mx
   if (sr == nullptr) {
     for (int i = 0; i < 32; ++i) c[i] = mxfp4_encode_rtn(load_f32(x[i]), inv, rule);
   } else {
-    for (int i = 0; i < 32; ++i) c[i] = mxfp4_encode_sr(load_f32(x[i]), inv, rule, sr_uniform(*sr, index0 + i));
+    float u[32];
+    sr_uniforms(u, *sr, index0, 32);
+    for (int i = 0; i < 32; ++i) c[i] = mxfp4_encode_sr(load_f32(x[i]), inv, rule, u[i]);
   }
   for (int i = 0; i < 16; ++i) packed[i] = e2m1_pack(c[2 * i], c[2 * i + 1]);
   return byte;

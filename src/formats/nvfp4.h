@@ -40,6 +40,16 @@ struct SrKey {
 };
 NIB_HOST_DEVICE float sr_uniform(const SrKey& key, uint64_t index) { return philox_uniform(key.seed, key.stream, index); }
 
+// u[i] = sr_uniform(key, index0 + i) for i < n, computing one Philox block per 4 elements.
+NIB_HOST_DEVICE void sr_uniforms(float* u, const SrKey& key, uint64_t index0, int n) {
+  int i = 0;
+  while (i < n) {
+    uint64_t idx = index0 + static_cast<uint64_t>(i);
+    Philox4x32 r = philox_block(key.seed, key.stream, idx >> 2);
+    for (uint64_t w = idx & 3u; w < 4u && i < n; ++w, ++i) u[i] = u32_to_uniform(r.v[w]);
+  }
+}
+
 // ---- TransformerEngine NVFP4 -----------------------------------------------------------------
 
 // Per-tensor constants derived from the stored amax (README order):
@@ -104,10 +114,9 @@ NIB_HOST_DEVICE uint32_t nvfp4_te_quantize_block16(uint8_t* packed, const In* x,
   if (sr == nullptr) {
     for (int i = 0; i < 16; ++i) c[i] = nvfp4_te_encode_rtn(load_f32(x[i]), enc);
   } else {
-    for (int q = 0; q < 16; q += 4) {
-      // index0 need not be a multiple of 4: fetch words per element through philox_uniform's rule.
-      for (int i = q; i < q + 4; ++i) c[i] = nvfp4_te_encode_sr(load_f32(x[i]), enc, sr_uniform(*sr, index0 + i));
-    }
+    float u[16];
+    sr_uniforms(u, *sr, index0, 16);
+    for (int i = 0; i < 16; ++i) c[i] = nvfp4_te_encode_sr(load_f32(x[i]), enc, u[i]);
   }
   for (int i = 0; i < 8; ++i) packed[i] = e2m1_pack(c[2 * i], c[2 * i + 1]);
   return s;
@@ -176,8 +185,9 @@ NIB_HOST_DEVICE float nvfp4_2level_quantize_block128(uint8_t* packed, uint8_t* i
     if (sr == nullptr) {
       for (int i = 0; i < 16; ++i) c[i] = nvfp4_2level_encode_rtn(load_f32(xb[i]), sp);
     } else {
-      for (int i = 0; i < 16; ++i)
-        c[i] = nvfp4_2level_encode_sr(load_f32(xb[i]), sp, sr_uniform(*sr, index0 + 16 * b + i));
+      float u[16];
+      sr_uniforms(u, *sr, index0 + 16 * static_cast<uint64_t>(b), 16);
+      for (int i = 0; i < 16; ++i) c[i] = nvfp4_2level_encode_sr(load_f32(xb[i]), sp, u[i]);
     }
     for (int i = 0; i < 8; ++i) packed[8 * b + i] = e2m1_pack(c[2 * i], c[2 * i + 1]);
   }

@@ -543,11 +543,11 @@ void twolevel_row(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int
       }
     } else {
       for (int b = 0; b < gb; ++b) {
-        float p = sp[b];
-        uint64_t i0 = index0 + static_cast<uint64_t>((b0 + b) * 16);
+        float p = sp[b], u[16];
+        sr_uniforms(u, *sr, index0 + static_cast<uint64_t>((b0 + b) * 16), 16);
         for (int i = 0; i < 8; ++i) {
-          uint32_t lo = nvfp4_2level_encode_sr(load_f32(xg[16 * b + 2 * i]), p, sr_uniform(*sr, i0 + 2 * i));
-          uint32_t hi = nvfp4_2level_encode_sr(load_f32(xg[16 * b + 2 * i + 1]), p, sr_uniform(*sr, i0 + 2 * i + 1));
+          uint32_t lo = nvfp4_2level_encode_sr(load_f32(xg[16 * b + 2 * i]), p, u[2 * i]);
+          uint32_t hi = nvfp4_2level_encode_sr(load_f32(xg[16 * b + 2 * i + 1]), p, u[2 * i + 1]);
           cg[8 * b + i] = e2m1_pack(lo, hi);
         }
       }

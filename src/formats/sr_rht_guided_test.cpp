@@ -60,6 +60,15 @@ TEST(StochasticRounding, ElementUsesPhiloxWordOfItsFlatIndex) {
     }
 }
 
+TEST(StochasticRounding, BatchedUniformsEqualPerElementWords) {
+  SrKey key{9, 10};
+  for (uint64_t i0 : {0ull, 1ull, 2ull, 3ull, 4ull, 0xFFFFFFFDull, 0x123456789ull}) {
+    float u[37];
+    sr_uniforms(u, key, i0, 37);
+    for (int i = 0; i < 37; ++i) ASSERT_EQ(u[i], philox_uniform(key.seed, key.stream, i0 + i)) << i0 << " " << i;
+  }
+}
+
 TEST(StochasticRounding, AtMostOneGridStepAndExactOnGrid) {
   PhiloxStream rng(5, 6);
   for (int i = 0; i < 200000; ++i) {
