@@ -14,6 +14,15 @@ template <typename T>
 void moe_router_forward(T* probs, T* lse, int32_t* topk_idx, T* topk_w, const T* logits, const int32_t* forced_idx,
                         int64_t N, int64_t E, int64_t k, bool norm_topk_prob) {
   NIB_CHECK(k >= 1 && k <= E);
+  if (forced_idx) {  // serially, before the parallel region (exceptions must not leave it)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = 0; j < k; ++j) {
+        int32_t id = forced_idx[n * k + j];
+        NIB_CHECK_MSG(id >= 0 && id < E, "forced expert id {} (token {}) outside [0, {})", id, n, E);
+        for (int64_t j2 = 0; j2 < j; ++j2)
+          NIB_CHECK_MSG(forced_idx[n * k + j2] != id, "forced expert id {} repeated for token {}", id, n);
+      }
+  }
   parallel_for(N, 16, [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       const T* l = logits + n * E;
@@ -30,12 +39,7 @@ void moe_router_forward(T* probs, T* lse, int32_t* topk_idx, T* topk_w, const T*
       int32_t* idx = topk_idx + n * k;
       T* w = topk_w + n * k;
       if (forced_idx) {
-        for (int64_t j = 0; j < k; ++j) {
-          int32_t id = forced_idx[n * k + j];
-          NIB_CHECK_MSG(id >= 0 && id < E, "forced expert id {} outside [0, {})", id, E);
-          for (int64_t j2 = 0; j2 < j; ++j2) NIB_CHECK_MSG(idx[j2] != id, "forced expert id {} repeated", id);
-          idx[j] = id;
-        }
+        for (int64_t j = 0; j < k; ++j) idx[j] = forced_idx[n * k + j];
       } else {
         // selection of the k largest, descending; strict '>' keeps the lower id on ties
         for (int64_t j = 0; j < k; ++j) {

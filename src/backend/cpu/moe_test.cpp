@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "backend/cpu/grad_check_test_util.h"
+#include "core/check.h"
 
 namespace nibble::cpu {
 namespace {
@@ -88,6 +89,19 @@ TEST(MoeRouter, ForcedWithOwnTopKEqualsNormalPathWhenRenormalised) {
   moe_router_forward(p.data(), lse.data(), idx2.data(), w2.data(), logits.data(), idx.data(), N, E, K, true);
   EXPECT_EQ(idx, idx2);
   EXPECT_EQ(w, w2);  // the same arithmetic in the same order: bit-identical
+}
+
+TEST(MoeRouter, BadForcedIdsThrowCatchably) {
+  auto logits = random_vector(N * E, 39);
+  std::vector<double> p(N * E), lse(N), w(N * K);
+  std::vector<int32_t> idx(N * K), forced(N * K, 0);
+  for (int64_t n = 0; n < N; ++n) forced[n * K + 1] = 1;
+  forced[7] = 0;  // token 3 gets {0, 0}: repeated
+  EXPECT_THROW(moe_router_forward(p.data(), lse.data(), idx.data(), w.data(), logits.data(), forced.data(), N, E, K, true),
+               CheckError);
+  forced[7] = E;  // out of range
+  EXPECT_THROW(moe_router_forward(p.data(), lse.data(), idx.data(), w.data(), logits.data(), forced.data(), N, E, K, true),
+               CheckError);
 }
 
 TEST(MoeDispatch, PlanIsAStableSortAndCombineBackwardMatchesFd) {

@@ -12,12 +12,19 @@
 namespace nibble::cpu {
 
 // ---- embedding ---------------------------------------------------------------------------
+// Checks run serially before any parallel region: an exception must never leave an OpenMP
+// parallel region (that would terminate the process instead of reaching the caller).
+static void check_ids(const int32_t* ids, int64_t n, int64_t lo, int64_t V, const char* what) {
+  for (int64_t i = 0; i < n; ++i)
+    NIB_CHECK_MSG(ids[i] >= lo && ids[i] < V, "{} id {} at {} outside [{}, {})", what, ids[i], i, lo, V);
+}
+
 template <typename T>
 void embedding_forward(T* out, const int32_t* tokens, const T* wte, int64_t N, int64_t V, int64_t C) {
+  check_ids(tokens, N, 0, V, "token");
   parallel_for(N, 64, [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       int32_t tok = tokens[n];
-      NIB_CHECK_MSG(tok >= 0 && tok < V, "token id {} outside [0, {})", tok, V);
       const T* row = wte + (int64_t)tok * C;
       T* o = out + n * C;
       for (int64_t c = 0; c < C; ++c) o[c] = row[c];
@@ -172,6 +179,7 @@ void swiglu_backward(T* dgu, const T* dout, const T* gu, int64_t N, int64_t I) {
 template <typename T>
 CrossEntropySums cross_entropy_forward(T* lse, T* token_ce, const T* logits, const int32_t* targets, int64_t N,
                                        int64_t V) {
+  for (int64_t n = 0; n < N; ++n) NIB_CHECK_MSG(targets[n] < V, "target id {} at {} >= vocab {}", targets[n], n, V);
   parallel_for(N, 8, [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       const T* l = logits + n * V;
@@ -182,7 +190,6 @@ CrossEntropySums cross_entropy_forward(T* lse, T* token_ce, const T* logits, con
       T ls = mx + static_cast<T>(std::log(sum));
       lse[n] = ls;
       int32_t t = targets[n];
-      NIB_CHECK_MSG(t < V, "target id {} >= vocab {}", t, V);
       if (token_ce) token_ce[n] = t >= 0 ? ls - l[t] : T(0);
     }
   });
@@ -225,12 +232,12 @@ CrossEntropySums cross_entropy_forward_backward(T* dlogits, T* lse, T* token_ce,
                                                 const int32_t* targets, int64_t N, int64_t V, double ce_scale,
                                                 double z_scale) {
   NIB_CHECK(token_ce != nullptr);
+  for (int64_t n = 0; n < N; ++n) NIB_CHECK_MSG(targets[n] < V, "target id {} at {} >= vocab {}", targets[n], n, V);
   parallel_for(N, 8, [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       const T* l = logits + n * V;
       T* d = dlogits + n * V;
       int32_t t = targets[n];
-      NIB_CHECK_MSG(t < V, "target id {} >= vocab {}", t, V);
       T mx = -std::numeric_limits<T>::infinity();
       for (int64_t v = 0; v < V; ++v) mx = l[v] > mx ? l[v] : mx;
       const T lt = t >= 0 ? l[t] : T(0);  // read before d (which may alias l) is written

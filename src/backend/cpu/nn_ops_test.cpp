@@ -9,6 +9,7 @@
 
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/grad_check_test_util.h"
+#include "core/check.h"
 
 namespace nibble::cpu {
 namespace {
@@ -57,6 +58,22 @@ TEST(Embedding, BackwardScattersRepeatedTokens) {
     embedding_forward(out.data(), tok.data(), wte.data(), N, V, C);
     return dot(out, r);
   }, "dwte");
+}
+
+TEST(Embedding, BadTokenIdsThrowCatchably) {
+  // with several threads too: the check runs before the parallel region
+  std::vector<int32_t> tok(1000, 1);
+  tok[777] = 4;
+  std::vector<float> wte(4 * 8), out(1000 * 8);
+  EXPECT_THROW(embedding_forward(out.data(), tok.data(), wte.data(), 1000, 4, 8), CheckError);
+  tok[777] = -1;
+  EXPECT_THROW(embedding_forward(out.data(), tok.data(), wte.data(), 1000, 4, 8), CheckError);
+  std::vector<float> logits(1000 * 4), lse(1000), ce(1000);
+  tok[777] = 4;  // as a target: >= V
+  EXPECT_THROW(cross_entropy_forward(lse.data(), ce.data(), logits.data(), tok.data(), 1000, 4), CheckError);
+  EXPECT_THROW(cross_entropy_forward_backward(logits.data(), lse.data(), ce.data(), logits.data(), tok.data(), 1000, 4,
+                                              1.0, 0.0),
+               CheckError);
 }
 
 TEST(RmsNorm, ForwardIsHfFormulaAndBackwardMatchesFd) {
