@@ -582,16 +582,106 @@ void twolevel_quantize_impl(uint8_t* codes, uint8_t* inner, float* outer, const 
 
 // ---- MX -----------------------------------------------------------------------------------------
 
+#if NIBBLE_FORMATS_HMAX_TREE
+// E8M0 rules of e8m0.h on 16 lanes of block maxima (non-negative, NaN-free; Inf possible).
+inline v16u e8m0_round_up_bits16(v16f d) {
+  v16u u = (v16u)(d)&0x7FFFFFFFu;
+  v16u e = u >> 23, m = u & 0x7FFFFFu;
+  v16u byte = e == 0u ? (m > 0x400000u ? 1u : 0u) : e + (m != 0u ? 1u : 0u);
+  byte = byte > 0xFFu ? 0xFFu : byte;
+  return u >= 0x7F800000u ? 0xFFu : byte;
+}
+inline v16u mx_scale_byte16(v16f bamax, MxScaleRule rule, bool fp8) {
+  if (rule == MxScaleRule::kFloor) {
+    v16u u = (v16u)(bamax)&0x7FFFFFFFu;
+    v16i e = (v16i)(u >> 23) - (127 + (fp8 ? 8 : 2));
+    e = e < -127 ? -127 : e;
+    e = e > 128 ? 128 : e;
+    v16u byte = (v16u)(e + 127);
+    return u >= 0x7F800000u ? 0xFFu : byte;
+  }
+  if (rule == MxScaleRule::kRceil) return e8m0_round_up_bits16(bamax * (fp8 ? kRecip448 : kRecip6));
+  v16u byte = e8m0_round_up_bits16(bamax / 6.0f);  // te-ceil: Inf/NaN d -> 0xFF, else clamp E to 127
+  v16u u = (v16u)(bamax / 6.0f) & 0x7FFFFFFFu;
+  return u >= 0x7F800000u ? 0xFFu : (byte > 254u ? 254u : byte);
+}
+inline v16f e8m0_inverse16(v16u byte) {
+  v16u normal = (254u - byte) << 23;
+  v16u sub = 0x00400000u >> (byte - 254u);
+  return (v16f)(byte <= 253u ? normal : sub);
+}
+// e4m3_rne_sat on 16 lanes (NaN -> 0x7F, sign bit = signbit otherwise).
+inline v16u e4m3_rne_sat16(v16f v) {
+  v16u mag = e4m3_rne_sat_magnitude16(v == v ? vabs(v) : 0.0f);
+  v16u sign = ((v16u)(v) >> 24) & 0x80u;
+  return v == v ? (mag | sign) : 0x7Fu;
+}
+
+// One row of K (K % 512 == 0 for the vector part) MX elements: 16 blocks of 32 at a time.
+template <typename In>
+int64_t mx_row_vec(uint8_t* out, uint8_t* scales, const In* x, int64_t K, MxScaleRule rule, bool fp8,
+                   const SrKey* sr, uint64_t index0) {
+  int64_t nb = K / 32, b = 0;
+  for (; b + 16 <= nb; b += 16) {
+    const In* xg = x + 32 * b;
+    v16f ev[16], od[16], pm[16];
+    for (int j = 0; j < 16; ++j) {
+      split32(xg + 32 * j, ev[j], od[j]);
+      pm[j] = pair_max_abs(ev[j], od[j]);
+    }
+    v16u byte = mx_scale_byte16(hmax16x16(pm), rule, fp8);
+    v16f inv = e8m0_inverse16(byte);
+    store_bytes16(scales + b, byte);
+    v16f ue[16], uo[16];
+    if (sr != nullptr) {
+      sr_uniforms256(ue, uo, *sr, index0 + static_cast<uint64_t>(32 * b));
+      sr_uniforms256(ue + 8, uo + 8, *sr, index0 + static_cast<uint64_t>(32 * b + 256));
+    }
+    for (int j = 0; j < 16; ++j) {
+      v16f ve = ev[j] * inv[j], vo = od[j] * inv[j];
+      if (fp8) {
+        typedef uint8_t v16b __attribute__((vector_size(16)));
+        v16b be = __builtin_convertvector(e4m3_rne_sat16(ve), v16b), bo = __builtin_convertvector(e4m3_rne_sat16(vo), v16b);
+        const v16b lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+        v16b l = __builtin_shuffle(be, bo, lo), h = __builtin_shuffle(be, bo, lo + 8);
+        std::memcpy(out + 32 * (b + j), &l, 16);
+        std::memcpy(out + 32 * (b + j) + 16, &h, 16);
+        continue;
+      }
+      v16u se, so;
+      if (rule == MxScaleRule::kTeCeil) {
+        v16i ne = ve < 0.0f, no = vo < 0.0f;
+        se = (v16u)(ne)&1u;
+        so = (v16u)(no)&1u;
+      } else {
+        se = vsignbit(ve);
+        so = vsignbit(vo);
+      }
+      v16u ie = sr == nullptr ? e2m1_rne_index16(vabs(ve)) : e2m1_sr_index16(vabs(ve), ue[j]);
+      v16u io = sr == nullptr ? e2m1_rne_index16(vabs(vo)) : e2m1_sr_index16(vabs(vo), uo[j]);
+      store_bytes16(out + 16 * (b + j), (ie | (se << 3)) | ((io | (so << 3)) << 4));
+    }
+  }
+  return b;  // blocks done
+}
+#endif
+
 template <typename In>
 void mxfp4_quantize_impl(uint8_t* codes, uint8_t* scales, const In* x, int64_t M, int64_t K, MxScaleRule rule,
                          const SrKey* sr) {
   NIB_CHECK_MSG(K % 32 == 0, "mxfp4: K={} must be a multiple of 32", K);
   parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < K / 32; ++b)
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t b = 0;
+#if NIBBLE_FORMATS_HMAX_TREE
+      b = mx_row_vec(codes + r * (K / 2), scales + r * (K / 32), x + r * K, K, rule, false, sr,
+                     static_cast<uint64_t>(r * K));
+#endif
+      for (; b < K / 32; ++b)
         scales[r * (K / 32) + b] = static_cast<uint8_t>(
             mxfp4_quantize_block32(codes + r * (K / 2) + 16 * b, x + r * K + 32 * b, rule, sr,
                                    static_cast<uint64_t>(r * K + 32 * b)));
+    }
   });
 }
 
@@ -600,10 +690,15 @@ void mxfp8_quantize_impl(uint8_t* elems, uint8_t* scales, const In* x, int64_t M
   NIB_CHECK_MSG(K % 32 == 0, "mxfp8: K={} must be a multiple of 32", K);
   NIB_CHECK_MSG(rule != MxScaleRule::kTeCeil, "mxfp8: the te-ceil rule is MXFP4 only");
   parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < K / 32; ++b)
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t b = 0;
+#if NIBBLE_FORMATS_HMAX_TREE
+      b = mx_row_vec(elems + r * K, scales + r * (K / 32), x + r * K, K, rule, true, nullptr, 0);
+#endif
+      for (; b < K / 32; ++b)
         scales[r * (K / 32) + b] =
             static_cast<uint8_t>(mxfp8_quantize_block32(elems + r * K + 32 * b, x + r * K + 32 * b, rule));
+    }
   });
 }
 

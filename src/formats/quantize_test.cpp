@@ -155,14 +155,52 @@ TEST(Drivers, PartialLast128BlockEqualsZeroPadding) {
 }
 
 TEST(Drivers, MxEqualsBlockFunctions) {
-  const int64_t M = 8, K = 256;
-  std::vector<float> x = edge_input(M * K, 3);
-  for (MxScaleRule rule : {MxScaleRule::kFloor, MxScaleRule::kRceil, MxScaleRule::kTeCeil}) {
-    std::vector<uint8_t> codes(M * K / 2), scales(M * K / 32), c_ref(M * K / 2);
-    mxfp4_quantize_cpu(codes.data(), scales.data(), x.data(), M, K, rule);
-    for (int64_t b = 0; b < M * K / 32; ++b)
-      ASSERT_EQ(scales[b], mxfp4_quantize_block32(c_ref.data() + 16 * b, x.data() + 32 * b, rule));
-    ASSERT_EQ(codes, c_ref);
+  SrKey key{31, 4};
+  for (int64_t K : {512, 544, 256}) {  // 16-block groups (vector path), + remainder, remainder only
+    SCOPED_TRACE(K);
+    const int64_t M = 6;
+    std::vector<float> x = edge_input(M * K, 3);
+    // Row 0: blocks that hit every clamp of the E8M0 rules: all zero, FP32-subnormal only
+    // (byte 0 / 1 boundaries), near FLT_MAX (bytes 253..255), tiny normals; plus an Inf block
+    // (NaN scale byte), a NaN and a -NaN element.
+    for (int i = 0; i < 32; ++i) {
+      x[i] = 0.0f;
+      x[32 + i] = (i % 2 ? -1.0f : 1.0f) * 1e-40f * static_cast<float>(i + 1);
+      x[64 + i] = (i % 3 ? -1.0f : 1.0f) * 3.3e38f * (static_cast<float>(i + 1) / 32.0f);
+      x[96 + i] = 1.5e-38f * static_cast<float>(i) / 31.0f;
+      x[128 + i] = 0x1.8p-125f * (static_cast<float>(i) / 31.0f);  // te-ceil: d = 2^-127 exactly
+      x[160 + i] = 7e37f * static_cast<float>(i) / 31.0f;
+    }
+    x[200] = kInf;
+    x[230] = kNaN;
+    x[231] = -kNaN;
+    std::vector<uint16_t> xb = to_bf16(x);
+    for (MxScaleRule rule : {MxScaleRule::kFloor, MxScaleRule::kRceil, MxScaleRule::kTeCeil}) {
+      for (const SrKey* sr : {static_cast<const SrKey*>(nullptr), static_cast<const SrKey*>(&key)}) {
+        std::vector<uint8_t> codes(M * K / 2), scales(M * K / 32), c_ref(M * K / 2), codes_b(M * K / 2),
+            scales_b(M * K / 32), cb_ref(M * K / 2);
+        mxfp4_quantize_cpu(codes.data(), scales.data(), x.data(), M, K, rule, sr);
+        mxfp4_quantize_cpu(codes_b.data(), scales_b.data(), xb.data(), M, K, rule, sr);
+        for (int64_t b = 0; b < M * K / 32; ++b) {
+          ASSERT_EQ(scales[b], mxfp4_quantize_block32(c_ref.data() + 16 * b, x.data() + 32 * b, rule, sr,
+                                                      static_cast<uint64_t>(32 * b)));
+          ASSERT_EQ(scales_b[b], mxfp4_quantize_block32(cb_ref.data() + 16 * b, xb.data() + 32 * b, rule, sr,
+                                                        static_cast<uint64_t>(32 * b)));
+        }
+        ASSERT_EQ(codes, c_ref);
+        ASSERT_EQ(codes_b, cb_ref);
+      }
+      if (rule == MxScaleRule::kTeCeil) continue;
+      std::vector<uint8_t> el(M * K), sc(M * K / 32), el_ref(M * K), elb(M * K), scb(M * K / 32), elb_ref(M * K);
+      mxfp8_quantize_cpu(el.data(), sc.data(), x.data(), M, K, rule);
+      mxfp8_quantize_cpu(elb.data(), scb.data(), xb.data(), M, K, rule);
+      for (int64_t b = 0; b < M * K / 32; ++b) {
+        ASSERT_EQ(sc[b], mxfp8_quantize_block32(el_ref.data() + 32 * b, x.data() + 32 * b, rule));
+        ASSERT_EQ(scb[b], mxfp8_quantize_block32(elb_ref.data() + 32 * b, xb.data() + 32 * b, rule));
+      }
+      ASSERT_EQ(el, el_ref);
+      ASSERT_EQ(elb, elb_ref);
+    }
   }
 }
 
