@@ -215,6 +215,35 @@ TEST(Transformer, ForcedRoutingWithOwnTopKEqualsNormalPath) {
   EXPECT_GT(router_grad, 0.0);
 }
 
+TEST(Transformer, UnusedExpertsAndAllIgnoredTargets) {
+  auto cfg = moe_config(true, 0);
+  auto m = build<float>(cfg);
+  Batch b = make_batch(cfg.vocab_size, 2, 8);
+  const int64_t Nk = b.B * b.Tn * cfg.num_experts_per_tok;
+  std::vector<int32_t> forced(m->num_moe_layers() * Nk);
+  for (int64_t s = 0; s < (int64_t)forced.size(); ++s) forced[s] = static_cast<int32_t>(s % 2);  // experts {0,1} only
+  m->zero_grad();
+  LossParts lp = m->forward_backward(b.tokens.data(), b.targets.data(), b.B, b.Tn, {}, {forced.data(), nullptr});
+  EXPECT_TRUE(std::isfinite(lp.loss));
+  for (const char* name : {"model.layers.0.mlp.experts.2.gate_proj.weight", "model.layers.0.mlp.experts.3.down_proj.weight"}) {
+    auto* p = m->find_param(name);
+    for (int64_t i = 0; i < p->numel; ++i) ASSERT_EQ(p->grad[i], 0.0f) << name;
+  }
+  auto* used = m->find_param("model.layers.0.mlp.experts.1.up_proj.weight");
+  double g = 0;
+  for (int64_t i = 0; i < used->numel; ++i) g += std::fabs(used->grad[i]);
+  EXPECT_GT(g, 0.0);
+  // every target ignored: ce = 0, n_tokens = 0, only the MoE losses produce gradients
+  std::vector<int32_t> ignore(b.tokens.size(), -100);
+  m->zero_grad();
+  LossParts li = m->forward_backward(b.tokens.data(), ignore.data(), b.B, b.Tn);
+  EXPECT_EQ(li.n_tokens, 0);
+  EXPECT_EQ(li.ce, 0.0);
+  EXPECT_GT(li.loss, 0.0);  // aux + router z-loss
+  auto* head = m->find_param("lm_head.weight");
+  for (int64_t i = 0; i < head->numel; ++i) ASSERT_EQ(head->grad[i], 0.0f);
+}
+
 TEST(Transformer, Bf16RecipeChangesTheModelSlightly) {
   auto cfg = dense_config();
   auto fp = build<float>(cfg, "fp32");
