@@ -897,8 +897,26 @@ float nvfp4_te_quantize_rht_t_cpu(uint8_t* codes_t, uint8_t* scales_t, uint16_t*
 void rht16_rows_f32_cpu(float* y, const float* x, int64_t rows, int64_t cols, uint32_t sign_mask) {
   NIB_CHECK_MSG(cols % 16 == 0, "rht16: cols={} must be a multiple of 16", cols);
   parallel_for(rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
+#if NIBBLE_FORMATS_HMAX_TREE
+    // rht16_f32 on one 16-lane vector: sign flip = sign-bit xor (same as negation), stage h pairs
+    // lane i with lane i^h: lanes without bit h get t[i] + t[i+h], lanes with it t[i-h] - t[i].
+    v16u flip = {};
+    for (int i = 0; i < 16; ++i) flip[i] = ((sign_mask >> i) & 1u) << 31;
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < cols / 16; ++g) {
+        v16f t = (v16f)((v16u)(load16(x + r * cols + 16 * g)) ^ flip);
+        for (int h = 1; h < 16; h <<= 1) {
+          v16f p = __builtin_shuffle(t, lane ^ h);
+          t = (lane & h) != 0 ? p - t : t + p;
+        }
+        t = t * 0.25f;
+        std::memcpy(y + r * cols + 16 * g, &t, 64);
+      }
+#else
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t g = 0; g < cols / 16; ++g) rht16_f32(y + r * cols + 16 * g, x + r * cols + 16 * g, sign_mask);
+#endif
   });
 }
 

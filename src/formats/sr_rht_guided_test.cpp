@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <set>
 #include <vector>
 
@@ -152,6 +153,25 @@ TEST(Rht, Fp32ButterflyWithinDerivedBoundOfExactProduct) {
       double exact = 0;
       for (int i = 0; i < 16; ++i) exact += (((mask >> i) & 1u) ? -1.0 : 1.0) * rht_h16(i, j) * 0.25 * x[i];
       ASSERT_LE(std::fabs(y[j] - exact), 15.0 / 4.0 * 0x1p-24 * S) << t << " " << j;
+    }
+  }
+}
+
+TEST(Rht, RowsDriverEqualsTileFunction) {
+  const int64_t rows = 5, cols = 64;
+  std::vector<float> x = normal_input(rows * cols, 16, 10.0), y(x.size());
+  x[3] = -0.0f;
+  x[17] = std::numeric_limits<float>::infinity();
+  for (uint32_t mask : {0u, 0xFFFFu, kRhtTeSignMask, rht_random_sign_mask(3, 3)}) {
+    rht16_rows_f32_cpu(y.data(), x.data(), rows, cols, mask);
+    for (int64_t g = 0; g < rows * cols / 16; ++g) {
+      float ref[16];
+      rht16_f32(ref, x.data() + 16 * g, mask);
+      for (int j = 0; j < 16; ++j) {
+        float got = y[static_cast<size_t>(16 * g + j)];
+        ASSERT_TRUE(float_as_u32(got) == float_as_u32(ref[j]) || (std::isnan(got) && std::isnan(ref[j])))
+            << g << " " << j;
+      }
     }
   }
 }
