@@ -48,24 +48,31 @@ try_direct() {
   local D=$ROOT/.gpudeps O=$ROOT/build-gpu-direct
   [ -d "$D/include" ] || return 1
   local NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+  local CUDA_INC
+  CUDA_INC=$(dirname "$NVCC")/../include
   mkdir -p "$O"
-  local defs="-DFMT_HEADER_ONLY -DNIBBLE_HAVE_CUDA=1 -DNIBBLE_SOURCE_DIR=\"$ROOT\" -DNIBBLE_TESTDATA_DIR=\"$ROOT/../shared/testdata\""
-  local inc="-I$ROOT/src -I$D/include -I$D/googletest/include -I$D/googletest"
-  local nvf="-std=c++20 -O3 --fmad=false --expt-relaxed-constexpr -Xcompiler=-ffp-contract=off,-fopenmp -DFMT_CONSTEVAL= -DFMT_USE_CONSTEXPR=1 -gencode=arch=compute_90a,code=sm_90a"
-  local cxf="-std=c++20 -O3 -ffp-contract=off -fopenmp"
-  local pids=()
+  local defs=(-DFMT_HEADER_ONLY -DNIBBLE_HAVE_CUDA=1 "-DNIBBLE_SOURCE_DIR=\"$ROOT\""
+              "-DNIBBLE_TESTDATA_DIR=\"$ROOT/../shared/testdata\"")
+  local inc=(-I"$ROOT/src" -I"$D/include" -I"$D/googletest/include" -I"$D/googletest" -I"$CUDA_INC")
+  local nvf=(-std=c++20 -O3 --fmad=false --expt-relaxed-constexpr -Xcompiler=-ffp-contract=off,-fopenmp
+             -DFMT_CONSTEVAL= -DFMT_USE_CONSTEXPR=1 -gencode=arch=compute_90a,code=sm_90a)
+  local cxf=(-std=c++20 -O3 -ffp-contract=off -fopenmp)
+  local pids=() f
   for f in src/backend/cuda/*.cu; do
-    eval "$NVCC $nvf $defs $inc -c $f -o $O/$(basename $f).o" >"$O/$(basename $f).log" 2>&1 & pids+=($!)
+    "$NVCC" "${nvf[@]}" "${defs[@]}" "${inc[@]}" -c "$f" -o "$O/$(basename "$f").o" >"$O/$(basename "$f").log" 2>&1 &
+    pids+=($!)
   done
-  for f in src/backend/cuda/*.cpp src/formats/*.cpp src/core/tensor.cpp src/core/philox.cpp src/core/parallel.cpp \
+  for f in src/backend/cuda/*.cpp src/formats/*.cpp src/io/*.cpp src/core/tensor.cpp src/core/philox.cpp src/core/parallel.cpp \
            "$D/googletest/src/gtest-all.cc" "$D/googletest/src/gtest_main.cc"; do
     case $f in *_test.cpp) continue;; esac
-    eval "g++ $cxf $defs $inc -c $f -o $O/$(basename $f).o" >"$O/$(basename $f).log" 2>&1 & pids+=($!)
+    g++ "${cxf[@]}" "${defs[@]}" "${inc[@]}" -c "$f" -o "$O/$(basename "$f").o" >"$O/$(basename "$f").log" 2>&1 &
+    pids+=($!)
   done
-  local fail=0
+  local fail=0 p
   for p in "${pids[@]}"; do wait "$p" || fail=1; done
-  if [ $fail = 1 ]; then cat "$O"/*.log | grep -m 20 -i error; return 1; fi
-  $NVCC -o "$O/nibble_backend_cuda_tests" "$O"/*.o -Xcompiler=-fopenmp -lcudart >"$O/link.log" 2>&1 || { tail -20 "$O/link.log"; return 1; }
+  if [ $fail = 1 ]; then grep -h -m 5 -i error "$O"/*.log; return 1; fi
+  "$NVCC" -o "$O/nibble_backend_cuda_tests" "$O"/*.o -Xcompiler=-fopenmp -lcudart >"$O/link.log" 2>&1 \
+    || { tail -20 "$O/link.log"; return 1; }
   BIN="$O/nibble_backend_cuda_tests"
 }
 
