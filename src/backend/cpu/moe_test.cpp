@@ -61,7 +61,9 @@ void check_router_backward(bool norm_topk, bool forced) {
   std::vector<int32_t> idx(N * K);
   const int32_t* f = forced ? fixed.data() : nullptr;
   moe_router_forward(p.data(), lse.data(), idx.data(), w.data(), logits.data(), f, N, E, K, norm_topk);
-  if (forced) EXPECT_EQ(idx, fixed);
+  if (forced) {
+    EXPECT_EQ(idx, fixed);
+  }
   moe_router_backward(dl.data(), r.data(), p.data(), lse.data(), idx.data(), w.data(), extra.data(), zc, N, E, K,
                       norm_topk || forced);
   std::vector<int32_t> idx0 = idx;
