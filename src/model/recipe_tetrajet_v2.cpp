@@ -463,6 +463,8 @@ void TetraJetV2LinearRecipe::backward(float* dx, float* dw, const float* dy, int
 void TetraJetV2LinearRecipe::after_optimizer_step(float* w, int64_t N, int64_t K, int64_t step) {
   if (!config_.oscireset.enabled) return;
   NIB_CHECK(N == info_.N && K == info_.K);
+  const int64_t start = oscireset_.start_step();
+  if (!oscireset_.active() && !(start >= 0 && step >= start && step % config_.oscireset.period == 0)) return;
   std::vector<uint8_t> eligible;  // FP4 elements only: outlier channels are excluded
   if (!out_idx_.empty()) {
     eligible.assign(static_cast<size_t>(N * K), 1);

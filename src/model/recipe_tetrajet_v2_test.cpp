@@ -325,7 +325,7 @@ TEST(TetraJetV2, AlignedSrEstimatorWithRhtIsUnbiasedUpToSaturation) {
       }
     return d;
   };
-  const int S = 120;
+  const int S = 80;
   std::vector<double> sx(M * K, 0), sx2(M * K, 0), allow(M * K, 0), absx(M * K, 0);
   for (int s = 0; s < S; ++s) {
     LinearCall call{0, static_cast<uint64_t>(5000 + s), 0, 0, true};
