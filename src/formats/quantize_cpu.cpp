@@ -444,15 +444,19 @@ void twolevel_row_vec(uint8_t* codes, uint8_t* inner, float* outer, const In* x,
       pm[i] = pair_max_abs(ev[i], od[i]);
     }
     v16f bamax = hmax16x16_from_pairs(pm);
-    float amax0 = 0.0f, amax1 = 0.0f;
-    for (int j = 0; j < 8; ++j) {
-      amax0 = amax_update(amax0, bamax[j]);
-      amax1 = amax_update(amax1, bamax[j + 8]);
+    // Outer amax of lanes 0-7 and of lanes 8-15 (butterfly max; the lanes are NaN-free and
+    // non-negative, so the order of the maxima does not matter), then
+    // nvfp4_2level_outer_scale on all lanes.
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    v16f am = bamax;
+    for (int h = 1; h < 8; h <<= 1) {
+      v16f p = __builtin_shuffle(am, lane ^ h);
+      am = p > am ? p : am;
     }
-    float so0 = nvfp4_2level_outer_scale(amax0), so1 = nvfp4_2level_outer_scale(amax1);
-    outer[o] = so0;
-    outer[o + 1] = so1;
-    v16f so = {so0, so0, so0, so0, so0, so0, so0, so0, so1, so1, so1, so1, so1, so1, so1, so1};
+    v16f so = (am * kRecip448) * kRecip6;
+    so = so == 0.0f ? 1.0f : so;
+    outer[o] = so[0];
+    outer[o + 1] = so[8];
     v16f t = (bamax / so) * kRecip6;
     t = t < 448.0f ? t : 448.0f;
     v16u si = e4m3_rne_sat_magnitude16(t);
