@@ -19,8 +19,8 @@
 namespace nibble::train {
 namespace {
 
-model::ModelConfig tiny_config() {
-  auto cfg = model::load_model_config(std::string(NIBBLE_SOURCE_DIR) + "/configs/tiny-dense.json");
+model::ModelConfig tiny_config(const std::string& file = "tiny-dense.json") {
+  auto cfg = model::load_model_config(std::string(NIBBLE_SOURCE_DIR) + "/configs/" + file);
   EXPECT_TRUE(cfg.is_ok());
   model::ModelConfig c = cfg.value();
   c.vocab_size = 256;
@@ -36,10 +36,10 @@ struct TrainResult {
 
 // 24 steps of AdamW (lr 3e-3) on one fixed batch (B=4, T=32 -> M = 128 tokens): memorising it
 // must lower the loss for any working recipe.
-TrainResult train(const nlohmann::json& recipe_json, int steps = 24) {
+TrainResult train(const nlohmann::json& recipe_json, int steps = 24, const std::string& config = "tiny-dense.json") {
   auto rc = model::parse_recipe_config(recipe_json);
   EXPECT_TRUE(rc.is_ok()) << rc.status().message();
-  auto m = model::Model::create(tiny_config(), rc.value()).value();
+  auto m = model::Model::create(tiny_config(config), rc.value()).value();
   m->init_weights(1);
   set_recipe_total_steps(*m, steps);
   const int64_t B = 4, T = 32;
@@ -96,6 +96,20 @@ TEST(RecipesTraining, LossFallsWithEveryRecipeAndHooksRun) {
               bf16.ms_per_step, nv.ms_per_step, nv.ms_per_step / bf16.ms_per_step, tj.ms_per_step,
               tj.ms_per_step / bf16.ms_per_step, fu.ms_per_step, fu.ms_per_step / bf16.ms_per_step, bf16.first, bf16.last,
               nv.first, nv.last, tj.first, tj.last, fu.first, fu.last, static_cast<long long>(fu.resets));
+}
+
+// MoE (tiny-moe, 2 blocks, 8 experts top-2): experts see arbitrary token counts, so the
+// along-token quantizers pad M to 128 (tetrajet-v2) / 16 (nvfp4-nvidia) on every expert call.
+TEST(RecipesTraining, MoeLossFallsWithTheFp4Recipes) {
+  set_num_threads(1);
+  nlohmann::json full = {{"name", "tetrajet-v2"},
+                         {"outcontrol", {{"outliers", {{"fraction", 0.1}, {"round_to", 32}, {"calibration_start", 2},
+                                                       {"calibration_end", 3}}}}},
+                         {"oscireset", {{"start_step", 6}, {"period", 6}, {"window", 2}}}};
+  for (const nlohmann::json& j : {nlohmann::json("nvfp4-nvidia"), full}) {
+    auto r = train(j, 12, "tiny-moe.json");
+    EXPECT_LT(r.last, r.first - 0.5) << j.dump() << ": " << r.first << " -> " << r.last;
+  }
 }
 
 }  // namespace
