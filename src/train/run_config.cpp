@@ -237,10 +237,10 @@ Result<RunConfig> resolve_run_config(const json& user, const std::vector<std::st
   NIB_RETURN_IF_ERROR(validate(c.adamw));
   {
     auto s = schedule_from_json(j["schedule"]);
-    if (!s) return invalid_argument("run config: schedule: {}", s.status().message());
+    if (!s) return invalid_argument("run config: {}", s.status().message());
     c.schedule = *s;
     auto bound = LrSchedule::create(c.schedule, c.lr, c.steps);
-    if (!bound) return invalid_argument("run config: schedule: {}", bound.status().message());
+    if (!bound) return invalid_argument("run config: {}", bound.status().message());
   }
   NIB_ASSIGN_OR_RETURN(c.z_loss, get_num(j["z_loss"], "z_loss", 0, 1));
   NIB_ASSIGN_OR_RETURN(c.eval_interval, get_int(j, "eval.interval", 0));

@@ -13,6 +13,7 @@
 #include "train/atomic_dir.h"
 #include "train/dataset.h"
 #include "train/metrics.h"
+#include "train/oscireset.h"
 #include "train/plot.h"
 #include "train/progress.h"
 #include "train/schedule.h"
@@ -80,6 +81,7 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
   // ---- model, optimizer, loaders ----
   NIB_ASSIGN_OR_RETURN(auto model, model::Model::create(cfg.model, cfg.recipe));
   model->init_weights(cfg.seed);
+  set_recipe_total_steps(*model, cfg.steps);
   AdamW adamw(cfg.adamw);
   const int64_t B = cfg.batch_size, T = cfg.seq_len;
   auto loader_or = TrainLoader::open({ds.train_path}, B, T, cfg.seed);
@@ -168,8 +170,9 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
     res.val_loss = e.loss;
     res.val_ppl = e.ppl;
     val_pts.push_back({static_cast<double>(step_done), e.loss});
-    NIB_RETURN_IF_ERROR(metrics.write(json{{"step", step_done}, {"val_loss", e.loss}, {"val_ppl", e.ppl},
-                                           {"val_tokens", e.tokens}}));
+    json ev{{"step", step_done}, {"val_loss", e.loss}, {"val_ppl", e.ppl}, {"val_tokens", e.tokens}};
+    for (const auto& [k, v] : recipe_stats(*model)) ev["recipe." + k] = v;
+    NIB_RETURN_IF_ERROR(metrics.write(ev));
     if (!opt.progress) NIB_LOG_DEBUG("step {}: val loss {:.4f} ppl {:.2f}", step_done, e.loss, e.ppl);
     Status s = write_loss_plot((run / "loss.png").string(), train_pts, val_pts);
     if (!s) NIB_LOG_WARN("loss plot not written: {}", s.message());
@@ -223,10 +226,8 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
     } else {
       bad_in_row = 0;
       NIB_RETURN_IF_ERROR(adamw.step(views, lr, grad_scale * gn.clip_scale));
-      for (const auto& info : model->linear_infos()) {
-        model::LinearRecipe* r = model->linear_recipe(info.id);
-        if (r) r->after_optimizer_step(model->linear_weight(info.id), info.N, info.K, s);
-      }
+      const int64_t resets = recipe_after_optimizer_step(*model, s);  // OsciReset may move weights
+      if (resets > 0) NIB_LOG_DEBUG("step {}: OsciReset moved {} weights onto their grid points", s + 1, resets);
       res.losses.push_back(loss);
       train_pts.push_back({static_cast<double>(s + 1), ce});
       NIB_RETURN_IF_ERROR(metrics.write(json{{"step", s + 1}, {"loss", loss}, {"ce", ce}, {"z_loss", zl}, {"lr", lr},
