@@ -158,6 +158,40 @@ TEST_F(TrainerTest, ResumeIsBitIdenticalForEveryRecipe) {
   }
 }
 
+// The full TetraJet-v2 recipe with its stateful parts inside the interrupted span: outlier
+// calibration over steps 1-3 (selection after it), OsciReset from step 2 with period 4 and a
+// window of 2, and the split at step 5 inside an OsciReset window (snapshot at step 4), so the
+// checkpoint must carry the outlier selection and the OsciReset buffers.
+TEST_F(TrainerTest, ResumeIsBitIdenticalForFullTetraJetV2) {
+  if (!model::has_linear_recipe("tetrajet-v2")) GTEST_SKIP() << "tetrajet-v2 not registered";
+  json cfg = tiny_config("tetrajet-v2", 10);
+  cfg["recipe"] = json{{"name", "tetrajet-v2"},
+                       {"outcontrol", {{"rht", true},
+                                       {"outliers", {{"enabled", true}, {"fraction", 0.25}, {"round_to", 16},
+                                                     {"calibration_start", 1}, {"calibration_end", 3}}}}},
+                       {"oscireset", {{"enabled", true}, {"start_step", 2}, {"period", 4}, {"window", 2},
+                                      {"threshold", 1.5}}}};
+  RunConfig c = resolve(cfg);
+  auto full = run_pretraining(c, options("full_tj"));
+  ASSERT_TRUE(full) << full.status().message();
+  TrainOptions o = options("split_tj");
+  o.stop_after_step = 5;
+  auto first = run_pretraining(c, o);
+  ASSERT_TRUE(first) << first.status().message();
+  o.stop_after_step = -1;
+  o.resume = true;
+  auto second = run_pretraining(c, o);
+  ASSERT_TRUE(second) << second.status().message();
+  ASSERT_EQ(second->losses.size(), 5u);
+  for (int i = 0; i < 5; ++i)
+    EXPECT_EQ(std::memcmp(&full->losses[5 + i], &second->losses[i], sizeof(double)), 0)
+        << "step " << 5 + i << ": " << full->losses[5 + i] << " vs " << second->losses[i];
+  EXPECT_EQ(read_bytes(full->checkpoint_dir + "/model.safetensors"),
+            read_bytes(second->checkpoint_dir + "/model.safetensors"));
+  EXPECT_EQ(read_bytes(full->checkpoint_dir + "/recipe_state.safetensors"),
+            read_bytes(second->checkpoint_dir + "/recipe_state.safetensors"));
+}
+
 TEST_F(TrainerTest, FailedCheckpointWriteLeavesThePreviousOneLoadable) {
   RunConfig c = resolve(tiny_config("bf16", 8), {"checkpoint.interval=4"});
   for (const char* stage : {"model.safetensors", "trainer.json", "commit", "latest"}) {

@@ -1,0 +1,127 @@
+// Drives `nibble pretrain`, `eval`, `generate` and `export` as a user would (cli_test_util.h):
+// a 6-step run of a tiny OLMo-2 on a small text file, then resume, eval (text and shard),
+// generate (deterministic per seed, logits dump) and both exports; and the error paths: unknown
+// --set key, bad values, bad config file, missing/empty corpus, missing checkpoint, each one
+// line on stderr with a non-zero exit.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "tools/cli_test_util.h"
+
+namespace nibble::tools::test {
+namespace {
+
+using nlohmann::json;
+
+// Tiny model inline (vocab 300, hidden 64, 2 layers), text of ~40 KB, 1 thread.
+std::string write_tiny_config(const ScratchDir& d) {
+  json cfg{{"model",
+            {{"architectures", {"Olmo2ForCausalLM"}},
+             {"model_type", "olmo2"},
+             {"hidden_size", 64},
+             {"num_hidden_layers", 2},
+             {"num_attention_heads", 2},
+             {"num_key_value_heads", 2},
+             {"intermediate_size", 128},
+             {"vocab_size", 300},
+             {"max_position_embeddings", 64},
+             {"rope_theta", 500000.0}}},
+           {"recipe", "bf16"},
+           {"batch_size", 4},
+           {"seq_len", 32},
+           {"steps", 6},
+           {"optimizer", {{"lr", 1e-2}}},
+           {"schedule", {{"type", "cosine"}, {"warmup_steps", 1}}},
+           {"eval", {{"interval", 3}, {"batches", 2}}},
+           {"checkpoint", {{"interval", 3}, {"keep_last", 2}}},
+           {"threads", 1}};
+  std::ofstream(d / "run.json") << cfg.dump(2);
+  std::string text;
+  for (int i = 0; i < 600; ++i)
+    text += "And the " + std::to_string(i % 37) + " sheep went over the hill, and the shepherd followed them.\n" +
+            (i % 20 == 19 ? "\n" : "");
+  std::ofstream(d / "corpus.txt") << text;
+  return d / "run.json";
+}
+
+TEST(TrainCliTest, PretrainResumeEvalGenerateExport) {
+  ScratchDir d("train_cli");
+  const std::string cfg = write_tiny_config(d), corpus = d / "corpus.txt", run = d / "run";
+  RunResult r = run_nibble(d.path, "pretrain --config '" + cfg + "' --data '" + corpus + "' --out '" + run +
+                                       "' --no-progress --stop-after 3");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(run + "/checkpoints/step_000003/model.safetensors"));
+  r = run_nibble(d.path, "pretrain --out '" + run + "' --resume --no-progress");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("step 6/6"), std::string::npos) << r.out;
+  for (const char* f : {"metrics.jsonl", "loss.png", "checkpoints/latest", "checkpoints/step_000006/trainer.json",
+                        "checkpoints/step_000006/config.json", "checkpoints/step_000006/run_config.json",
+                        "checkpoints/step_000006/tokenizer.model", "checkpoints/step_000006/optimizer.safetensors"})
+    EXPECT_TRUE(fs::exists(run + "/" + f)) << f;
+
+  r = run_nibble(d.path, "eval --checkpoint '" + run + "' --data '" + corpus + "' --json --batches 4");
+  ASSERT_EQ(r.code, 0) << r.err;
+  json e = json::parse(r.out);
+  EXPECT_GT(e["ppl"].get<double>(), 1.0);
+  EXPECT_NEAR(e["ppl"].get<double>(), std::exp(e["loss"].get<double>()), 1e-9 * e["ppl"].get<double>());
+  EXPECT_EQ(e["step"], 6);
+  r = run_nibble(d.path, "eval --checkpoint '" + run + "/checkpoints/step_000006' --data '" + run + "/data/val.bin'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("ppl"), std::string::npos);
+
+  const std::string gen = "generate --checkpoint '" + run + "' --prompt 'And the' --max-new-tokens 12 --seed 3";
+  RunResult g1 = run_nibble(d.path, gen + " --dump-logits '" + (d / "logits.safetensors") + "'");
+  ASSERT_EQ(g1.code, 0) << g1.err;
+  RunResult g2 = run_nibble(d.path, gen);
+  ASSERT_EQ(g2.code, 0) << g2.err;
+  EXPECT_EQ(g1.out, g2.out);
+  EXPECT_EQ(g1.out.rfind("And the", 0), 0u) << g1.out;
+  auto logits = io::SafetensorsFile::open(d / "logits.safetensors");
+  ASSERT_TRUE(logits) << logits.status().message();
+  EXPECT_EQ(logits->info("logits")->shape[1], 300);
+
+  r = run_nibble(d.path, "export --checkpoint '" + run + "' --to hf '" + (d / "hf") + "' --dtype f32");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(d / "hf/model.safetensors"));
+  EXPECT_TRUE(fs::exists(d / "hf/tokenizer.model"));
+  r = run_nibble(d.path, "export --checkpoint '" + run + "' --to nvfp4 '" + (d / "nvfp4") + "'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(d / "nvfp4/hf_quant_config.json"));
+}
+
+TEST(TrainCliTest, ErrorsAreOneLineWithNonZeroExit) {
+  ScratchDir d("train_cli_err");
+  const std::string cfg = write_tiny_config(d), corpus = d / "corpus.txt";
+  std::ofstream(d / "empty.txt") << "  \n\n";
+  std::ofstream(d / "bad.json") << "{\"steps\": 10, \"stpes\": 3}";
+  std::ofstream(d / "notjson.json") << "{steps: ";
+  struct Case {
+    std::string args, expect;
+  };
+  const std::vector<Case> cases = {
+      {"pretrain --config '" + cfg + "' --set nope=1 --out '" + (d / "r1") + "'", "unknown key 'nope'"},
+      {"pretrain --config '" + cfg + "' --set optimizer.lr=abc --out '" + (d / "r2") + "'", "optimizer.lr"},
+      {"pretrain --config '" + cfg + "' --set steps=-4 --out '" + (d / "r3") + "'", "'steps'"},
+      {"pretrain --config '" + (d / "bad.json") + "' --out '" + (d / "r4") + "'", "unknown key 'stpes'"},
+      {"pretrain --config '" + (d / "notjson.json") + "' --out '" + (d / "r5") + "'", "not valid JSON"},
+      {"pretrain --config '" + cfg + "' --data '" + (d / "missing.txt") + "' --out '" + (d / "r6") + "'", "missing.txt"},
+      {"pretrain --config '" + cfg + "' --data '" + (d / "empty.txt") + "' --out '" + (d / "r7") + "'", "empty.txt"},
+      {"pretrain --out '" + (d / "r8") + "' --resume", "no checkpoint"},
+      {"eval --checkpoint '" + (d / "nothing") + "' --data '" + corpus + "'", "does not exist"},
+      {"generate --checkpoint '" + (d / "nothing") + "' --prompt hi", "does not exist"},
+      {"export --checkpoint '" + (d / "nothing") + "' --to hf '" + (d / "out") + "'", "does not exist"},
+  };
+  for (const auto& c : cases) {
+    RunResult r = run_nibble(d.path, c.args);
+    EXPECT_NE(r.code, 0) << c.args;
+    EXPECT_NE(r.err.find(c.expect), std::string::npos) << c.args << "\n" << r.err;
+    // One line naming the problem (sentencepiece may log its trainer command before a data error).
+    std::string last = r.err.substr(r.err.rfind('\n', r.err.size() - 2) + 1);
+    EXPECT_NE(last.find("nibble "), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(d / "out")) << c.args;
+  }
+}
+
+}  // namespace
+}  // namespace nibble::tools::test
