@@ -736,7 +736,7 @@ void nvfp4_te_dequantize_cpu(float* y, const uint8_t* codes, const uint8_t* scal
   parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < K / 16; ++b) {
-#if NIBBLE_FORMATS_VEC16
+#if NIBBLE_FORMATS_HMAX_TREE  // GCC shuffles (unpack_codes16)
         // e2m1_decode(code) * factor on 16 lanes: the same two binary32 values multiplied.
         v16f v = e2m1_decode16(unpack_codes16(codes + r * (K / 2) + 8 * b)) *
                  nvfp4_te_dequant_factor(scales[r * (K / 16) + b], amax);
@@ -810,7 +810,7 @@ void nvfp4_2level_dequantize_cpu(float* y, const uint8_t* codes, const uint8_t* 
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t o = 0; o < no; ++o) {
         int n = static_cast<int>(std::min<int64_t>(128, K - 128 * o));
-#if NIBBLE_FORMATS_VEC16
+#if NIBBLE_FORMATS_HMAX_TREE  // GCC shuffles (unpack_codes16)
         // (+-mag) * sp == +-(mag * sp) for every non-NaN sp (IEEE rounding is sign-symmetric).
         for (int b = 0; b < n / 16; ++b) {
           float sp = nvfp4_2level_block_scale(inner[r * (K / 16) + 8 * o + b], outer[r * no + o]);
@@ -947,7 +947,7 @@ void nvfp4_2level_backward_operand_cpu(uint8_t* codes_t, uint8_t* inner_t, float
         int64_t row = mi * TM + m;
         float sp = nvfp4_2level_block_scale(inner[row * (K / 16) + kj], outer[row * no_in + (16 * kj) / 128]);
         const uint8_t* c = codes + row * (K / 2) + 8 * kj;
-#if NIBBLE_FORMATS_VEC16
+#if NIBBLE_FORMATS_HMAX_TREE  // GCC shuffles (unpack_codes16)
         v16f v = e2m1_decode16(unpack_codes16(c)) * sp;
         std::memcpy(tile[m], &v, 64);
 #else
