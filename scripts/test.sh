@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 JOBS=${JOBS:-$(nproc)}
 START=$(date +%s)
+# Tests run in parallel on few cores: idle OpenMP threads must sleep, not spin.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 stamp() { echo "== [$(( $(date +%s) - START ))s] $*"; }
 
 [ "${NIBBLE_SKIP_SETUP:-0}" = 1 ] || ./scripts/setup.sh
