@@ -73,6 +73,83 @@ TEST(E2M1, RoundToNearestEvenAgainstOracle) {
     for (float a : {std::nextafter(t, 0.0f), t, std::nextafter(t, 10.0f)}) ASSERT_EQ(e2m1_rne_index(a), e2m1_index_ref(a)) << a;
 }
 
+// The former formulations of formats/ (kept as oracles): the 7-compare RNE chain and the SR
+// step that divides by the grid gap.
+uint32_t e2m1_rne_index_ref(float a) {
+  return static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f) + static_cast<uint32_t>(a > 1.25f) +
+         static_cast<uint32_t>(a >= 1.75f) + static_cast<uint32_t>(a > 2.5f) + static_cast<uint32_t>(a >= 3.5f) +
+         static_cast<uint32_t>(a > 5.0f);
+}
+uint32_t e2m1_sr_index_ref(float a, float u) {
+  uint32_t di = static_cast<uint32_t>(a >= 0.5f) + static_cast<uint32_t>(a >= 1.0f) + static_cast<uint32_t>(a >= 1.5f) +
+                static_cast<uint32_t>(a >= 2.0f) + static_cast<uint32_t>(a >= 3.0f) + static_cast<uint32_t>(a >= 4.0f) +
+                static_cast<uint32_t>(a >= 6.0f);
+  float down = e2m1_magnitude(di);
+  float gap = di < 4u ? 0.5f : (di < 6u ? 1.0f : 2.0f);
+  float frac = (a - down) / gap;
+  return di + ((di < 7u && u < frac) ? 1u : 0u);
+}
+
+TEST(E2M1, IntegerRoundingIndexAndSrStepEqualFormerFormulations) {
+  // All 2^32 inputs are checked on the GPU (CodecCandidates.ExhaustiveAgainstFormats); here every
+  // 61st bit pattern (70M inputs: every sign, exponent and mantissa region incl. NaN, Inf,
+  // subnormals, -0) plus all patterns within +-64 ulps of each threshold and grid value.
+  auto check = [](uint32_t bits) {
+    float a = u32_as_float(bits);
+    ASSERT_EQ(e2m1_rne_index(a), e2m1_rne_index_ref(a)) << std::hex << bits;
+    float frac = a >= 0.0f ? a - std::floor(a) : 0.5f;
+    for (float u : {0.0f, 0.5f, frac, std::nextafter(frac, 0.0f)})
+      ASSERT_EQ(e2m1_sr_index(a, u), e2m1_sr_index_ref(a, u)) << std::hex << bits << " " << u;
+  };
+  for (uint64_t b = 0; b < (uint64_t{1} << 32); b += 61) check(static_cast<uint32_t>(b));
+  for (float t : {0.25f, 0.5f, 0.75f, 1.0f, 1.25f, 1.5f, 1.75f, 2.0f, 2.5f, 3.0f, 3.5f, 4.0f, 5.0f, 6.0f})
+    for (int d = -64; d <= 64; ++d) check(float_as_u32(t) + static_cast<uint32_t>(d));
+}
+
+TEST(TwoLevel, DivisionFreeQuotientIsCorrectlyRounded) {
+  // nvfp4_2level_scaled_magnitude(x, sp, r) (reciprocal + two FMA corrections, nvfp4.h) must
+  // equal fl(|x| / sp) bit for bit for every (x, sp) the format produces: sp = fl(e4m3 * so),
+  // so any binary32. The GPU test covers all 2^30 (BF16 mantissa, sp mantissa) pairs; here a
+  // large random sample over all exponents and a dense sample of BF16 x mantissas, plus edges.
+  PhiloxStream rng(77, 3);
+  auto check = [](float x, float sp) {
+    float r = nvfp4_2level_block_reciprocal(sp);
+    float got = nvfp4_2level_scaled_magnitude(x, sp, r);
+    float want = sp == 0.0f ? 0.0f : std::fabs(x) / sp;
+    if (std::isnan(want)) {
+      ASSERT_TRUE(std::isnan(got)) << x << " " << sp;
+    } else {
+      ASSERT_EQ(float_as_u32(got), float_as_u32(want)) << std::hexfloat << x << " / " << sp;
+    }
+  };
+  // (1) arbitrary bit patterns of x against sp = e4m3 * so for random so.
+  for (int i = 0; i < 3000000; ++i) {
+    uint32_t xb = rng.next_u32();
+    float so = u32_as_float((rng.next_u32() & 0x007FFFFFu) | ((100u + rng.next_u32() % 60u) << 23));
+    float sp = e4m3_decode(rng.next_u32() % 0x7Fu) * so;
+    check(u32_as_float(xb), sp);
+  }
+  // (2) quotients near the E2M1 range: x = sp * t with t in [0, 8), random 24-bit mantissas.
+  for (int i = 0; i < 3000000; ++i) {
+    float sp = u32_as_float((rng.next_u32() & 0x007FFFFFu) | ((64u + rng.next_u32() % 128u) << 23));
+    float t = static_cast<float>(rng.next_uniform_double() * 8.0);
+    check(t * sp, sp);
+    check(bf16_bits_to_f32(f32_to_bf16_bits(t * sp)), sp);
+  }
+  // (3) edges: zeros, subnormals, range limits of the fast path, Inf, NaN, huge/tiny sp.
+  const float xs[] = {0.0f, -0.0f, 1e-45f, 1e-40f, 0x1p-61f, 0x1p-60f, 0x1.fffffep-61f, 0x1p60f, 0x1.000002p60f,
+                      3e38f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(), 1.0f,
+                      5.0f, 6.0f, 0x1.fffffep0f};
+  const float sps[] = {1e-45f, 1e-40f, 0x1p-61f, 0x1p-60f, 0x1.fffffep-61f, 0x1p-59f, 1.0f, 0x1.fffffep0f, 0x1p60f,
+                       0x1.000002p60f, 3e38f, std::numeric_limits<float>::infinity(),
+                       std::numeric_limits<float>::quiet_NaN(), 0.0f};
+  for (float x : xs)
+    for (float sp : sps) {
+      check(x, sp);
+      check(-x, sp);
+    }
+}
+
 TEST(E2M1, SignConventions) {
   // TE: sign bit iff the scaled value < 0.
   EXPECT_EQ(e2m1_rne_code_te(-0.0f), 0x0u);

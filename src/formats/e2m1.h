@@ -27,13 +27,21 @@ NIB_HOST_DEVICE float e2m1_decode(uint32_t code) {
   return (code & 8u) ? -m : m;
 }
 
-// Round-to-nearest-even magnitude index of a >= 0, saturating to 7 (=6.0). Decision
-// thresholds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (ties go to the even code: `>` at the ties
-// whose lower neighbour has an even index, `>=` where the upper one has). NaN gives 0.
+// Round-to-nearest-even magnitude index of a >= 0, saturating to 7 (=6.0); NaN gives 0.
+// Decision thresholds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, ties to the even code. Computed by
+// integer rounding: for a >= 1 the E2M1 grid of a's binade is "1 mantissa bit", so rounding the
+// binary32 bits to nearest-even at bit 22 (add 0x1FFFFF + bit 22) leaves 2*biased_exp + m in
+// bits 22.., and idx = that - 252 (2 + 2e + m), saturated at 7; below 1 the two thresholds 0.25
+// and 0.75 are compared directly. Equal to the 7-compare chain (e2m1_rne_index_ref in the tests)
+// for all 2^32 inputs (CodecCandidates.ExhaustiveAgainstFormats on the GPU; threshold
+// neighbourhoods and a large sample on the CPU).
 NIB_HOST_DEVICE uint32_t e2m1_rne_index(float a) {
-  return static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f) + static_cast<uint32_t>(a > 1.25f) +
-         static_cast<uint32_t>(a >= 1.75f) + static_cast<uint32_t>(a > 2.5f) + static_cast<uint32_t>(a >= 3.5f) +
-         static_cast<uint32_t>(a > 5.0f);
+  const uint32_t u = float_as_u32(a);
+  const uint32_t r = (u + 0x1FFFFFu + ((u >> 22) & 1u)) >> 22;
+  const uint32_t h = r - 252u;
+  const uint32_t hi = h < 7u ? h : 7u;
+  const uint32_t lo = static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f);
+  return a >= 1.0f ? hi : lo;
 }
 
 // TransformerEngine convention: sign bit iff v < 0 (so -0.0 -> 0x0, a small negative that
@@ -58,15 +66,17 @@ NIB_HOST_DEVICE uint32_t e2m1_rne_code_signbit(float v) {
 // Stochastic rounding of a magnitude a >= 0 on the E2M1 grid (01-formats.md §5), given a
 // uniform u in [0,1): down = largest grid value <= a, gap = 0.5 on [0,2), 1 on [2,4), 2 on
 // [4,6); round up iff u < (a - down) / gap. a - down is exact (Sterbenz, or down == 0) and
-// gap is a power of two, so the probability is computed exactly. a >= 6 -> 7 (saturate);
-// NaN -> 0. The result is always `down` or the next grid value: never more than one step.
+// gap is a power of two, so (a - down) * (1/gap) is the exact quotient (a multiplication by an
+// exact power of two: the same real number as the division, hence the same binary32), and the
+// probability is computed exactly. a >= 6 -> 7 (saturate); NaN -> 0. The result is always
+// `down` or the next grid value: never more than one step.
 NIB_HOST_DEVICE uint32_t e2m1_sr_index(float a, float u) {
   uint32_t di = static_cast<uint32_t>(a >= 0.5f) + static_cast<uint32_t>(a >= 1.0f) +
                 static_cast<uint32_t>(a >= 1.5f) + static_cast<uint32_t>(a >= 2.0f) +
                 static_cast<uint32_t>(a >= 3.0f) + static_cast<uint32_t>(a >= 4.0f) + static_cast<uint32_t>(a >= 6.0f);
   float down = e2m1_magnitude(di);
-  float gap = di < 4u ? 0.5f : (di < 6u ? 1.0f : 2.0f);
-  float frac = (a - down) / gap;
+  float inv_gap = di < 4u ? 2.0f : (di < 6u ? 1.0f : 0.5f);
+  float frac = (a - down) * inv_gap;
   uint32_t up = (di < 7u && u < frac) ? 1u : 0u;
   return di + up;
 }

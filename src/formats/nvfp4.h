@@ -27,26 +27,43 @@ NIB_HOST_DEVICE float load_f32(float x) { return x; }
 NIB_HOST_DEVICE float load_f32(uint16_t bf16_bits) { return bf16_bits_to_f32(bf16_bits); }
 
 // max(m, |x|) that ignores NaN (like fmaxf): the amax of a tensor/block skips NaN elements.
+// m is never NaN and never -0 (it starts at +0 and only takes values |x|), so on the device
+// fmaxf(m, |x|) is the same function in fewer instructions.
 NIB_HOST_DEVICE float amax_update(float m, float x) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(m, fabsf(x));
+#else
   float a = u32_as_float(float_as_u32(x) & 0x7FFFFFFFu);
   return a > m ? a : m;
+#endif
 }
 
-// Uniform u in [0,1) for stochastic rounding of flat element `index`: word index%4 of Philox
-// block index/4 of (seed, stream), i.e. philox_uniform(seed, stream, index) (core/philox.h).
+// Stochastic-rounding randomness (the SR contract, 01-formats.md §5 as nibble defines it):
+// element `index` of a (seed, stream) uses the 16-bit half-word index % 8 of Philox block
+// index / 8: word (index % 8) / 2, its low half for even index, high half for odd, and
+// u = h * 2^-16 (exact in binary32, u in [0, 1 - 2^-16]). One Philox4x32-10 call serves 8
+// elements. With p = (a - down) / gap exact, P(round up) = P(h < p * 2^16) = ceil(p * 2^16) / 2^16,
+// so the expected rounded value exceeds a by less than gap * 2^-16 (bias < 2^-16 of a grid step).
 struct SrKey {
   uint64_t seed = 0;
   uint64_t stream = 0;
 };
-NIB_HOST_DEVICE float sr_uniform(const SrKey& key, uint64_t index) { return philox_uniform(key.seed, key.stream, index); }
+// Uniform of half-word j (0..7) of a Philox block: bits 16*(j%2) .. +15 of word j/2, times 2^-16.
+NIB_HOST_DEVICE float sr_halfword_uniform(const Philox4x32& r, uint32_t j) {
+  const uint32_t h = (r.v[j >> 1] >> ((j & 1u) * 16u)) & 0xFFFFu;
+  return static_cast<float>(h) * 1.52587890625e-05f;  // 2^-16
+}
+NIB_HOST_DEVICE float sr_uniform(const SrKey& key, uint64_t index) {
+  return sr_halfword_uniform(philox_block(key.seed, key.stream, index >> 3), static_cast<uint32_t>(index & 7u));
+}
 
-// u[i] = sr_uniform(key, index0 + i) for i < n, computing one Philox block per 4 elements.
+// u[i] = sr_uniform(key, index0 + i) for i < n, computing one Philox block per 8 elements.
 NIB_HOST_DEVICE void sr_uniforms(float* u, const SrKey& key, uint64_t index0, int n) {
   int i = 0;
   while (i < n) {
     uint64_t idx = index0 + static_cast<uint64_t>(i);
-    Philox4x32 r = philox_block(key.seed, key.stream, idx >> 2);
-    for (uint64_t w = idx & 3u; w < 4u && i < n; ++w, ++i) u[i] = u32_to_uniform(r.v[w]);
+    Philox4x32 r = philox_block(key.seed, key.stream, idx >> 3);
+    for (uint32_t j = static_cast<uint32_t>(idx & 7u); j < 8u && i < n; ++j, ++i) u[i] = sr_halfword_uniform(r, j);
   }
 }
 
@@ -154,15 +171,61 @@ NIB_HOST_DEVICE uint32_t nvfp4_2level_inner_scale(float bamax, float so) {
 // sp = fl(float(si) * so): the block's effective scale.
 NIB_HOST_DEVICE float nvfp4_2level_block_scale(uint32_t inner_byte, float so) { return e4m3_decode(inner_byte) * so; }
 
+// v = fl(|x| / sp), the correctly rounded quotient (0 when sp == 0), without a per-element
+// division. r = nvfp4_2level_block_reciprocal(sp) is computed once per 16-block: fl(1/sp) when
+// sp lies in [2^-60, 2^60], else 0 (meaning: divide). Per element, with a = |x| in [2^-60, 2^60]
+// (or a == 0):
+//   q0 = fl(a*r);  e0 = fma(-q0, sp, a);  q1 = fma(e0, r, q0);  e1 = fma(-q1, sp, a);  v = fma(e1, r, q1)
+// Argument (every intermediate is a normal binary32 in these ranges: Q = a/sp in [2^-120, 2^120],
+// residuals >= 2^-84, so the standard relative error bounds hold): r = RN(1/sp) is within half an
+// ulp of 1/sp, so q0 is within 1.5 ulp of Q; q0 + e0*r = Q + (Q - q0)*O(2^-23), so q1 = RN(that)
+// is a faithful approximation of Q (|q1 - Q| < ulp(Q)); for a faithful q1 the residual a - sp*q1
+// is a multiple of ulp(sp)*ulp(q1) below 2^24 of those units, hence exact (e1 = a - sp*q1); and
+// by Markstein's theorem (r within half an ulp of 1/sp, q1 within one ulp of Q, e1 exact)
+// RN(q1 + e1*r) = RN(a/sp). fma is a single correctly rounded operation on both the CPU
+// (std::fma) and the GPU (fmaf; --fmad=false does not touch explicit fmaf), so both agree. Out of
+// range (tiny or huge a, NaN, Inf, tiny/huge/non-finite sp) the IEEE division is taken.
+// Tested: equal to a / sp over all 2^30 (BF16 mantissa, sp mantissa) pairs plus random and edge
+// sets on the GPU, and over a large random + edge sample on the CPU (quantize_test.cpp).
+NIB_HOST_DEVICE float nvfp4_2level_block_reciprocal(float sp) {
+  return (sp >= 0x1p-60f && sp <= 0x1p60f) ? 1.0f / sp : 0.0f;
+}
+NIB_HOST_DEVICE float fma_f32(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return fmaf(a, b, c);
+#else
+  return __builtin_fmaf(a, b, c);
+#endif
+}
+NIB_HOST_DEVICE float nvfp4_2level_scaled_magnitude(float x, float sp, float r) {
+  const uint32_t ab = float_as_u32(x) & 0x7FFFFFFFu;
+  const float a = u32_as_float(ab);
+  // a in [2^-60, 2^60] (bits 0x21800000 .. 0x5D800000) or a == +0.
+  const bool in_range = (ab - 0x21800000u) <= (0x5D800000u - 0x21800000u) || ab == 0u;
+  if (sp == 0.0f) return 0.0f;
+  if (r == 0.0f || !in_range) return a / sp;
+  const float q0 = a * r;
+  const float e0 = fma_f32(-q0, sp, a);
+  const float q1 = fma_f32(e0, r, q0);
+  const float e1 = fma_f32(-q1, sp, a);
+  return fma_f32(e1, r, q1);
+}
+// The definition: fl(|x| / sp) by one IEEE division (0 when sp == 0).
 NIB_HOST_DEVICE float nvfp4_2level_scaled_magnitude(float x, float sp) {
   float a = u32_as_float(float_as_u32(x) & 0x7FFFFFFFu);
   return sp == 0.0f ? 0.0f : a / sp;
 }
+NIB_HOST_DEVICE uint32_t nvfp4_2level_encode_rtn(float x, float sp, float r) {
+  return e2m1_rne_index(nvfp4_2level_scaled_magnitude(x, sp, r)) | (signbit_nan_positive(x) << 3);
+}
+NIB_HOST_DEVICE uint32_t nvfp4_2level_encode_sr(float x, float sp, float r, float u) {
+  return e2m1_sr_index(nvfp4_2level_scaled_magnitude(x, sp, r), u) | (signbit_nan_positive(x) << 3);
+}
 NIB_HOST_DEVICE uint32_t nvfp4_2level_encode_rtn(float x, float sp) {
-  return e2m1_rne_index(nvfp4_2level_scaled_magnitude(x, sp)) | (signbit_nan_positive(x) << 3);
+  return nvfp4_2level_encode_rtn(x, sp, nvfp4_2level_block_reciprocal(sp));
 }
 NIB_HOST_DEVICE uint32_t nvfp4_2level_encode_sr(float x, float sp, float u) {
-  return e2m1_sr_index(nvfp4_2level_scaled_magnitude(x, sp), u) | (signbit_nan_positive(x) << 3);
+  return nvfp4_2level_encode_sr(x, sp, nvfp4_2level_block_reciprocal(sp), u);
 }
 // dequant = (sign ? -1 : 1) * fl(q * sp)
 NIB_HOST_DEVICE float nvfp4_2level_decode(uint32_t code, float sp) {
@@ -181,13 +244,14 @@ NIB_HOST_DEVICE float nvfp4_2level_quantize_block128(uint8_t* packed, uint8_t* i
     uint32_t si = nvfp4_2level_inner_scale(block_amax(xb, 16), so);
     inner[b] = static_cast<uint8_t>(si);
     float sp = nvfp4_2level_block_scale(si, so);
+    float r = nvfp4_2level_block_reciprocal(sp);
     uint32_t c[16];
     if (sr == nullptr) {
-      for (int i = 0; i < 16; ++i) c[i] = nvfp4_2level_encode_rtn(load_f32(xb[i]), sp);
+      for (int i = 0; i < 16; ++i) c[i] = nvfp4_2level_encode_rtn(load_f32(xb[i]), sp, r);
     } else {
       float u[16];
       sr_uniforms(u, *sr, index0 + 16 * static_cast<uint64_t>(b), 16);
-      for (int i = 0; i < 16; ++i) c[i] = nvfp4_2level_encode_sr(load_f32(xb[i]), sp, u[i]);
+      for (int i = 0; i < 16; ++i) c[i] = nvfp4_2level_encode_sr(load_f32(xb[i]), sp, r, u[i]);
     }
     for (int i = 0; i < 8; ++i) packed[8 * b + i] = e2m1_pack(c[2 * i], c[2 * i + 1]);
   }

@@ -215,19 +215,27 @@ inline void philox16(v16u w[4], const SrKey& key, uint64_t offset0) {
   w[2] = c2;
   w[3] = c3;
 }
-inline v16f u32_to_uniform16(v16u w) { return __builtin_convertvector(w >> 8, v16f) * 5.9604644775390625e-08f; }
-// Uniforms of 256 consecutive elements from flat index0 (index0 % 4 == 0), in the even/odd
-// layout of split32: pair-group g holds elements 32g .. 32g+31. Element e uses word e%4 of
-// counter e/4, exactly as sr_uniform / philox_uniform.
+// Uniforms of 256 consecutive elements from flat index0 (index0 % 8 == 0), in the even/odd
+// layout of split32: ue[g] lane j = element 32g + 2j, uo[g] lane j = element 32g + 2j + 1.
+// Element e uses half-word e%8 of Philox block e/8 (nvfp4.h sr_uniform): elements 2n and 2n+1
+// share word n%4 of block n/4 (n = flat word index), low half even, high half odd.
 inline void sr_uniforms256(v16f ue[8], v16f uo[8], const SrKey& key, uint64_t index0) {
-  const v16i il = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-  for (int q = 0; q < 4; ++q) {
+  const v16i i01 = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+  const v16i i0123 = {0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23};
+  for (int c = 0; c < 2; ++c) {
     v16u w[4];
-    philox16(w, key, (index0 >> 2) + 16 * q);
-    for (int h = 0; h < 2; ++h) {  // counters 8h..8h+7 of this batch = elements 32(2q+h) ..
-      v16i idx = il + 8 * h;
-      ue[2 * q + h] = u32_to_uniform16(__builtin_shuffle(w[0], w[2], idx));  // elements 4j, 4j+2
-      uo[2 * q + h] = u32_to_uniform16(__builtin_shuffle(w[1], w[3], idx));  // elements 4j+1, 4j+3
+    philox16(w, key, (index0 >> 3) + 16 * c);  // blocks 16c .. 16c+15 of this run = elements 128c ..
+    for (int half = 0; half < 2; ++half) {
+      // lane 2m: word 0 (x) / 2 (y) of block 8*half + m; lane 2m+1: word 1 / 3.
+      v16u x = __builtin_shuffle(w[0], w[1], i01 + 8 * half);
+      v16u y = __builtin_shuffle(w[2], w[3], i01 + 8 * half);
+      for (int h = 0; h < 2; ++h) {
+        // lane j: word j%4 of block 8*half + 4h + j/4 = flat word 32*half + 16h + j.
+        v16u words = __builtin_shuffle(x, y, i0123 + 8 * h);
+        const int g = 4 * c + 2 * half + h;
+        ue[g] = __builtin_convertvector(words & 0xFFFFu, v16f) * 1.52587890625e-05f;
+        uo[g] = __builtin_convertvector(words >> 16, v16f) * 1.52587890625e-05f;
+      }
     }
   }
 }
@@ -242,9 +250,9 @@ inline v16u e2m1_sr_index16(v16f a, v16f u) {
   di = a >= 4.0f ? di + 1u : di;
   di = a >= 6.0f ? di + 1u : di;
   const v16f mag = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0, 0, 0, 0, 0, 0, 0, 0};
-  const v16f gaps = {0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 1.0f, 2.0f, 2.0f, 1, 1, 1, 1, 1, 1, 1, 1};
-  v16f down = __builtin_shuffle(mag, di), gap = __builtin_shuffle(gaps, di);
-  v16f frac = (a - down) / gap;
+  const v16f inv_gaps = {2.0f, 2.0f, 2.0f, 2.0f, 1.0f, 1.0f, 0.5f, 0.5f, 1, 1, 1, 1, 1, 1, 1, 1};
+  v16f down = __builtin_shuffle(mag, di), inv_gap = __builtin_shuffle(inv_gaps, di);
+  v16f frac = (a - down) * inv_gap;  // exact (power-of-two factor), as e2m1_sr_index
   return di < 7u && u < frac ? di + 1u : di;
 }
 
@@ -538,20 +546,20 @@ void twolevel_row(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int
     uint8_t* cg = codes + b0 * 8;
     if (sr == nullptr) {
       for (int b = 0; b < gb; ++b) {
-        float p = sp[b];
+        float p = sp[b], rp = nvfp4_2level_block_reciprocal(p);
         for (int i = 0; i < 8; ++i) {
-          uint32_t lo = nvfp4_2level_encode_rtn(load_f32(xg[16 * b + 2 * i]), p);
-          uint32_t hi = nvfp4_2level_encode_rtn(load_f32(xg[16 * b + 2 * i + 1]), p);
+          uint32_t lo = nvfp4_2level_encode_rtn(load_f32(xg[16 * b + 2 * i]), p, rp);
+          uint32_t hi = nvfp4_2level_encode_rtn(load_f32(xg[16 * b + 2 * i + 1]), p, rp);
           cg[8 * b + i] = e2m1_pack(lo, hi);
         }
       }
     } else {
       for (int b = 0; b < gb; ++b) {
-        float p = sp[b], u[16];
+        float p = sp[b], rp = nvfp4_2level_block_reciprocal(p), u[16];
         sr_uniforms(u, *sr, index0 + static_cast<uint64_t>((b0 + b) * 16), 16);
         for (int i = 0; i < 8; ++i) {
-          uint32_t lo = nvfp4_2level_encode_sr(load_f32(xg[16 * b + 2 * i]), p, u[2 * i]);
-          uint32_t hi = nvfp4_2level_encode_sr(load_f32(xg[16 * b + 2 * i + 1]), p, u[2 * i + 1]);
+          uint32_t lo = nvfp4_2level_encode_sr(load_f32(xg[16 * b + 2 * i]), p, rp, u[2 * i]);
+          uint32_t hi = nvfp4_2level_encode_sr(load_f32(xg[16 * b + 2 * i + 1]), p, rp, u[2 * i + 1]);
           cg[8 * b + i] = e2m1_pack(lo, hi);
         }
       }
