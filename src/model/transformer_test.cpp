@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "core/parallel.h"
 #include "core/philox.h"
 
 namespace nibble::model {
@@ -360,6 +361,36 @@ TEST(Transformer, ReusedActivationMemoryGivesTheSameResults) {
     LossParts lf = fresh->forward_backward(b.tokens.data(), b.targets.data(), b.B, b.Tn);
     EXPECT_EQ(lu.loss, lf.loss);
     EXPECT_EQ(0, std::memcmp(used->flat_grads(), fresh->flat_grads(), sizeof(float) * used->num_params()));
+  }
+}
+
+TEST(Transformer, ThreadCountDoesNotChangeResults) {
+  // Large enough that every op and GEMM takes its parallel path with 2 threads (chunks of >= 16K
+  // element operations): row-parallel ops give each output one writer and reductions run in a
+  // fixed order, and GEMM blocks compute each output element with the same BLAS kernel
+  // sequence, so 1 and 2 threads agree bit for bit.
+  for (const ModelConfig& base : {dense_config(), moe_config(true, 8)}) {
+    ModelConfig cfg = base;
+    cfg.hidden_size = 64;
+    cfg.max_position_embeddings = 64;
+    cfg.vocab_size = 300;
+    if (cfg.arch == Architecture::kOlmo2) cfg.head_dim = 16;
+    cfg.intermediate_size = 128;
+    cfg.moe_intermediate_size = 64;
+    std::vector<std::vector<float>> grads;
+    std::vector<double> losses;
+    const int saved = num_threads();
+    for (int threads : {1, 2}) {
+      set_num_threads(threads);
+      auto m = build<float>(cfg);
+      Batch b = make_batch(cfg.vocab_size, 4, 64);
+      m->zero_grad();
+      losses.push_back(m->forward_backward(b.tokens.data(), b.targets.data(), b.B, b.Tn).loss);
+      grads.emplace_back(m->flat_grads(), m->flat_grads() + m->num_params());
+    }
+    set_num_threads(saved);
+    EXPECT_EQ(losses[0], losses[1]);
+    EXPECT_TRUE(grads[0] == grads[1]);
   }
 }
 

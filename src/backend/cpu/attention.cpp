@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/cpu/gemm.h"
+#include "backend/cpu/work_grain.h"
 #include "core/check.h"
 #include "core/parallel.h"
 
@@ -22,7 +23,7 @@ void attention_forward(T* out, T* att, const T* q, const T* k, const T* v, int64
   NIB_CHECK(H % Hkv == 0);
   const int64_t group = H / Hkv;
   const T scale = T(1) / std::sqrt(static_cast<T>(D));
-  parallel_for(B * H, 1, [&](int64_t b0, int64_t e0) {
+  parallel_for(B * H, grain_for(Tn * Tn * D), [&](int64_t b0, int64_t e0) {
     for (int64_t bh = b0; bh < e0; ++bh) {
       const int64_t b = bh / H, h = bh % H, hk = h / group;
       const T* qb = q + (b * Tn * H + h) * D;      // (T,D) ld H*D
@@ -56,7 +57,7 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* att, const 
   NIB_CHECK(H % Hkv == 0);
   const int64_t group = H / Hkv;
   const T scale = T(1) / std::sqrt(static_cast<T>(D));
-  parallel_for(B * Hkv, 1, [&](int64_t b0, int64_t e0) {
+  parallel_for(B * Hkv, grain_for(group * Tn * Tn * D), [&](int64_t b0, int64_t e0) {
     std::vector<T> ds(static_cast<size_t>(Tn * Tn));  // one (T,T) scratch per work chunk
     for (int64_t bk = b0; bk < e0; ++bk) {
       const int64_t b = bk / Hkv, hk = bk % Hkv;

@@ -2,12 +2,13 @@
 // Threading: OpenBLAS's own pthread pool is switched to one thread and the output is split into
 // row (or column) blocks over nibble's OpenMP pool instead. Two pools of spinning threads on the
 // same cores (OpenMP for the elementwise ops, OpenBLAS pthreads for GEMMs) were measured to be
-// 4-7x slower on a 2-core machine than one shared pool. The split depends only on the shape and
-// the thread count, so results are reproducible for a given thread count.
+// 4-7x slower on a 2-core machine than one shared pool. The split depends only on the shape, so
+// results are the same bit for bit for any thread count.
 #include "backend/cpu/gemm.h"
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <mutex>
 #include <type_traits>
 
@@ -46,26 +47,36 @@ void single_threaded_blas() {
   std::call_once(once, [] { openblas_set_num_threads(1); });
 }
 
-// Runs the C (M,N) = op(A) op(B) product as independent blocks of C rows or columns.
-// a_row(m0) / b_col(n0) give the operand pointers of a block starting at row m0 / column n0.
+// Runs the C (M,N) = op(A) op(B) product as independent blocks of C rows or columns, blocks of
+// kGemmBlock along the longer side. The decomposition depends only on the shape (never on the
+// thread count), and each block is one BLAS call on the thread that owns it, so the result is
+// the same bit for bit for any number of threads. a_row(m0) / b_col(n0) give the operand
+// pointers of a block starting at row m0 / column n0.
+constexpr int64_t kGemmBlock = 128;
+
 template <typename T, typename ARow, typename BCol>
 void split_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int64_t M, int64_t N, int64_t K, ARow a_row, int64_t lda,
                 BCol b_col, int64_t ldb, T beta, T* c) {
   single_threaded_blas();
-  const int threads = num_threads();
-  if (threads <= 1 || M * N * K < kParallelGemmWork) {
+  if (M * N * K < kParallelGemmWork || (M <= kGemmBlock && N <= kGemmBlock)) {
     blas_gemm(ta, tb, M, N, K, a_row(0), lda, b_col(0), ldb, beta, c, N);
     return;
   }
   if (M >= N) {
-    const int64_t grain = (M + threads - 1) / threads;
-    parallel_for(M, grain, [&](int64_t m0, int64_t m1) {
-      blas_gemm(ta, tb, m1 - m0, N, K, a_row(m0), lda, b_col(0), ldb, beta, c + m0 * N, N);
+    const int64_t blocks = (M + kGemmBlock - 1) / kGemmBlock;
+    parallel_for(blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        int64_t m0 = blk * kGemmBlock, m1 = std::min(M, m0 + kGemmBlock);
+        blas_gemm(ta, tb, m1 - m0, N, K, a_row(m0), lda, b_col(0), ldb, beta, c + m0 * N, N);
+      }
     });
   } else {
-    const int64_t grain = (N + threads - 1) / threads;
-    parallel_for(N, grain, [&](int64_t n0, int64_t n1) {
-      blas_gemm(ta, tb, M, n1 - n0, K, a_row(0), lda, b_col(n0), ldb, beta, c + n0, N);
+    const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
+    parallel_for(blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        int64_t n0 = blk * kGemmBlock, n1 = std::min(N, n0 + kGemmBlock);
+        blas_gemm(ta, tb, M, n1 - n0, K, a_row(0), lda, b_col(n0), ldb, beta, c + n0, N);
+      }
     });
   }
 }

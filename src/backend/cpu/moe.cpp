@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 
+#include "backend/cpu/work_grain.h"
 #include "core/check.h"
 #include "core/parallel.h"
 
@@ -23,7 +24,7 @@ void moe_router_forward(T* probs, T* lse, int32_t* topk_idx, T* topk_w, const T*
           NIB_CHECK_MSG(forced_idx[n * k + j2] != id, "forced expert id {} repeated for token {}", id, n);
       }
   }
-  parallel_for(N, 16, [&](int64_t b, int64_t e) {
+  parallel_for(N, grain_for(E * (k + 2)), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       const T* l = logits + n * E;
       T* p = probs + n * E;
@@ -65,7 +66,7 @@ template <typename T>
 void moe_router_backward(T* dlogits, const T* dtopk_w, const T* probs, const T* lse, const int32_t* topk_idx,
                          const T* topk_w, const T* dprobs_extra, double z_scale, int64_t N, int64_t E, int64_t k,
                          bool renormalized) {
-  parallel_for(N, 16, [&](int64_t b, int64_t e) {
+  parallel_for(N, grain_for(E * (k + 2)), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       const T* p = probs + n * E;
       const int32_t* idx = topk_idx + n * k;
@@ -116,7 +117,7 @@ void moe_dispatch_plan(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* t
 
 template <typename T>
 void moe_gather(T* xe, const T* x, const int32_t* token_of_row, int64_t rows, int64_t C) {
-  parallel_for(rows, 64, [&](int64_t b, int64_t e) {
+  parallel_for(rows, grain_for(C), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* src = x + (int64_t)token_of_row[r] * C;
       T* dst = xe + r * C;
@@ -127,7 +128,7 @@ void moe_gather(T* xe, const T* x, const int32_t* token_of_row, int64_t rows, in
 
 template <typename T>
 void moe_gather_backward(T* dx, const T* dxe, const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C) {
-  parallel_for(N, 32, [&](int64_t b, int64_t e) {
+  parallel_for(N, grain_for(k * C), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       T* d = dx + n * C;
       for (int64_t c = 0; c < C; ++c) d[c] = T(0);
@@ -141,7 +142,7 @@ void moe_gather_backward(T* dx, const T* dxe, const int32_t* row_of_slot, int64_
 
 template <typename T>
 void moe_combine(T* out, const T* ye, const T* topk_w, const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C) {
-  parallel_for(N, 32, [&](int64_t b, int64_t e) {
+  parallel_for(N, grain_for(k * C), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       T* o = out + n * C;
       for (int64_t c = 0; c < C; ++c) o[c] = T(0);
@@ -157,7 +158,7 @@ void moe_combine(T* out, const T* ye, const T* topk_w, const int32_t* row_of_slo
 template <typename T>
 void moe_combine_backward(T* dye, T* dtopk_w, const T* dout, const T* ye, const T* topk_w,
                           const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C) {
-  parallel_for(N, 32, [&](int64_t b, int64_t e) {
+  parallel_for(N, grain_for(k * C), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       const T* d = dout + n * C;
       for (int64_t j = 0; j < k; ++j) {

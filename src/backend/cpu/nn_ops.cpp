@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "backend/cpu/work_grain.h"
 #include "core/check.h"
 #include "core/parallel.h"
 
@@ -22,7 +23,7 @@ static void check_ids(const int32_t* ids, int64_t n, int64_t lo, int64_t V, cons
 template <typename T>
 void embedding_forward(T* out, const int32_t* tokens, const T* wte, int64_t N, int64_t V, int64_t C) {
   check_ids(tokens, N, 0, V, "token");
-  parallel_for(N, 64, [&](int64_t b, int64_t e) {
+  parallel_for(N, grain_for(C), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       int32_t tok = tokens[n];
       const T* row = wte + (int64_t)tok * C;
@@ -35,7 +36,7 @@ void embedding_forward(T* out, const int32_t* tokens, const T* wte, int64_t N, i
 template <typename T>
 void embedding_backward(T* dwte, const T* dout, const int32_t* tokens, int64_t N, int64_t V, int64_t C) {
   // Column-parallel: each thread owns a slice of channels and walks the tokens in order.
-  parallel_for(C, 32, [&](int64_t cb, int64_t ce) {
+  parallel_for(C, grain_for(N), [&](int64_t cb, int64_t ce) {
     for (int64_t n = 0; n < N; ++n) {
       T* row = dwte + (int64_t)tokens[n] * C;
       const T* d = dout + n * C;
@@ -47,7 +48,7 @@ void embedding_backward(T* dwte, const T* dout, const int32_t* tokens, int64_t N
 // ---- RMSNorm -----------------------------------------------------------------------------
 template <typename T>
 void rmsnorm_forward(T* out, T* rstd, const T* x, const T* w, int64_t R, int64_t C, double eps) {
-  parallel_for(R, 16, [&](int64_t b, int64_t e) {
+  parallel_for(R, grain_for(C), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* xr = x + r * C;
       T ss = 0;
@@ -64,7 +65,7 @@ template <typename T>
 void rmsnorm_backward(T* dx, T* dw, const T* dout, const T* x, const T* w, const T* rstd, int64_t R, int64_t C) {
   // y_c = w_c x_c s, s = (mean(x^2)+eps)^-1/2, ds/dx_c = -s^3 x_c / C. With g_c = dout_c w_c:
   // dx_c = s g_c - s^3 x_c (sum_j g_j x_j) / C.
-  parallel_for(R, 16, [&](int64_t b, int64_t e) {
+  parallel_for(R, grain_for(C), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* xr = x + r * C;
       const T* dr = dout + r * C;
@@ -76,7 +77,7 @@ void rmsnorm_backward(T* dx, T* dw, const T* dout, const T* x, const T* w, const
       for (int64_t c = 0; c < C; ++c) o[c] = s * (dr[c] * w[c]) - k * xr[c];
     }
   });
-  parallel_for(C, 32, [&](int64_t cb, int64_t ce) {
+  parallel_for(C, grain_for(R), [&](int64_t cb, int64_t ce) {
     for (int64_t r = 0; r < R; ++r) {
       const T* xr = x + r * C;
       const T* dr = dout + r * C;
@@ -107,7 +108,7 @@ template <typename T>
 static void rope_apply(T* out, const T* x, const T* cos, const T* sin, const int32_t* positions, int64_t B,
                        int64_t Tn, int64_t H, int64_t D, T sign) {
   int64_t half = D / 2;
-  parallel_for(B * Tn, 16, [&](int64_t b, int64_t e) {
+  parallel_for(B * Tn, grain_for(H * D), [&](int64_t b, int64_t e) {
     for (int64_t bt = b; bt < e; ++bt) {
       int64_t pos = positions ? positions[bt] : bt % Tn;
       const T* c = cos + pos * half;
@@ -142,7 +143,7 @@ void rope_backward(T* dx, const T* dout, const T* cos, const T* sin, const int32
 // ---- SwiGLU --------------------------------------------------------------------------------
 template <typename T>
 void swiglu_forward(T* out, const T* gu, int64_t N, int64_t I) {
-  parallel_for(N, 16, [&](int64_t b, int64_t e) {
+  parallel_for(N, grain_for(I), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       const T* g = gu + n * 2 * I;
       const T* u = g + I;
@@ -158,7 +159,7 @@ void swiglu_forward(T* out, const T* gu, int64_t N, int64_t I) {
 template <typename T>
 void swiglu_backward(T* dgu, const T* dout, const T* gu, int64_t N, int64_t I) {
   // silu(g) = g s(g); silu'(g) = s (1 + g (1 - s)).
-  parallel_for(N, 16, [&](int64_t b, int64_t e) {
+  parallel_for(N, grain_for(I), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       const T* g = gu + n * 2 * I;
       const T* u = g + I;
@@ -180,7 +181,7 @@ template <typename T>
 CrossEntropySums cross_entropy_forward(T* lse, T* token_ce, const T* logits, const int32_t* targets, int64_t N,
                                        int64_t V) {
   for (int64_t n = 0; n < N; ++n) NIB_CHECK_MSG(targets[n] < V, "target id {} at {} >= vocab {}", targets[n], n, V);
-  parallel_for(N, 8, [&](int64_t b, int64_t e) {
+  parallel_for(N, grain_for(V), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       const T* l = logits + n * V;
       T mx = -std::numeric_limits<T>::infinity();
@@ -209,7 +210,7 @@ CrossEntropySums cross_entropy_forward(T* lse, T* token_ce, const T* logits, con
 template <typename T>
 void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int32_t* targets, int64_t N, int64_t V,
                             double ce_scale, double z_scale) {
-  parallel_for(N, 8, [&](int64_t b, int64_t e) {
+  parallel_for(N, grain_for(V), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       const T* l = logits + n * V;
       T* d = dlogits + n * V;
@@ -233,7 +234,7 @@ CrossEntropySums cross_entropy_forward_backward(T* dlogits, T* lse, T* token_ce,
                                                 double z_scale) {
   NIB_CHECK(token_ce != nullptr);
   for (int64_t n = 0; n < N; ++n) NIB_CHECK_MSG(targets[n] < V, "target id {} at {} >= vocab {}", targets[n], n, V);
-  parallel_for(N, 8, [&](int64_t b, int64_t e) {
+  parallel_for(N, grain_for(V), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       const T* l = logits + n * V;
       T* d = dlogits + n * V;
