@@ -99,7 +99,7 @@ if [ "${NIBBLE_GPU_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/nul
   # (the 2^32-input exhaustive check is left out: too slow under the sanitizer).
   stamp "compute-sanitizer memcheck + racecheck"
   timeout 240 compute-sanitizer --tool memcheck --leak-check no "$BIN" \
-    --gtest_filter='CudaGolden.*:CudaVsCpu.*:CodecCandidates.KernelsMatchCpu' >"$OUT/sanitizer.log" 2>&1
+    --gtest_filter='CudaGolden.*:CudaVsCpu.*:ElementCodec.KernelsMatchCpu' >"$OUT/sanitizer.log" 2>&1
   echo "memcheck rc=$? $(grep 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)" | tee -a "$OUT/steps.log"
   timeout 120 compute-sanitizer --tool racecheck "$BIN" \
     --gtest_filter='CudaVsCpu.FusedBackwardOperand:CudaVsCpu.Absmax:CudaVsCpu.RhtAndTranspose' >>"$OUT/sanitizer.log" 2>&1

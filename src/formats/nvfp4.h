@@ -197,6 +197,14 @@ NIB_HOST_DEVICE float fma_f32(float a, float b, float c) {
   return __builtin_fmaf(a, b, c);
 #endif
 }
+// The fast-path steps alone (valid when sp, a in range as above; a == 0 gives +0).
+NIB_HOST_DEVICE float nvfp4_2level_quotient_fma(float a, float sp, float r) {
+  const float q0 = a * r;
+  const float e0 = fma_f32(-q0, sp, a);
+  const float q1 = fma_f32(e0, r, q0);
+  const float e1 = fma_f32(-q1, sp, a);
+  return fma_f32(e1, r, q1);
+}
 NIB_HOST_DEVICE float nvfp4_2level_scaled_magnitude(float x, float sp, float r) {
   const uint32_t ab = float_as_u32(x) & 0x7FFFFFFFu;
   const float a = u32_as_float(ab);
@@ -204,11 +212,38 @@ NIB_HOST_DEVICE float nvfp4_2level_scaled_magnitude(float x, float sp, float r) 
   const bool in_range = (ab - 0x21800000u) <= (0x5D800000u - 0x21800000u) || ab == 0u;
   if (sp == 0.0f) return 0.0f;
   if (r == 0.0f || !in_range) return a / sp;
-  const float q0 = a * r;
-  const float e0 = fma_f32(-q0, sp, a);
-  const float q1 = fma_f32(e0, r, q0);
-  const float e1 = fma_f32(-q1, sp, a);
-  return fma_f32(e1, r, q1);
+  return nvfp4_2level_quotient_fma(a, sp, r);
+}
+// The same for a whole 16-block with one range decision per block (what the GPU kernels use):
+// v[i] = fl(|x[i]| / sp) for i < 16, where bamax = the block's NaN-skipping amax of x. The fast
+// path is taken iff r != 0 (sp in range), bamax <= 2^60 and every nonzero |x[i]| >= 2^-60 (the
+// minimum of bits(|x|) - 1 over the block, so zeros never trigger the slow path); NaN elements
+// give NaN on both paths (their E2M1 index is 0 either way, and the code's sign comes from x).
+// Otherwise every element takes nvfp4_2level_scaled_magnitude (per-element decision).
+NIB_HOST_DEVICE void nvfp4_2level_scaled_magnitudes16(float* v, const float* x, float sp, float r, float bamax) {
+  uint32_t m = 0xFFFFFFFFu;
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t ab = float_as_u32(x[i]) & 0x7FFFFFFFu;
+    const uint32_t t = ab - 1u;
+    m = t < m ? t : m;
+    v[i] = nvfp4_2level_quotient_fma(u32_as_float(ab), sp, r);
+  }
+  if (r == 0.0f || !(bamax <= 0x1p60f) || m < 0x21800000u - 1u) {
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+    for (int i = 0; i < 16; ++i) v[i] = nvfp4_2level_scaled_magnitude(x[i], sp, r);
+  }
+}
+// Element code from its scaled magnitude v = fl(|x| / sp) and x (for the sign).
+NIB_HOST_DEVICE uint32_t nvfp4_2level_code_rtn(float v, float x) {
+  return e2m1_rne_index(v) | (signbit_nan_positive(x) << 3);
+}
+NIB_HOST_DEVICE uint32_t nvfp4_2level_code_sr(float v, float x, float u) {
+  return e2m1_sr_index(v, u) | (signbit_nan_positive(x) << 3);
 }
 // The definition: fl(|x| / sp) by one IEEE division (0 when sp == 0).
 NIB_HOST_DEVICE float nvfp4_2level_scaled_magnitude(float x, float sp) {

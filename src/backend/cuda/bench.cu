@@ -12,7 +12,6 @@
 #include <functional>
 #include <memory>
 
-#include "backend/cuda/codec_candidates.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/quantize.h"
 #include "core/bits.h"
@@ -125,16 +124,6 @@ Result<std::vector<BandwidthRow>> run_quantize_bandwidth_bench(const BandwidthBe
       check(quantize_nvfp4_te(codes[b]->as<uint8_t>(), scales[b]->as<uint8_t>(), amax[b]->as<float>(),
                               xb[b]->as<uint16_t>(), M, K, &key));
     });
-    add("nvfp4_te_1x16 bf16 rtn [candidate codec]", te_bytes, [&](int b) {
-      check(quantize_nvfp4_te_candidate(codes[b]->as<uint8_t>(), scales[b]->as<uint8_t>(), amax[b]->as<float>(),
-                                        xb[b]->as<uint16_t>(), M, K, nullptr, AmaxMode::kCompute, ScaleLayout::kLinear,
-                                        nullptr));
-    });
-    add("nvfp4_te_1x16 bf16 sr [candidate codec]", te_bytes, [&](int b) {
-      check(quantize_nvfp4_te_candidate(codes[b]->as<uint8_t>(), scales[b]->as<uint8_t>(), amax[b]->as<float>(),
-                                        xb[b]->as<uint16_t>(), M, K, &key, AmaxMode::kCompute, ScaleLayout::kLinear,
-                                        nullptr));
-    });
     // quantize pass alone (amax given): 2N + N/2 + N/16.
     add("nvfp4_te_1x16 bf16 rtn (quant only)", 2 * n + n / 2 + n / 16, [&](int b) {
       check(quantize_nvfp4_te(codes[b]->as<uint8_t>(), scales[b]->as<uint8_t>(), amax[b]->as<float>(),
@@ -166,14 +155,6 @@ Result<std::vector<BandwidthRow>> run_quantize_bandwidth_bench(const BandwidthBe
     add("nvfp4_2level bf16 sr", tl_bytes, [&](int b) {
       check(quantize_nvfp4_2level(codes[b]->as<uint8_t>(), scales[b]->as<uint8_t>(), outer[b]->as<float>(),
                                   xb[b]->as<uint16_t>(), M, K, &key));
-    });
-    add("nvfp4_2level bf16 rtn [candidate codec]", tl_bytes, [&](int b) {
-      check(quantize_nvfp4_2level_candidate(codes[b]->as<uint8_t>(), scales[b]->as<uint8_t>(), outer[b]->as<float>(),
-                                            xb[b]->as<uint16_t>(), M, K, nullptr, ScaleLayout::kLinear, nullptr));
-    });
-    add("nvfp4_2level bf16 sr [candidate codec]", tl_bytes, [&](int b) {
-      check(quantize_nvfp4_2level_candidate(codes[b]->as<uint8_t>(), scales[b]->as<uint8_t>(), outer[b]->as<float>(),
-                                            xb[b]->as<uint16_t>(), M, K, &key, ScaleLayout::kLinear, nullptr));
     });
     add("nvfp4_2level f32 rtn", 4 * n + n / 2 + n / 16 + n / 32, [&](int b) {
       check(quantize_nvfp4_2level(codes[b]->as<uint8_t>(), scales[b]->as<uint8_t>(), outer[b]->as<float>(),
@@ -214,12 +195,6 @@ Result<std::vector<BandwidthRow>> run_quantize_bandwidth_bench(const BandwidthBe
       check(nvfp4_2level_transpose_rht_requantize(codes_t[b]->as<uint8_t>(), inner_t[b]->as<uint8_t>(),
                                                   outer_t[b]->as<float>(), codes[b]->as<uint8_t>(),
                                                   scales[b]->as<uint8_t>(), outer[b]->as<float>(), M, K, mask, nullptr));
-    });
-    add("fused ... sr [candidate codec]", fused_bytes, [&](int b) {
-      check(nvfp4_2level_transpose_rht_requantize_candidate(codes_t[b]->as<uint8_t>(), inner_t[b]->as<uint8_t>(),
-                                                            outer_t[b]->as<float>(), codes[b]->as<uint8_t>(),
-                                                            scales[b]->as<uint8_t>(), outer[b]->as<float>(), M, K, mask,
-                                                            &key, nullptr));
     });
     // TE wgrad operand: RHT-transpose (read 2N, write 2N) + amax (2N) + quantize (2N + N/2 + N/16).
     add("te rht_t wgrad bf16 (rht+amax+quant)", 8 * n + n / 2 + n / 16 + 4, [&](int b) {

@@ -1,15 +1,19 @@
-// Exhaustive GPU checks that the candidate element steps of codec_candidates.cuh equal the
-// formats/ functions they shadow for every binary32 input (2^32 patterns; SR at three u per
-// input, two of them on the rounding boundary), and that the kernels built on CandidateCodec
-// reproduce the CPU drivers bit for bit. Skips without a CUDA device.
+// Exhaustive GPU checks of the element steps of src/formats/ against their former formulations
+// (the `_ref` oracles below: 7-compare E2M1 RNE chain, SR step dividing by the gap, NaN-skipping
+// max by compare): every binary32 input (2^32 patterns; SR at three u per input, two of them on
+// the rounding boundary). The division-free nvfp4-2level quotient against the IEEE division: all
+// 2^30 (BF16 mantissa x binary32 sp mantissa) pairs, 2^34 random binary32 pairs over the whole
+// fast range, and edge exponents. Plus the production kernels vs the CPU drivers (BF16 input,
+// TE / 2-level / fused, RTN and SR). Skips without a CUDA device.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <vector>
 
-#include "backend/cuda/codec_candidates.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
+#include "backend/cuda/element_codec.cuh"
+#include "backend/cuda/quantize.h"
 #include "core/philox.h"
 #include "formats/e2m1.h"
 #include "formats/quantize_cpu.h"
@@ -25,34 +29,52 @@ bool gpu_ok() {
   return ok;
 }
 
+__device__ uint32_t e2m1_rne_index_ref(float a) {
+  return static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f) + static_cast<uint32_t>(a > 1.25f) +
+         static_cast<uint32_t>(a >= 1.75f) + static_cast<uint32_t>(a > 2.5f) + static_cast<uint32_t>(a >= 3.5f) +
+         static_cast<uint32_t>(a > 5.0f);
+}
+__device__ uint32_t e2m1_sr_index_ref(float a, float u) {
+  uint32_t di = static_cast<uint32_t>(a >= 0.5f) + static_cast<uint32_t>(a >= 1.0f) + static_cast<uint32_t>(a >= 1.5f) +
+                static_cast<uint32_t>(a >= 2.0f) + static_cast<uint32_t>(a >= 3.0f) + static_cast<uint32_t>(a >= 4.0f) +
+                static_cast<uint32_t>(a >= 6.0f);
+  const float down = fm::e2m1_magnitude(di);
+  const float gap = di < 4u ? 0.5f : (di < 6u ? 1.0f : 2.0f);
+  const float frac = (a - down) / gap;
+  return di + ((di < 7u && u < frac) ? 1u : 0u);
+}
+__device__ float amax_update_ref(float m, float x) {
+  const float a = __uint_as_float(__float_as_uint(x) & 0x7FFFFFFFu);
+  return a > m ? a : m;
+}
+
 // mismatches[0]: rne index, [1]: SR index, [2]: amax step; first[]: one failing bit pattern.
 __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* first, uint64_t base, uint64_t count) {
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
     const uint32_t bits = static_cast<uint32_t>(base + i);
     const float a = __uint_as_float(bits);
-    if (fm::e2m1_rne_index(a) != e2m1_rne_index_intround(a)) {
+    if (fm::e2m1_rne_index(a) != e2m1_rne_index_ref(a)) {
       atomicAdd(&mismatches[0], 1ull);
       first[0] = bits;
     }
     // SR: a random u, and u just at / below the up-probability (the decision boundary).
-    const uint32_t di = fm::e2m1_sr_index(a, 1.0f) ;  // u = 1 never rounds up: the floor index
+    const uint32_t di = e2m1_sr_index_ref(a, 1.0f);  // u = 1 never rounds up: the floor index
     const float down = fm::e2m1_magnitude(di);
     const float gap = di < 4u ? 0.5f : (di < 6u ? 1.0f : 2.0f);
     const float frac = (a - down) / gap;
-    const float us[3] = {u32_to_uniform(philox_word(12345, 0, bits)), frac, nextafterf(frac, 0.0f)};
+    const float us[3] = {fm::sr_uniform(fm::SrKey{12345, 0}, bits), frac, nextafterf(frac, 0.0f)};
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
-      if (fm::e2m1_sr_index(a, us[j]) != e2m1_sr_index_mul(a, us[j])) {
+      if (fm::e2m1_sr_index(a, us[j]) != e2m1_sr_index_ref(a, us[j])) {
         atomicAdd(&mismatches[1], 1ull);
         first[1] = bits;
       }
     }
-    // amax step: m from a small set of non-negative values, x = a.
     const float ms[4] = {0.0f, 1.0f, 3.0e38f, 1e-42f};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      if (__float_as_uint(fm::amax_update(ms[j], a)) != __float_as_uint(CandidateCodec::amax(ms[j], a))) {
+      if (__float_as_uint(fm::amax_update(ms[j], a)) != __float_as_uint(amax_update_ref(ms[j], a))) {
         atomicAdd(&mismatches[2], 1ull);
         first[2] = bits;
       }
@@ -60,7 +82,7 @@ __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* 
   }
 }
 
-TEST(CodecCandidates, ExhaustiveAgainstFormats) {
+TEST(ElementCodec, ExhaustiveAgainstFormerFormulations) {
   if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
   unsigned long long* mism;
   unsigned int* first;
@@ -78,6 +100,59 @@ TEST(CodecCandidates, ExhaustiveAgainstFormats) {
   EXPECT_EQ(h[0], 0u) << "e2m1 rne index differs, e.g. bits 0x" << std::hex << f[0];
   EXPECT_EQ(h[1], 0u) << "e2m1 SR index differs, e.g. bits 0x" << std::hex << f[1];
   EXPECT_EQ(h[2], 0u) << "amax step differs, e.g. bits 0x" << std::hex << f[2];
+}
+
+__device__ bool quotient_ok(float a, float sp) {
+  const float got = fm::nvfp4_2level_scaled_magnitude(a, sp, fm::nvfp4_2level_block_reciprocal(sp));
+  const float want = fm::nvfp4_2level_scaled_magnitude(a, sp);  // IEEE division (-prec-div=true)
+  return want != want ? got != got : __float_as_uint(got) == __float_as_uint(want);
+}
+
+// mode 0: all (BF16 mantissa of a, binary32 mantissa of sp) pairs, a and sp in [1, 2) scaled by
+// per-pair exponents 2^ea, 2^es with (ea, es) cycling over the fast range's corners and middle
+// (the steps scale exactly by powers of two inside [2^-60, 2^60], so the mantissa pair decides).
+// mode 1: random binary32 a (any bits) and sp (random mantissa, exponent in [-70, 70]).
+__global__ void quotient_kernel(unsigned long long* mismatches, unsigned int* first, int mode, uint64_t count) {
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    float a, sp;
+    if (mode == 0) {
+      const uint32_t ma = static_cast<uint32_t>(i >> 23) & 0x7Fu, ms = static_cast<uint32_t>(i) & 0x7FFFFFu;
+      const int sel = static_cast<int>((i * 0x9E3779B97F4A7C15ull) >> 61);  // 0..7
+      const int ea[8] = {0, -60, 59, -60, 59, 0, -30, 30}, es[8] = {0, -60, 59, 59, -60, 30, 0, -30};
+      a = __uint_as_float(((127u + ea[sel]) << 23) | (ma << 16));
+      sp = __uint_as_float(((127u + es[sel]) << 23) | ms);
+    } else {
+      const Philox4x32 r = philox_block(99, 5, i);
+      a = __uint_as_float(r.v[0] & 0x7FFFFFFFu);
+      sp = __uint_as_float(((57u + r.v[2] % 141u) << 23) | (r.v[1] & 0x7FFFFFu));
+    }
+    if (!quotient_ok(a, sp)) {
+      atomicAdd(mismatches, 1ull);
+      first[0] = __float_as_uint(a);
+      first[1] = __float_as_uint(sp);
+    }
+  }
+}
+
+TEST(ElementCodec, DivisionFreeQuotientEqualsIeeeDivision) {
+  if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
+  unsigned long long* mism;
+  unsigned int* first;
+  NIB_CUDA_CHECK(cudaMalloc(&mism, sizeof(unsigned long long)));
+  NIB_CUDA_CHECK(cudaMalloc(&first, 2 * sizeof(unsigned int)));
+  for (int mode = 0; mode < 2; ++mode) {
+    NIB_CUDA_CHECK(cudaMemset(mism, 0, sizeof(unsigned long long)));
+    quotient_kernel<<<132 * 16, 256>>>(mism, first, mode, mode == 0 ? (uint64_t{1} << 30) : (uint64_t{1} << 34));
+    NIB_CUDA_CHECK_LAUNCH();
+    unsigned long long h;
+    unsigned int f[2];
+    NIB_CUDA_CHECK(cudaMemcpy(&h, mism, sizeof h, cudaMemcpyDeviceToHost));
+    NIB_CUDA_CHECK(cudaMemcpy(f, first, sizeof f, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(h, 0u) << "mode " << mode << ": e.g. a bits 0x" << std::hex << f[0] << " sp bits 0x" << f[1];
+  }
+  cudaFree(mism);
+  cudaFree(first);
 }
 
 template <typename T>
@@ -99,7 +174,7 @@ struct DevVec {
   }
 };
 
-TEST(CodecCandidates, KernelsMatchCpu) {
+TEST(ElementCodec, KernelsMatchCpu) {
   if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
   const int64_t M = 256, K = 384, n = M * K;
   PhiloxStream rng(77, 0);
@@ -120,7 +195,7 @@ TEST(CodecCandidates, KernelsMatchCpu) {
     float amax = fm::nvfp4_te_quantize_cpu(c.data(), sc.data(), xb.data(), M, K, sr);
     DevVec<uint8_t> cd(n / 2), sd(n / 16);
     DevVec<float> ad(1);
-    ASSERT_TRUE(quantize_nvfp4_te_candidate(cd.p, sd.p, ad.p, x.p, M, K, sr, AmaxMode::kCompute, ScaleLayout::kLinear, nullptr).is_ok());
+    ASSERT_TRUE(quantize_nvfp4_te(cd.p, sd.p, ad.p, x.p, M, K, sr, AmaxMode::kCompute, ScaleLayout::kLinear, nullptr).is_ok());
     EXPECT_EQ(cd.host(), c);
     EXPECT_EQ(sd.host(), sc);
     EXPECT_EQ(ad.host()[0], amax);
@@ -128,7 +203,7 @@ TEST(CodecCandidates, KernelsMatchCpu) {
     std::vector<float> to(n / 128);
     fm::nvfp4_2level_quantize_cpu(c.data(), ti.data(), to.data(), xb.data(), M, K, sr);
     DevVec<float> od(n / 128);
-    ASSERT_TRUE(quantize_nvfp4_2level_candidate(cd.p, sd.p, od.p, x.p, M, K, sr, ScaleLayout::kLinear, nullptr).is_ok());
+    ASSERT_TRUE(quantize_nvfp4_2level(cd.p, sd.p, od.p, x.p, M, K, sr, ScaleLayout::kLinear, nullptr).is_ok());
     EXPECT_EQ(cd.host(), c);
     EXPECT_EQ(sd.host(), ti);
     EXPECT_EQ(od.host(), to);
@@ -139,7 +214,7 @@ TEST(CodecCandidates, KernelsMatchCpu) {
       fm::nvfp4_2level_backward_operand_cpu(ct.data(), it.data(), ot.data(), c.data(), ti.data(), to.data(), M, K, mask, key);
       DevVec<uint8_t> ctd(n / 2), itd(n / 16);
       DevVec<float> otd(n / 128);
-      ASSERT_TRUE(nvfp4_2level_transpose_rht_requantize_candidate(ctd.p, itd.p, otd.p, cd.p, sd.p, od.p, M, K, mask, &key,
+      ASSERT_TRUE(nvfp4_2level_transpose_rht_requantize(ctd.p, itd.p, otd.p, cd.p, sd.p, od.p, M, K, mask, &key,
                                                                   nullptr).is_ok());
       EXPECT_EQ(ctd.host(), ct);
       EXPECT_EQ(itd.host(), it);

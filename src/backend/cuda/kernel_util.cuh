@@ -1,7 +1,7 @@
 // Small device helpers shared by nibble's CUDA format kernels: 16-byte vector loads/stores of
 // element arrays held in registers, warp max-reductions, the grid-wide amax (atomicMax on the
-// float bits: non-negative floats order like uint32), and Philox words for a run of four
-// consecutive flat elements (the same words formats::sr_uniform() draws one at a time).
+// float bits: non-negative floats order like uint32), and the Philox block of a run of eight
+// consecutive flat elements (the half-words formats::sr_uniform() draws one at a time).
 // Mirrors the vectorised load/store helpers of llm.c's dev/cuda (x128) and TE's Vec<>.
 #pragma once
 
@@ -80,8 +80,8 @@ __device__ __forceinline__ void atomic_max_nonneg(float* amax, float v) {
   atomicMax(reinterpret_cast<unsigned int*>(amax), __float_as_uint(v));
 }
 
-// The four Philox words of flat elements 4q .. 4q+3 of (seed, stream): word j is what
-// formats::sr_uniform(key, 4q + j) turns into a uniform.
+// The Philox block of flat elements 8q .. 8q+7 of (seed, stream): its half-word j is what
+// formats::sr_uniform(key, 8q + j) turns into a uniform (formats::sr_halfword_uniform(w, j)).
 __device__ __forceinline__ Philox4x32 sr_words(const formats::SrKey& key, uint64_t q) {
   return philox_block(key.seed, key.stream, q);
 }

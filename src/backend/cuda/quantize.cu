@@ -2,7 +2,7 @@
 // blocks (16, 32 or a quarter of a 128-block) held in registers: 16-byte streaming loads, the
 // per-block math of src/formats/ (the functions the CPU drivers call), 16-byte code stores.
 // Grid-wide amax: per-thread max -> warp -> CTA -> one atomicMax on the float bits. SR draws one
-// Philox block per four consecutive elements (the words formats::sr_uniform() would draw).
+// Philox block per eight consecutive elements (16-bit half-words, as formats::sr_uniform()).
 // Mirrors TE's cast kernels (one thread per 1x16 block) and llm.c's vectorised elementwise style.
 #include "backend/cuda/quantize.h"
 
@@ -10,7 +10,7 @@
 
 #include <type_traits>
 
-#include "backend/cuda/codec_candidates.cuh"
+#include "backend/cuda/element_codec.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernel_util.cuh"
 #include "formats/e2m1.h"
@@ -47,8 +47,10 @@ __device__ __forceinline__ int64_t scale_index(int64_t block, int64_t blocks_per
   return fm::swizzled_scale_offset(block / blocks_per_row, block % blocks_per_row, blocks_per_row);
 }
 
-// u for element 4q + j (j compile-time after unrolling).
-__device__ __forceinline__ float word_uniform(const Philox4x32& w, int j) { return u32_to_uniform(w.v[j]); }
+// u for element 8q + j of the Philox block w = sr_words(key, q) (j compile-time after unrolling).
+__device__ __forceinline__ float word_uniform(const Philox4x32& w, int j) {
+  return fm::sr_halfword_uniform(w, static_cast<uint32_t>(j));
+}
 
 }  // namespace
 
@@ -138,16 +140,15 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
         packed.set(8 * b + i, fm::e2m1_pack(Codec::te_rtn(fm::load_f32(xb[2 * i]), enc),
                                             Codec::te_rtn(fm::load_f32(xb[2 * i + 1]), enc)));
     } else {
-      const uint64_t q0 = static_cast<uint64_t>(b0 + b) * 4;  // flat element (b0+b)*16, / 4
+      const uint64_t q0 = static_cast<uint64_t>(b0 + b) * 2;  // flat element (b0+b)*16, / 8
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
+      for (int q = 0; q < 2; ++q) {
         Philox4x32 w = sr_words(key, q0 + q);
-        uint32_t c0 = Codec::te_sr(fm::load_f32(xb[4 * q + 0]), enc, word_uniform(w, 0));
-        uint32_t c1 = Codec::te_sr(fm::load_f32(xb[4 * q + 1]), enc, word_uniform(w, 1));
-        uint32_t c2 = Codec::te_sr(fm::load_f32(xb[4 * q + 2]), enc, word_uniform(w, 2));
-        uint32_t c3 = Codec::te_sr(fm::load_f32(xb[4 * q + 3]), enc, word_uniform(w, 3));
-        packed.set(8 * b + 2 * q, fm::e2m1_pack(c0, c1));
-        packed.set(8 * b + 2 * q + 1, fm::e2m1_pack(c2, c3));
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+          packed.set(8 * b + 4 * q + p,
+                     fm::e2m1_pack(Codec::te_sr(fm::load_f32(xb[8 * q + 2 * p]), enc, word_uniform(w, 2 * p)),
+                                   Codec::te_sr(fm::load_f32(xb[8 * q + 2 * p + 1]), enc, word_uniform(w, 2 * p + 1))));
       }
     }
   }
@@ -197,11 +198,6 @@ template <typename In>
 Status quantize_nvfp4_te(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
                          const SrKey* sr, AmaxMode amax_mode, ScaleLayout layout, cudaStream_t stream) {
   return quantize_nvfp4_te_impl<FormatsCodec>(codes, scales, amax, x, M, K, sr, amax_mode, layout, stream);
-}
-template <typename In>
-Status quantize_nvfp4_te_candidate(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
-                                   const SrKey* sr, AmaxMode amax_mode, ScaleLayout layout, cudaStream_t stream) {
-  return quantize_nvfp4_te_impl<CandidateCodec>(codes, scales, amax, x, M, K, sr, amax_mode, layout, stream);
 }
 
 // ---- NVFP4 TE 2-D (16x16 tiles) --------------------------------------------------------------
@@ -337,23 +333,28 @@ __device__ __forceinline__ void nvfp4_2level_quarter(PackedBytes<16>& packed, ui
   for (int b = 0; b < 2; ++b) {
     si[b] = fm::nvfp4_2level_inner_scale(bamax[b], so);
     const float sp = fm::nvfp4_2level_block_scale(si[b], so);
-    const In* xb = e + 16 * b;
+    const float rp = fm::nvfp4_2level_block_reciprocal(sp);
+    float xf[16], q[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) xf[i] = fm::load_f32(e[16 * b + i]);
+    fm::nvfp4_2level_scaled_magnitudes16(q, xf, sp, rp, bamax[b]);
     if constexpr (!kSR) {
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        packed.set(8 * b + i, fm::e2m1_pack(Codec::tl_rtn(fm::load_f32(xb[2 * i]), sp),
-                                            Codec::tl_rtn(fm::load_f32(xb[2 * i + 1]), sp)));
+        packed.set(8 * b + i, fm::e2m1_pack(fm::nvfp4_2level_code_rtn(q[2 * i], xf[2 * i]),
+                                            fm::nvfp4_2level_code_rtn(q[2 * i + 1], xf[2 * i + 1])));
     } else {
-      const uint64_t q0 = (elem0 + 16 * b) / 4;
+      const uint64_t q0 = (elem0 + 16 * b) / 8;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        Philox4x32 w = sr_words(key, q0 + q);
-        uint32_t c0 = Codec::tl_sr(fm::load_f32(xb[4 * q + 0]), sp, word_uniform(w, 0));
-        uint32_t c1 = Codec::tl_sr(fm::load_f32(xb[4 * q + 1]), sp, word_uniform(w, 1));
-        uint32_t c2 = Codec::tl_sr(fm::load_f32(xb[4 * q + 2]), sp, word_uniform(w, 2));
-        uint32_t c3 = Codec::tl_sr(fm::load_f32(xb[4 * q + 3]), sp, word_uniform(w, 3));
-        packed.set(8 * b + 2 * q, fm::e2m1_pack(c0, c1));
-        packed.set(8 * b + 2 * q + 1, fm::e2m1_pack(c2, c3));
+      for (int h = 0; h < 2; ++h) {
+        Philox4x32 w = sr_words(key, q0 + h);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          const int i = 8 * h + 2 * p;
+          packed.set(8 * b + 4 * h + p, fm::e2m1_pack(fm::nvfp4_2level_code_sr(q[i], xf[i], word_uniform(w, 2 * p)),
+                                                      fm::nvfp4_2level_code_sr(q[i + 1], xf[i + 1],
+                                                                               word_uniform(w, 2 * p + 1))));
+        }
       }
     }
   }
@@ -432,11 +433,6 @@ Status quantize_nvfp4_2level(uint8_t* codes, uint8_t* inner, float* outer, const
                              const SrKey* sr, ScaleLayout inner_layout, cudaStream_t stream) {
   return quantize_nvfp4_2level_impl<FormatsCodec>(codes, inner, outer, x, M, K, sr, inner_layout, stream);
 }
-template <typename In>
-Status quantize_nvfp4_2level_candidate(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
-                                       const SrKey* sr, ScaleLayout inner_layout, cudaStream_t stream) {
-  return quantize_nvfp4_2level_impl<CandidateCodec>(codes, inner, outer, x, M, K, sr, inner_layout, stream);
-}
 
 // y <- dequantized; thread per 1x16 block.
 template <typename Out>
@@ -489,14 +485,14 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quantize_kernel(uint8_t* codes
     byte = fm::mxfp4_scale_byte(fm::block_amax(v.e, 32), kRule);
     const float inv = fm::e8m0_inverse(byte);
 #pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      Philox4x32 w = sr_words(key, static_cast<uint64_t>(b) * 8 + q);
-      uint32_t c0 = fm::mxfp4_encode_sr(fm::load_f32(v.e[4 * q + 0]), inv, kRule, word_uniform(w, 0));
-      uint32_t c1 = fm::mxfp4_encode_sr(fm::load_f32(v.e[4 * q + 1]), inv, kRule, word_uniform(w, 1));
-      uint32_t c2 = fm::mxfp4_encode_sr(fm::load_f32(v.e[4 * q + 2]), inv, kRule, word_uniform(w, 2));
-      uint32_t c3 = fm::mxfp4_encode_sr(fm::load_f32(v.e[4 * q + 3]), inv, kRule, word_uniform(w, 3));
-      packed.set(2 * q, fm::e2m1_pack(c0, c1));
-      packed.set(2 * q + 1, fm::e2m1_pack(c2, c3));
+    for (int q = 0; q < 4; ++q) {
+      Philox4x32 w = sr_words(key, static_cast<uint64_t>(b) * 4 + q);  // elements 32b + 8q ..
+#pragma unroll
+      for (int p = 0; p < 4; ++p)
+        packed.set(4 * q + p,
+                   fm::e2m1_pack(fm::mxfp4_encode_sr(fm::load_f32(v.e[8 * q + 2 * p]), inv, kRule, word_uniform(w, 2 * p)),
+                                 fm::mxfp4_encode_sr(fm::load_f32(v.e[8 * q + 2 * p + 1]), inv, kRule,
+                                                     word_uniform(w, 2 * p + 1))));
     }
   }
   store_packed(codes + b * 16, packed);
@@ -641,10 +637,6 @@ Status dequantize_mxfp8(Out* y, const uint8_t* elems, const uint8_t* scales, int
                                      cudaStream_t);
 NIB_INSTANTIATE_IN(float)
 NIB_INSTANTIATE_IN(uint16_t)
-template Status quantize_nvfp4_te_candidate<uint16_t>(uint8_t*, uint8_t*, float*, const uint16_t*, int64_t, int64_t,
-                                                      const SrKey*, AmaxMode, ScaleLayout, cudaStream_t);
-template Status quantize_nvfp4_2level_candidate<uint16_t>(uint8_t*, uint8_t*, float*, const uint16_t*, int64_t, int64_t,
-                                                          const SrKey*, ScaleLayout, cudaStream_t);
 
 #define NIB_INSTANTIATE_OUT(Out)                                                                                       \
   template Status dequantize_nvfp4_te<Out>(Out*, const uint8_t*, const uint8_t*, const float*, int64_t, int64_t,      \

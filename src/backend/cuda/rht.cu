@@ -7,7 +7,7 @@
 // Mirrors TE's hadamard_transform_cast_fusion (tile transpose + RHT + cast) in structure.
 #include <cuda_runtime.h>
 
-#include "backend/cuda/codec_candidates.cuh"
+#include "backend/cuda/element_codec.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/quantize.h"
@@ -190,23 +190,28 @@ __global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requ
     const float so = fm::nvfp4_2level_outer_scale(group_max<8>(bamax));
     const uint32_t si = fm::nvfp4_2level_inner_scale(bamax, so);
     const float sp = fm::nvfp4_2level_block_scale(si, so);
+    const float rp = fm::nvfp4_2level_block_reciprocal(sp);
     const int64_t orow = k0 + kk, ocol = m0 + 16 * g;
+    float q[16];
+    fm::nvfp4_2level_scaled_magnitudes16(q, v, sp, rp, bamax);
     PackedBytes<8> packed;
     if constexpr (!kSR) {
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        packed.set(i, fm::e2m1_pack(Codec::tl_rtn(v[2 * i], sp), Codec::tl_rtn(v[2 * i + 1], sp)));
+        packed.set(i, fm::e2m1_pack(fm::nvfp4_2level_code_rtn(q[2 * i], v[2 * i]),
+                                    fm::nvfp4_2level_code_rtn(q[2 * i + 1], v[2 * i + 1])));
     } else {
-      const uint64_t q0 = static_cast<uint64_t>(orow * M + ocol) / 4;
+      const uint64_t q0 = static_cast<uint64_t>(orow * M + ocol) / 8;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        Philox4x32 w = sr_words(key, q0 + q);
-        uint32_t c0 = Codec::tl_sr(v[4 * q + 0], sp, u32_to_uniform(w.v[0]));
-        uint32_t c1 = Codec::tl_sr(v[4 * q + 1], sp, u32_to_uniform(w.v[1]));
-        uint32_t c2 = Codec::tl_sr(v[4 * q + 2], sp, u32_to_uniform(w.v[2]));
-        uint32_t c3 = Codec::tl_sr(v[4 * q + 3], sp, u32_to_uniform(w.v[3]));
-        packed.set(2 * q, fm::e2m1_pack(c0, c1));
-        packed.set(2 * q + 1, fm::e2m1_pack(c2, c3));
+      for (int h = 0; h < 2; ++h) {
+        Philox4x32 w = sr_words(key, q0 + h);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          const int i = 8 * h + 2 * p;
+          packed.set(4 * h + p, fm::e2m1_pack(fm::nvfp4_2level_code_sr(q[i], v[i], fm::sr_halfword_uniform(w, 2 * p)),
+                                              fm::nvfp4_2level_code_sr(q[i + 1], v[i + 1],
+                                                                       fm::sr_halfword_uniform(w, 2 * p + 1))));
+        }
       }
     }
     if (orow < K) {  // the shuffles above ran on whole warps
@@ -246,12 +251,6 @@ Status nvfp4_2level_transpose_rht_requantize(uint8_t* codes_t, uint8_t* inner_t,
                                              const uint8_t* inner, const float* outer, int64_t M, int64_t K,
                                              uint32_t sign_mask, const SrKey* sr, cudaStream_t stream) {
   return fused_impl<FormatsCodec>(codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, sr, stream);
-}
-Status nvfp4_2level_transpose_rht_requantize_candidate(uint8_t* codes_t, uint8_t* inner_t, float* outer_t,
-                                                       const uint8_t* codes, const uint8_t* inner, const float* outer,
-                                                       int64_t M, int64_t K, uint32_t sign_mask, const SrKey* sr,
-                                                       cudaStream_t stream) {
-  return fused_impl<CandidateCodec>(codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, sr, stream);
 }
 
 }  // namespace nibble::cuda
