@@ -5,6 +5,7 @@
 
 #include <bit>
 #include <cfloat>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -104,6 +105,29 @@ TEST(E2M1, IntegerRoundingIndexAndSrStepEqualFormerFormulations) {
   for (uint64_t b = 0; b < (uint64_t{1} << 32); b += 61) check(static_cast<uint32_t>(b));
   for (float t : {0.25f, 0.5f, 0.75f, 1.0f, 1.25f, 1.5f, 1.75f, 2.0f, 2.5f, 3.0f, 3.5f, 4.0f, 5.0f, 6.0f})
     for (int d = -64; d <= 64; ++d) check(float_as_u32(t) + static_cast<uint32_t>(d));
+}
+
+TEST(E2M1, SrIndexFromHalfWordEqualsFloatForm) {
+  // e2m1_sr_index_h(a, h) == e2m1_sr_index(a, h * 2^-16): every 97th bit pattern of a (44M, all
+  // regions incl. NaN/Inf/subnormal/-0) at h = 0, 65535, 65536 (u = 1) and the two h around the
+  // decision boundary p * 2^16; and all 65536 h for 2000 random a in [0, 7).
+  auto check = [](float a, uint32_t h) {
+    const float u = h == 65536u ? 1.0f : static_cast<float>(h) * 0x1p-16f;
+    ASSERT_EQ(e2m1_sr_index_h(a, h), e2m1_sr_index(a, u)) << std::hex << float_as_u32(a) << " h=" << std::dec << h;
+  };
+  for (uint64_t b = 0; b < (uint64_t{1} << 32); b += 97) {
+    const float a = u32_as_float(static_cast<uint32_t>(b));
+    const uint32_t di = e2m1_sr_index(a, 1.0f);
+    const double gap = di < 4 ? 0.5 : (di < 6 ? 1.0 : 2.0);
+    const double p = a >= 0.0f && a < 6.0f ? (a - e2m1_magnitude(di)) / gap : 0.0;
+    const uint32_t hb = static_cast<uint32_t>(std::min(p * 65536.0, 65535.0));
+    for (uint32_t h : {0u, 65535u, 65536u, hb, std::min(hb + 1, 65535u)}) check(a, h);
+  }
+  PhiloxStream rng(8, 8);
+  for (int i = 0; i < 2000; ++i) {
+    const float a = static_cast<float>(rng.next_uniform_double() * 7.0);
+    for (uint32_t h = 0; h < 65536u; ++h) check(a, h);
+  }
 }
 
 TEST(TwoLevel, DivisionFreeQuotientIsCorrectlyRounded) {

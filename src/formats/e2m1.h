@@ -27,27 +27,44 @@ NIB_HOST_DEVICE float e2m1_decode(uint32_t code) {
   return (code & 8u) ? -m : m;
 }
 
+// fma(a, b, c) with one rounding, identical on CPU (__builtin_fmaf; -ffp-contract=off does not
+// affect explicit fma) and GPU (fmaf; --fmad=false neither).
+NIB_HOST_DEVICE float fma_f32(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return fmaf(a, b, c);
+#else
+  return __builtin_fmaf(a, b, c);
+#endif
+}
+
 // Round-to-nearest-even magnitude index of a >= 0, saturating to 7 (=6.0); NaN gives 0.
 // Decision thresholds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, ties to the even code. Computed by
 // integer rounding: for a >= 1 the E2M1 grid of a's binade is "1 mantissa bit", so rounding the
 // binary32 bits to nearest-even at bit 22 (add 0x1FFFFF + bit 22) leaves 2*biased_exp + m in
-// bits 22.., and idx = that - 252 (2 + 2e + m), saturated at 7; below 1 the two thresholds 0.25
-// and 0.75 are compared directly. Equal to the 7-compare chain (e2m1_rne_index_ref in the tests)
-// for all 2^32 inputs (CodecCandidates.ExhaustiveAgainstFormats on the GPU; threshold
-// neighbourhoods and a large sample on the CPU).
+// bits 22.., and idx = that - 252 (2 + 2e + m), saturated at 7. Below 1 the grid is 0, 0.5, 1 =
+// index/2, so idx = rint(2a) with ties to even (0.25 -> 0, 0.75 -> 2): fl(2a + 2^23) rounds the
+// exact 2a to an integer, ties to even, read from the bits (one fma; a NaN or -0.0 is first
+// mapped to +0). Equal to the 7-compare chain (e2m1_rne_index_ref in the tests) for all 2^32
+// inputs (ElementCodec.ExhaustiveAgainstFormerFormulations on the GPU; threshold neighbourhoods
+// and every 61st pattern on the CPU).
 NIB_HOST_DEVICE uint32_t e2m1_rne_index(float a) {
   const uint32_t u = float_as_u32(a);
   const uint32_t r = (u + 0x1FFFFFu + ((u >> 22) & 1u)) >> 22;
   const uint32_t h = r - 252u;
   const uint32_t hi = h < 7u ? h : 7u;
-  const uint32_t lo = static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f);
+#if defined(__CUDA_ARCH__)
+  const float a0 = fmaxf(a, 0.0f);  // NaN -> 0
+#else
+  const float a0 = a > 0.0f ? a : 0.0f;
+#endif
+  const uint32_t lo = float_as_u32(fma_f32(a0, 2.0f, 8388608.0f)) - 0x4B000000u;
   return a >= 1.0f ? hi : lo;
 }
 
 // TransformerEngine convention: sign bit iff v < 0 (so -0.0 -> 0x0, a small negative that
 // rounds to zero -> 0x8). |v| > 6 saturates. NaN -> 0x0.
 NIB_HOST_DEVICE uint32_t e2m1_rne_code_te(float v) {
-  float a = v < 0.0f ? -v : v;
+  float a = u32_as_float(float_as_u32(v) & 0x7FFFFFFFu);  // |v| (the index of -0.0 and +0.0 is 0)
   return e2m1_rne_index(a) | (static_cast<uint32_t>(v < 0.0f) << 3);
 }
 
@@ -79,6 +96,27 @@ NIB_HOST_DEVICE uint32_t e2m1_sr_index(float a, float u) {
   float frac = (a - down) * inv_gap;
   uint32_t up = (di < 7u && u < frac) ? 1u : 0u;
   return di + up;
+}
+
+// e2m1_sr_index(a, u) for u = h * 2^-16 (h the element's 16-bit random half-word, nvfp4.h
+// sr_uniform; h = 65536 acts as u = 1: never rounds up), by integer comparisons on the bits of a:
+//  a in [1, 8): down = a truncated to one mantissa bit, gap = 2^(e-1), so (a - down)/gap =
+//    L / 2^22 with L = the low 22 mantissa bits, and u < L/2^22 <=> h * 64 < L (exact);
+//    floor index = 2 + 2e + m = (bits >> 22) - 252 (e = unbiased exponent, m = mantissa bit 22),
+//    saturated at 7 (a >= 6: index 7, never rounds up);
+//  a in [0.5, 1): down = 0.5, (a - 0.5)/0.5 = M / 2^23 (M = the 23 mantissa bits): h * 128 < M;
+//  a < 0.5 (also -0.0, NaN): down = 0, p = 2a: u < 2a <=> h * 2^-17 < a (exact binary32 compare;
+//    false for NaN and -0.0, as in e2m1_sr_index).
+// Each branch is the same exact real comparison u < (a - down)/gap as e2m1_sr_index, so the
+// results are equal for every a and h (tested: all 2^32 a at boundary and random h on the GPU).
+NIB_HOST_DEVICE uint32_t e2m1_sr_index_h(float a, uint32_t h) {
+  const uint32_t u = float_as_u32(a);
+  const uint32_t f = (u >> 22) - 252u;
+  const uint32_t di_hi = f < 7u ? f : 7u;
+  const uint32_t up_hi = (di_hi < 7u && (h << 6) < (u & 0x3FFFFFu)) ? 1u : 0u;
+  const uint32_t up_mid = (h << 7) < (u & 0x7FFFFFu) ? 1u : 0u;
+  const uint32_t up_lo = static_cast<float>(h) * 7.62939453125e-06f < a ? 1u : 0u;  // h * 2^-17
+  return a >= 1.0f ? di_hi + up_hi : (a >= 0.5f ? 1u + up_mid : up_lo);
 }
 
 // Pack two codes into one byte: even element low nibble, odd element high nibble.

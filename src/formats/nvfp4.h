@@ -48,10 +48,10 @@ struct SrKey {
   uint64_t seed = 0;
   uint64_t stream = 0;
 };
-// Uniform of half-word j (0..7) of a Philox block: bits 16*(j%2) .. +15 of word j/2, times 2^-16.
+// Half-word j (0..7) of a Philox block: bits 16*(j%2) .. +15 of word j/2; its uniform h * 2^-16.
+NIB_HOST_DEVICE uint32_t sr_halfword(const Philox4x32& r, uint32_t j) { return (r.v[j >> 1] >> ((j & 1u) * 16u)) & 0xFFFFu; }
 NIB_HOST_DEVICE float sr_halfword_uniform(const Philox4x32& r, uint32_t j) {
-  const uint32_t h = (r.v[j >> 1] >> ((j & 1u) * 16u)) & 0xFFFFu;
-  return static_cast<float>(h) * 1.52587890625e-05f;  // 2^-16
+  return static_cast<float>(sr_halfword(r, j)) * 1.52587890625e-05f;  // 2^-16
 }
 NIB_HOST_DEVICE float sr_uniform(const SrKey& key, uint64_t index) {
   return sr_halfword_uniform(philox_block(key.seed, key.stream, index >> 3), static_cast<uint32_t>(index & 7u));
@@ -111,6 +111,13 @@ NIB_HOST_DEVICE uint32_t nvfp4_te_encode_sr(float x, float enc, float u) {
   float v = x * enc;
   float a = v < 0.0f ? -v : v;
   return e2m1_sr_index(a, u) | (static_cast<uint32_t>(v < 0.0f) << 3);
+}
+
+// The same with the element's random half-word h (u = h * 2^-16): e2m1_sr_index_h.
+NIB_HOST_DEVICE uint32_t nvfp4_te_encode_sr_h(float x, float enc, uint32_t h) {
+  float v = x * enc;
+  float a = u32_as_float(float_as_u32(v) & 0x7FFFFFFFu);  // |v|; -0.0 and +0.0 both give index 0
+  return e2m1_sr_index_h(a, h) | (static_cast<uint32_t>(v < 0.0f) << 3);
 }
 
 // Dequant factor, TE's kernel: fl(fl(float(s) * amax) * fl(1/2688)).
@@ -190,13 +197,6 @@ NIB_HOST_DEVICE float nvfp4_2level_block_scale(uint32_t inner_byte, float so) { 
 NIB_HOST_DEVICE float nvfp4_2level_block_reciprocal(float sp) {
   return (sp >= 0x1p-60f && sp <= 0x1p60f) ? 1.0f / sp : 0.0f;
 }
-NIB_HOST_DEVICE float fma_f32(float a, float b, float c) {
-#if defined(__CUDA_ARCH__)
-  return fmaf(a, b, c);
-#else
-  return __builtin_fmaf(a, b, c);
-#endif
-}
 // The fast-path steps alone (valid when sp, a in range as above; a == 0 gives +0).
 NIB_HOST_DEVICE float nvfp4_2level_quotient_fma(float a, float sp, float r) {
   const float q0 = a * r;
@@ -244,6 +244,9 @@ NIB_HOST_DEVICE uint32_t nvfp4_2level_code_rtn(float v, float x) {
 }
 NIB_HOST_DEVICE uint32_t nvfp4_2level_code_sr(float v, float x, float u) {
   return e2m1_sr_index(v, u) | (signbit_nan_positive(x) << 3);
+}
+NIB_HOST_DEVICE uint32_t nvfp4_2level_code_sr_h(float v, float x, uint32_t h) {
+  return e2m1_sr_index_h(v, h) | (signbit_nan_positive(x) << 3);
 }
 // The definition: fl(|x| / sp) by one IEEE division (0 when sp == 0).
 NIB_HOST_DEVICE float nvfp4_2level_scaled_magnitude(float x, float sp) {

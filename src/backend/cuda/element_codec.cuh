@@ -18,14 +18,15 @@ namespace nibble::cuda {
 struct FormatsCodec {
   static __device__ __forceinline__ float amax(float m, float x) { return formats::amax_update(m, x); }
   static __device__ __forceinline__ uint32_t te_rtn(float x, float enc) { return formats::nvfp4_te_encode_rtn(x, enc); }
-  static __device__ __forceinline__ uint32_t te_sr(float x, float enc, float u) {
-    return formats::nvfp4_te_encode_sr(x, enc, u);
+  static __device__ __forceinline__ uint32_t te_sr(float x, float enc, uint32_t h) {
+    return formats::nvfp4_te_encode_sr_h(x, enc, h);
   }
   static __device__ __forceinline__ uint32_t tl_rtn(float x, float sp, float r) {
     return formats::nvfp4_2level_encode_rtn(x, sp, r);
   }
-  static __device__ __forceinline__ uint32_t tl_sr(float x, float sp, float r, float u) {
-    return formats::nvfp4_2level_encode_sr(x, sp, r, u);
+  static __device__ __forceinline__ uint32_t tl_sr(float x, float sp, float r, uint32_t h) {
+    return formats::e2m1_sr_index_h(formats::nvfp4_2level_scaled_magnitude(x, sp, r), h) |
+           (formats::signbit_nan_positive(x) << 3);
   }
 };
 

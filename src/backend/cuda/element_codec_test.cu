@@ -48,7 +48,8 @@ __device__ float amax_update_ref(float m, float x) {
   return a > m ? a : m;
 }
 
-// mismatches[0]: rne index, [1]: SR index, [2]: amax step; first[]: one failing bit pattern.
+// mismatches[0]: rne index, [1]: SR index (float u and half-word h forms), [2]: amax step;
+// first[]: one failing bit pattern.
 __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* first, uint64_t base, uint64_t count) {
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
@@ -67,6 +68,17 @@ __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* 
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
       if (fm::e2m1_sr_index(a, us[j]) != e2m1_sr_index_ref(a, us[j])) {
+        atomicAdd(&mismatches[1], 1ull);
+        first[1] = bits;
+      }
+    }
+    // Half-word form: h = 0, 65535, a random h, and the h just below / at / above p * 2^16.
+    const float pf = frac == frac && frac > 0.0f ? (frac < 1.0f ? frac : 1.0f) : 0.0f;
+    const uint32_t hb = min(static_cast<uint32_t>(pf * 65536.0f), 65535u);
+    const uint32_t hs[6] = {0u, 65535u, bits >> 16, hb > 0u ? hb - 1u : 0u, hb, min(hb + 1u, 65535u)};
+#pragma unroll
+    for (int j = 0; j < 6; ++j) {
+      if (fm::e2m1_sr_index_h(a, hs[j]) != e2m1_sr_index_ref(a, static_cast<float>(hs[j]) * 1.52587890625e-05f)) {
         atomicAdd(&mismatches[1], 1ull);
         first[1] = bits;
       }

@@ -47,9 +47,13 @@ __device__ __forceinline__ int64_t scale_index(int64_t block, int64_t blocks_per
   return fm::swizzled_scale_offset(block / blocks_per_row, block % blocks_per_row, blocks_per_row);
 }
 
-// u for element 8q + j of the Philox block w = sr_words(key, q) (j compile-time after unrolling).
+// u for element 8q + j of the Philox block w = sr_words(key, q) (j compile-time after unrolling),
+// and its 16-bit half-word h (u = h * 2^-16).
 __device__ __forceinline__ float word_uniform(const Philox4x32& w, int j) {
   return fm::sr_halfword_uniform(w, static_cast<uint32_t>(j));
+}
+__device__ __forceinline__ uint32_t word_half(const Philox4x32& w, int j) {
+  return fm::sr_halfword(w, static_cast<uint32_t>(j));
 }
 
 }  // namespace
@@ -147,8 +151,8 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
 #pragma unroll
         for (int p = 0; p < 4; ++p)
           packed.set(8 * b + 4 * q + p,
-                     fm::e2m1_pack(Codec::te_sr(fm::load_f32(xb[8 * q + 2 * p]), enc, word_uniform(w, 2 * p)),
-                                   Codec::te_sr(fm::load_f32(xb[8 * q + 2 * p + 1]), enc, word_uniform(w, 2 * p + 1))));
+                     fm::e2m1_pack(Codec::te_sr(fm::load_f32(xb[8 * q + 2 * p]), enc, word_half(w, 2 * p)),
+                                   Codec::te_sr(fm::load_f32(xb[8 * q + 2 * p + 1]), enc, word_half(w, 2 * p + 1))));
       }
     }
   }
@@ -351,9 +355,9 @@ __device__ __forceinline__ void nvfp4_2level_quarter(PackedBytes<16>& packed, ui
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
           const int i = 8 * h + 2 * p;
-          packed.set(8 * b + 4 * h + p, fm::e2m1_pack(fm::nvfp4_2level_code_sr(q[i], xf[i], word_uniform(w, 2 * p)),
-                                                      fm::nvfp4_2level_code_sr(q[i + 1], xf[i + 1],
-                                                                               word_uniform(w, 2 * p + 1))));
+          packed.set(8 * b + 4 * h + p, fm::e2m1_pack(fm::nvfp4_2level_code_sr_h(q[i], xf[i], word_half(w, 2 * p)),
+                                                      fm::nvfp4_2level_code_sr_h(q[i + 1], xf[i + 1],
+                                                                                 word_half(w, 2 * p + 1))));
         }
       }
     }

@@ -208,9 +208,9 @@ __global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requ
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
           const int i = 8 * h + 2 * p;
-          packed.set(4 * h + p, fm::e2m1_pack(fm::nvfp4_2level_code_sr(q[i], v[i], fm::sr_halfword_uniform(w, 2 * p)),
-                                              fm::nvfp4_2level_code_sr(q[i + 1], v[i + 1],
-                                                                       fm::sr_halfword_uniform(w, 2 * p + 1))));
+          packed.set(4 * h + p, fm::e2m1_pack(fm::nvfp4_2level_code_sr_h(q[i], v[i], fm::sr_halfword(w, 2 * p)),
+                                              fm::nvfp4_2level_code_sr_h(q[i + 1], v[i + 1],
+                                                                         fm::sr_halfword(w, 2 * p + 1))));
         }
       }
     }
