@@ -214,29 +214,26 @@ NIB_HOST_DEVICE float nvfp4_2level_scaled_magnitude(float x, float sp, float r) 
   if (r == 0.0f || !in_range) return a / sp;
   return nvfp4_2level_quotient_fma(a, sp, r);
 }
-// The same for a whole 16-block with one range decision per block (what the GPU kernels use):
-// v[i] = fl(|x[i]| / sp) for i < 16, where bamax = the block's NaN-skipping amax of x. The fast
-// path is taken iff r != 0 (sp in range), bamax <= 2^60 and every nonzero |x[i]| >= 2^-60 (the
-// minimum of bits(|x|) - 1 over the block, so zeros never trigger the slow path); NaN elements
-// give NaN on both paths (their E2M1 index is 0 either way, and the code's sign comes from x).
-// Otherwise every element takes nvfp4_2level_scaled_magnitude (per-element decision).
-NIB_HOST_DEVICE void nvfp4_2level_scaled_magnitudes16(float* v, const float* x, float sp, float r, float bamax) {
+// One range decision for a whole 16-block (what the GPU kernels use): true iff r != 0 (sp in
+// range), bamax <= 2^60 (bamax = the block's NaN-skipping amax of x) and every nonzero |x[i]| >=
+// 2^-60 (the minimum of bits(|x|) - 1 over the block, so zeros never fail it). Then
+// v[i] = nvfp4_2level_quotient_fma(|x[i]|, sp, r) = fl(|x[i]| / sp) for every i (NaN elements
+// give NaN either way: their E2M1 index is 0, and the code's sign comes from x); otherwise each
+// element takes nvfp4_2level_scaled_magnitude (its own decision).
+NIB_HOST_DEVICE bool nvfp4_2level_block_fast(const float* x, float r, float bamax) {
   uint32_t m = 0xFFFFFFFFu;
 #if defined(__CUDACC__)
 #pragma unroll
 #endif
   for (int i = 0; i < 16; ++i) {
-    const uint32_t ab = float_as_u32(x[i]) & 0x7FFFFFFFu;
-    const uint32_t t = ab - 1u;
+    const uint32_t t = (float_as_u32(x[i]) & 0x7FFFFFFFu) - 1u;
     m = t < m ? t : m;
-    v[i] = nvfp4_2level_quotient_fma(u32_as_float(ab), sp, r);
   }
-  if (r == 0.0f || !(bamax <= 0x1p60f) || m < 0x21800000u - 1u) {
-#if defined(__CUDACC__)
-#pragma unroll
-#endif
-    for (int i = 0; i < 16; ++i) v[i] = nvfp4_2level_scaled_magnitude(x[i], sp, r);
-  }
+  return r != 0.0f && bamax <= 0x1p60f && m >= 0x21800000u - 1u;
+}
+// fl(|x| / sp) on the fast path (valid when nvfp4_2level_block_fast holds for x's block).
+NIB_HOST_DEVICE float nvfp4_2level_scaled_magnitude_fast(float x, float sp, float r) {
+  return nvfp4_2level_quotient_fma(u32_as_float(float_as_u32(x) & 0x7FFFFFFFu), sp, r);
 }
 // Element code from its scaled magnitude v = fl(|x| / sp) and x (for the sign).
 NIB_HOST_DEVICE uint32_t nvfp4_2level_code_rtn(float v, float x) {

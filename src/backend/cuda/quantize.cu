@@ -327,92 +327,66 @@ Status dequantize_nvfp4_te(Out* y, const uint8_t* codes, const uint8_t* scales, 
 
 // ---- nvfp4-2level (TetraJet-v2 double block) ---------------------------------------------------
 
-// Quantize the 32 elements v (flat elements 32*t .. 32*t+31, a quarter of one 128-block) given the
-// 128-block's outer scale; writes 16 code bytes, returns the two inner scale bytes.
-template <typename Codec, typename In, bool kSR>
-__device__ __forceinline__ void nvfp4_2level_quarter(PackedBytes<16>& packed, uint32_t si[2], const In* e,
-                                                     const float bamax[2], float so, uint64_t elem0,
-                                                     const fm::SrKey& key) {
-#pragma unroll
-  for (int b = 0; b < 2; ++b) {
-    si[b] = fm::nvfp4_2level_inner_scale(bamax[b], so);
-    const float sp = fm::nvfp4_2level_block_scale(si[b], so);
-    const float rp = fm::nvfp4_2level_block_reciprocal(sp);
-    float xf[16], q[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) xf[i] = fm::load_f32(e[16 * b + i]);
-    fm::nvfp4_2level_scaled_magnitudes16(q, xf, sp, rp, bamax[b]);
-    if constexpr (!kSR) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        packed.set(8 * b + i, fm::e2m1_pack(fm::nvfp4_2level_code_rtn(q[2 * i], xf[2 * i]),
-                                            fm::nvfp4_2level_code_rtn(q[2 * i + 1], xf[2 * i + 1])));
-    } else {
-      const uint64_t q0 = (elem0 + 16 * b) / 8;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        Philox4x32 w = sr_words(key, q0 + h);
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          const int i = 8 * h + 2 * p;
-          packed.set(8 * b + 4 * h + p, fm::e2m1_pack(fm::nvfp4_2level_code_sr_h(q[i], xf[i], word_half(w, 2 * p)),
-                                                      fm::nvfp4_2level_code_sr_h(q[i + 1], xf[i + 1],
-                                                                                 word_half(w, 2 * p + 1))));
-        }
-      }
-    }
-  }
-}
-
-// Four consecutive lanes form one 128-block of a row: lane q of block (r, j) owns row r's
-// elements c = 128j + 32q .. +31 (K % 16 == 0: a row's last 128-block may be partial, zero-padded,
-// so a lane may own 0, 1 or 2 inner blocks). kFull32: K % 32 == 0 and every lane owns both.
+// Eight consecutive lanes form one 128-block of a row: lane q of block (r, j) owns the inner
+// 1x16 block at columns c = 128j + 16q .. +15 of row r (K % 16 == 0: a row's last 128-block may
+// be partial; lanes past K hold zeros, which is the zero-padded 128-block's outer amax, and store
+// nothing). Outer amax by 3 shuffles; per lane one inner scale, 16 codes (8 bytes), one scale byte.
 template <typename Codec, typename In, bool kSR>
 __global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t* codes, uint8_t* inner, float* outer,
                                                                         const In* x, int64_t M, int64_t K,
                                                                         bool swizzled, fm::SrKey key) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t no = (K + 127) / 128, kb = K / 16;
-  const int64_t o = t >> 2;          // global outer-block index r * no + j
+  const int64_t o = t >> 3;  // global outer-block index r * no + j
   const int64_t r = o / no, j = o - r * no;
-  const int64_t c = 128 * j + 32 * (t & 3);
-  const bool row_ok = r < M;         // whole warps stay for the shuffles
-  const bool ok0 = row_ok && c < K, ok1 = row_ok && c + 16 < K;
-  Vec<In, 32> v;
-  if (ok1) {
+  const int64_t c = 128 * j + 16 * (t & 7);
+  const bool ok = r < M && c < K;  // whole warps stay for the shuffles
+  Vec<In, 16> v;
+  if (ok) {
     load_vec(v, x + r * K + c);
   } else {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) v.e[i] = In(0);
-    if (ok0) {
-      Vec<In, 16> h;
-      load_vec(h, x + r * K + c);
+    for (int i = 0; i < 16; ++i) v.e[i] = In(0);
+  }
+  const float bamax = block16_amax<Codec>(v.e);
+  const float so = fm::nvfp4_2level_outer_scale(group_max<8>(bamax));
+  if (!ok) return;
+  const uint32_t si = fm::nvfp4_2level_inner_scale(bamax, so);
+  const float sp = fm::nvfp4_2level_block_scale(si, so);
+  const float rp = fm::nvfp4_2level_block_reciprocal(sp);
+  float xf[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) v.e[i] = h.e[i];
+  for (int i = 0; i < 16; ++i) xf[i] = fm::load_f32(v.e[i]);
+  PackedBytes<8> packed;
+  // mag(i) = fl(|xf[i]| / sp); one block-uniform choice of the fast (division-free) path.
+  auto encode = [&](auto mag) {
+    if constexpr (!kSR) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        packed.set(i, fm::e2m1_pack(fm::nvfp4_2level_code_rtn(mag(2 * i), xf[2 * i]),
+                                    fm::nvfp4_2level_code_rtn(mag(2 * i + 1), xf[2 * i + 1])));
+    } else {
+      const uint64_t q0 = static_cast<uint64_t>(r * K + c) / 8;  // element r*K + c is a multiple of 16
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        Philox4x32 w = sr_words(key, q0 + h);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          const int i = 8 * h + 2 * p;
+          packed.set(4 * h + p, fm::e2m1_pack(fm::nvfp4_2level_code_sr_h(mag(i), xf[i], word_half(w, 2 * p)),
+                                              fm::nvfp4_2level_code_sr_h(mag(i + 1), xf[i + 1], word_half(w, 2 * p + 1))));
+        }
+      }
     }
-  }
-  float bamax[2] = {block16_amax<Codec>(v.e), block16_amax<Codec>(v.e + 16)};
-  const float amax128 = group_max<4>(fmaxf(bamax[0], bamax[1]));
-  const float so = fm::nvfp4_2level_outer_scale(amax128);
-  if (!ok0) return;
-  PackedBytes<16> packed;
-  uint32_t si[2];
-  nvfp4_2level_quarter<Codec, In, kSR>(packed, si, v.e, bamax, so, static_cast<uint64_t>(r * K + c), key);
-  uint8_t* cp = codes + (r * K + c) / 2;
-  const int64_t b0 = r * kb + c / 16;
-  if (ok1 && (K % 32 == 0)) {
-    store_packed(cp, packed);  // 16-byte aligned: (r*K + c)/2 is a multiple of 16
+  };
+  if (fm::nvfp4_2level_block_fast(xf, rp, bamax)) {
+    encode([&](int i) { return fm::nvfp4_2level_scaled_magnitude_fast(xf[i], sp, rp); });
   } else {
-    __stcs(reinterpret_cast<uint2*>(cp), make_uint2(packed.w[0], packed.w[1]));
-    if (ok1) __stcs(reinterpret_cast<uint2*>(cp + 8), make_uint2(packed.w[2], packed.w[3]));
+    encode([&](int i) { return fm::nvfp4_2level_scaled_magnitude(xf[i], sp, rp); });
   }
-  if (!swizzled && ok1 && (b0 & 1) == 0) {
-    *reinterpret_cast<uint16_t*>(inner + b0) = static_cast<uint16_t>(si[0] | (si[1] << 8));
-  } else {
-    inner[scale_index(b0, kb, swizzled)] = static_cast<uint8_t>(si[0]);
-    if (ok1) inner[scale_index(b0 + 1, kb, swizzled)] = static_cast<uint8_t>(si[1]);
-  }
-  if ((t & 3) == 0) outer[o] = so;
+  store_packed(codes + (r * K + c) / 2, packed);  // 8-byte aligned: (r*K + c)/2 is a multiple of 8
+  inner[scale_index(r * kb + c / 16, kb, swizzled)] = static_cast<uint8_t>(si);
+  if ((t & 7) == 0) outer[o] = so;
 }
 
 template <typename Codec, typename In>
@@ -424,7 +398,7 @@ Status quantize_nvfp4_2level_impl(uint8_t* codes, uint8_t* inner, float* outer, 
   const bool swz = inner_layout == ScaleLayout::kSwizzled;
   if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(inner, 0, fm::swizzled_scale_bytes(M, kb), stream));
   if (n128 == 0) return Status::ok();
-  const int grid = ceil_div_int(n128 * 4, kThreads);
+  const int grid = ceil_div_int(n128 * 8, kThreads);
   fm::SrKey key = sr ? *sr : fm::SrKey{};
   if (sr) nvfp4_2level_quantize_kernel<Codec, In, true><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
   else nvfp4_2level_quantize_kernel<Codec, In, false><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
