@@ -92,7 +92,7 @@ uint32_t e2m1_sr_index_ref(float a, float u) {
 }
 
 TEST(E2M1, IntegerRoundingIndexAndSrStepEqualFormerFormulations) {
-  // All 2^32 inputs are checked on the GPU (CodecCandidates.ExhaustiveAgainstFormats); here every
+  // All 2^32 inputs are checked on the GPU (ElementCodec.ExhaustiveAgainstFormerFormulations); here every
   // 61st bit pattern (70M inputs: every sign, exponent and mantissa region incl. NaN, Inf,
   // subnormals, -0) plus all patterns within +-64 ulps of each threshold and grid value.
   auto check = [](uint32_t bits) {
