@@ -123,14 +123,12 @@ __device__ __forceinline__ float block16_amax(const In* x) {
   return m;
 }
 
-// One thread quantizes NB consecutive 1x16 blocks starting at flat block b0 (all in range):
+// One thread quantizes NB consecutive 1x16 blocks v (already loaded) starting at flat block b0:
 // the steps of formats::nvfp4_te_quantize_block16, with the element step from Codec.
 template <typename Codec, typename In, int NB, bool kSR>
-__device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales, const In* x, int64_t b0,
-                                                const fm::Nvfp4TeGlobal& g, int64_t kb, bool swizzled,
+__device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales, const Vec<In, 16 * NB>& v,
+                                                int64_t b0, const fm::Nvfp4TeGlobal& g, int64_t kb, bool swizzled,
                                                 const fm::SrKey& key) {
-  Vec<In, 16 * NB> v;
-  load_vec(v, x + b0 * 16);
   PackedBytes<8 * NB> packed;
   uint32_t s[NB];
 #pragma unroll
@@ -165,18 +163,50 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
   }
 }
 
+// Blocks per thread of the TE quantize kernel: 64 bytes of input (two 1x16 BF16 blocks, one F32)
+// for RTN; one block for SR (its Philox state needs the registers: 2 blocks + the prefetched next
+// pair would take 110 registers).
+template <typename In, bool kSR>
+constexpr int kTeBlocksPerThread = sizeof(In) == 2 && !kSR ? 2 : 1;
+
+// Resident CTAs of `kernel` (kThreads threads) on the whole device: the grid of a persistent kernel.
+template <typename Kernel>
+int resident_grid(Kernel kernel) {
+  int per_sm = 0;
+  NIB_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  return std::max(per_sm, 1) * sm_count();
+}
+
 // codes (M, K/2), scales (M, K/16) or swizzled; amax (1) already holds max |x|; x (M, K) flat as
-// nblocks 1x16 blocks. Thread t owns blocks 2t, 2t+1.
+// nblocks 1x16 blocks. Persistent grid-stride loop over groups of NB blocks (thread t owns groups
+// t, t + stride, ...); the next group's 64 bytes are loaded before the current one is encoded so
+// a load is in flight while the thread computes. A last partial group goes to thread 0.
 template <typename Codec, typename In, bool kSR>
 __global__ void __launch_bounds__(kThreads) nvfp4_te_quantize_kernel(uint8_t* codes, uint8_t* scales, const float* amax,
                                                                     const In* x, int64_t nblocks, int64_t kb,
                                                                     bool swizzled, fm::SrKey key) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t b0 = 2 * t;
-  if (b0 >= nblocks) return;
+  constexpr int NB = kTeBlocksPerThread<In, kSR>;
+  const int64_t ngroups = nblocks / NB;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const fm::Nvfp4TeGlobal g = fm::nvfp4_te_global(*amax);
-  if (b0 + 1 < nblocks) nvfp4_te_blocks<Codec, In, 2, kSR>(codes, scales, x, b0, g, kb, swizzled, key);
-  else nvfp4_te_blocks<Codec, In, 1, kSR>(codes, scales, x, b0, g, kb, swizzled, key);
+  Vec<In, 16 * NB> v;
+  if (t < ngroups) load_vec(v, x + t * NB * 16);
+  for (; t < ngroups; t += stride) {
+    Vec<In, 16 * NB> vn;
+    if (t + stride < ngroups) load_vec(vn, x + (t + stride) * NB * 16);
+    nvfp4_te_blocks<Codec, In, NB, kSR>(codes, scales, v, t * NB, g, kb, swizzled, key);
+    v = vn;
+  }
+  if constexpr (NB > 1) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      for (int64_t b = ngroups * NB; b < nblocks; ++b) {
+        Vec<In, 16> v1;
+        load_vec(v1, x + b * 16);
+        nvfp4_te_blocks<Codec, In, 1, kSR>(codes, scales, v1, b, g, kb, swizzled, key);
+      }
+    }
+  }
 }
 
 template <typename Codec, typename In>
@@ -189,11 +219,14 @@ Status quantize_nvfp4_te_impl(uint8_t* codes, uint8_t* scales, float* amax, cons
   if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(scales, 0, fm::swizzled_scale_bytes(M, kb), stream));
   if (amax_mode == AmaxMode::kCompute) NIB_RETURN_IF_ERROR(absmax(amax, x, M * K, stream));
   if (nblocks == 0) return Status::ok();
-  const int64_t threads = (nblocks + 1) / 2;
-  const int grid = ceil_div_int(threads, kThreads);
   fm::SrKey key = sr ? *sr : fm::SrKey{};
-  if (sr) nvfp4_te_quantize_kernel<Codec, In, true><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
-  else nvfp4_te_quantize_kernel<Codec, In, false><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
+  auto launch = [&](auto kernel) {
+    const int64_t groups = std::max<int64_t>(nblocks / (sr ? kTeBlocksPerThread<In, true> : kTeBlocksPerThread<In, false>), 1);
+    const int grid = static_cast<int>(std::min<int64_t>(ceil_div_int(groups, kThreads), resident_grid(kernel)));
+    kernel<<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
+  };
+  if (sr) launch(nvfp4_te_quantize_kernel<Codec, In, true>);
+  else launch(nvfp4_te_quantize_kernel<Codec, In, false>);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
@@ -331,26 +364,37 @@ Status dequantize_nvfp4_te(Out* y, const uint8_t* codes, const uint8_t* scales, 
 // 1x16 block at columns c = 128j + 16q .. +15 of row r (K % 16 == 0: a row's last 128-block may
 // be partial; lanes past K hold zeros, which is the zero-padded 128-block's outer amax, and store
 // nothing). Outer amax by 3 shuffles; per lane one inner scale, 16 codes (8 bytes), one scale byte.
-template <typename Codec, typename In, bool kSR>
-__global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t* codes, uint8_t* inner, float* outer,
-                                                                        const In* x, int64_t M, int64_t K,
-                                                                        bool swizzled, fm::SrKey key) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t no = (K + 127) / 128, kb = K / 16;
-  const int64_t o = t >> 3;  // global outer-block index r * no + j
-  const int64_t r = o / no, j = o - r * no;
-  const int64_t c = 128 * j + 16 * (t & 7);
-  const bool ok = r < M && c < K;  // whole warps stay for the shuffles
-  Vec<In, 16> v;
-  if (ok) {
-    load_vec(v, x + r * K + c);
+// Lane t's first element is e = r*K + c (= 16t when K % 128 == 0: no division); its inner block
+// is e/16, its outer block t/8.
+struct TwoLevelLane {
+  int64_t e;
+  bool ok;
+};
+__device__ __forceinline__ TwoLevelLane two_level_lane(int64_t t, int64_t nlanes, int64_t M, int64_t K, int64_t no,
+                                                       bool k128) {
+  if (k128) return {16 * t, t < nlanes};
+  const int64_t o = t >> 3, r = o / no, c = 128 * (o - r * no) + 16 * (t & 7);
+  return {r * K + c, t < nlanes && r < M && c < K};
+}
+
+template <typename In>
+__device__ __forceinline__ void load_or_zero(Vec<In, 16>& v, const In* x, const TwoLevelLane& l) {
+  if (l.ok) {
+    load_vec(v, x + l.e);
   } else {
 #pragma unroll
     for (int i = 0; i < 16; ++i) v.e[i] = In(0);
   }
+}
+
+// The lane's inner block v (zeros when !l.ok): all lanes of the warp call it (shuffles).
+template <typename Codec, typename In, bool kSR>
+__device__ __forceinline__ void nvfp4_2level_lane(uint8_t* codes, uint8_t* inner, float* outer, const Vec<In, 16>& v,
+                                                  int64_t t, const TwoLevelLane& l, int64_t kb, bool swizzled,
+                                                  const fm::SrKey& key) {
   const float bamax = block16_amax<Codec>(v.e);
   const float so = fm::nvfp4_2level_outer_scale(group_max<8>(bamax));
-  if (!ok) return;
+  if (!l.ok) return;
   const uint32_t si = fm::nvfp4_2level_inner_scale(bamax, so);
   const float sp = fm::nvfp4_2level_block_scale(si, so);
   const float rp = fm::nvfp4_2level_block_reciprocal(sp);
@@ -366,7 +410,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t
         packed.set(i, fm::e2m1_pack(fm::nvfp4_2level_code_rtn(mag(2 * i), xf[2 * i]),
                                     fm::nvfp4_2level_code_rtn(mag(2 * i + 1), xf[2 * i + 1])));
     } else {
-      const uint64_t q0 = static_cast<uint64_t>(r * K + c) / 8;  // element r*K + c is a multiple of 16
+      const uint64_t q0 = static_cast<uint64_t>(l.e) / 8;  // element e is a multiple of 16
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         Philox4x32 w = sr_words(key, q0 + h);
@@ -384,9 +428,35 @@ __global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t
   } else {
     encode([&](int i) { return fm::nvfp4_2level_scaled_magnitude(xf[i], sp, rp); });
   }
-  store_packed(codes + (r * K + c) / 2, packed);  // 8-byte aligned: (r*K + c)/2 is a multiple of 8
-  inner[scale_index(r * kb + c / 16, kb, swizzled)] = static_cast<uint8_t>(si);
-  if ((t & 7) == 0) outer[o] = so;
+  store_packed(codes + l.e / 2, packed);  // 8-byte aligned: e/2 is a multiple of 8
+  inner[scale_index(l.e / 16, kb, swizzled)] = static_cast<uint8_t>(si);
+  if ((t & 7) == 0) outer[t >> 3] = so;
+}
+
+// codes (M, K/2), inner (M, K/16) or swizzled, outer (M, ceil(K/128)) f32; x (M, K). Persistent
+// grid-stride loop over lanes t = global thread, t + stride, ... (nlanes = 8 per 128-block); the
+// loop condition is CTA-uniform so whole warps shuffle; the next lane's 32 bytes are loaded
+// before the current inner block is encoded (a load in flight while the thread computes).
+template <typename Codec, typename In, bool kSR>
+__global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t* codes, uint8_t* inner, float* outer,
+                                                                        const In* x, int64_t M, int64_t K,
+                                                                        bool swizzled, fm::SrKey key) {
+  const int64_t no = (K + 127) / 128, kb = K / 16, nlanes = M * no * 8;
+  const bool k128 = (K & 127) == 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x;
+  int64_t t = base + threadIdx.x;
+  TwoLevelLane l = two_level_lane(t, nlanes, M, K, no, k128);
+  Vec<In, 16> v;
+  load_or_zero(v, x, l);
+  for (; base < nlanes; base += stride, t += stride) {
+    const TwoLevelLane ln = two_level_lane(t + stride, nlanes, M, K, no, k128);
+    Vec<In, 16> vn;
+    load_or_zero(vn, x, ln);
+    nvfp4_2level_lane<Codec, In, kSR>(codes, inner, outer, v, t, l, kb, swizzled, key);
+    v = vn;
+    l = ln;
+  }
 }
 
 template <typename Codec, typename In>
@@ -398,10 +468,13 @@ Status quantize_nvfp4_2level_impl(uint8_t* codes, uint8_t* inner, float* outer, 
   const bool swz = inner_layout == ScaleLayout::kSwizzled;
   if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(inner, 0, fm::swizzled_scale_bytes(M, kb), stream));
   if (n128 == 0) return Status::ok();
-  const int grid = ceil_div_int(n128 * 8, kThreads);
   fm::SrKey key = sr ? *sr : fm::SrKey{};
-  if (sr) nvfp4_2level_quantize_kernel<Codec, In, true><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
-  else nvfp4_2level_quantize_kernel<Codec, In, false><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
+  auto launch = [&](auto kernel) {
+    const int grid = static_cast<int>(std::min<int64_t>(ceil_div_int(n128 * 8, kThreads), resident_grid(kernel)));
+    kernel<<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
+  };
+  if (sr) launch(nvfp4_2level_quantize_kernel<Codec, In, true>);
+  else launch(nvfp4_2level_quantize_kernel<Codec, In, false>);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
