@@ -1,5 +1,6 @@
 // CUDA kernels and launchers for nibble's block formats (see quantize.h). One thread owns whole
-// blocks (16, 32 or a quarter of a 128-block) held in registers: 16-byte streaming loads, the
+// blocks (16, 32 or an eighth of a 128-block) held in registers (the nvfp4-2level quantize kernel
+// is persistent: grid-stride, the next block's load in flight): 16-byte streaming loads, the
 // per-block math of src/formats/ (the functions the CPU drivers call), 16-byte code stores.
 // Grid-wide amax: per-thread max -> warp -> CTA -> one atomicMax on the float bits. SR draws one
 // Philox block per eight consecutive elements (16-bit half-words, as formats::sr_uniform()).
@@ -123,12 +124,14 @@ __device__ __forceinline__ float block16_amax(const In* x) {
   return m;
 }
 
-// One thread quantizes NB consecutive 1x16 blocks v (already loaded) starting at flat block b0:
+// One thread quantizes NB consecutive 1x16 blocks starting at flat block b0 (all in range):
 // the steps of formats::nvfp4_te_quantize_block16, with the element step from Codec.
 template <typename Codec, typename In, int NB, bool kSR>
-__device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales, const Vec<In, 16 * NB>& v,
-                                                int64_t b0, const fm::Nvfp4TeGlobal& g, int64_t kb, bool swizzled,
+__device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales, const In* x, int64_t b0,
+                                                const fm::Nvfp4TeGlobal& g, int64_t kb, bool swizzled,
                                                 const fm::SrKey& key) {
+  Vec<In, 16 * NB> v;
+  load_vec(v, x + b0 * 16);
   PackedBytes<8 * NB> packed;
   uint32_t s[NB];
 #pragma unroll
@@ -163,50 +166,18 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
   }
 }
 
-// Blocks per thread of the TE quantize kernel: 64 bytes of input (two 1x16 BF16 blocks, one F32)
-// for RTN; one block for SR (its Philox state needs the registers: 2 blocks + the prefetched next
-// pair would take 110 registers).
-template <typename In, bool kSR>
-constexpr int kTeBlocksPerThread = sizeof(In) == 2 && !kSR ? 2 : 1;
-
-// Resident CTAs of `kernel` (kThreads threads) on the whole device: the grid of a persistent kernel.
-template <typename Kernel>
-int resident_grid(Kernel kernel) {
-  int per_sm = 0;
-  NIB_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  return std::max(per_sm, 1) * sm_count();
-}
-
 // codes (M, K/2), scales (M, K/16) or swizzled; amax (1) already holds max |x|; x (M, K) flat as
-// nblocks 1x16 blocks. Persistent grid-stride loop over groups of NB blocks (thread t owns groups
-// t, t + stride, ...); the next group's 64 bytes are loaded before the current one is encoded so
-// a load is in flight while the thread computes. A last partial group goes to thread 0.
+// nblocks 1x16 blocks. Thread t owns blocks 2t, 2t+1.
 template <typename Codec, typename In, bool kSR>
 __global__ void __launch_bounds__(kThreads) nvfp4_te_quantize_kernel(uint8_t* codes, uint8_t* scales, const float* amax,
                                                                     const In* x, int64_t nblocks, int64_t kb,
                                                                     bool swizzled, fm::SrKey key) {
-  constexpr int NB = kTeBlocksPerThread<In, kSR>;
-  const int64_t ngroups = nblocks / NB;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t b0 = 2 * t;
+  if (b0 >= nblocks) return;
   const fm::Nvfp4TeGlobal g = fm::nvfp4_te_global(*amax);
-  Vec<In, 16 * NB> v;
-  if (t < ngroups) load_vec(v, x + t * NB * 16);
-  for (; t < ngroups; t += stride) {
-    Vec<In, 16 * NB> vn;
-    if (t + stride < ngroups) load_vec(vn, x + (t + stride) * NB * 16);
-    nvfp4_te_blocks<Codec, In, NB, kSR>(codes, scales, v, t * NB, g, kb, swizzled, key);
-    v = vn;
-  }
-  if constexpr (NB > 1) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      for (int64_t b = ngroups * NB; b < nblocks; ++b) {
-        Vec<In, 16> v1;
-        load_vec(v1, x + b * 16);
-        nvfp4_te_blocks<Codec, In, 1, kSR>(codes, scales, v1, b, g, kb, swizzled, key);
-      }
-    }
-  }
+  if (b0 + 1 < nblocks) nvfp4_te_blocks<Codec, In, 2, kSR>(codes, scales, x, b0, g, kb, swizzled, key);
+  else nvfp4_te_blocks<Codec, In, 1, kSR>(codes, scales, x, b0, g, kb, swizzled, key);
 }
 
 template <typename Codec, typename In>
@@ -219,14 +190,11 @@ Status quantize_nvfp4_te_impl(uint8_t* codes, uint8_t* scales, float* amax, cons
   if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(scales, 0, fm::swizzled_scale_bytes(M, kb), stream));
   if (amax_mode == AmaxMode::kCompute) NIB_RETURN_IF_ERROR(absmax(amax, x, M * K, stream));
   if (nblocks == 0) return Status::ok();
+  const int64_t threads = (nblocks + 1) / 2;
+  const int grid = ceil_div_int(threads, kThreads);
   fm::SrKey key = sr ? *sr : fm::SrKey{};
-  auto launch = [&](auto kernel) {
-    const int64_t groups = std::max<int64_t>(nblocks / (sr ? kTeBlocksPerThread<In, true> : kTeBlocksPerThread<In, false>), 1);
-    const int grid = static_cast<int>(std::min<int64_t>(ceil_div_int(groups, kThreads), resident_grid(kernel)));
-    kernel<<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
-  };
-  if (sr) launch(nvfp4_te_quantize_kernel<Codec, In, true>);
-  else launch(nvfp4_te_quantize_kernel<Codec, In, false>);
+  if (sr) nvfp4_te_quantize_kernel<Codec, In, true><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
+  else nvfp4_te_quantize_kernel<Codec, In, false><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
@@ -359,6 +327,14 @@ Status dequantize_nvfp4_te(Out* y, const uint8_t* codes, const uint8_t* scales, 
 }
 
 // ---- nvfp4-2level (TetraJet-v2 double block) ---------------------------------------------------
+
+// Resident CTAs of `kernel` (kThreads threads) on the whole device: the grid of a persistent kernel.
+template <typename Kernel>
+int resident_grid(Kernel kernel) {
+  int per_sm = 0;
+  NIB_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  return std::max(per_sm, 1) * sm_count();
+}
 
 // Eight consecutive lanes form one 128-block of a row: lane q of block (r, j) owns the inner
 // 1x16 block at columns c = 128j + 16q .. +15 of row r (K % 16 == 0: a row's last 128-block may
