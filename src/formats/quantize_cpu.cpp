@@ -10,6 +10,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
 #include "core/check.h"
 #include "core/parallel.h"
 #include "formats/rht.h"
@@ -262,6 +266,7 @@ inline v16f pair_max_abs(v16f even, v16f odd) {
   return b > a ? b : a;  // NaN b compares false: skipped
 }
 #endif
+#include "formats/quantize_cpu_avx512.h"
 #endif
 
 template <typename In>
@@ -276,7 +281,10 @@ float amax_impl(const In* x, int64_t n) {
       // NaN-skipping max is order-independent, so lanes/accumulators may be combined freely.
       float m = 0.0f;
       int64_t i = 0;
-#if NIBBLE_FORMATS_VEC16
+#if NIBBLE_FORMATS_AVX512
+      i = len - len % 128;
+      m = avx512_amax(p, i);
+#elif NIBBLE_FORMATS_VEC16
       v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
       for (; i + 64 <= len; i += 64) {
         v16f x0 = vabs(load16(p + i)), x1 = vabs(load16(p + i + 16)), x2 = vabs(load16(p + i + 32)),
@@ -325,6 +333,13 @@ template <typename In>
 void te_row_rtn(uint8_t* codes, uint8_t* scales, const In* x, int64_t K, const Nvfp4TeGlobal& g,
                 const SrKey* sr = nullptr, uint64_t index0 = 0) {
   int64_t nb = K / 16, b = 0;
+#if NIBBLE_FORMATS_AVX512
+  if (sr == nullptr)  // 256-element groups; a group holding a NaN takes the per-block functions
+    for (; b + 16 <= nb; b += 16)
+      if (!te_group256_avx512(codes + 8 * b, scales + b, x + 16 * b, g))
+        for (int64_t j = b; j < b + 16; ++j)
+          scales[j] = static_cast<uint8_t>(nvfp4_te_quantize_block16(codes + 8 * j, x + 16 * j, block_amax(x + 16 * j, 16), g));
+#endif
 #if NIBBLE_FORMATS_HMAX_TREE
   // 16 blocks at a time: elements split even/odd (see split32), block maxima by a shuffle
   // tree, the scale chain on 16 lanes, then 32 elements -> 16 packed bytes per step.
@@ -442,6 +457,13 @@ template <typename In>
 void twolevel_row_vec(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t K,
                           const SrKey* sr = nullptr, uint64_t index0 = 0) {
   int64_t o = 0;
+#if NIBBLE_FORMATS_AVX512
+  if (sr == nullptr)  // pairs of 128-blocks; a pair outside the fast range takes the per-block functions
+    for (; o + 2 <= K / 128; o += 2)
+      if (!twolevel_group256_avx512(codes + 64 * o, inner + 8 * o, outer + o, x + 128 * o))
+        for (int64_t j = o; j < o + 2; ++j)
+          outer[j] = nvfp4_2level_quantize_block128(codes + 64 * j, inner + 8 * j, x + 128 * j, 128);
+#endif
 #if NIBBLE_FORMATS_HMAX_TREE
   // Two 128-blocks (16 inner blocks, 256 elements) at a time, as in te_row_rtn.
   for (; o + 2 <= K / 128; o += 2) {
