@@ -11,37 +11,55 @@
 // (quantize_cpu.cpp includes <immintrin.h> at file scope.)
 #if defined(__AVX512F__) && defined(__AVX512BW__) && NIBBLE_FORMATS_VEC16
 #define NIBBLE_FORMATS_AVX512 1
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's intrinsic headers trip -Wuninitialized on _mm512_undefined_epi32 (GCC PR105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
-// Even/odd split of 32 consecutive elements (lane j of ev: element 2j; of od: element 2j+1;
-// lanes 0-7 = first 16-block, 8-15 = second), as binary32 bits, plus pm = max(|ev|, |od|) as
-// bits (an integer max of |.| bits is the float max for non-NaN values; NaN bits exceed every
-// non-NaN |.|, so a NaN shows up in the maxima and the group takes the fallback), and a running
-// unsigned minimum of |.| bits - 1 (for BF16 of the 16-bit halves) for the 2^-60 range check.
+// Even/odd split of 32 consecutive elements (lane j of ea: |element 2j|; of oa: |element 2j+1|;
+// lanes 0-7 = first 16-block, 8-15 = second) as binary32 bits, their sign bits se/so, and pm
+// whose high 16 bits (BF16; all 32 bits for F32) are max(|even|, |odd|) as bits: an unsigned max
+// of |.| bits is the float max for non-NaN values, and NaN bits exceed every non-NaN |.|, so a
+// NaN shows up in the block maxima and the group takes the fallback. mn: running unsigned minimum
+// of |.| bits - 1 (BF16: of the 16-bit halves) for the 2^-60 range check.
 struct Avx512Pair {
-  __m512i ev, od, pm;
+  __m512i ea, oa, pm;
+  __mmask16 se, so;
 };
 inline Avx512Pair avx512_load_pair(const uint16_t* x, __m512i& mn) {
   const __m512i w = _mm512_loadu_si512(x);
   const __m512i wabs = _mm512_and_si512(w, _mm512_set1_epi32(0x7FFF7FFF));
   Avx512Pair p;
-  p.ev = _mm512_slli_epi32(w, 16);
-  p.od = _mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  p.pm = _mm512_slli_epi32(_mm512_max_epu16(wabs, _mm512_srli_epi32(wabs, 16)), 16);
+  p.ea = _mm512_slli_epi32(wabs, 16);
+  p.oa = _mm512_and_si512(wabs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  p.se = _mm512_test_epi32_mask(w, _mm512_set1_epi32(0x8000));
+  p.so = _mm512_test_epi32_mask(w, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  p.pm = _mm512_max_epu16(wabs, p.ea);  // high half: max(|odd|, |even|); low half: |even| (ignored)
   mn = _mm512_min_epu16(mn, _mm512_sub_epi16(wabs, _mm512_set1_epi16(1)));
   return p;
 }
 inline Avx512Pair avx512_load_pair(const float* x, __m512i& mn) {
   const __m512i a = _mm512_loadu_si512(x), b = _mm512_loadu_si512(x + 16);
   const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  Avx512Pair p;
-  p.ev = _mm512_permutex2var_epi32(a, ie, b);
-  p.od = _mm512_permutex2var_epi32(a, _mm512_add_epi32(ie, _mm512_set1_epi32(1)), b);
+  const __m512i ev = _mm512_permutex2var_epi32(a, ie, b);
+  const __m512i od = _mm512_permutex2var_epi32(a, _mm512_add_epi32(ie, _mm512_set1_epi32(1)), b);
   const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
-  const __m512i ea = _mm512_and_si512(p.ev, absm), oa = _mm512_and_si512(p.od, absm);
-  p.pm = _mm512_max_epu32(ea, oa);
-  mn = _mm512_min_epu32(mn, _mm512_min_epu32(_mm512_sub_epi32(ea, one), _mm512_sub_epi32(oa, one)));
+  Avx512Pair p;
+  p.ea = _mm512_and_si512(ev, absm);
+  p.oa = _mm512_and_si512(od, absm);
+  p.se = _mm512_cmplt_epi32_mask(ev, _mm512_setzero_si512());
+  p.so = _mm512_cmplt_epi32_mask(od, _mm512_setzero_si512());
+  p.pm = _mm512_max_epu32(p.ea, p.oa);
+  mn = _mm512_min_epu32(mn, _mm512_min_epu32(_mm512_sub_epi32(p.ea, one), _mm512_sub_epi32(p.oa, one)));
   return p;
 }
+// The block maxima as binary32 bits from the merged pm (BF16: drop the low halves).
+inline __m512i avx512_clean_maxima(__m512i bm, const uint16_t*) {
+  return _mm512_and_si512(bm, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+inline __m512i avx512_clean_maxima(__m512i bm, const float*) { return bm; }
 // Some nonzero |x| of the group < 2^-60 (bits 0x21800000; BF16: 0x2180)?
 inline bool avx512_has_tiny(__m512i mn, const uint16_t*) {
   return _mm512_cmplt_epu16_mask(mn, _mm512_set1_epi16(0x2180 - 1)) != 0;
@@ -127,7 +145,7 @@ inline bool te_group256_avx512(uint8_t* codes, uint8_t* scales, const In* x, con
     p[i] = avx512_load_pair(x + 32 * i, mn);
     pm[i] = p[i].pm;
   }
-  const __m512i bm = avx512_block_maxima(pm);
+  const __m512i bm = avx512_clean_maxima(avx512_block_maxima(pm), x);
   if (_mm512_cmpgt_epu32_mask(bm, _mm512_set1_epi32(0x7F800000)) != 0) return false;  // NaN
   // nvfp4_te_block_scale / nvfp4_te_block_enc on 16 lanes (the same steps).
   v16f t = (v16f)(_mm512_castsi512_ps(bm)) * g.m;
@@ -137,15 +155,16 @@ inline bool te_group256_avx512(uint8_t* codes, uint8_t* scales, const In* x, con
   enc = enc < kFltMax ? enc : kFltMax;
   _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8((__m512i)(s)));
   const __m512 encv = (__m512)(enc), zero = _mm512_setzero_ps();
-  const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), eight = _mm512_set1_epi32(8);
+  const __m512i eight = _mm512_set1_epi32(8);
   for (int i = 0; i < 8; ++i) {
     const __m512 e2 = avx512_pair_broadcast(encv, i);
-    // nvfp4_te_encode_rtn: v = x*enc; index of |v|; sign bit iff v < 0.
-    const __m512 ve = _mm512_mul_ps(_mm512_castsi512_ps(p[i].ev), e2);
-    const __m512 vo = _mm512_mul_ps(_mm512_castsi512_ps(p[i].od), e2);
-    const __mmask16 ne = _mm512_cmp_ps_mask(ve, zero, _CMP_LT_OQ), no = _mm512_cmp_ps_mask(vo, zero, _CMP_LT_OQ);
-    __m512i ce = avx512_e2m1_index(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(ve), absm)));
-    __m512i co = avx512_e2m1_index(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(vo), absm)));
+    // nvfp4_te_encode_rtn: v = x*enc, |v| = |x|*enc (rounding is sign-symmetric); index of |v|;
+    // sign bit iff v < 0, i.e. x < 0 and |v| > 0 (x is not NaN here).
+    const __m512 ae = _mm512_mul_ps(_mm512_castsi512_ps(p[i].ea), e2);
+    const __m512 ao = _mm512_mul_ps(_mm512_castsi512_ps(p[i].oa), e2);
+    const __mmask16 ne = _mm512_mask_cmp_ps_mask(p[i].se, ae, zero, _CMP_GT_OQ);
+    const __mmask16 no = _mm512_mask_cmp_ps_mask(p[i].so, ao, zero, _CMP_GT_OQ);
+    __m512i ce = avx512_e2m1_index(ae), co = avx512_e2m1_index(ao);
     ce = _mm512_mask_or_epi32(ce, ne, ce, eight);
     co = _mm512_mask_or_epi32(co, no, co, eight);
     avx512_store_codes(codes + 16 * i, ce, co);
@@ -163,7 +182,7 @@ inline bool twolevel_group256_avx512(uint8_t* codes, uint8_t* inner, float* oute
     p[i] = avx512_load_pair(x + 32 * i, mn);
     pm[i] = p[i].pm;
   }
-  const __m512i bm = avx512_block_maxima(pm);
+  const __m512i bm = avx512_clean_maxima(avx512_block_maxima(pm), x);
   // Every |x| <= 2^60 (also excludes NaN, Inf) and no nonzero |x| < 2^-60.
   if (_mm512_cmpgt_epu32_mask(bm, _mm512_set1_epi32(0x5D800000)) != 0 || avx512_has_tiny(mn, x)) return false;
   const v16f bamax = (v16f)(_mm512_castsi512_ps(bm));
@@ -189,14 +208,15 @@ inline bool twolevel_group256_avx512(uint8_t* codes, uint8_t* inner, float* oute
   outer[0] = so[0];
   outer[1] = so[8];
   _mm_storeu_si128(reinterpret_cast<__m128i*>(inner), _mm512_cvtepi32_epi8((__m512i)(si)));
-  const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), eight = _mm512_set1_epi32(8);
+  const __m512i eight = _mm512_set1_epi32(8);
   for (int i = 0; i < 8; ++i) {
     const __m512 p2 = avx512_pair_broadcast(spv, i), r2 = avx512_pair_broadcast(rv, i);
     __m512i c[2];
-    const __m512i xs[2] = {p[i].ev, p[i].od};
+    const __m512i as[2] = {p[i].ea, p[i].oa};
+    const __mmask16 sg[2] = {p[i].se, p[i].so};
     for (int k = 0; k < 2; ++k) {
       // nvfp4_2level_quotient_fma (fnmadd(q, sp, a) = fma(-q, sp, a): negation is exact).
-      const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(xs[k], absm));
+      const __m512 a = _mm512_castsi512_ps(as[k]);
       const __m512 q0 = _mm512_mul_ps(a, r2);
       const __m512 e0 = _mm512_fnmadd_ps(q0, p2, a);
       const __m512 q1 = _mm512_fmadd_ps(e0, r2, q0);
@@ -204,10 +224,13 @@ inline bool twolevel_group256_avx512(uint8_t* codes, uint8_t* inner, float* oute
       const __m512 v = _mm512_fmadd_ps(e1, r2, q1);
       // nvfp4_2level_code_rtn: sign bit = signbit(x) (x is not NaN here).
       const __m512i idx = avx512_e2m1_index(v);
-      c[k] = _mm512_mask_or_epi32(idx, _mm512_cmplt_epi32_mask(xs[k], _mm512_setzero_si512()), idx, eight);
+      c[k] = _mm512_mask_or_epi32(idx, sg[k], idx, eight);
     }
     avx512_store_codes(codes + 16 * i, c[0], c[1]);
   }
   return true;
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #endif
