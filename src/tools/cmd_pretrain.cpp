@@ -59,7 +59,7 @@ NIBBLE_REGISTER_COMMAND(kPretrainCommand, "pretrain",
                               ->check(CLI::ExistingFile);
                           app.add_option("--set", a->sets, "Override a config key, e.g. --set optimizer.lr=1e-3 (repeatable)")
                               ->allow_extra_args(false);
-                          app.add_option("--data", a->data, "Training text files (default: the KJV corpus)");
+                          app.add_option("--data", a->data, "Training text files, or NIBTOK token shards with data.tokenizer set (default: the KJV corpus)");
                           app.add_option("--out", a->out, "Run folder (checkpoints/, metrics.jsonl, loss.png)")->required();
                           app.add_flag("--resume", a->resume, "Continue from the run folder's latest checkpoint");
                           app.add_option("--stop-after", a->stop_after,

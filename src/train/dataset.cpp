@@ -1,9 +1,15 @@
-// Data folder preparation: corpus -> tokenizer -> train/val shards, cached by fingerprint.
+// Data folder preparation: corpus -> tokenizer (trained or loaded) -> train/val shards, or
+// token shards -> train/val shards (copied, tail held out), cached by fingerprint.
 #include "train/dataset.h"
 
+#include <algorithm>
+#include <array>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <span>
 #include <sstream>
 
 #include "train/atomic_dir.h"
@@ -22,6 +28,28 @@ uint64_t fnv1a(uint64_t h, std::string_view s) {
     h *= 0x100000001b3ull;
   }
   return h;
+}
+
+// FNV-1a 64 of the file's bytes, streamed in 1 MiB chunks (shards may be large).
+Result<uint64_t> fnv1a_file(uint64_t h, const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return not_found("cannot open '{}'", path);
+  std::string buf(1 << 20, '\0');
+  while (f) {
+    f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    h = fnv1a(h, std::string_view(buf.data(), static_cast<size_t>(f.gcount())));
+  }
+  return h;
+}
+
+// tokens: appends every token of the shards at `paths`, in order.
+Status append_shard_tokens(std::vector<int32_t>* tokens, const std::vector<TokenShard>& shards) {
+  for (const TokenShard& sh : shards) {
+    const size_t at = tokens->size();
+    tokens->resize(at + static_cast<size_t>(sh.size()));
+    NIB_RETURN_IF_ERROR(sh.read(tokens->data() + at, 0, sh.size()));
+  }
+  return Status::ok();
 }
 
 std::string hex64(uint64_t v) { return fmt::format("{:016x}", v); }
@@ -56,6 +84,13 @@ Result<Dataset> dataset_from_json(const std::string& dir, const nlohmann::json& 
 
 }  // namespace
 
+bool is_token_shard_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  char magic[sizeof(kShardMagic)] = {};
+  if (!f.read(magic, sizeof(magic))) return false;
+  return std::equal(magic, magic + sizeof(magic), kShardMagic);
+}
+
 Result<Dataset> open_dataset(const std::string& dir) {
   const std::string meta = (fs::path(dir) / "data.json").string();
   std::ifstream f(meta);
@@ -70,10 +105,50 @@ Result<Dataset> open_dataset(const std::string& dir) {
 Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o) {
   if (!(o.val_fraction >= 0 && o.val_fraction <= 0.5))
     return invalid_argument("val_fraction {} must be in [0, 0.5]", o.val_fraction);
+  // Inputs: text files or token shards, never both in one run.
+  std::vector<std::string> shard_files;
+  for (const std::string& p : o.text_files)
+    if (is_token_shard_file(p)) shard_files.push_back(p);
+  const bool from_shards = !shard_files.empty();
+  if (from_shards && shard_files.size() != o.text_files.size()) {
+    std::string text_file;
+    for (const std::string& p : o.text_files)
+      if (!is_token_shard_file(p)) text_file = p;
+    return invalid_argument("data.files mixes NIBTOK token shards ('{}') and text files ('{}'): use one kind per run",
+                            shard_files[0], text_file);
+  }
+  if (from_shards && o.tokenizer_file.empty())
+    return invalid_argument("'{}' is a NIBTOK token shard: token shards need data.tokenizer (the tokenizer that "
+                            "produced them, so checkpoints, eval and generate can decode)", shard_files[0]);
+  if (!o.val_shard_files.empty() && !from_shards)
+    return invalid_argument("data.val_files is only for token shard input (data.files holds text)");
+  for (const std::string& p : o.val_shard_files)
+    if (!is_token_shard_file(p)) return invalid_argument("data.val_files: '{}' is not a NIBTOK token shard", p);
+
+  // The loaded tokenizer (its bytes are copied into the folder as they are).
+  std::string tokenizer_bytes;
+  std::optional<Tokenizer> loaded;
+  if (!o.tokenizer_file.empty()) {
+    std::ifstream f(o.tokenizer_file, std::ios::binary);
+    if (!f) return not_found("data.tokenizer: cannot open '{}'", o.tokenizer_file);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    tokenizer_bytes = ss.str();
+    auto t = Tokenizer::from_serialized(tokenizer_bytes);
+    if (!t) return invalid_argument("data.tokenizer: '{}' is not a sentencepiece model ({})", o.tokenizer_file,
+                                    t.status().message());
+    if (t->vocab_size() > o.vocab_size)
+      return invalid_argument("data.tokenizer: '{}' has {} pieces, more than the model's vocab_size {}",
+                              o.tokenizer_file, t->vocab_size(), o.vocab_size);
+    loaded.emplace(std::move(t).value());
+  }
+
   // Gather the input text (the default corpus or the user's files) and fingerprint it.
   std::vector<std::string> texts;
   std::vector<std::string> names;
-  if (o.text_files.empty()) {
+  if (from_shards) {
+    names = shard_files;
+  } else if (o.text_files.empty()) {
     NIB_ASSIGN_OR_RETURN(std::string kjv, default_corpus_text());
     texts.push_back(std::move(kjv));
     names.push_back("default:kjv");
@@ -91,6 +166,18 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
     fp = fnv1a(fp, std::to_string(t.size()) + ":");
     fp = fnv1a(fp, t);
   }
+  if (loaded) {
+    fp = fnv1a(fp, fmt::format("tokenizer={}:", tokenizer_bytes.size()));
+    fp = fnv1a(fp, tokenizer_bytes);
+  }
+  for (const std::string& p : shard_files) {
+    fp = fnv1a(fp, fmt::format("shard={}:", fs::file_size(p)));
+    NIB_ASSIGN_OR_RETURN(fp, fnv1a_file(fp, p));
+  }
+  for (const std::string& p : o.val_shard_files) {
+    fp = fnv1a(fp, fmt::format("val_shard={}:", fs::file_size(p)));
+    NIB_ASSIGN_OR_RETURN(fp, fnv1a_file(fp, p));
+  }
 
   auto existing = open_dataset(dir);
   if (existing.is_ok() && existing->fingerprint == fp) {
@@ -100,24 +187,72 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
 
   NIB_ASSIGN_OR_RETURN(AtomicDir out, AtomicDir::create(dir));
   const fs::path tmp = out.temp_path();
-  // The corpus is copied into the folder so the shards can always be traced to their text.
-  std::vector<std::string> corpus_files;
-  for (size_t i = 0; i < texts.size(); ++i) {
-    std::string p = (tmp / fmt::format("corpus_{:03}.txt", i)).string();
-    NIB_RETURN_IF_ERROR(write_file_atomic(p, texts[i]));
-    corpus_files.push_back(p);
-  }
-  TokenizerTrainOptions to;
-  to.vocab_size = o.vocab_size;
-  to.seed = o.tokenizer_seed;
-  to.max_sentences = o.tokenizer_max_sentences;
   auto t0 = std::chrono::steady_clock::now();
-  NIB_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::train(texts, to));
-  auto t1 = std::chrono::steady_clock::now();
-  NIB_RETURN_IF_ERROR(tok.save((tmp / "tokenizer.model").string()));
-  texts.clear();
-  NIB_ASSIGN_OR_RETURN(ShardSummary sum, build_token_shards((tmp / "train.bin").string(), (tmp / "val.bin").string(),
-                                                            tok, corpus_files, SplitOptions{o.val_fraction}));
+  if (loaded) {
+    NIB_RETURN_IF_ERROR(write_file_atomic((tmp / "tokenizer.model").string(), tokenizer_bytes));
+  }
+  ShardSummary sum;
+  std::optional<Tokenizer> trained;
+  auto t1 = t0;
+  if (from_shards) {
+    // Token shards: checked against the tokenizer, concatenated in order, tail held out (or val_files).
+    const Tokenizer& tok = *loaded;
+    std::vector<TokenShard> train_shards, val_shards;
+    using PathList = const std::vector<std::string>*;
+    for (PathList list : std::array<PathList, 2>{&shard_files, &o.val_shard_files}) {
+      for (const std::string& p : *list) {
+        NIB_ASSIGN_OR_RETURN(TokenShard sh, TokenShard::open(p));
+        if (sh.vocab_size() > tok.vocab_size())
+          return invalid_argument("{}: token shard '{}' has vocab_size {}, more than data.tokenizer's {}",
+                                  list == &shard_files ? "data.files" : "data.val_files", p, sh.vocab_size(),
+                                  tok.vocab_size());
+        (list == &shard_files ? train_shards : val_shards).push_back(std::move(sh));
+      }
+    }
+    std::vector<int32_t> tokens;  // (N) the input shards' tokens in order
+    NIB_RETURN_IF_ERROR(append_shard_tokens(&tokens, train_shards));
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    const int64_t n_val =
+        val_shards.empty() ? static_cast<int64_t>(std::floor(o.val_fraction * static_cast<double>(n))) : 0;
+    std::span<const int32_t> all(tokens);
+    NIB_RETURN_IF_ERROR(write_token_shard((tmp / "train.bin").string(), all.first(static_cast<size_t>(n - n_val)),
+                                          tok.vocab_size()));
+    sum.train_tokens = n - n_val;
+    if (val_shards.empty()) {
+      NIB_RETURN_IF_ERROR(write_token_shard((tmp / "val.bin").string(), all.last(static_cast<size_t>(n_val)),
+                                            tok.vocab_size()));
+      sum.val_tokens = n_val;
+    } else {
+      tokens.clear();
+      NIB_RETURN_IF_ERROR(append_shard_tokens(&tokens, val_shards));
+      NIB_RETURN_IF_ERROR(write_token_shard((tmp / "val.bin").string(), tokens, tok.vocab_size()));
+      sum.val_tokens = static_cast<int64_t>(tokens.size());
+    }
+    sum.files = static_cast<int64_t>(shard_files.size() + o.val_shard_files.size());
+  } else {
+    // The corpus is copied into the folder so the shards can always be traced to their text.
+    std::vector<std::string> corpus_files;
+    for (size_t i = 0; i < texts.size(); ++i) {
+      std::string p = (tmp / fmt::format("corpus_{:03}.txt", i)).string();
+      NIB_RETURN_IF_ERROR(write_file_atomic(p, texts[i]));
+      corpus_files.push_back(p);
+    }
+    if (!loaded) {
+      TokenizerTrainOptions to;
+      to.vocab_size = o.vocab_size;
+      to.seed = o.tokenizer_seed;
+      to.max_sentences = o.tokenizer_max_sentences;
+      NIB_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::train(texts, to));
+      NIB_RETURN_IF_ERROR(tok.save((tmp / "tokenizer.model").string()));
+      trained.emplace(std::move(tok));
+    }
+    t1 = std::chrono::steady_clock::now();
+    texts.clear();
+    NIB_ASSIGN_OR_RETURN(sum, build_token_shards((tmp / "train.bin").string(), (tmp / "val.bin").string(),
+                                                 loaded ? *loaded : *trained, corpus_files,
+                                                 SplitOptions{o.val_fraction}));
+  }
+  const Tokenizer& tok = loaded ? *loaded : *trained;
   auto t2 = std::chrono::steady_clock::now();
   nlohmann::json j = {
       {"format_version", kDataFormatVersion},
@@ -125,9 +260,15 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
       {"sources", names},
       {"vocab_size", tok.vocab_size()},
       {"val_fraction", o.val_fraction},
-      {"tokenizer", {{"type", "sentencepiece-bpe"}, {"seed", o.tokenizer_seed}, {"max_sentences", o.tokenizer_max_sentences},
-                     {"byte_fallback", true}, {"unk_id", tok.unk_id()}, {"bos_id", tok.bos_id()},
-                     {"eos_id", tok.eos_id()}, {"pad_id", tok.pad_id()}}},
+      {"input", from_shards ? "token-shards" : "text"},
+      {"val_sources", o.val_shard_files},
+      {"tokenizer", loaded ? nlohmann::json{{"type", "sentencepiece (loaded)"}, {"file", o.tokenizer_file},
+                                            {"unk_id", tok.unk_id()}, {"bos_id", tok.bos_id()},
+                                            {"eos_id", tok.eos_id()}, {"pad_id", tok.pad_id()}}
+                           : nlohmann::json{{"type", "sentencepiece-bpe"}, {"seed", o.tokenizer_seed},
+                                            {"max_sentences", o.tokenizer_max_sentences}, {"byte_fallback", true},
+                                            {"unk_id", tok.unk_id()}, {"bos_id", tok.bos_id()},
+                                            {"eos_id", tok.eos_id()}, {"pad_id", tok.pad_id()}}},
       {"summary",
        {{"files", sum.files}, {"documents", sum.documents}, {"train_lines", sum.train_lines},
         {"val_lines", sum.val_lines}, {"train_tokens", sum.train_tokens}, {"val_tokens", sum.val_tokens},
@@ -137,7 +278,7 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
   NIB_RETURN_IF_ERROR(write_file_atomic((tmp / "data.json").string(), j.dump(2) + "\n"));
   NIB_RETURN_IF_ERROR(out.commit());
   NIB_ASSIGN_OR_RETURN(Dataset d, open_dataset(dir));
-  d.tokenizer_seconds = std::chrono::duration<double>(t1 - t0).count();
+  d.tokenizer_seconds = trained ? std::chrono::duration<double>(t1 - t0).count() : 0.0;
   d.shard_seconds = std::chrono::duration<double>(t2 - t1).count();
   return d;
 }

@@ -121,7 +121,8 @@ json default_run_config_json() {
       {"z_loss", 1e-5},
       {"eval", {{"interval", 50}, {"batches", 8}}},
       {"checkpoint", {{"interval", 100}, {"keep_last", 2}}},
-      {"data", {{"files", json::array()}, {"dir", ""}, {"vocab_size", 0}, {"val_fraction", 0.05}}},
+      {"data", {{"files", json::array()}, {"dir", ""}, {"vocab_size", 0}, {"val_fraction", 0.05}, {"tokenizer", ""},
+                {"val_files", json::array()}}},
       {"max_bad_steps", 5},
       {"threads", 0},
       {"log_interval", 10},
@@ -252,6 +253,12 @@ Result<RunConfig> resolve_run_config(const json& user, const std::vector<std::st
       return invalid_argument("run config: bad value for 'data.files': must be a list of file paths");
     c.data_files.push_back(f.get<std::string>());
   }
+  for (const auto& f : j["data"]["val_files"]) {
+    if (!f.is_string() || f.get<std::string>().empty())
+      return invalid_argument("run config: bad value for 'data.val_files': must be a list of token shard paths");
+    c.val_files.push_back(f.get<std::string>());
+  }
+  c.tokenizer_file = j["data"]["tokenizer"].get<std::string>();
   c.data_dir = j["data"]["dir"].get<std::string>();
   NIB_ASSIGN_OR_RETURN(c.vocab_size, get_int(j, "data.vocab_size", 0));
   if (c.vocab_size == 0) c.vocab_size = c.model.vocab_size;

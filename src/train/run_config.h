@@ -38,7 +38,9 @@ struct RunConfig {
   int64_t eval_batches = 8;       // validation batches (0: the whole validation split)
   int64_t checkpoint_interval = 100;  // steps between checkpoints (0: only at the end)
   int64_t keep_last = 2;          // checkpoints kept (>= 1)
-  std::vector<std::string> data_files;  // text files; empty: the default corpus
+  std::vector<std::string> data_files;  // text files or NIBTOK token shards; empty: the default corpus
+  std::string tokenizer_file;     // sentencepiece .model to load ("" : train one on the corpus)
+  std::vector<std::string> val_files;  // validation token shards (shard input only; empty: hold out the tail)
   std::string data_dir;           // prepared data folder ("" : <run dir>/data)
   int64_t vocab_size = 0;         // tokenizer vocabulary (0: the model's vocab_size)
   double val_fraction = 0.05;

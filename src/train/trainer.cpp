@@ -67,6 +67,10 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
   DatasetOptions dopt;
   dopt.text_files = cfg.data_files;
   dopt.vocab_size = static_cast<int>(cfg.vocab_size);
+  dopt.tokenizer_file = cfg.tokenizer_file;
+  dopt.val_shard_files = cfg.val_files;
+  // A loaded tokenizer may have any size up to the model's vocabulary.
+  if (!cfg.tokenizer_file.empty()) dopt.vocab_size = static_cast<int>(cfg.model.vocab_size);
   dopt.val_fraction = cfg.val_fraction;
   const std::string data_dir = cfg.data_dir.empty() ? (run / "data").string() : cfg.data_dir;
   auto ds_or = prepare_dataset(data_dir, dopt);
