@@ -1,8 +1,9 @@
 // Philox4x32-10 counter-based random numbers (Salmon et al., SC'11; the generator of cuRAND
 // and Random123), identical on CPU and GPU. nibble keys every random draw by
 // (seed, stream, offset): key = seed (64 bits), counter = (offset lo, offset hi, stream lo,
-// stream hi). Each call yields four 32-bit words, so element i of a stream uses word i%4 of
-// the block at offset i/4. Stochastic rounding, RHT signs and sampling all draw from here.
+// stream hi). Each call yields four 32-bit words; philox_word(i) is word i%4 of block i/4.
+// Stochastic rounding uses 16-bit half-words instead (formats/e2m1.h: element i takes half-word
+// i%8 of block i/8). SR, RHT signs, initialisation and sampling all draw from here.
 #pragma once
 
 #include <cstdint>
