@@ -11,6 +11,7 @@
 
 #include "core/bits.h"
 #include "core/philox.h"
+#include "formats/e2m1.h"
 #include "formats/nvfp4.h"
 
 namespace nibble::cuda {
@@ -84,6 +85,44 @@ __device__ __forceinline__ void atomic_max_nonneg(float* amax, float v) {
 // formats::sr_uniform(key, 8q + j) turns into a uniform (formats::sr_halfword_uniform(w, j)).
 __device__ __forceinline__ Philox4x32 sr_words(const formats::SrKey& key, uint64_t q) {
   return philox_block(key.seed, key.stream, q);
+}
+
+// One nvfp4-2level inner block of 16 elements -> 8 packed code bytes, shared by the quantize
+// kernel and the fused backward-operand kernel. xf: the 16 values (f32), sp/rp: the block
+// scale and its reciprocal, bamax: the block max of |xf|. RTN, or (kSR) SR with half-words of
+// the Philox blocks q0 and q0 + 1 (q0 = flat index of xf[0] / 8). The fast (division-free)
+// quotient is chosen once per block, as formats::nvfp4_2level_block_fast decides.
+template <bool kSR>
+__device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16(const float* xf, float sp, float rp, float bamax,
+                                                                      const formats::SrKey& key, uint64_t q0) {
+  PackedBytes<8> packed;
+  auto encode = [&](auto mag) {
+    if constexpr (!kSR) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        packed.set(i, formats::e2m1_pack(formats::nvfp4_2level_code_rtn(mag(2 * i), xf[2 * i]),
+                                         formats::nvfp4_2level_code_rtn(mag(2 * i + 1), xf[2 * i + 1])));
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const Philox4x32 w = sr_words(key, q0 + h);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          const int i = 8 * h + 2 * p;
+          packed.set(4 * h + p,
+                     formats::e2m1_pack(formats::nvfp4_2level_code_sr_h(mag(i), xf[i], formats::sr_halfword(w, 2 * p)),
+                                        formats::nvfp4_2level_code_sr_h(mag(i + 1), xf[i + 1],
+                                                                        formats::sr_halfword(w, 2 * p + 1))));
+        }
+      }
+    }
+  };
+  if (formats::nvfp4_2level_block_fast(xf, rp, bamax)) {
+    encode([&](int i) { return formats::nvfp4_2level_scaled_magnitude_fast(xf[i], sp, rp); });
+  } else {
+    encode([&](int i) { return formats::nvfp4_2level_scaled_magnitude(xf[i], sp, rp); });
+  }
+  return packed;
 }
 
 inline int ceil_div_int(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }

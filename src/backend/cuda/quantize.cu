@@ -377,33 +377,8 @@ __device__ __forceinline__ void nvfp4_2level_lane(uint8_t* codes, uint8_t* inner
   float xf[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) xf[i] = fm::load_f32(v.e[i]);
-  PackedBytes<8> packed;
-  // mag(i) = fl(|xf[i]| / sp); one block-uniform choice of the fast (division-free) path.
-  auto encode = [&](auto mag) {
-    if constexpr (!kSR) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        packed.set(i, fm::e2m1_pack(fm::nvfp4_2level_code_rtn(mag(2 * i), xf[2 * i]),
-                                    fm::nvfp4_2level_code_rtn(mag(2 * i + 1), xf[2 * i + 1])));
-    } else {
-      const uint64_t q0 = static_cast<uint64_t>(l.e) / 8;  // element e is a multiple of 16
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        Philox4x32 w = sr_words(key, q0 + h);
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          const int i = 8 * h + 2 * p;
-          packed.set(4 * h + p, fm::e2m1_pack(fm::nvfp4_2level_code_sr_h(mag(i), xf[i], word_half(w, 2 * p)),
-                                              fm::nvfp4_2level_code_sr_h(mag(i + 1), xf[i + 1], word_half(w, 2 * p + 1))));
-        }
-      }
-    }
-  };
-  if (fm::nvfp4_2level_block_fast(xf, rp, bamax)) {
-    encode([&](int i) { return fm::nvfp4_2level_scaled_magnitude_fast(xf[i], sp, rp); });
-  } else {
-    encode([&](int i) { return fm::nvfp4_2level_scaled_magnitude(xf[i], sp, rp); });
-  }
+  const PackedBytes<8> packed =
+      nvfp4_2level_encode_block16<kSR>(xf, sp, rp, bamax, key, static_cast<uint64_t>(l.e) / 8);  // e % 16 == 0
   store_packed(codes + l.e / 2, packed);  // 8-byte aligned: e/2 is a multiple of 8
   inner[scale_index(l.e / 16, kb, swizzled)] = static_cast<uint8_t>(si);
   if ((t & 7) == 0) outer[t >> 3] = so;

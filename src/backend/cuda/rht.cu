@@ -192,34 +192,8 @@ __global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requ
     const float sp = fm::nvfp4_2level_block_scale(si, so);
     const float rp = fm::nvfp4_2level_block_reciprocal(sp);
     const int64_t orow = k0 + kk, ocol = m0 + 16 * g;
-    PackedBytes<8> packed;
-    // mag(i) = fl(|v[i]| / sp); one block-uniform choice of the fast (division-free) path.
-    auto encode = [&](auto mag) {
-      if constexpr (!kSR) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          packed.set(i, fm::e2m1_pack(fm::nvfp4_2level_code_rtn(mag(2 * i), v[2 * i]),
-                                      fm::nvfp4_2level_code_rtn(mag(2 * i + 1), v[2 * i + 1])));
-      } else {
-        const uint64_t q0 = static_cast<uint64_t>(orow * M + ocol) / 8;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          Philox4x32 w = sr_words(key, q0 + h);
-#pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            const int i = 8 * h + 2 * p;
-            packed.set(4 * h + p, fm::e2m1_pack(fm::nvfp4_2level_code_sr_h(mag(i), v[i], fm::sr_halfword(w, 2 * p)),
-                                                fm::nvfp4_2level_code_sr_h(mag(i + 1), v[i + 1],
-                                                                           fm::sr_halfword(w, 2 * p + 1))));
-          }
-        }
-      }
-    };
-    if (fm::nvfp4_2level_block_fast(v, rp, bamax)) {
-      encode([&](int i) { return fm::nvfp4_2level_scaled_magnitude_fast(v[i], sp, rp); });
-    } else {
-      encode([&](int i) { return fm::nvfp4_2level_scaled_magnitude(v[i], sp, rp); });
-    }
+    const PackedBytes<8> packed = nvfp4_2level_encode_block16<kSR>(
+        v, sp, rp, bamax, key, static_cast<uint64_t>(orow * M + ocol) / 8);
     if (orow < K) {  // the shuffles above ran on whole warps
       store_packed(codes_t + orow * (M / 2) + ocol / 2, packed);
       inner_t[orow * (M / 16) + ocol / 16] = static_cast<uint8_t>(si);
