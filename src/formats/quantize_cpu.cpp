@@ -2,7 +2,9 @@
 // nvfp4.h, mx.h, rht.h and guided.h, threaded over rows with parallel_for. The hot RTN paths
 // (TE and 2-level, f32/bf16 input) process blocks structure-of-arrays (all block maxima, then
 // all scales, then all elements) so GCC vectorises each loop; they call the very same scalar
-// functions, so results are bit-identical to the per-block functions the GPU runs.
+// functions, so results are bit-identical to the per-block functions the GPU runs. With AVX-512,
+// 2-level BF16 RTN instead compares each element with its block's exact decision thresholds
+// (quantize_cpu_avx512.h, same bits by construction).
 #include "formats/quantize_cpu.h"
 
 #include <algorithm>
@@ -458,7 +460,12 @@ void twolevel_row_vec(uint8_t* codes, uint8_t* inner, float* outer, const In* x,
                           const SrKey* sr = nullptr, uint64_t index0 = 0) {
   int64_t o = 0;
 #if NIBBLE_FORMATS_AVX512
-  if (sr == nullptr)  // pairs of 128-blocks; a pair outside the fast range takes the per-block functions
+  if constexpr (std::is_same_v<In, uint16_t>) {  // BF16: threshold search, whole row of 256-groups
+    if (sr == nullptr) {
+      twolevel_row_bf16_avx512(codes, inner, outer, x, K / 256);
+      o = 2 * (K / 256);
+    }
+  } else if (sr == nullptr)  // pairs of 128-blocks; a pair outside the fast range takes the per-block functions
     for (; o + 2 <= K / 128; o += 2)
       if (!twolevel_group256_avx512(codes + 64 * o, inner + 8 * o, outer + o, x + 128 * o))
         for (int64_t j = o; j < o + 2; ++j)

@@ -1,11 +1,15 @@
 // AVX-512 (F+BW) row kernels of the RTN drivers in quantize_cpu.cpp, included there inside its
 // anonymous namespace after the GCC-vector helpers (e4m3_rne_sat_magnitude16, e4m3_decode16).
-// They mirror nvfp4.h/e2m1.h step by step (same binary32 operations, same order), so every byte
-// equals the per-block functions; quantize_test.cpp checks this on random and edge inputs.
-// Unit: 256 elements (16 blocks of 16; two 128-blocks for 2-level) split even/odd as split32 does.
-// A 256-group whose inputs leave the range the streamlined steps assume (NaN; for 2-level also
-// Inf, |x| > 2^60, 0 < |x| < 2^-60, or a block scale outside [2^-60, 2^60] other than 0) is
-// quantized by the per-block functions of nvfp4.h instead.
+// Scales mirror nvfp4.h/e2m1.h step by step (same binary32 operations, same order), so every byte
+// equals the per-block functions; quantize_test.cpp and quantize_cpu_avx512_test.cpp check this.
+// Unit: 256 elements (16 blocks of 16; two 128-blocks for 2-level). TE and 2-level F32: split
+// even/odd as split32 does, element steps as in nvfp4.h. 2-level BF16: per block the 7 exact
+// decision thresholds C_k as BF16 patterns (closed form, argument below), then per element a
+// 3-step search on the raw 16-bit words (32 per instruction).
+// A 256-group whose inputs leave the range the streamlined steps assume is quantized by the
+// per-block functions of nvfp4.h instead: NaN; for 2-level F32 also Inf, |x| > 2^60,
+// 0 < |x| < 2^-60, or a block scale outside [2^-60, 2^60] other than 0; for 2-level BF16 Inf or
+// such a block scale (no per-element condition).
 #pragma once
 
 // (quantize_cpu.cpp includes <immintrin.h> at file scope.)
@@ -172,8 +176,33 @@ inline bool te_group256_avx512(uint8_t* codes, uint8_t* scales, const In* x, con
   return true;
 }
 
+// 2-level scales of one 256-group from its 16 block maxima bm (binary32 bits of the NaN-free,
+// Inf-free block amax, lane b = block b): nvfp4_2level_outer_scale of lanes 0-7 and 8-15,
+// nvfp4_2level_inner_scale, nvfp4_2level_block_scale, the same binary32 steps in the same order.
+// Writes outer (2) and inner (16); returns sp (lane b = block b).
+inline __m512 avx512_twolevel_scales(float* outer, uint8_t* inner, __m512i bm) {
+  const v16f bamax = (v16f)(_mm512_castsi512_ps(bm));
+  // Max of non-negative non-NaN values: any order. Butterfly over lanes 0-7 and 8-15.
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i am = bm;
+  for (int h = 1; h < 8; h <<= 1)
+    am = _mm512_max_epu32(am, _mm512_permutexvar_epi32(_mm512_xor_si512(lane, _mm512_set1_epi32(h)), am));
+  v16f so = ((v16f)(_mm512_castsi512_ps(am)) * kRecip448) * kRecip6;
+  so = so == 0.0f ? 1.0f : so;
+  v16f t = (bamax / so) * kRecip6;
+  t = t < 448.0f ? t : 448.0f;
+  const v16u si = e4m3_rne_sat_magnitude16(t);
+  const v16f sp = e4m3_decode16(si) * so;
+  outer[0] = so[0];
+  outer[1] = so[8];
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(inner), _mm512_cvtepi32_epi8((__m512i)(si)));
+  return (__m512)(sp);
+}
+
 // 2-level RTN, one 256-group (two 128-blocks): codes (128 bytes), inner (16), outer (2) <- x
-// (256). False (nothing written) outside the fast range (see the top comment).
+// (256). False outside the fast range (see the top comment): codes not written, inner/outer
+// possibly (the caller's per-block fallback rewrites all three). Used for F32 input; BF16 takes
+// twolevel_row_bf16_avx512 below.
 template <typename In>
 inline bool twolevel_group256_avx512(uint8_t* codes, uint8_t* inner, float* outer, const In* x) {
   Avx512Pair p[8];
@@ -185,29 +214,13 @@ inline bool twolevel_group256_avx512(uint8_t* codes, uint8_t* inner, float* oute
   const __m512i bm = avx512_clean_maxima(avx512_block_maxima(pm), x);
   // Every |x| <= 2^60 (also excludes NaN, Inf) and no nonzero |x| < 2^-60.
   if (_mm512_cmpgt_epu32_mask(bm, _mm512_set1_epi32(0x5D800000)) != 0 || avx512_has_tiny(mn, x)) return false;
-  const v16f bamax = (v16f)(_mm512_castsi512_ps(bm));
-  // nvfp4_2level_outer_scale of lanes 0-7 and 8-15 (max of non-negative non-NaN values: any order).
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i am = bm;
-  for (int h = 1; h < 8; h <<= 1)
-    am = _mm512_max_epu32(am, _mm512_permutexvar_epi32(_mm512_xor_si512(lane, _mm512_set1_epi32(h)), am));
-  v16f so = ((v16f)(_mm512_castsi512_ps(am)) * kRecip448) * kRecip6;
-  so = so == 0.0f ? 1.0f : so;
-  // nvfp4_2level_inner_scale, nvfp4_2level_block_scale, nvfp4_2level_block_reciprocal.
-  v16f t = (bamax / so) * kRecip6;
-  t = t < 448.0f ? t : 448.0f;
-  const v16u si = e4m3_rne_sat_magnitude16(t);
-  const v16f sp = e4m3_decode16(si) * so;
-  const __m512 spv = (__m512)(sp);
+  const __m512 spv = avx512_twolevel_scales(outer, inner, bm);
   const __mmask16 in_range = _mm512_cmp_ps_mask(spv, _mm512_set1_ps(0x1p-60f), _CMP_GE_OQ) &
                              _mm512_cmp_ps_mask(spv, _mm512_set1_ps(0x1p60f), _CMP_LE_OQ);
   const __mmask16 zero_sp = _mm512_cmp_ps_mask(spv, _mm512_setzero_ps(), _CMP_EQ_OQ);
   // sp == 0 (r = 0): the fma steps below give +0 for every finite a, = the definition's 0.
   if (static_cast<__mmask16>(in_range | zero_sp) != 0xFFFF) return false;
   const __m512 rv = _mm512_maskz_div_ps(in_range, _mm512_set1_ps(1.0f), spv);
-  outer[0] = so[0];
-  outer[1] = so[8];
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(inner), _mm512_cvtepi32_epi8((__m512i)(si)));
   const __m512i eight = _mm512_set1_epi32(8);
   for (int i = 0; i < 8; ++i) {
     const __m512 p2 = avx512_pair_broadcast(spv, i), r2 = avx512_pair_broadcast(rv, i);
@@ -229,6 +242,202 @@ inline bool twolevel_group256_avx512(uint8_t* codes, uint8_t* inner, float* oute
     avx512_store_codes(codes + 16 * i, c[0], c[1]);
   }
   return true;
+}
+
+// ---- 2-level RTN, BF16 input: exact decision thresholds in BF16 space ---------------------------
+//
+// For a block with sp > 0 the reference code of x is e2m1_rne_index(fl(|x| / sp)) | signbit(x)<<3
+// (nvfp4_2level_scaled_magnitude is the correctly rounded quotient, by the fma steps or by the
+// division). The index is a nondecreasing function of |x|, so with
+//   C_k = the smallest BF16 magnitude pattern b with e2m1_rne_index(fl(b / sp)) >= k  (k = 1..7)
+// the index of x is #{k : |x|_bits >= C_k} (BF16 patterns of non-negative values are ordered like
+// the values). C_k in closed form: T_k = 0.25 0.75 1.25 1.75 2.5 3.5 5 are the steps of
+// e2m1_rne_index (index >= k iff v > T_k for odd k, v >= T_k for even k: ties to the even code).
+// Each T_k has at most 3 significant bits, so its last significand bit is 0 and a quotient
+// exactly halfway between T_k and a binary32 neighbour rounds to T_k. With h_k = 2^(e_k - 24),
+// e_k = floor(log2 T_k) (half an ulp above T_k; for even k, T_k = 0.75 1.75 3.5 is not a power of
+// two, so also half an ulp below):
+//   odd k:  fl(q) > T_k  <=>  q > T_k + h_k   <=>  |x| > Y_k = T_k*sp + h_k*sp
+//   even k: fl(q) >= T_k <=>  q >= T_k - h_k  <=>  |x| >= Y_k = T_k*sp - h_k*sp
+// (sp > 0; q = |x| / sp real; RNE is monotone). For sp in [2^-60, 2^60], h_k*sp is exact (a power
+// of two times a normal binary32, >= 2^-86), so one fma with a directed rounding gives the exact
+// RD or RU of the real Y_k, and since BF16 values are binary32 values:
+//   odd k:  C_k = (bits(RD(Y_k)) >> 16) + 1          (the BF16 after RD_bf16(Y_k) = trunc(RD(Y_k)))
+//   even k: C_k = (bits(RU(Y_k)) + 0xFFFF) >> 16      (RU_bf16(Y_k) = the BF16 ceiling of RU(Y_k))
+// Y_k lies in [2^-63, 5 * 2^60] (normal, finite), so both are finite positive patterns.
+// sp == 0: the reference quotient is 0, index 0: C_k = 0x7FFF (above every non-NaN magnitude).
+// No per-element range condition is needed (tiny, huge or subnormal |x| compare like any other);
+// the group takes the fallback only for NaN/Inf inputs or a nonzero sp outside [2^-60, 2^60].
+// Tested bit-exact against the per-block functions (quantize_cpu_avx512_test.cpp): C_k - 1 and
+// C_k for every nonzero block scale the path can see (every BF16 outer amax in range x every inner
+// byte), every BF16 magnitude that fits under the block maximum for ~320 scales, specials.
+//
+// Element step (32 BF16 words w = 2 blocks per vector; word lane l: block 2i + (l >= 16)): a
+// branch-free binary search over the 7 thresholds with vpermw lookups into a per-vector table
+//   table word 16*blk + 8*s + q = C_{q+1} | s << 15  (q = 0..6; q = 7 unused), s = sign half,
+// compared with the raw word: for x < 0 (bit 15 set) w >= C | 0x8000 <=> |x| >= C, so the sign
+// needs no masking. Index j = 16*blk + 8*signbit(x) + q:
+//   stage 1: q = 3 (C_4), m1 = w >= T[j];  stage 2: q = 4*m1 + 1 (C_{4m1+2}), m2;
+//   stage 3: q = 4*m1 + 2*m2 (C_{4m1+2m2+1}), m3;  idx = 4*m1 + 2*m2 + m3
+// and the final j + m3 = 16*blk + code, code = signbit(x) << 3 | idx (the low nibble).
+
+// Block maxima of 8 vectors of 32 |x| words (vector i: blocks 2i, 2i+1) as binary32 bits (lane b
+// = block b): three vpermt2w merge levels, each halving the words per block, then the pair max.
+// Level lv keeps g = 8 >> lv words per block: output word l <- word (l / g) * 2g + l % g (lo) or
+// that + g (hi) of the two concatenated sources (64 words).
+alignas(64) inline constexpr uint16_t kBf16MaxIdx[6][32] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23, 32, 33, 34, 35, 36, 37, 38, 39, 48, 49, 50, 51, 52, 53, 54, 55},
+    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31, 40, 41, 42, 43, 44, 45, 46, 47, 56, 57, 58, 59, 60, 61, 62, 63},
+    {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27, 32, 33, 34, 35, 40, 41, 42, 43, 48, 49, 50, 51, 56, 57, 58, 59},
+    {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31, 36, 37, 38, 39, 44, 45, 46, 47, 52, 53, 54, 55, 60, 61, 62, 63},
+    {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29, 32, 33, 36, 37, 40, 41, 44, 45, 48, 49, 52, 53, 56, 57, 60, 61},
+    {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31, 34, 35, 38, 39, 42, 43, 46, 47, 50, 51, 54, 55, 58, 59, 62, 63}};
+inline __m512i avx512_bf16_block_maxima(const __m512i* a) {
+  __m512i lo[3], hi[3];
+  for (int lv = 0; lv < 3; ++lv) {
+    lo[lv] = _mm512_load_si512(kBf16MaxIdx[2 * lv]);
+    hi[lv] = _mm512_load_si512(kBf16MaxIdx[2 * lv + 1]);
+  }
+  __m512i u[4], v[2];
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_max_epu16(_mm512_permutex2var_epi16(a[2 * i], lo[0], a[2 * i + 1]),
+                            _mm512_permutex2var_epi16(a[2 * i], hi[0], a[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    v[i] = _mm512_max_epu16(_mm512_permutex2var_epi16(u[2 * i], lo[1], u[2 * i + 1]),
+                            _mm512_permutex2var_epi16(u[2 * i], hi[1], u[2 * i + 1]));
+  const __m512i z = _mm512_max_epu16(_mm512_permutex2var_epi16(v[0], lo[2], v[1]),
+                                     _mm512_permutex2var_epi16(v[0], hi[2], v[1]));
+  return _mm512_slli_epi32(_mm512_max_epu16(z, _mm512_srli_epi32(z, 16)), 16);
+}
+
+// T_i (see above) for i = 0..7 from the transposed thresholds r[j] (128-bit lane L of r[j] =
+// block 4L + j: words C_1..C_7, filler): blocks 2i, 2i+1 = lane i/2 of r[2(i%2)], r[2(i%2)+1].
+template <int I>
+inline __m512i avx512_bf16_table(const __m512i* r, __m512i signs) {
+  constexpr int L = I / 2, J = 2 * (I % 2);
+  return _mm512_or_si512(_mm512_shuffle_i32x4(r[J], r[J + 1], L * 0x55), signs);
+}
+
+// Phase 1 of a 256-group x: the 16 block maxima as binary32 bits (lane b = block b; NaN shows as
+// bits > 0x7F800000).
+inline __m512i twolevel_bf16_maxima(const uint16_t* x) {
+  __m512i a[8];
+  for (int i = 0; i < 8; ++i) a[i] = _mm512_and_si512(_mm512_loadu_si512(x + 32 * i), _mm512_set1_epi16(0x7FFF));
+  return avx512_bf16_block_maxima(a);
+}
+
+// Phase 2: scales from the maxima bm (inner 16 bytes and outer 2 floats written), sp (lane b =
+// block b). False for NaN/Inf inputs or a nonzero sp outside [2^-60, 2^60] (the group then takes
+// the per-block functions, which rewrite inner and outer).
+inline bool twolevel_bf16_scales(float* outer, uint8_t* inner, __m512i bm, __m512& sp) {
+  const __mmask16 nonfinite = _mm512_cmpgt_epu32_mask(bm, _mm512_set1_epi32(0x7F7FFFFF));  // NaN or Inf
+  sp = avx512_twolevel_scales(outer, inner, bm);
+  const __mmask16 in_range = _mm512_cmp_ps_mask(sp, _mm512_set1_ps(0x1p-60f), _CMP_GE_OQ) &
+                             _mm512_cmp_ps_mask(sp, _mm512_set1_ps(0x1p60f), _CMP_LE_OQ);
+  const __mmask16 zero_sp = _mm512_cmp_ps_mask(sp, _mm512_setzero_ps(), _CMP_EQ_OQ);
+  return nonfinite == 0 && static_cast<__mmask16>(in_range | zero_sp) == 0xFFFF;
+}
+
+// Phase 3: the thresholds C_k of the 16 blocks (block scales sp, in range or 0) and the 8 search
+// tables tab (vector i: blocks 2i, 2i+1). Meaningless (and unused) for a group that failed phase 2.
+inline void twolevel_bf16_tables(__m512i* tab, __m512 sp) {
+  const __mmask16 zero_sp = _mm512_cmp_ps_mask(sp, _mm512_setzero_ps(), _CMP_EQ_OQ);
+  // Thresholds, lane b = block b, paired as 16-bit halves: pr[j] = C_{2j+1} | C_{2j+2} << 16
+  // (pr[3] high half: filler 0x7FFF). RD/RU: one fma rounded toward -inf / +inf (see above).
+  constexpr int kRD = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC, kRU = _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC;
+  const __m512i one32 = _mm512_set1_epi32(1), ru16 = _mm512_set1_epi32(0xFFFF);
+  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // odd k: C = (bits(RD(T*sp + h*sp)) >> 16) + 1, in the low half.
+  auto odd_c = [&](float T, float h) {
+    const __m512 y = _mm512_fmadd_round_ps(_mm512_set1_ps(T), sp, _mm512_mul_ps(sp, _mm512_set1_ps(h)), kRD);
+    return _mm512_add_epi32(_mm512_srli_epi32(_mm512_castps_si512(y), 16), one32);
+  };
+  // even k: C = (bits(RU(T*sp - h*sp)) + 0xFFFF) >> 16, placed in the high half, or'ed with lo.
+  auto even_pair = [&](__m512i lo, float T, float h) {
+    const __m512 y = _mm512_fmsub_round_ps(_mm512_set1_ps(T), sp, _mm512_mul_ps(sp, _mm512_set1_ps(h)), kRU);
+    // (A & B) | C with A = bits + 0xFFFF, B = 0xFFFF0000, C = lo: ternary-logic table 0xEA.
+    return _mm512_ternarylogic_epi32(_mm512_add_epi32(_mm512_castps_si512(y), ru16), hi16, lo, 0xEA);
+  };
+  const __m512i never = _mm512_set1_epi32(0x7FFF7FFF);
+  __m512i pr[4];
+  pr[0] = even_pair(odd_c(0.25f, 0x1p-26f), 0.75f, 0x1p-25f);
+  pr[1] = even_pair(odd_c(1.25f, 0x1p-24f), 1.75f, 0x1p-24f);
+  pr[2] = even_pair(odd_c(2.5f, 0x1p-23f), 3.5f, 0x1p-23f);
+  pr[3] = _mm512_or_si512(odd_c(5.0f, 0x1p-22f), _mm512_set1_epi32(0x7FFF0000));
+  for (int j = 0; j < 4; ++j) pr[j] = _mm512_mask_mov_epi32(pr[j], zero_sp, never);
+  // 4x4 dword transpose inside each 128-bit lane: r[j] lane L = the 4 pairs of block 4L + j.
+  const __m512i t0 = _mm512_unpacklo_epi32(pr[0], pr[1]), t1 = _mm512_unpackhi_epi32(pr[0], pr[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(pr[2], pr[3]), t3 = _mm512_unpackhi_epi32(pr[2], pr[3]);
+  const __m512i r[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
+                        _mm512_unpackhi_epi64(t1, t3)};
+  alignas(64) static const uint16_t kSigns[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000,
+                                                  0, 0, 0, 0, 0, 0, 0, 0, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000};
+  const __m512i sg = _mm512_load_si512(kSigns);
+  tab[0] = avx512_bf16_table<0>(r, sg);
+  tab[1] = avx512_bf16_table<1>(r, sg);
+  tab[2] = avx512_bf16_table<2>(r, sg);
+  tab[3] = avx512_bf16_table<3>(r, sg);
+  tab[4] = avx512_bf16_table<4>(r, sg);
+  tab[5] = avx512_bf16_table<5>(r, sg);
+  tab[6] = avx512_bf16_table<6>(r, sg);
+  tab[7] = avx512_bf16_table<7>(r, sg);
+}
+
+// Phase 4: codes (128 bytes) of the 256-group x with its tables tab.
+inline void twolevel_bf16_codes(uint8_t* codes, const uint16_t* x, const __m512i* tab) {
+  // Per-word base indices 16*blk + 8*s + q for q = 3 (stage 1) and q = 1 (stage 2, before + 4*m1).
+  alignas(64) static const uint16_t kQ3p[32] = {3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3,
+                                                19, 19, 19, 19, 19, 19, 19, 19, 19, 19, 19, 19, 19, 19, 19, 19};
+  const __m512i q3p = _mm512_load_si512(kQ3p);
+  const __m512i q3n = _mm512_add_epi16(q3p, _mm512_set1_epi16(8));
+  const __m512i q1p = _mm512_sub_epi16(q3p, _mm512_set1_epi16(2)), q1n = _mm512_add_epi16(q1p, _mm512_set1_epi16(8));
+  const __m512i one = _mm512_set1_epi16(1), two = _mm512_set1_epi16(2), four = _mm512_set1_epi16(4);
+  const __m512i lo4 = _mm512_set1_epi32(0x0F);
+  for (int i = 0; i < 8; ++i) {
+    const __m512i wi = _mm512_loadu_si512(x + 32 * i);
+    const __mmask32 neg = _mm512_movepi16_mask(wi);
+    const __m512i j1 = _mm512_mask_blend_epi16(neg, q3p, q3n);
+    const __mmask32 m1 = _mm512_cmpge_epu16_mask(wi, _mm512_permutexvar_epi16(j1, tab[i]));
+    const __m512i b2 = _mm512_mask_blend_epi16(neg, q1p, q1n);
+    const __m512i j2 = _mm512_mask_add_epi16(b2, m1, b2, four);
+    const __mmask32 m2 = _mm512_cmpge_epu16_mask(wi, _mm512_permutexvar_epi16(j2, tab[i]));
+    const __m512i b3 = _mm512_sub_epi16(j2, one);
+    const __m512i j3 = _mm512_mask_add_epi16(b3, m2, b3, two);
+    const __mmask32 m3 = _mm512_cmpge_epu16_mask(wi, _mm512_permutexvar_epi16(j3, tab[i]));
+    const __m512i c = _mm512_mask_add_epi16(j3, m3, j3, one);  // word = 16*blk + code
+    // Dword = even word | odd word << 16 -> byte = even code | odd code << 4: (c & 0xF) | ((c >> 12)
+    // & ~0xF) (ternary-logic 0xE4: C ? A : B bitwise), then the low byte of each dword.
+    const __m512i packed = _mm512_ternarylogic_epi32(c, _mm512_srli_epi32(c, 12), lo4, 0xE4);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * i), _mm512_cvtepi32_epi8(packed));
+  }
+}
+
+// 2-level RTN of ngroups consecutive 256-groups of a BF16 row (codes 128, inner 16, outer 2 per
+// group). Groups go in chunks of 16, one phase at a time over the chunk: each phase of one group
+// is a long dependency chain (tree, division, E4M3 rounding, ...), and the independent groups of
+// a phase loop overlap in the core. A group outside the fast range takes the per-block
+// functions of nvfp4.h.
+inline void twolevel_row_bf16_avx512(uint8_t* codes, uint8_t* inner, float* outer, const uint16_t* x, int64_t ngroups) {
+  constexpr int64_t kChunk = 16;
+  __m512i bm[kChunk], tab[kChunk][8];
+  __m512 sp[kChunk];
+  bool ok[kChunk];
+  for (int64_t g0 = 0; g0 < ngroups; g0 += kChunk) {
+    const int64_t n = ngroups - g0 < kChunk ? ngroups - g0 : kChunk;
+    const uint16_t* xc = x + 256 * g0;
+    for (int64_t g = 0; g < n; ++g) bm[g] = twolevel_bf16_maxima(xc + 256 * g);
+    for (int64_t g = 0; g < n; ++g)
+      ok[g] = twolevel_bf16_scales(outer + 2 * (g0 + g), inner + 16 * (g0 + g), bm[g], sp[g]);
+    for (int64_t g = 0; g < n; ++g) twolevel_bf16_tables(tab[g], sp[g]);
+    for (int64_t g = 0; g < n; ++g) {
+      const int64_t o = 2 * (g0 + g);  // first 128-block of the group
+      if (ok[g])
+        twolevel_bf16_codes(codes + 64 * o, x + 128 * o, tab[g]);
+      else
+        for (int64_t j = o; j < o + 2; ++j)
+          outer[j] = nvfp4_2level_quantize_block128(codes + 64 * j, inner + 8 * j, x + 128 * j, 128);
+    }
+  }
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop

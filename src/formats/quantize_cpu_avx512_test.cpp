@@ -4,11 +4,15 @@
 // +-0.0, all-zero blocks, E4M3-subnormal block scales, saturating scale round-down, Inf for TE),
 // mixed with groups that must take the per-block fallback (NaN, Inf, huge, tiny); every byte is
 // compared with the per-block functions of nvfp4.h. On builds without AVX-512 the same drivers
-// run the portable paths and the test checks those.
+// run the portable paths and the test checks those. The 2-level BF16 kernel (per-block exact
+// thresholds + search) gets its own tests below: random data at many scales, values planted on
+// and next to every threshold, every threshold of every block scale it can see, every magnitude
+// under the block maximum for ~320 scales, and special blocks (zeros, -0.0, subnormals, huge).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "core/bits.h"
@@ -152,6 +156,274 @@ TEST(Avx512Rows, TeInfInputAndHugeScaleRange) {
   x[700] = -std::numeric_limits<float>::infinity();
   expect_te_equal(x, M, K);
   expect_te_equal(to_bf16(x), M, K);
+}
+
+// ---- 2-level RTN, BF16 input: the threshold-search kernel ---------------------------------------
+// (quantize_cpu_avx512.h derives, per block scale sp, the 7 smallest BF16 magnitudes C_k whose
+// index is >= k and searches them per element; these tests compare every byte with the
+// per-block functions, which divide.)
+
+// The reference index of BF16 magnitude pattern p in a block of scale sp.
+uint32_t ref_index(uint16_t p, float sp) { return nvfp4_2level_encode_rtn(bf16_bits_to_f32(p), sp) & 7u; }
+
+// C_1..C_7 by scanning every positive finite BF16 pattern with the reference (0x7F80 = never);
+// also checks that the reference index never decreases along the patterns (the kernel's premise).
+std::vector<uint16_t> scan_thresholds(float sp) {
+  std::vector<uint16_t> c(8, 0x7F80);
+  uint32_t prev = 0;
+  for (uint32_t p = 0; p <= 0x7F7F; ++p) {
+    const uint32_t idx = ref_index(static_cast<uint16_t>(p), sp);
+    EXPECT_GE(idx, prev) << "sp=" << sp << " p=" << p;
+    for (uint32_t k = prev + 1; k <= idx; ++k) c[k] = static_cast<uint16_t>(p);
+    prev = idx > prev ? idx : prev;
+  }
+  return c;
+}
+
+TEST(Avx512Rows, TwoLevelBf16RandomNormalAtManyScales) {
+  const int64_t M = 8, K = 1024;
+  const double scales[] = {0x1p-66, 0x1p-60, 0x1p-52, 0x1p-40, 0x1p-20, 0x1p-8, 1.0,
+                           0x1p8,   0x1p20,  0x1p40,  0x1p54,  0x1p58,  0x1p62, 0x1p100};
+  uint64_t seed = 100;
+  for (double sc : scales) {
+    PhiloxStream rng(seed++, 5);
+    std::vector<float> x(static_cast<size_t>(M * K));
+    for (float& v : x) v = static_cast<float>(rng.next_normal() * sc);
+    expect_2level_equal(to_bf16(x), M, K);
+    // Mixed magnitudes: every 16-block gets its own factor 2^-30 .. 2^30 (inner scales from 448
+    // down through E4M3 subnormals to 0).
+    float f = 1.0f;
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (i % 16 == 0) f = static_cast<float>(std::exp2(static_cast<double>(rng.next_below(61)) - 30.0));
+      x[i] = static_cast<float>(rng.next_normal() * sc) * f;
+    }
+    expect_2level_equal(to_bf16(x), M, K);
+  }
+}
+
+TEST(Avx512Rows, TwoLevelBf16PlantedOnAndAroundEveryThreshold) {
+  // Quantize a mixed-magnitude input with the reference, scan each block's thresholds C_k from
+  // its sp, keep the block's largest element and replace the other 15 by C_k - 1, C_k, C_k + 1
+  // (random signs) below that maximum, so all scales stay the same (checked).
+  const int64_t M = 4, K = 512;
+  for (uint64_t seed : {31u, 32u}) {
+    PhiloxStream rng(seed, 6);
+    std::vector<uint16_t> x(static_cast<size_t>(M * K));
+    float f = 1.0f;
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (i % 16 == 0) f = static_cast<float>(std::exp2(static_cast<double>(rng.next_below(13)) - 6.0));
+      x[i] = f32_to_bf16_bits(static_cast<float>(rng.next_normal()) * f);
+    }
+    std::vector<uint8_t> c_ref(static_cast<size_t>(M * K / 2)), i_ref(static_cast<size_t>(M * K / 16));
+    std::vector<float> o_ref(static_cast<size_t>(M * K / 128));
+    for (int64_t o = 0; o < M * K / 128; ++o)
+      o_ref[static_cast<size_t>(o)] = nvfp4_2level_quantize_block128(c_ref.data() + 64 * o, i_ref.data() + 8 * o, x.data() + 128 * o, 128);
+    std::vector<std::vector<uint16_t>> cands(static_cast<size_t>(M * K / 16));
+    std::vector<int> keep(static_cast<size_t>(M * K / 16));
+    for (int64_t b = 0; b < M * K / 16; ++b) {
+      const float sp = nvfp4_2level_block_scale(i_ref[static_cast<size_t>(b)], o_ref[static_cast<size_t>(b / 8)]);
+      uint16_t* xb = x.data() + 16 * b;
+      int kp = 0;
+      for (int i = 1; i < 16; ++i) kp = (xb[i] & 0x7FFF) > (xb[kp] & 0x7FFF) ? i : kp;
+      keep[static_cast<size_t>(b)] = kp;
+      if (sp == 0.0f) continue;
+      const std::vector<uint16_t> c = scan_thresholds(sp);
+      for (int k = 1; k <= 7; ++k)
+        for (int d = -1; d <= 1; ++d) {
+          const uint16_t p = static_cast<uint16_t>(c[static_cast<size_t>(k)] + d);
+          if (c[static_cast<size_t>(k)] < 0x7F80 && p < (xb[kp] & 0x7FFF)) cands[static_cast<size_t>(b)].push_back(p);
+        }
+    }
+    for (int pass = 0; pass < 2; ++pass) {
+      int64_t planted = 0, possible = 0;
+      std::vector<uint16_t> y = x;
+      for (int64_t b = 0; b < M * K / 16; ++b) {
+        const auto& cb = cands[static_cast<size_t>(b)];
+        possible += static_cast<int64_t>(cb.size());
+        for (int i = 0, j = 0; i < 16 && !cb.empty(); ++i) {
+          if (i == keep[static_cast<size_t>(b)]) continue;
+          const uint16_t p = cb[(static_cast<size_t>(j++) + static_cast<size_t>(pass) * 15) % cb.size()];
+          y[static_cast<size_t>(16 * b + i)] = static_cast<uint16_t>(p | (rng.next_below(2) ? 0x8000 : 0));
+          ++planted;
+        }
+      }
+      EXPECT_GT(possible, 21 * (M * K / 16) / 2);  // most blocks have all 7 thresholds below their max
+      EXPECT_GT(planted, 12 * (M * K / 16));
+      std::vector<uint8_t> c2(c_ref.size()), i2(i_ref.size());
+      for (int64_t o = 0; o < M * K / 128; ++o) {
+        const float so = nvfp4_2level_quantize_block128(c2.data() + 64 * o, i2.data() + 8 * o, y.data() + 128 * o, 128);
+        ASSERT_EQ(float_as_u32(so), float_as_u32(o_ref[static_cast<size_t>(o)]));
+      }
+      ASSERT_EQ(i2, i_ref);  // same scales: the planted values sit on the scanned thresholds
+      expect_2level_equal(y, M, K);
+    }
+  }
+}
+
+TEST(Avx512Rows, TwoLevelBf16EveryPatternForManyBlockScales) {
+  // For each (A, B): every 128-block has A (the outer amax) as its first element and B as the
+  // first element of blocks 1..7; all other elements run through every positive BF16 pattern
+  // from 0 to B (random signs). So every magnitude that can occur in a block of scale
+  // sp = sp(B, so(A)) is quantized, on the vector path when sp is in [2^-60, 2^60].
+  PhiloxStream rng(41, 7);
+  std::vector<std::pair<uint16_t, uint16_t>> cases;
+  auto bf = [](double v) { return f32_to_bf16_bits(static_cast<float>(v)); };
+  // Outer maxima from so's lower to upper end of the range (and a little beyond).
+  std::vector<uint16_t> outers = {bf(6 * 0x1p-60), bf(0x1p-50), bf(0x1p-40), bf(2688 * 0x1p-51), bf(1.0),
+                                  bf(448.0),       bf(2688.0),  bf(0x1p40),  bf(6 * 0x1p60),     bf(0x1p62)};
+  for (int i = 0; i < 30; ++i) outers.push_back(static_cast<uint16_t>(0x2200 + rng.next_below(0x5D80 - 0x2200)));
+  for (uint16_t a : outers) {
+    cases.push_back({a, a});                    // the max block: inner scale 448
+    cases.push_back({a, static_cast<uint16_t>(a - 1)});
+    for (int j = 0; j < 6; ++j) {               // inner scales from 448 down to E4M3 subnormals and 0
+      const int sh = static_cast<int>(rng.next_below(23));  // ratio 2^0 .. 2^-22 (448 * 2^-19 < half of 2^-9)
+      const int b = static_cast<int>(a) - (sh << 7) - static_cast<int>(rng.next_below(128));
+      cases.push_back({a, static_cast<uint16_t>(b > 0 ? b : 1)});
+    }
+  }
+  int in_range = 0, sub = 0, zero = 0, full = 0, tiny_sp = 0, huge_sp = 0;
+  for (const auto& [a, b] : cases) {
+    const float so = nvfp4_2level_outer_scale(bf16_bits_to_f32(a));
+    const uint32_t si = nvfp4_2level_inner_scale(bf16_bits_to_f32(b), so);
+    const float sp = nvfp4_2level_block_scale(si, so);
+    in_range += (sp >= 0x1p-60f && sp <= 0x1p60f) || sp == 0.0f;
+    sub += si >= 1 && si < 8;
+    zero += si == 0;
+    full += si == 0x7E;
+    tiny_sp += sp >= 0x1p-60f && sp < 0x1p-50f;
+    huge_sp += sp > 0x1p50f && sp <= 0x1p60f;
+    std::vector<uint16_t> x;
+    uint32_t p = 0;
+    while (p <= b) {
+      for (int blk = 0; blk < 8; ++blk)
+        for (int i = 0; i < 16; ++i) {
+          uint16_t v;
+          if (i == 0) {
+            v = blk == 0 ? a : b;
+          } else {
+            v = static_cast<uint16_t>(p <= b ? p : 0);
+            ++p;
+          }
+          x.push_back(static_cast<uint16_t>(v | (rng.next_below(2) ? 0x8000 : 0)));
+        }
+    }
+    while (x.size() % 256 != 0) x.push_back(0);
+    expect_2level_equal(x, 1, static_cast<int64_t>(x.size()));
+    if (::testing::Test::HasFatalFailure()) {
+      ADD_FAILURE() << "A=0x" << std::hex << a << " B=0x" << b;
+      return;
+    }
+  }
+  EXPECT_GE(static_cast<int>(cases.size()), 300);
+  EXPECT_GE(in_range, 250);
+  EXPECT_GT(sub, 10);
+  EXPECT_GT(zero, 10);
+  EXPECT_GT(full, 30);
+  EXPECT_GT(tiny_sp, 5);
+  EXPECT_GT(huge_sp, 5);
+}
+
+TEST(Avx512Rows, TwoLevelBf16EveryThresholdOfEveryInRangeBlockScale) {
+  // sp = fl(e4m3(si) * so) with so from a BF16 outer amax A: every A whose so keeps the maximum
+  // block's sp in [2^-60, 2^60] (about 15k patterns) times every inner byte si = 1..126 is
+  // every nonzero block scale the vector path can see (about 1.8M). Each (A, si) gets one 16-block:
+  // its maximum B (a BF16 with inner scale si under so), then for k = 1..7 the patterns C_k - 1 and
+  // C_k (those <= B), random signs. C_k is found with the reference alone: it lies among t - 1 ..
+  // t + 2, t = fl(T_k * sp) truncated to BF16 (asserted by the reference index at both ends;
+  // monotone by the scans above). Each 128-block starts with A, so its outer scale is so.
+  static const float kT[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  PhiloxStream rng(61, 9);
+  const uint32_t a_lo = f32_to_bf16_bits(6 * 0x1p-60f), a_hi = f32_to_bf16_bits(6 * 0x1p60f);
+  int64_t scales = 0, no_b = 0, planted = 0;
+  for (uint32_t a0 = a_lo; a0 <= a_hi; a0 += 1024) {
+    std::vector<uint16_t> x;
+    for (uint32_t a = a0; a < a0 + 1024 && a <= a_hi; ++a) {
+      const float so = nvfp4_2level_outer_scale(bf16_bits_to_f32(static_cast<uint16_t>(a)));
+      for (uint32_t si = 1; si <= 126; ++si) {
+        if (x.size() % 128 == 0) x.push_back(static_cast<uint16_t>(a));  // block of the outer maximum
+        const float sp = nvfp4_2level_block_scale(si, so);
+        if (!(sp >= 0x1p-60f && sp <= 0x1p60f)) continue;
+        // A BF16 B <= A with inner scale si (next to si * 6 * so).
+        const uint32_t b0 = f32_to_bf16_bits(e4m3_decode(si) * so * 6.0f);
+        uint32_t bmax = 0;
+        for (uint32_t d : {0u, 1u, 2u, 3u})
+          for (uint32_t b : {b0 - d, b0 + d})
+            if (bmax == 0 && b <= a && nvfp4_2level_inner_scale(bf16_bits_to_f32(static_cast<uint16_t>(b)), so) == si) bmax = b;
+        if (bmax == 0) {
+          ++no_b;
+          continue;
+        }
+        ++scales;
+        std::vector<uint16_t> blk = {static_cast<uint16_t>(bmax)};
+        for (int k = 1; k <= 7; ++k) {
+          const uint32_t t = float_as_u32(kT[k - 1] * sp) >> 16;
+          ASSERT_LT(ref_index(static_cast<uint16_t>(t - 1), sp), static_cast<uint32_t>(k));
+          ASSERT_GE(ref_index(static_cast<uint16_t>(t + 2), sp), static_cast<uint32_t>(k));
+          uint32_t c = t - 1;
+          while (ref_index(static_cast<uint16_t>(c), sp) < static_cast<uint32_t>(k)) ++c;
+          for (uint32_t p : {c - 1, c})
+            if (p <= bmax) blk.push_back(static_cast<uint16_t>(p));
+        }
+        planted += static_cast<int64_t>(blk.size()) - 1;
+        blk.resize(16, 0);
+        for (uint16_t v : blk) x.push_back(static_cast<uint16_t>(v | (rng.next_below(2) ? 0x8000 : 0)));
+        while (x.size() % 16 != 0) x.push_back(0);
+      }
+      while (x.size() % 128 != 0) x.push_back(0);  // the next A starts a new 128-block
+    }
+    while (x.size() % 256 != 0) x.push_back(0);
+    expect_2level_equal(x, 1, static_cast<int64_t>(x.size()));
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  EXPECT_GT(scales, 1500000);
+  EXPECT_LT(no_b, scales / 100);
+  EXPECT_GT(planted, scales * 12);
+}
+
+TEST(Avx512Rows, TwoLevelBf16SpecialBlocks) {
+  // 16-blocks of: signed zeros; all-equal values; BF16 subnormals (alone or next to normals);
+  // nonzero values below 2^-60 next to normal ones; huge values (above 2^60: the group's scales
+  // leave the range and it takes the fallback; up to 2^60 it stays on the vector path); -0.0
+  // among normals; N(0,1); largest finite BF16.
+  const int64_t M = 8, K = 2048;
+  PhiloxStream rng(51, 8);
+  std::vector<uint16_t> x(static_cast<size_t>(M * K));
+  for (int64_t b = 0; b < M * K / 16; ++b) {
+    const int mode = static_cast<int>(rng.next_below(9));
+    const uint16_t eq = static_cast<uint16_t>(rng.next_below(0x7F80));
+    for (int i = 0; i < 16; ++i) {
+      const uint16_t s = rng.next_below(2) ? 0x8000 : 0;
+      uint16_t v;
+      switch (mode) {
+        case 0: v = s; break;                                                               // +-0
+        case 1: v = static_cast<uint16_t>(eq | (rng.next_below(4) == 0 ? s : 0)); break;  // all equal
+        case 2: v = static_cast<uint16_t>(rng.next_below(0x80) | s); break;                // subnormal
+        case 3: v = static_cast<uint16_t>((i == 5 ? 0x3F80 : rng.next_below(0x80)) | s); break;
+        case 4: v = static_cast<uint16_t>((i == 0 ? 0x2000 + rng.next_below(0x1000) : rng.next_below(0x2180)) | s); break;
+        case 5: v = static_cast<uint16_t>((0x5C00 + rng.next_below(0x200)) | s); break;    // 2^57 .. 2^61
+        case 6: v = static_cast<uint16_t>((rng.next_below(3) == 0 ? 0x8000 : f32_to_bf16_bits(static_cast<float>(rng.next_normal()))) | s); break;
+        case 7: v = static_cast<uint16_t>(i == 3 ? 0x7F7F | s : f32_to_bf16_bits(static_cast<float>(rng.next_normal()))); break;
+        default: v = static_cast<uint16_t>(f32_to_bf16_bits(static_cast<float>(rng.next_normal() * 1e3)) ^ s); break;
+      }
+      x[static_cast<size_t>(16 * b + i)] = v;
+    }
+  }
+  expect_2level_equal(x, M, K);
+  // The same with a whole row of each mode (no large neighbour to set the outer scale).
+  for (int mode = 0; mode < 4; ++mode) {
+    std::vector<uint16_t> y(static_cast<size_t>(2 * 512));
+    for (size_t i = 0; i < y.size(); ++i) {
+      const uint16_t s = rng.next_below(2) ? 0x8000 : 0;
+      y[i] = static_cast<uint16_t>((mode == 0 ? 0 : mode == 1 ? 0x0001 : mode == 2 ? rng.next_below(0x80) : 0x4040) | s);
+    }
+    expect_2level_equal(y, 2, 512);
+  }
+  // Row lengths with a lone last 128-block, and with a 16-group chunk plus one group.
+  for (int64_t k : {int64_t{384}, int64_t{4352}}) {
+    std::vector<float> z(static_cast<size_t>(3 * k));
+    for (float& v : z) v = static_cast<float>(rng.next_normal());
+    expect_2level_equal(to_bf16(z), 3, k);
+  }
 }
 
 }  // namespace
