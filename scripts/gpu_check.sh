@@ -10,7 +10,7 @@
 # Test data: $NIBBLE_TESTDATA_DIR, else ./.testdata (a copy of ../shared/testdata). Options:
 # NIBBLE_GPU_NCU=1 (ncu counters of three kernels), NIBBLE_GPU_SANITIZE=1 (compute-sanitizer).
 # Files under $OUT: steps.log, tests.log, bench.log, and with the options ncu.txt, sanitizer.log,
-# sass_counts.txt (instructions per kernel).
+# sass_counts.txt (instructions per kernel), and with NIBBLE_GPU_SASS_KERNELS=<regex> sass_kernels.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -110,6 +110,11 @@ if command -v cuobjdump >/dev/null; then
   # SASS instruction count per kernel (the format kernels are issue-bound: this is their cost).
   cuobjdump -sass "$BIN" 2>/dev/null | awk '/Function :/ {name=$3} /^ +\/\*[0-9a-f]+\*\/ / {n[name]++} END {for (k in n) print n[k], k}' \
     | sort -k2 >"$OUT/sass_counts.txt"
+  if [ -n "${NIBBLE_GPU_SASS_KERNELS:-}" ]; then
+    # Full SASS of the kernels whose (mangled) name matches this regex, for reading the hot loop.
+    cuobjdump -sass "$BIN" 2>/dev/null | awk -v re="$NIBBLE_GPU_SASS_KERNELS" \
+      '/Function :/ {keep = ($3 ~ re)} keep' >"$OUT/sass_kernels.txt"
+  fi
 fi
 
 if [ "${NIBBLE_GPU_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
@@ -118,7 +123,7 @@ if [ "${NIBBLE_GPU_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   for k in 'nvfp4_te_quantize_kernel<nibble::cuda::FormatsCodec' 'nvfp4_2level_quantize_kernel<nibble::cuda::FormatsCodec' \
            'transpose_rht_requantize_kernel<nibble::cuda::FormatsCodec, .bool.1'; do
     NIBBLE_BENCH_QUICK=1 timeout 120 ncu --clock-control none --kernel-name-base demangled -k "regex:${k//[<>:,]/.}" -c 1 \
-      --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+      --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats --section InstructionStats \
       "$BIN" --gtest_also_run_disabled_tests --gtest_filter='CudaBench.*' >>"$OUT/ncu.txt" 2>&1
   done
   grep -E "nvfp4|transpose_rht|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|No Eligible|Duration" "$OUT/ncu.txt" | head -40

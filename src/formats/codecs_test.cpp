@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "core/bits.h"
 #include "core/philox.h"
@@ -172,6 +173,52 @@ TEST(TwoLevel, DivisionFreeQuotientIsCorrectlyRounded) {
       check(x, sp);
       check(-x, sp);
     }
+}
+
+TEST(E2M1, Min3IndexEqualsRneIndexBelowSeven) {
+  // e2m1_rne_index_bits_min3 (e2m1.h) against e2m1_rne_index: every binary32 within 2^16 ulp of
+  // each multiple of 1/8 in [0, 7) (all decision values, grid points and the places where the
+  // minimum switches between its three terms) and every 61st pattern elsewhere. The GPU suite
+  // checks all 1.09e9 patterns.
+  const uint32_t last = float_as_u32(7.0f) - 1u;
+  uint64_t bad = 0, n = 0;
+  uint32_t first = 0;
+  auto check = [&](uint32_t u) {
+    const float a = u32_as_float(u);
+    ++n;
+    if (e2m1_rne_index_bits_min3(a) - 0x4B000000u != e2m1_rne_index(a) && bad++ == 0) first = u;
+  };
+  for (int q = 1; q <= 56; ++q) {
+    const uint32_t c = float_as_u32(0.125f * static_cast<float>(q));
+    for (uint32_t u = c - 65536u; u <= c + 65536u && u <= last; ++u) check(u);
+  }
+  for (uint32_t u = 0; u <= last; u += 61u) check(u);
+  EXPECT_EQ(bad, 0u) << "of " << n << "; first at bits 0x" << std::hex << first;
+}
+
+TEST(TwoLevel, RtnIndexNeedsNoPerElementRangeCheck) {
+  // nvfp4_2level_block_fast_rtn (nvfp4.h): with r != 0 and bamax <= 2^60, the division-free
+  // quotient gives the index of the IEEE quotient for every |x| <= bamax, tiny and subnormal |x|
+  // included. Every BF16 magnitude up to 2^60, at scales across [2^-60, 2^60] (the ends, random
+  // mantissas near them, and the middle); plus binary32 subnormals and tiny normals.
+  PhiloxStream rng(91, 2);
+  std::vector<float> sps = {0x1p-60f, 0x1.000002p-60f, 0x1.fffffep-60f, 0x1p-59f, 1.0f, 0x1.5p-30f, 0x1p60f, 0x1.fffffep59f};
+  for (int i = 0; i < 40; ++i) {
+    const int e = (i % 4 == 0) ? -60 : (i % 4 == 1) ? 59 : static_cast<int>(rng.next_below(120)) - 60;
+    sps.push_back(std::ldexp(1.0f + static_cast<float>(rng.next_below(1u << 23)) * 0x1p-23f, e));
+  }
+  for (float sp : sps) {
+    const float r = nvfp4_2level_block_reciprocal(sp);
+    ASSERT_TRUE(nvfp4_2level_block_fast_rtn(r, 0x1p60f)) << sp;
+    auto check = [&](float a) {
+      const uint32_t want = e2m1_rne_index(nvfp4_2level_scaled_magnitude(a, sp));
+      const uint32_t got = e2m1_rne_index(nvfp4_2level_quotient_fma(a, sp, r));
+      ASSERT_EQ(got, want) << std::hexfloat << a << " / " << sp;
+    };
+    for (uint32_t b = 0; b <= 0x5D80u; ++b) check(bf16_bits_to_f32(static_cast<uint16_t>(b)));
+    for (uint32_t u = 1; u < (1u << 23); u += 4099u) check(u32_as_float(u));                  // subnormals
+    for (uint32_t u = 0x00800000u; u < 0x21800000u; u += 0x10003u) check(u32_as_float(u));  // tiny normals
+  }
 }
 
 TEST(E2M1, SignConventions) {

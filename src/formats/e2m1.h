@@ -61,6 +61,26 @@ NIB_HOST_DEVICE uint32_t e2m1_rne_index(float a) {
   return a >= 1.0f ? hi : lo;
 }
 
+// e2m1_rne_index(a) for 0 <= a < 7 (not NaN), returned as the binary32 bits 0x4B000000 + index
+// (so the index sits in the low bits for packing), in four operations that suit GPUs whose fma
+// rate is twice their integer rate: the E2M1 grid has step 0.5 on [0, 2], 1 on [2, 4], 2 on
+// [4, 8); rint(2a), rint(a + 2), rint(a/2 + 4) map each piece onto the integer indices, the map
+// min(2a, a + 2, a/2 + 4) is concave (slopes 2, 1, 1/2) so rint of the minimum is the minimum of
+// the rints, and every decision value of the index (0.25 0.75 1.25 1.75 2.5 3.5 5) lands on a
+// half-integer where rint's ties-to-even picks the even code, as e2m1_rne_index does. Each rint is
+// one fma with 2^23 + c (fl(z + 2^23) = 2^23 + rint(z) for 0 <= z < 2^22); the three results are
+// positive floats, which order like their bits, so the minimum is an unsigned integer minimum.
+// (At a = 7, rint(a/2 + 4) = 8: the callers bound a.) Equal to e2m1_rne_index for every binary32
+// in [0, 7) (all of them on the GPU,
+// ElementCodec.ExhaustiveAgainstFormerFormulations; near every boundary on the CPU).
+NIB_HOST_DEVICE uint32_t e2m1_rne_index_bits_min3(float a) {
+  const uint32_t t1 = float_as_u32(fma_f32(a, 2.0f, 8388608.0f));
+  const uint32_t t2 = float_as_u32(fma_f32(a, 1.0f, 8388610.0f));
+  const uint32_t t3 = float_as_u32(fma_f32(a, 0.5f, 8388612.0f));
+  const uint32_t m = t1 < t2 ? t1 : t2;
+  return m < t3 ? m : t3;
+}
+
 // TransformerEngine convention: sign bit iff v < 0 (so -0.0 -> 0x0, a small negative that
 // rounds to zero -> 0x8). |v| > 6 saturates. NaN -> 0x0.
 NIB_HOST_DEVICE uint32_t e2m1_rne_code_te(float v) {

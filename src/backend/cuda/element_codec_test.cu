@@ -1,6 +1,7 @@
 // Exhaustive GPU checks of the element steps of src/formats/ against their former formulations
 // (the `_ref` oracles below: 7-compare E2M1 RNE chain, SR step dividing by the gap, NaN-skipping
-// max by compare): every binary32 input (2^32 patterns; SR at three u per input, two of them on
+// max by compare), and e2m1_rne_index_bits_min3 against e2m1_rne_index: every binary32
+// input (2^32 patterns; the min3 form for v < 7; SR at three u per input, two of them on
 // the rounding boundary). The division-free nvfp4-2level quotient against the IEEE division: all
 // 2^30 (BF16 mantissa x binary32 sp mantissa) pairs, 2^34 random binary32 pairs over the whole
 // fast range, and edge exponents. Plus the production kernels vs the CPU drivers (BF16 input,
@@ -48,7 +49,8 @@ __device__ float amax_update_ref(float m, float x) {
   return a > m ? a : m;
 }
 
-// mismatches[0]: rne index, [1]: SR index (float u and half-word h forms), [2]: amax step;
+// mismatches[0]: rne index, [1]: SR index (float u and half-word h forms), [2]: amax step,
+// [3]: e2m1_rne_index_bits_min3 (v < 7);
 // first[]: one failing bit pattern.
 __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* first, uint64_t base, uint64_t count) {
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
@@ -83,6 +85,11 @@ __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* 
         first[1] = bits;
       }
     }
+    // The min3 index form (formats/e2m1.h) for every v in [0, 7).
+    if (bits < 0x40E00000u && fm::e2m1_rne_index_bits_min3(a) - 0x4B000000u != fm::e2m1_rne_index(a)) {
+      atomicAdd(&mismatches[3], 1ull);
+      first[3] = bits;
+    }
     const float ms[4] = {0.0f, 1.0f, 3.0e38f, 1e-42f};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -98,13 +105,13 @@ TEST(ElementCodec, ExhaustiveAgainstFormerFormulations) {
   if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
   unsigned long long* mism;
   unsigned int* first;
-  NIB_CUDA_CHECK(cudaMalloc(&mism, 3 * sizeof(unsigned long long)));
-  NIB_CUDA_CHECK(cudaMalloc(&first, 3 * sizeof(unsigned int)));
-  NIB_CUDA_CHECK(cudaMemset(mism, 0, 3 * sizeof(unsigned long long)));
+  NIB_CUDA_CHECK(cudaMalloc(&mism, 4 * sizeof(unsigned long long)));
+  NIB_CUDA_CHECK(cudaMalloc(&first, 4 * sizeof(unsigned int)));
+  NIB_CUDA_CHECK(cudaMemset(mism, 0, 4 * sizeof(unsigned long long)));
   exhaustive_kernel<<<132 * 16, 256>>>(mism, first, 0, uint64_t{1} << 32);
   NIB_CUDA_CHECK_LAUNCH();
-  unsigned long long h[3];
-  unsigned int f[3];
+  unsigned long long h[4];
+  unsigned int f[4];
   NIB_CUDA_CHECK(cudaMemcpy(h, mism, sizeof h, cudaMemcpyDeviceToHost));
   NIB_CUDA_CHECK(cudaMemcpy(f, first, sizeof f, cudaMemcpyDeviceToHost));
   cudaFree(mism);
@@ -112,6 +119,7 @@ TEST(ElementCodec, ExhaustiveAgainstFormerFormulations) {
   EXPECT_EQ(h[0], 0u) << "e2m1 rne index differs, e.g. bits 0x" << std::hex << f[0];
   EXPECT_EQ(h[1], 0u) << "e2m1 SR index differs, e.g. bits 0x" << std::hex << f[1];
   EXPECT_EQ(h[2], 0u) << "amax step differs, e.g. bits 0x" << std::hex << f[2];
+  EXPECT_EQ(h[3], 0u) << "e2m1 min3 index differs, e.g. bits 0x" << std::hex << f[3];
 }
 
 __device__ bool quotient_ok(float a, float sp) {

@@ -11,6 +11,7 @@
 
 #include <type_traits>
 
+#include "backend/cuda/bf16_e2m1.cuh"
 #include "backend/cuda/element_codec.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernel_util.cuh"
@@ -137,6 +138,33 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
     const In* xb = &v.e[16 * b];
+    if constexpr (std::is_same_v<In, uint16_t> && !kSR) {
+      // BF16 RTN, packed (bf16_e2m1.cuh): v = fl(|x| * enc) and its index by
+      // e2m1_rne_index_bits_min3, when the block has no NaN, no -0.0 (TE codes it 0x0, the packed
+      // sign 0x8), max |x| * enc <= 6.5 and enc > 2^-17 (sd <= 2^16: every nonzero x has a nonzero
+      // product, so the TE sign "v < 0" is the BF16 sign bit). An all-zero block uses enc = 0.
+      uint32_t w[8], a[8];
+      bf16_block_words(w, v.w[2 * b], v.w[2 * b + 1]);
+      const uint32_t abits = bf16_block_absmax_bits(a, w);
+      if (abits <= 0x7F80u && !bf16_block_has_negative_zero(w)) {
+        const float bamax = u32_as_float(abits << 16);
+        s[b] = fm::nvfp4_te_block_scale(bamax, g);
+        const float sd = fm::e4m3_decode(s[b]) * g.s_dec;  // enc = fl(1 / sd) (nvfp4_te_block_enc)
+        float enc = -1.0f;
+        if (abits == 0u) {
+          enc = 0.0f;
+        } else if (sd >= 0x1p-100f && sd <= 0x1p16f) {
+          enc = fm::nvfp4_te_block_enc(s[b], g);
+          if (!(bamax * enc <= 6.5f)) enc = -1.0f;
+        }
+        if (enc >= 0.0f) {
+          const uint2 c = bf16_codes16(w, a, [enc](float m) { return fm::e2m1_rne_index_bits_min3(m * enc); });
+          packed.w[2 * b] = c.x;
+          packed.w[2 * b + 1] = c.y;
+          continue;
+        }
+      }
+    }
     s[b] = fm::nvfp4_te_block_scale(block16_amax<Codec>(xb), g);
     const float enc = fm::nvfp4_te_block_enc(s[b], g);
     if constexpr (!kSR) {
@@ -368,17 +396,48 @@ template <typename Codec, typename In, bool kSR>
 __device__ __forceinline__ void nvfp4_2level_lane(uint8_t* codes, uint8_t* inner, float* outer, const Vec<In, 16>& v,
                                                   int64_t t, const TwoLevelLane& l, int64_t kb, bool swizzled,
                                                   const fm::SrKey& key) {
-  const float bamax = block16_amax<Codec>(v.e);
+  constexpr bool kBf16Rtn = std::is_same_v<In, uint16_t> && !kSR;
+  uint32_t w[8], a[8];
+  float bamax;
+  bool nan_free = false;
+  if constexpr (kBf16Rtn) {
+    // The block max as the unsigned max of the |x| bit patterns (= the NaN-skipping float max
+    // when no NaN is present); a block with a NaN takes the float max instead.
+    bf16_block_words(w, v.w[0], v.w[1]);
+    const uint32_t abits = bf16_block_absmax_bits(a, w);
+    nan_free = abits <= 0x7F80u;
+    bamax = nan_free ? u32_as_float(abits << 16) : block16_amax<Codec>(v.e);
+  } else {
+    bamax = block16_amax<Codec>(v.e);
+  }
   const float so = fm::nvfp4_2level_outer_scale(group_max<8>(bamax));
   if (!l.ok) return;
   const uint32_t si = fm::nvfp4_2level_inner_scale(bamax, so);
   const float sp = fm::nvfp4_2level_block_scale(si, so);
-  const float rp = fm::nvfp4_2level_block_reciprocal(sp);
-  float xf[16];
+  PackedBytes<8> packed;
+  bool done = false;
+  if constexpr (kBf16Rtn) {
+    // BF16 RTN, packed (bf16_e2m1.cuh): v = the division-free quotient and its index by
+    // e2m1_rne_index_bits_min3, when the block has no NaN, passes nvfp4_2level_block_fast_rtn (no
+    // per-element range check is needed for RTN indices) and max |x| * r <= 6.5; sp == 0 (every v
+    // is 0) runs the same steps with r = 0, which give v = 0.
+    const float rp = fm::nvfp4_2level_block_reciprocal(sp);
+    if (nan_free && (sp == 0.0f || (fm::nvfp4_2level_block_fast_rtn(rp, bamax) && bamax * rp <= 6.5f))) {
+      const uint2 c = bf16_codes16(w, a, [sp, rp](float m) {
+        return fm::e2m1_rne_index_bits_min3(fm::nvfp4_2level_quotient_fma(m, sp, rp));
+      });
+      packed.w[0] = c.x;
+      packed.w[1] = c.y;
+      done = true;
+    }
+  }
+  if (!done) {
+    const float rp = fm::nvfp4_2level_block_reciprocal(sp);
+    float xf[16];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) xf[i] = fm::load_f32(v.e[i]);
-  const PackedBytes<8> packed =
-      nvfp4_2level_encode_block16<kSR>(xf, sp, rp, bamax, key, static_cast<uint64_t>(l.e) / 8);  // e % 16 == 0
+    for (int i = 0; i < 16; ++i) xf[i] = fm::load_f32(v.e[i]);
+    packed = nvfp4_2level_encode_block16<kSR>(xf, sp, rp, bamax, key, static_cast<uint64_t>(l.e) / 8);  // e % 16 == 0
+  }
   store_packed(codes + l.e / 2, packed);  // 8-byte aligned: e/2 is a multiple of 8
   inner[scale_index(l.e / 16, kb, swizzled)] = static_cast<uint8_t>(si);
   if ((t & 7) == 0) outer[t >> 3] = so;

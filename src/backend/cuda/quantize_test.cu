@@ -6,6 +6,7 @@
 // benchmark lives here too, as a disabled test (run with --gtest_also_run_disabled_tests).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -20,7 +21,9 @@
 #include "backend/cuda/quantize.h"
 #include "core/bits.h"
 #include "core/philox.h"
+#include "formats/e4m3.h"
 #include "formats/golden.h"
+#include "formats/nvfp4.h"
 #include "formats/quantize_cpu.h"
 #include "formats/rht.h"
 #include "formats/swizzle.h"
@@ -456,6 +459,90 @@ TEST(CudaVsCpu, Nvfp4TwoLevelGridStride) {
     check_2level(to_bf16(x), M, K);
     check_2level(x, M, K);
   });
+}
+
+// ---- the packed BF16 RTN path of the TE and 2-level kernels (backend/cuda/bf16_e2m1.cuh) -------
+
+// Every BF16 bit pattern once (65536 = 256 x 256), in a fixed scrambled order (i -> i * 40503 +
+// 12345 mod 2^16 is a bijection); NaN patterns kept (their blocks take the per-element path) or
+// replaced by +0 (nearly every block takes the packed path).
+std::vector<uint16_t> every_bf16_pattern(bool keep_nan) {
+  std::vector<uint16_t> x(65536);
+  for (uint32_t i = 0; i < 65536; ++i) {
+    const uint16_t b = static_cast<uint16_t>((i * 40503u + 12345u) & 0xFFFFu);
+    x[i] = (!keep_nan && (b & 0x7FFFu) > 0x7F80u) ? uint16_t{0} : b;
+  }
+  return x;
+}
+
+// Blocks of small integers times a power of two: "round" block scales whose decision points fall
+// exactly on BF16 values, so elements sit on E2M1 rounding ties.
+std::vector<uint16_t> round_blocks(int64_t M, int64_t K, uint64_t seed) {
+  PhiloxStream rng(seed, 17);
+  std::vector<uint16_t> x(static_cast<size_t>(M * K));
+  int e = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (i % 16 == 0) e = static_cast<int>(rng.next_below(41)) - 20;
+    const int k = static_cast<int>(rng.next_below(25)) - 12;
+    x[i] = f32_to_bf16_bits(std::ldexp(static_cast<float>(k), e));
+  }
+  return x;
+}
+
+// Elements planted on and around every decision point of their own block: each 16-block has a
+// random amax A (element 0; the first block of a 128-block holds the 128-block max) and 15
+// elements at BF16 patterns (y_k >> 16) + d, d in -1..2, y_k = fl(T_k * s) for the decision values
+// T_k of e2m1_rne_index, where s is the block's scale as the CPU reference forms it (sp for
+// 2-level; fl(e4m3 * s_dec) for TE).
+std::vector<uint16_t> planted_thresholds(int64_t M, int64_t K, bool te, uint64_t seed) {
+  PhiloxStream rng(seed, 23);
+  std::vector<float> amax(static_cast<size_t>(M * K / 16));
+  for (size_t b = 0; b < amax.size(); ++b) {
+    amax[b] = bf16_bits_to_f32(f32_to_bf16_bits(static_cast<float>(std::exp2(rng.next_uniform() * 60.0 - 30.0))));
+    if (b % 8 != 0) amax[b] = std::min(amax[b], amax[b - b % 8]);  // block 0 of a 128-block holds its max
+  }
+  float gmax = 0.0f;
+  for (float a : amax) gmax = std::max(gmax, a);
+  const fm::Nvfp4TeGlobal g = fm::nvfp4_te_global(gmax);
+  std::vector<uint16_t> x(static_cast<size_t>(M * K));
+  for (size_t b = 0; b < amax.size(); ++b) {
+    float s;
+    if (te) {
+      s = fm::e4m3_decode(fm::nvfp4_te_block_scale(amax[b], g)) * g.s_dec;
+    } else {
+      const float so = fm::nvfp4_2level_outer_scale(amax[b - b % 8]);
+      s = fm::nvfp4_2level_block_scale(fm::nvfp4_2level_inner_scale(amax[b], so), so);
+    }
+    x[16 * b] = f32_to_bf16_bits(amax[b]);
+    for (int i = 1; i < 16; ++i) {
+      constexpr float kDecision[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+      const float t = kDecision[rng.next_below(7)];
+      const int d = static_cast<int>(rng.next_below(4)) - 1;
+      const uint32_t pat = (float_as_u32(t * s) >> 16) + static_cast<uint32_t>(d);
+      const float v = std::min(bf16_bits_to_f32(static_cast<uint16_t>(pat)), amax[b]);
+      x[16 * b + i] = static_cast<uint16_t>(f32_to_bf16_bits(v) | (rng.next_below(2) ? 0x8000u : 0u));
+    }
+  }
+  return x;
+}
+
+TEST(CudaVsCpu, Bf16PackedRtnPath) {
+  NIB_REQUIRE_GPU();
+  for (bool keep_nan : {false, true}) {
+    SCOPED_TRACE(keep_nan ? "every BF16 pattern" : "every BF16 pattern, NaN -> 0");
+    const auto x = every_bf16_pattern(keep_nan);
+    check_te(x, 256, 256);
+    check_2level(x, 256, 256);
+  }
+  {
+    SCOPED_TRACE("round blocks");
+    const auto x = round_blocks(96, 512, 5);
+    check_te(x, 96, 512);
+    check_2level(x, 96, 512);
+  }
+  SCOPED_TRACE("planted thresholds");
+  check_te(planted_thresholds(64, 1024, true, 6), 64, 1024);
+  check_2level(planted_thresholds(64, 1024, false, 7), 64, 1024);
 }
 
 template <typename In>
