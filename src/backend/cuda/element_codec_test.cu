@@ -4,8 +4,9 @@
 // input (2^32 patterns; the min3 form for v < 7; SR at three u per input, two of them on
 // the rounding boundary). The division-free nvfp4-2level quotient against the IEEE division: all
 // 2^30 (BF16 mantissa x binary32 sp mantissa) pairs, 2^34 random binary32 pairs over the whole
-// fast range, and edge exponents. Plus the production kernels vs the CPU drivers (BF16 input,
-// TE / 2-level / fused, RTN and SR). Skips without a CUDA device.
+// fast range, and edge exponents. The sm_89+ hardware E4M3 conversions against the bit
+// manipulation (every binary32 in [0, +Inf], every byte). Plus the production kernels vs the CPU
+// drivers (BF16 input, TE / 2-level / fused, RTN and SR). Skips without a CUDA device.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,6 +18,7 @@
 #include "backend/cuda/quantize.h"
 #include "core/philox.h"
 #include "formats/e2m1.h"
+#include "formats/e4m3.h"
 #include "formats/quantize_cpu.h"
 #include "formats/rht.h"
 
@@ -120,6 +122,43 @@ TEST(ElementCodec, ExhaustiveAgainstFormerFormulations) {
   EXPECT_EQ(h[1], 0u) << "e2m1 SR index differs, e.g. bits 0x" << std::hex << f[1];
   EXPECT_EQ(h[2], 0u) << "amax step differs, e.g. bits 0x" << std::hex << f[2];
   EXPECT_EQ(h[3], 0u) << "e2m1 min3 index differs, e.g. bits 0x" << std::hex << f[3];
+}
+
+// The sm_89+ hardware E4M3 conversions behind e4m3_rne_sat_magnitude / e4m3_decode on the device
+// against the bit manipulation the CPU uses: every binary32 in [0, +Inf] and every byte.
+__global__ void e4m3_hw_kernel(unsigned long long* mismatches, unsigned int* first, uint64_t count) {
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t bits = static_cast<uint32_t>(i);
+    const float a = __uint_as_float(bits);
+    if (fm::e4m3_rne_sat_magnitude(a) != fm::e4m3_rne_sat_magnitude_bits(a)) {
+      atomicAdd(&mismatches[0], 1ull);
+      first[0] = bits;
+    }
+    if (i < 256 && __float_as_uint(fm::e4m3_decode(bits)) != __float_as_uint(fm::e4m3_decode_bits(bits))) {
+      atomicAdd(&mismatches[1], 1ull);
+      first[1] = bits;
+    }
+  }
+}
+
+TEST(ElementCodec, HardwareE4m3EqualsBitManipulation) {
+  if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
+  unsigned long long* mism;
+  unsigned int* first;
+  NIB_CUDA_CHECK(cudaMalloc(&mism, 2 * sizeof(unsigned long long)));
+  NIB_CUDA_CHECK(cudaMalloc(&first, 2 * sizeof(unsigned int)));
+  NIB_CUDA_CHECK(cudaMemset(mism, 0, 2 * sizeof(unsigned long long)));
+  e4m3_hw_kernel<<<132 * 16, 256>>>(mism, first, uint64_t{0x7F800000} + 1);
+  NIB_CUDA_CHECK_LAUNCH();
+  unsigned long long h[2];
+  unsigned int f[2];
+  NIB_CUDA_CHECK(cudaMemcpy(h, mism, sizeof h, cudaMemcpyDeviceToHost));
+  NIB_CUDA_CHECK(cudaMemcpy(f, first, sizeof f, cudaMemcpyDeviceToHost));
+  cudaFree(mism);
+  cudaFree(first);
+  EXPECT_EQ(h[0], 0u) << "E4M3 encode differs, e.g. bits 0x" << std::hex << f[0];
+  EXPECT_EQ(h[1], 0u) << "E4M3 decode differs, e.g. byte 0x" << std::hex << f[1];
 }
 
 __device__ bool quotient_ok(float a, float sp) {
