@@ -1,7 +1,8 @@
 // CUDA kernels and launchers for nibble's block formats (see quantize.h). One thread owns whole
-// blocks (16, 32 or an eighth of a 128-block) held in registers (the nvfp4-2level quantize kernel
-// is persistent: grid-stride, the next block's load in flight): 16-byte streaming loads, the
-// per-block math of src/formats/ (the functions the CPU drivers call), 16-byte code stores.
+// blocks (16, 32, or one or two eighths of a 128-block) held in registers: 16-byte streaming
+// loads, the per-block math of src/formats/ (the functions the CPU drivers call), 8/16-byte code
+// stores. BF16 RTN (TE and 2-level with K % 128 == 0) takes the packed element path of
+// bf16_e2m1.cuh; other 2-level cases a persistent grid-stride kernel (next block's load in flight).
 // Grid-wide amax: per-thread max -> warp -> CTA -> one atomicMax on the float bits. SR draws one
 // Philox block per eight consecutive elements (16-bit half-words, as formats::sr_uniform()).
 // Mirrors TE's cast kernels (one thread per 1x16 block) and llm.c's vectorised elementwise style.
@@ -391,6 +392,42 @@ __device__ __forceinline__ void load_or_zero(Vec<In, 16>& v, const In* x, const 
   }
 }
 
+// One BF16 inner block, RTN, given its words w / magnitudes a (bf16_e2m1.cuh), whether it is
+// NaN-free, its NaN-skipping max bamax and scale sp. The packed path (bf16_e2m1.cuh): v = the
+// division-free quotient and its index by e2m1_rne_index_bits_min3, when the block has no NaN,
+// passes nvfp4_2level_block_fast_rtn (no per-element range check is needed for RTN indices) and
+// max |x| * r <= 6.5; sp == 0 (every v is 0) runs the same steps with r = 0, which give v = 0.
+// Otherwise the per-element functions (nvfp4_2level_encode_block16).
+__device__ __forceinline__ PackedBytes<8> nvfp4_2level_bf16_rtn_block16(const uint16_t* xb, const uint32_t (&w)[8],
+                                                                        const uint32_t (&a)[8], bool nan_free,
+                                                                        float bamax, float sp) {
+  const float rp = fm::nvfp4_2level_block_reciprocal(sp);
+  PackedBytes<8> packed;
+  if (nan_free && (sp == 0.0f || (fm::nvfp4_2level_block_fast_rtn(rp, bamax) && bamax * rp <= 6.5f))) {
+    const uint2 c = bf16_codes16(w, a, [sp, rp](float m) {
+      return fm::e2m1_rne_index_bits_min3(fm::nvfp4_2level_quotient_fma(m, sp, rp));
+    });
+    packed.w[0] = c.x;
+    packed.w[1] = c.y;
+  } else {
+    float xf[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) xf[i] = fm::load_f32(xb[i]);
+    packed = nvfp4_2level_encode_block16<false>(xf, sp, rp, bamax, fm::SrKey{}, 0);
+  }
+  return packed;
+}
+
+// The NaN-free flag, magnitudes and max of a BF16 block: the max as the unsigned max of the |x|
+// bit patterns (= the NaN-skipping float max when no NaN is present); with a NaN, the float max.
+__device__ __forceinline__ float bf16_block_max(bool& nan_free, uint32_t (&w)[8], uint32_t (&a)[8], const uint4& lo,
+                                                const uint4& hi, const uint16_t* xb) {
+  bf16_block_words(w, lo, hi);
+  const uint32_t abits = bf16_block_absmax_bits(a, w);
+  nan_free = abits <= 0x7F80u;
+  return nan_free ? u32_as_float(abits << 16) : block16_amax<FormatsCodec>(xb);
+}
+
 // The lane's inner block v (zeros when !l.ok): all lanes of the warp call it (shuffles).
 template <typename Codec, typename In, bool kSR>
 __device__ __forceinline__ void nvfp4_2level_lane(uint8_t* codes, uint8_t* inner, float* outer, const Vec<In, 16>& v,
@@ -398,40 +435,18 @@ __device__ __forceinline__ void nvfp4_2level_lane(uint8_t* codes, uint8_t* inner
                                                   const fm::SrKey& key) {
   constexpr bool kBf16Rtn = std::is_same_v<In, uint16_t> && !kSR;
   uint32_t w[8], a[8];
-  float bamax;
   bool nan_free = false;
-  if constexpr (kBf16Rtn) {
-    // The block max as the unsigned max of the |x| bit patterns (= the NaN-skipping float max
-    // when no NaN is present); a block with a NaN takes the float max instead.
-    bf16_block_words(w, v.w[0], v.w[1]);
-    const uint32_t abits = bf16_block_absmax_bits(a, w);
-    nan_free = abits <= 0x7F80u;
-    bamax = nan_free ? u32_as_float(abits << 16) : block16_amax<Codec>(v.e);
-  } else {
-    bamax = block16_amax<Codec>(v.e);
-  }
+  float bamax;
+  if constexpr (kBf16Rtn) bamax = bf16_block_max(nan_free, w, a, v.w[0], v.w[1], v.e);
+  else bamax = block16_amax<Codec>(v.e);
   const float so = fm::nvfp4_2level_outer_scale(group_max<8>(bamax));
   if (!l.ok) return;
   const uint32_t si = fm::nvfp4_2level_inner_scale(bamax, so);
   const float sp = fm::nvfp4_2level_block_scale(si, so);
   PackedBytes<8> packed;
-  bool done = false;
   if constexpr (kBf16Rtn) {
-    // BF16 RTN, packed (bf16_e2m1.cuh): v = the division-free quotient and its index by
-    // e2m1_rne_index_bits_min3, when the block has no NaN, passes nvfp4_2level_block_fast_rtn (no
-    // per-element range check is needed for RTN indices) and max |x| * r <= 6.5; sp == 0 (every v
-    // is 0) runs the same steps with r = 0, which give v = 0.
-    const float rp = fm::nvfp4_2level_block_reciprocal(sp);
-    if (nan_free && (sp == 0.0f || (fm::nvfp4_2level_block_fast_rtn(rp, bamax) && bamax * rp <= 6.5f))) {
-      const uint2 c = bf16_codes16(w, a, [sp, rp](float m) {
-        return fm::e2m1_rne_index_bits_min3(fm::nvfp4_2level_quotient_fma(m, sp, rp));
-      });
-      packed.w[0] = c.x;
-      packed.w[1] = c.y;
-      done = true;
-    }
-  }
-  if (!done) {
+    packed = nvfp4_2level_bf16_rtn_block16(v.e, w, a, nan_free, bamax, sp);
+  } else {
     const float rp = fm::nvfp4_2level_block_reciprocal(sp);
     float xf[16];
 #pragma unroll
@@ -469,6 +484,56 @@ __global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t
   }
 }
 
+// BF16 RTN with K % 128 == 0 (the common case), one pass, no grid-stride loop: thread t owns
+// kNB consecutive inner blocks (elements 16 kNB t ..), 8 / kNB consecutive threads one 128-block
+// (outer amax by shuffles); the code bytes, inner scale bytes and (first thread of the group) the
+// outer scale are stored directly. Threads past the end (whole groups: nthreads is a multiple of
+// 8 / kNB) run the shuffles on zeros and store nothing.
+template <int kNB, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) nvfp4_2level_bf16_rtn_k128_kernel(uint8_t* codes, uint8_t* inner,
+                                                                                         float* outer, const uint16_t* x,
+                                                                                         int64_t nthreads, int64_t kb,
+                                                                                         bool swizzled) {
+  constexpr int kGroup = 8 / kNB;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool ok = t < nthreads;
+  Vec<uint16_t, 16 * kNB> v;
+  if (ok) {
+    load_vec(v, x + 16 * kNB * t);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 2 * kNB; ++i) v.w[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
+  uint32_t w[kNB][8], a[kNB][8];
+  bool nan_free[kNB];
+  float bamax[kNB], m = 0.0f;
+#pragma unroll
+  for (int b = 0; b < kNB; ++b) {
+    bamax[b] = bf16_block_max(nan_free[b], w[b], a[b], v.w[2 * b], v.w[2 * b + 1], v.e + 16 * b);
+    m = fmaxf(m, bamax[b]);
+  }
+  const float so = fm::nvfp4_2level_outer_scale(group_max<kGroup>(m));
+  if (!ok) return;
+  PackedBytes<8 * kNB> packed;
+  uint32_t si[kNB];
+#pragma unroll
+  for (int b = 0; b < kNB; ++b) {
+    si[b] = fm::nvfp4_2level_inner_scale(bamax[b], so);
+    const PackedBytes<8> p = nvfp4_2level_bf16_rtn_block16(v.e + 16 * b, w[b], a[b], nan_free[b], bamax[b],
+                                                           fm::nvfp4_2level_block_scale(si[b], so));
+    packed.w[2 * b] = p.w[0];
+    packed.w[2 * b + 1] = p.w[1];
+  }
+  store_packed(codes + 8 * kNB * t, packed);
+  if (!swizzled && kNB == 2) {
+    *reinterpret_cast<uint16_t*>(inner + 2 * t) = static_cast<uint16_t>(si[0] | (si[kNB - 1] << 8));
+  } else {
+#pragma unroll
+    for (int b = 0; b < kNB; ++b) inner[scale_index(kNB * t + b, kb, swizzled)] = static_cast<uint8_t>(si[b]);
+  }
+  if ((t & (kGroup - 1)) == 0) outer[t / kGroup] = so;
+}
+
 template <typename Codec, typename In>
 Status quantize_nvfp4_2level_impl(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
                                   const SrKey* sr, ScaleLayout inner_layout, cudaStream_t stream) {
@@ -483,6 +548,19 @@ Status quantize_nvfp4_2level_impl(uint8_t* codes, uint8_t* inner, float* outer, 
     const int grid = static_cast<int>(std::min<int64_t>(ceil_div_int(n128 * 8, kThreads), resident_grid(kernel)));
     kernel<<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
   };
+  if constexpr (std::is_same_v<In, uint16_t> && std::is_same_v<Codec, FormatsCodec>) {
+    if (!sr && K % 128 == 0) {
+      // Two inner blocks per thread at <= 48 registers (5 CTAs of 256 per SM): measured on an H200
+      // against one block per thread at 40 registers (0.76 of copy), two at 40 / 64 registers
+      // (0.83 / 0.82) and this (0.86) (docs/benchmarks.md).
+      constexpr int kNB = 2;
+      const int64_t nthreads = M * K / (16 * kNB);
+      nvfp4_2level_bf16_rtn_k128_kernel<kNB, 5><<<ceil_div_int(nthreads, kThreads), kThreads, 0, stream>>>(
+          codes, inner, outer, x, nthreads, kb, swz);
+      NIB_CUDA_CHECK_LAUNCH();
+      return Status::ok();
+    }
+  }
   if (sr) launch(nvfp4_2level_quantize_kernel<Codec, In, true>);
   else launch(nvfp4_2level_quantize_kernel<Codec, In, false>);
   NIB_CUDA_CHECK_LAUNCH();
