@@ -5,7 +5,7 @@
 // Unit: 256 elements (16 blocks of 16; two 128-blocks for 2-level). TE and 2-level F32: split
 // even/odd as split32 does, element steps as in nvfp4.h. 2-level BF16: per block the 7 exact
 // decision thresholds C_k as BF16 patterns (closed form, argument below), then per element a
-// 3-step search on the raw 16-bit words (32 per instruction).
+// 3-step search on the 16-bit words (32 per instruction).
 // A 256-group whose inputs leave the range the streamlined steps assume is quantized by the
 // per-block functions of nvfp4.h instead: NaN; for 2-level F32 also Inf, |x| > 2^60,
 // 0 < |x| < 2^-60, or a block scale outside [2^-60, 2^60] other than 0; for 2-level BF16 Inf or
@@ -176,27 +176,48 @@ inline bool te_group256_avx512(uint8_t* codes, uint8_t* scales, const In* x, con
   return true;
 }
 
+// e4m3_rne_sat_magnitude_bits (e4m3.h) of 16 lanes t in [0, 448] (not NaN), and the E4M3 value
+// of the result as binary32 (= e4m3_decode of the byte, exact). The same integer/float steps:
+// subnormal range t < 2^-6: q = fl(t * 2^9 + 2^23) - 2^23 (RNE to an integer, exact), value
+// q * 2^-9; normal range: ur = bits(t) + 0x7FFFF + bit 20 (RNE at bit 20, carry into the
+// exponent), byte = (ur >> 20) - (120 << 3) (= ((exp - 120) << 3) | mantissa, exp >= 121), value
+// = ur with the low 20 bits cleared (the rounded binary32 itself); t <= 448 keeps byte <= 0x7E.
+inline __m512i avx512_e4m3_rne_magnitude(__m512 t, __m512& value) {
+  const __mmask16 sub = _mm512_cmp_ps_mask(t, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+  const __m512 r = _mm512_add_ps(_mm512_mul_ps(t, _mm512_set1_ps(512.0f)), _mm512_set1_ps(8388608.0f));
+  const __m512i q = _mm512_sub_epi32(_mm512_castps_si512(r), _mm512_set1_epi32(0x4B000000));
+  const __m512 qv = _mm512_mul_ps(_mm512_sub_ps(r, _mm512_set1_ps(8388608.0f)), _mm512_set1_ps(0.001953125f));
+  const __m512i u = _mm512_castps_si512(t);
+  const __m512i ur = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFFF)),
+                                      _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1)));
+  const __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(ur, 20), _mm512_set1_epi32(120 << 3));
+  const __m512 v = _mm512_castsi512_ps(_mm512_and_si512(ur, _mm512_set1_epi32(static_cast<int>(0xFFF00000u))));
+  value = _mm512_mask_blend_ps(sub, v, qv);
+  return _mm512_mask_blend_epi32(sub, code, q);
+}
+
 // 2-level scales of one 256-group from its 16 block maxima bm (binary32 bits of the NaN-free,
 // Inf-free block amax, lane b = block b): nvfp4_2level_outer_scale of lanes 0-7 and 8-15,
 // nvfp4_2level_inner_scale, nvfp4_2level_block_scale, the same binary32 steps in the same order.
 // Writes outer (2) and inner (16); returns sp (lane b = block b).
 inline __m512 avx512_twolevel_scales(float* outer, uint8_t* inner, __m512i bm) {
-  const v16f bamax = (v16f)(_mm512_castsi512_ps(bm));
+  const __m512 bamax = _mm512_castsi512_ps(bm);
   // Max of non-negative non-NaN values: any order. Butterfly over lanes 0-7 and 8-15.
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512i am = bm;
   for (int h = 1; h < 8; h <<= 1)
     am = _mm512_max_epu32(am, _mm512_permutexvar_epi32(_mm512_xor_si512(lane, _mm512_set1_epi32(h)), am));
-  v16f so = ((v16f)(_mm512_castsi512_ps(am)) * kRecip448) * kRecip6;
-  so = so == 0.0f ? 1.0f : so;
-  v16f t = (bamax / so) * kRecip6;
-  t = t < 448.0f ? t : 448.0f;
-  const v16u si = e4m3_rne_sat_magnitude16(t);
-  const v16f sp = e4m3_decode16(si) * so;
-  outer[0] = so[0];
-  outer[1] = so[8];
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(inner), _mm512_cvtepi32_epi8((__m512i)(si)));
-  return (__m512)(sp);
+  __m512 so = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(am), _mm512_set1_ps(kRecip448)), _mm512_set1_ps(kRecip6));
+  so = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(so, _mm512_setzero_ps(), _CMP_EQ_OQ), so, _mm512_set1_ps(1.0f));
+  // t = min(fl(fl(bamax / so) * R6), 448) (`<` as in nvfp4_2level_inner_scale: NaN -> 448).
+  __m512 t = _mm512_mul_ps(_mm512_div_ps(bamax, so), _mm512_set1_ps(kRecip6));
+  t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t, _mm512_set1_ps(448.0f), _CMP_LT_OQ), _mm512_set1_ps(448.0f), t);
+  __m512 siv;
+  const __m512i si = avx512_e4m3_rne_magnitude(t, siv);
+  outer[0] = _mm512_cvtss_f32(so);
+  outer[1] = _mm512_cvtss_f32(_mm512_castps128_ps512(_mm512_extractf32x4_ps(so, 2)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(inner), _mm512_cvtepi32_epi8(si));
+  return _mm512_mul_ps(siv, so);
 }
 
 // 2-level RTN, one 256-group (two 128-blocks): codes (128 bytes), inner (16), outer (2) <- x
@@ -272,14 +293,14 @@ inline bool twolevel_group256_avx512(uint8_t* codes, uint8_t* inner, float* oute
 // C_k for every nonzero block scale the path can see (every BF16 outer amax in range x every inner
 // byte), every BF16 magnitude that fits under the block maximum for ~320 scales, specials.
 //
-// Element step (32 BF16 words w = 2 blocks per vector; word lane l: block 2i + (l >= 16)): a
-// branch-free binary search over the 7 thresholds with vpermw lookups into a per-vector table
-//   table word 16*blk + 8*s + q = C_{q+1} | s << 15  (q = 0..6; q = 7 unused), s = sign half,
-// compared with the raw word: for x < 0 (bit 15 set) w >= C | 0x8000 <=> |x| >= C, so the sign
-// needs no masking. Index j = 16*blk + 8*signbit(x) + q:
-//   stage 1: q = 3 (C_4), m1 = w >= T[j];  stage 2: q = 4*m1 + 1 (C_{4m1+2}), m2;
-//   stage 3: q = 4*m1 + 2*m2 (C_{4m1+2m2+1}), m3;  idx = 4*m1 + 2*m2 + m3
-// and the final j + m3 = 16*blk + code, code = signbit(x) << 3 | idx (the low nibble).
+// Element step (32 BF16 words w = 2 blocks per vector; 128-bit lane L holds 8 words of block
+// 2i + (L >= 2)): a branch-free binary search over the 7 thresholds by vpshufb lookups (in-lane
+// byte shuffles) into a per-vector table whose every lane holds its block's C_1..C_7 (+ filler)
+// as 8 low bytes then 8 high bytes; the word index of slot q is bytes (q, 8 + q). With
+// a = |x| bits:
+//   stage 1: q = 3 (C_4), m1 = a >= C_q+1;  stage 2: q = 4*m1 + 1 (C_{4m1+2}), m2;
+//   stage 3: q = 4*m1 + 2*m2 (C_{4m1+2m2+1}), m3;  idx = 4*m1 + 2*m2 + m3 = q + m3,
+// code = idx + 8*signbit(x) in the low byte of the final index word.
 
 // Block maxima of 8 vectors of 32 |x| words (vector i: blocks 2i, 2i+1) as binary32 bits (lane b
 // = block b): three vpermt2w merge levels, each halving the words per block, then the pair max.
@@ -310,12 +331,12 @@ inline __m512i avx512_bf16_block_maxima(const __m512i* a) {
   return _mm512_slli_epi32(_mm512_max_epu16(z, _mm512_srli_epi32(z, 16)), 16);
 }
 
-// T_i (see above) for i = 0..7 from the transposed thresholds r[j] (128-bit lane L of r[j] =
-// block 4L + j: words C_1..C_7, filler): blocks 2i, 2i+1 = lane i/2 of r[2(i%2)], r[2(i%2)+1].
+// T_i (see above) for i = 0..7 from the byte-split thresholds r[j] (128-bit lane L of r[j] =
+// block 4L + j): blocks 2i, 2i+1 = lane i/2 of r[2(i%2)], r[2(i%2)+1], each in two lanes.
 template <int I>
-inline __m512i avx512_bf16_table(const __m512i* r, __m512i signs) {
+inline __m512i avx512_bf16_table(const __m512i* r) {
   constexpr int L = I / 2, J = 2 * (I % 2);
-  return _mm512_or_si512(_mm512_shuffle_i32x4(r[J], r[J + 1], L * 0x55), signs);
+  return _mm512_shuffle_i32x4(r[J], r[J + 1], L * 0x55);
 }
 
 // Phase 1 of a 256-group x: the 16 block maxima as binary32 bits (lane b = block b; NaN shows as
@@ -370,45 +391,42 @@ inline void twolevel_bf16_tables(__m512i* tab, __m512 sp) {
   const __m512i t2 = _mm512_unpacklo_epi32(pr[2], pr[3]), t3 = _mm512_unpackhi_epi32(pr[2], pr[3]);
   const __m512i r[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
                         _mm512_unpackhi_epi64(t1, t3)};
-  alignas(64) static const uint16_t kSigns[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000,
-                                                  0, 0, 0, 0, 0, 0, 0, 0, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000};
-  const __m512i sg = _mm512_load_si512(kSigns);
-  tab[0] = avx512_bf16_table<0>(r, sg);
-  tab[1] = avx512_bf16_table<1>(r, sg);
-  tab[2] = avx512_bf16_table<2>(r, sg);
-  tab[3] = avx512_bf16_table<3>(r, sg);
-  tab[4] = avx512_bf16_table<4>(r, sg);
-  tab[5] = avx512_bf16_table<5>(r, sg);
-  tab[6] = avx512_bf16_table<6>(r, sg);
-  tab[7] = avx512_bf16_table<7>(r, sg);
+  // Split each lane's 8 words into 8 low bytes then 8 high bytes (the vpshufb table layout).
+  const __m512i split = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+  const __m512i rs[4] = {_mm512_shuffle_epi8(r[0], split), _mm512_shuffle_epi8(r[1], split),
+                         _mm512_shuffle_epi8(r[2], split), _mm512_shuffle_epi8(r[3], split)};
+  tab[0] = avx512_bf16_table<0>(rs);
+  tab[1] = avx512_bf16_table<1>(rs);
+  tab[2] = avx512_bf16_table<2>(rs);
+  tab[3] = avx512_bf16_table<3>(rs);
+  tab[4] = avx512_bf16_table<4>(rs);
+  tab[5] = avx512_bf16_table<5>(rs);
+  tab[6] = avx512_bf16_table<6>(rs);
+  tab[7] = avx512_bf16_table<7>(rs);
 }
 
 // Phase 4: codes (128 bytes) of the 256-group x with its tables tab.
 inline void twolevel_bf16_codes(uint8_t* codes, const uint16_t* x, const __m512i* tab) {
-  // Per-word base indices 16*blk + 8*s + q for q = 3 (stage 1) and q = 1 (stage 2, before + 4*m1).
-  alignas(64) static const uint16_t kQ3p[32] = {3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3,
-                                                19, 19, 19, 19, 19, 19, 19, 19, 19, 19, 19, 19, 19, 19, 19, 19};
-  const __m512i q3p = _mm512_load_si512(kQ3p);
-  const __m512i q3n = _mm512_add_epi16(q3p, _mm512_set1_epi16(8));
-  const __m512i q1p = _mm512_sub_epi16(q3p, _mm512_set1_epi16(2)), q1n = _mm512_add_epi16(q1p, _mm512_set1_epi16(8));
-  const __m512i one = _mm512_set1_epi16(1), two = _mm512_set1_epi16(2), four = _mm512_set1_epi16(4);
-  const __m512i lo4 = _mm512_set1_epi32(0x0F);
+  // Index words for slot q: low byte q, high byte 8 + q (257 q + 0x0800).
+  const __m512i q3 = _mm512_set1_epi16(0x0B03), q1 = _mm512_set1_epi16(0x0901), q0 = _mm512_set1_epi16(0x0800);
+  const __m512i s4 = _mm512_set1_epi16(0x0404), s2 = _mm512_set1_epi16(0x0202);
+  const __m512i one = _mm512_set1_epi16(1), eight = _mm512_set1_epi16(8);
+  const __m512i weights = _mm512_set1_epi32(0x00100001);  // words (1, 16): even + 16 * odd
   for (int i = 0; i < 8; ++i) {
-    const __m512i wi = _mm512_loadu_si512(x + 32 * i);
-    const __mmask32 neg = _mm512_movepi16_mask(wi);
-    const __m512i j1 = _mm512_mask_blend_epi16(neg, q3p, q3n);
-    const __mmask32 m1 = _mm512_cmpge_epu16_mask(wi, _mm512_permutexvar_epi16(j1, tab[i]));
-    const __m512i b2 = _mm512_mask_blend_epi16(neg, q1p, q1n);
-    const __m512i j2 = _mm512_mask_add_epi16(b2, m1, b2, four);
-    const __mmask32 m2 = _mm512_cmpge_epu16_mask(wi, _mm512_permutexvar_epi16(j2, tab[i]));
-    const __m512i b3 = _mm512_sub_epi16(j2, one);
-    const __m512i j3 = _mm512_mask_add_epi16(b3, m2, b3, two);
-    const __mmask32 m3 = _mm512_cmpge_epu16_mask(wi, _mm512_permutexvar_epi16(j3, tab[i]));
-    const __m512i c = _mm512_mask_add_epi16(j3, m3, j3, one);  // word = 16*blk + code
-    // Dword = even word | odd word << 16 -> byte = even code | odd code << 4: (c & 0xF) | ((c >> 12)
-    // & ~0xF) (ternary-logic 0xE4: C ? A : B bitwise), then the low byte of each dword.
-    const __m512i packed = _mm512_ternarylogic_epi32(c, _mm512_srli_epi32(c, 12), lo4, 0xE4);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * i), _mm512_cvtepi32_epi8(packed));
+    const __m512i w = _mm512_loadu_si512(x + 32 * i);
+    const __m512i a = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
+    const __mmask32 neg = _mm512_movepi16_mask(w);
+    const __mmask32 m1 = _mm512_cmpge_epu16_mask(a, _mm512_shuffle_epi8(tab[i], q3));
+    const __m512i j2 = _mm512_mask_add_epi16(q1, m1, q1, s4);
+    const __m512i b3 = _mm512_mask_add_epi16(q0, m1, q0, s4);
+    const __mmask32 m2 = _mm512_cmpge_epu16_mask(a, _mm512_shuffle_epi8(tab[i], j2));
+    const __m512i j3 = _mm512_mask_add_epi16(b3, m2, b3, s2);
+    const __mmask32 m3 = _mm512_cmpge_epu16_mask(a, _mm512_shuffle_epi8(tab[i], j3));
+    __m512i c = _mm512_mask_add_epi16(j3, m3, j3, one);  // low byte: idx = 4 m1 + 2 m2 + m3
+    c = _mm512_mask_add_epi16(c, neg, c, eight);           // low byte: code
+    // Dword = even word | odd word << 16: even + 16 * odd has the packed byte in its low 8 bits
+    // (the high bytes of the words only reach bits >= 8).
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * i), _mm512_cvtepi32_epi8(_mm512_madd_epi16(c, weights)));
   }
 }
 
