@@ -51,6 +51,31 @@ __device__ float amax_update_ref(float m, float x) {
   return a > m ? a : m;
 }
 
+// Mismatch counters of a check kernel: kN counts and, per count, the bits of one failing input.
+// launch(mismatches, first) starts the kernel; the counters start at zero.
+template <int kN>
+struct Mismatches {
+  unsigned long long count[kN];
+  unsigned int first[kN];
+};
+template <int kN, typename Launch>
+Mismatches<kN> run_check(const Launch& launch) {
+  unsigned long long* mism;
+  unsigned int* first;
+  NIB_CUDA_CHECK(cudaMalloc(&mism, kN * sizeof(unsigned long long)));
+  NIB_CUDA_CHECK(cudaMalloc(&first, kN * sizeof(unsigned int)));
+  NIB_CUDA_CHECK(cudaMemset(mism, 0, kN * sizeof(unsigned long long)));
+  NIB_CUDA_CHECK(cudaMemset(first, 0, kN * sizeof(unsigned int)));
+  launch(mism, first);
+  NIB_CUDA_CHECK_LAUNCH();
+  Mismatches<kN> r;
+  NIB_CUDA_CHECK(cudaMemcpy(r.count, mism, sizeof r.count, cudaMemcpyDeviceToHost));
+  NIB_CUDA_CHECK(cudaMemcpy(r.first, first, sizeof r.first, cudaMemcpyDeviceToHost));
+  cudaFree(mism);
+  cudaFree(first);
+  return r;
+}
+
 // mismatches[0]: rne index, [1]: SR index (float u and half-word h forms), [2]: amax step,
 // [3]: e2m1_rne_index_bits_min3 (v < 7);
 // first[]: one failing bit pattern.
@@ -105,23 +130,13 @@ __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* 
 
 TEST(ElementCodec, ExhaustiveAgainstFormerFormulations) {
   if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
-  unsigned long long* mism;
-  unsigned int* first;
-  NIB_CUDA_CHECK(cudaMalloc(&mism, 4 * sizeof(unsigned long long)));
-  NIB_CUDA_CHECK(cudaMalloc(&first, 4 * sizeof(unsigned int)));
-  NIB_CUDA_CHECK(cudaMemset(mism, 0, 4 * sizeof(unsigned long long)));
-  exhaustive_kernel<<<132 * 16, 256>>>(mism, first, 0, uint64_t{1} << 32);
-  NIB_CUDA_CHECK_LAUNCH();
-  unsigned long long h[4];
-  unsigned int f[4];
-  NIB_CUDA_CHECK(cudaMemcpy(h, mism, sizeof h, cudaMemcpyDeviceToHost));
-  NIB_CUDA_CHECK(cudaMemcpy(f, first, sizeof f, cudaMemcpyDeviceToHost));
-  cudaFree(mism);
-  cudaFree(first);
-  EXPECT_EQ(h[0], 0u) << "e2m1 rne index differs, e.g. bits 0x" << std::hex << f[0];
-  EXPECT_EQ(h[1], 0u) << "e2m1 SR index differs, e.g. bits 0x" << std::hex << f[1];
-  EXPECT_EQ(h[2], 0u) << "amax step differs, e.g. bits 0x" << std::hex << f[2];
-  EXPECT_EQ(h[3], 0u) << "e2m1 min3 index differs, e.g. bits 0x" << std::hex << f[3];
+  const Mismatches<4> m = run_check<4>([](unsigned long long* mism, unsigned int* first) {
+    exhaustive_kernel<<<132 * 16, 256>>>(mism, first, 0, uint64_t{1} << 32);
+  });
+  EXPECT_EQ(m.count[0], 0u) << "e2m1 rne index differs, e.g. bits 0x" << std::hex << m.first[0];
+  EXPECT_EQ(m.count[1], 0u) << "e2m1 SR index differs, e.g. bits 0x" << std::hex << m.first[1];
+  EXPECT_EQ(m.count[2], 0u) << "amax step differs, e.g. bits 0x" << std::hex << m.first[2];
+  EXPECT_EQ(m.count[3], 0u) << "e2m1 min3 index differs, e.g. bits 0x" << std::hex << m.first[3];
 }
 
 // The sm_89+ hardware E4M3 conversions behind e4m3_rne_sat_magnitude / e4m3_decode on the device
@@ -144,21 +159,11 @@ __global__ void e4m3_hw_kernel(unsigned long long* mismatches, unsigned int* fir
 
 TEST(ElementCodec, HardwareE4m3EqualsBitManipulation) {
   if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
-  unsigned long long* mism;
-  unsigned int* first;
-  NIB_CUDA_CHECK(cudaMalloc(&mism, 2 * sizeof(unsigned long long)));
-  NIB_CUDA_CHECK(cudaMalloc(&first, 2 * sizeof(unsigned int)));
-  NIB_CUDA_CHECK(cudaMemset(mism, 0, 2 * sizeof(unsigned long long)));
-  e4m3_hw_kernel<<<132 * 16, 256>>>(mism, first, uint64_t{0x7F800000} + 1);
-  NIB_CUDA_CHECK_LAUNCH();
-  unsigned long long h[2];
-  unsigned int f[2];
-  NIB_CUDA_CHECK(cudaMemcpy(h, mism, sizeof h, cudaMemcpyDeviceToHost));
-  NIB_CUDA_CHECK(cudaMemcpy(f, first, sizeof f, cudaMemcpyDeviceToHost));
-  cudaFree(mism);
-  cudaFree(first);
-  EXPECT_EQ(h[0], 0u) << "E4M3 encode differs, e.g. bits 0x" << std::hex << f[0];
-  EXPECT_EQ(h[1], 0u) << "E4M3 decode differs, e.g. byte 0x" << std::hex << f[1];
+  const Mismatches<2> m = run_check<2>([](unsigned long long* mism, unsigned int* first) {
+    e4m3_hw_kernel<<<132 * 16, 256>>>(mism, first, uint64_t{0x7F800000} + 1);
+  });
+  EXPECT_EQ(m.count[0], 0u) << "E4M3 encode differs, e.g. bits 0x" << std::hex << m.first[0];
+  EXPECT_EQ(m.count[1], 0u) << "E4M3 decode differs, e.g. byte 0x" << std::hex << m.first[1];
 }
 
 __device__ bool quotient_ok(float a, float sp) {
@@ -196,22 +201,14 @@ __global__ void quotient_kernel(unsigned long long* mismatches, unsigned int* fi
 
 TEST(ElementCodec, DivisionFreeQuotientEqualsIeeeDivision) {
   if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
-  unsigned long long* mism;
-  unsigned int* first;
-  NIB_CUDA_CHECK(cudaMalloc(&mism, sizeof(unsigned long long)));
-  NIB_CUDA_CHECK(cudaMalloc(&first, 2 * sizeof(unsigned int)));
   for (int mode = 0; mode < 2; ++mode) {
-    NIB_CUDA_CHECK(cudaMemset(mism, 0, sizeof(unsigned long long)));
-    quotient_kernel<<<132 * 16, 256>>>(mism, first, mode, mode == 0 ? (uint64_t{1} << 30) : (uint64_t{1} << 34));
-    NIB_CUDA_CHECK_LAUNCH();
-    unsigned long long h;
-    unsigned int f[2];
-    NIB_CUDA_CHECK(cudaMemcpy(&h, mism, sizeof h, cudaMemcpyDeviceToHost));
-    NIB_CUDA_CHECK(cudaMemcpy(f, first, sizeof f, cudaMemcpyDeviceToHost));
-    EXPECT_EQ(h, 0u) << "mode " << mode << ": e.g. a bits 0x" << std::hex << f[0] << " sp bits 0x" << f[1];
+    // count[0]: mismatches; first[0], first[1]: the a and sp bits of one.
+    const Mismatches<2> m = run_check<2>([mode](unsigned long long* mism, unsigned int* first) {
+      quotient_kernel<<<132 * 16, 256>>>(mism, first, mode, mode == 0 ? (uint64_t{1} << 30) : (uint64_t{1} << 34));
+    });
+    EXPECT_EQ(m.count[0], 0u) << "mode " << mode << ": e.g. a bits 0x" << std::hex << m.first[0] << " sp bits 0x"
+                              << m.first[1];
   }
-  cudaFree(mism);
-  cudaFree(first);
 }
 
 template <typename T>
