@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "backend/cuda/element_codec.cuh"
 #include "core/bits.h"
 #include "core/philox.h"
 #include "formats/e2m1.h"
@@ -110,9 +111,11 @@ __device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16(const floa
         for (int p = 0; p < 4; ++p) {
           const int i = 8 * h + 2 * p;
           packed.set(4 * h + p,
-                     formats::e2m1_pack(formats::nvfp4_2level_code_sr_h(mag(i), xf[i], formats::sr_halfword(w, 2 * p)),
-                                        formats::nvfp4_2level_code_sr_h(mag(i + 1), xf[i + 1],
-                                                                        formats::sr_halfword(w, 2 * p + 1))));
+                     formats::e2m1_pack(
+                         e2m1_sr_index_ru(mag(i), formats::sr_halfword(w, 2 * p)) |
+                             (formats::signbit_nan_positive(xf[i]) << 3),
+                         e2m1_sr_index_ru(mag(i + 1), formats::sr_halfword(w, 2 * p + 1)) |
+                             (formats::signbit_nan_positive(xf[i + 1]) << 3)));  // = nvfp4_2level_code_sr_h
         }
       }
     }
