@@ -269,7 +269,8 @@ inline bool twolevel_group256_avx512(uint8_t* codes, uint8_t* inner, float* oute
 //
 // For a block with sp > 0 the reference code of x is e2m1_rne_index(fl(|x| / sp)) | signbit(x)<<3
 // (nvfp4_2level_scaled_magnitude is the correctly rounded quotient, by the fma steps or by the
-// division). The index is a nondecreasing function of |x|, so with
+// division). The index is a nondecreasing function of |x| (correctly rounded division and
+// e2m1_rne_index are both monotone), so with
 //   C_k = the smallest BF16 magnitude pattern b with e2m1_rne_index(fl(b / sp)) >= k  (k = 1..7)
 // the index of x is #{k : |x|_bits >= C_k} (BF16 patterns of non-negative values are ordered like
 // the values). C_k in closed form: T_k = 0.25 0.75 1.25 1.75 2.5 3.5 5 are the steps of
@@ -285,7 +286,7 @@ inline bool twolevel_group256_avx512(uint8_t* codes, uint8_t* inner, float* oute
 // RD or RU of the real Y_k, and since BF16 values are binary32 values:
 //   odd k:  C_k = (bits(RD(Y_k)) >> 16) + 1          (the BF16 after RD_bf16(Y_k) = trunc(RD(Y_k)))
 //   even k: C_k = (bits(RU(Y_k)) + 0xFFFF) >> 16      (RU_bf16(Y_k) = the BF16 ceiling of RU(Y_k))
-// Y_k lies in [2^-63, 5 * 2^60] (normal, finite), so both are finite positive patterns.
+// Y_k lies in [2^-63, 2^63] (normal, finite), so both are finite positive patterns below 0x7FFF.
 // sp == 0: the reference quotient is 0, index 0: C_k = 0x7FFF (above every non-NaN magnitude).
 // No per-element range condition is needed (tiny, huge or subnormal |x| compare like any other);
 // the group takes the fallback only for NaN/Inf inputs or a nonzero sp outside [2^-60, 2^60].
@@ -298,7 +299,7 @@ inline bool twolevel_group256_avx512(uint8_t* codes, uint8_t* inner, float* oute
 // byte shuffles) into a per-vector table whose every lane holds its block's C_1..C_7 (+ filler)
 // as 8 low bytes then 8 high bytes; the word index of slot q is bytes (q, 8 + q). With
 // a = |x| bits:
-//   stage 1: q = 3 (C_4), m1 = a >= C_q+1;  stage 2: q = 4*m1 + 1 (C_{4m1+2}), m2;
+//   stage 1: q = 3 (C_4), m1 = a >= C_4;  stage 2: q = 4*m1 + 1 (C_{4m1+2}), m2;
 //   stage 3: q = 4*m1 + 2*m2 (C_{4m1+2m2+1}), m3;  idx = 4*m1 + 2*m2 + m3 = q + m3,
 // code = idx + 8*signbit(x) in the low byte of the final index word.
 
