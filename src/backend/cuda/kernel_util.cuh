@@ -1,7 +1,8 @@
 // Small device helpers shared by nibble's CUDA format kernels: 16-byte vector loads/stores of
 // element arrays held in registers, warp max-reductions, the grid-wide amax (atomicMax on the
 // float bits: non-negative floats order like uint32), and the Philox block of a run of eight
-// consecutive flat elements (the half-words formats::sr_uniform() draws one at a time).
+// consecutive flat elements (the half-words formats::sr_uniform() draws one at a time), the
+// double-block encode of a 16-element block (RTN or SR) and decode of 8 packed codes.
 // Mirrors the vectorised load/store helpers of llm.c's dev/cuda (x128) and TE's Vec<>.
 #pragma once
 
@@ -126,6 +127,23 @@ __device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16(const floa
     encode([&](int i) { return formats::nvfp4_2level_scaled_magnitude(xf[i], sp, rp); });
   }
   return packed;
+}
+
+// The 8 values of a word of 8 codes (code i in bits 4i..4i+3), = formats::nvfp4_2level_decode(code,
+// sp) bit for bit in fewer instructions: the magnitude of index k >= 2 has the bits (k + 252) << 22
+// (2k+252 = 2(e+126)+m for k = 2e+m), which gives t = 0.5 and 0.75 for k = 0, 1, where the value is
+// 2t - 1 (0 and 0.5) and for k >= 2 2t - 1 >= t: so |q| = min(t, fma(t, 2, -1)) (exact); then
+// fl(|q| * sp) as the definition, and the code's sign bit flips the result's sign (the definition
+// negates the product: the same bits, NaN included). Checked against the definition for every
+// code and a spread of scales (CudaVsCpu.Decode8EqualsDefinition).
+__device__ __forceinline__ void nvfp4_2level_decode8(float (&y)[8], uint32_t w, float sp) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t k = (w >> (4 * i)) & 7u;
+    const float t = __uint_as_float((k << 22) + 0x3F000000u);
+    const float q = fminf(t, fmaf(t, 2.0f, -1.0f));
+    y[i] = __uint_as_float(__float_as_uint(q * sp) ^ (((w >> (4 * i + 3)) & 1u) << 31));
+  }
 }
 
 inline int ceil_div_int(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }

@@ -18,6 +18,7 @@
 #include "backend/cuda/bench.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
+#include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/quantize.h"
 #include "core/bits.h"
 #include "core/philox.h"
@@ -690,6 +691,41 @@ TEST(CudaVsCpu, RhtAndTranspose) {
   }
   if (bad == 0) return ::testing::AssertionSuccess() << nan_sign << " NaN-sign differences";
   return ::testing::AssertionFailure() << bad << " of " << 2 * got.size() << " codes differ; first element " << first;
+}
+
+// kernel_util.cuh's nvfp4_2level_decode8 (the fused op's decode) against the definition: every
+// code in every nibble position, for scales spanning the binary32 range (subnormal, huge, 0, Inf,
+// NaN). out[j*128 + c] = decode8 of a word holding code c in position c % 8, scale j.
+__global__ void decode8_kernel(uint32_t* out, const float* sps, int nsp) {
+  const int j = blockIdx.x, c = threadIdx.x;  // c < 128: code c & 15 at nibble (c >> 4)
+  if (j >= nsp || c >= 128) return;
+  const int pos = c >> 4;
+  const uint32_t w = (static_cast<uint32_t>(c & 15) << (4 * pos)) | (0x9u << (4 * ((pos + 3) & 7)));
+  float y[8];
+  nvfp4_2level_decode8(y, w, sps[j]);
+  out[j * 128 + c] = __float_as_uint(y[pos]);
+}
+
+TEST(CudaVsCpu, Decode8EqualsDefinition) {
+  NIB_REQUIRE_GPU();
+  std::vector<float> sps = {0.0f, 1e-45f, 1e-40f, 0x1p-126f, 1.0f, 0.75f, 448.0f, 3e38f, INFINITY, NAN};
+  PhiloxStream rng(31, 1);
+  for (int i = 0; i < 200; ++i) sps.push_back(static_cast<float>(std::exp2(rng.next_uniform() * 250.0 - 140.0)));
+  Dev<float> sd(sps);
+  Dev<uint32_t> out(sps.size() * 128);
+  decode8_kernel<<<static_cast<int>(sps.size()), 128>>>(out.get(), sd.get(), static_cast<int>(sps.size()));
+  NIB_CUDA_CHECK_LAUNCH();
+  const std::vector<uint32_t> got = out.host();
+  for (size_t j = 0; j < sps.size(); ++j)
+    for (uint32_t c = 0; c < 128; ++c) {
+      const float want = fm::nvfp4_2level_decode(c & 15u, sps[j]);
+      const uint32_t g = got[j * 128 + c];
+      if (std::isnan(want)) {
+        ASSERT_TRUE(std::isnan(u32_as_float(g))) << "code " << (c & 15u) << " sp " << sps[j];
+      } else {
+        ASSERT_EQ(g, float_as_u32(want)) << "code " << (c & 15u) << " sp " << sps[j];
+      }
+    }
 }
 
 TEST(CudaVsCpu, FusedBackwardOperand) {

@@ -136,7 +136,10 @@ __device__ __forceinline__ int fused_pos(int m) { return (m >> 4) * kGroupStride
 }  // namespace
 
 // codes_t (K, M/2), inner_t (K, M/16), outer_t (K, M/128) <- codes (M, K/2), inner (M, K/16),
-// outer (M, K/128). grid = (K/64, M/128).
+// outer (M, K/128). grid = (K/64, M/128). The RHT's sign s_m of input row m (the m-th element of
+// its 16-group along M) is applied while decoding, by flipping the code sign bits of that row
+// (negating a decoded value is exact, as the formats::rht16_f32 sign step), so phase 2 transforms
+// with no sign step.
 template <typename Codec, bool kSR>
 __global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requantize_kernel(
     uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes, const uint8_t* inner,
@@ -151,18 +154,22 @@ __global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requ
     const int m = threadIdx.x % kFusedTileM, h = threadIdx.x / kFusedTileM;
     const int64_t row = m0 + m, no = (K + 127) / 128;
     const int pos = fused_pos(m);
+    const uint32_t flip = ((sign_mask >> (m & 15)) & 1u) ? 0x88888888u : 0u;  // RHT sign of this row
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       const int64_t kc = k0 + 32 * h + 16 * b;
       float* dst = tile + (32 * h + 16 * b) * kRowStride + pos;
       if (kc < K) {
-        Vec<uint8_t, 8 * 2> c;  // only the low 8 bytes are used
         const uint2 w = __ldcs(reinterpret_cast<const uint2*>(codes + row * (K / 2) + kc / 2));
-        c.w[0] = make_uint4(w.x, w.y, 0u, 0u);
         const float so = __ldg(outer + row * no + kc / 128);
         const float sp = fm::nvfp4_2level_block_scale(__ldg(inner + row * (K / 16) + kc / 16), so);
+        float y[8];
+        nvfp4_2level_decode8(y, w.x ^ flip, sp);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) dst[i * kRowStride] = fm::nvfp4_2level_decode(fm::e2m1_unpack(c.e, i), sp);
+        for (int i = 0; i < 8; ++i) dst[i * kRowStride] = y[i];
+        nvfp4_2level_decode8(y, w.y ^ flip, sp);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dst[(8 + i) * kRowStride] = y[i];
       } else {
 #pragma unroll
         for (int i = 0; i < 16; ++i) dst[i * kRowStride] = 0.0f;
@@ -183,7 +190,7 @@ __global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requ
       float4 f = src[q];
       v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
     }
-    fm::rht16_f32(v, v, sign_mask);
+    fm::rht16_f32(v, v, 0u);  // the signs were applied in phase 1
     float bamax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) bamax = Codec::amax(bamax, v[i]);
