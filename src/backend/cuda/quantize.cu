@@ -126,6 +126,26 @@ __device__ __forceinline__ float block16_amax(const In* x) {
   return m;
 }
 
+// BF16 RTN, packed (bf16_e2m1.cuh): the 16 codes of a TE block whose scale byte s is already
+// known (from the block's own amax, or its 16x16 tile's), as v = fl(|x| * enc) and its index by
+// e2m1_rne_index_bits_min3. w / a: the block's words and magnitudes, abits: its max |x| bits.
+// Returns false (codes untouched) unless the block has no NaN, no -0.0 (TE codes it 0x0, the
+// packed sign 0x8), max |x| * enc <= 6.5 and enc > 2^-17 (sd <= 2^16: every nonzero x has a nonzero
+// product, so the TE sign "v < 0" is the BF16 sign bit); an all-zero block uses enc = 0.
+__device__ __forceinline__ bool nvfp4_te_bf16_rtn_block16(uint2& codes, const uint32_t (&w)[8], const uint32_t (&a)[8],
+                                                          uint32_t abits, uint32_t s, const fm::Nvfp4TeGlobal& g) {
+  if (abits > 0x7F80u || bf16_block_has_negative_zero(w)) return false;
+  float enc = 0.0f;
+  if (abits != 0u) {
+    const float sd = fm::e4m3_decode(s) * g.s_dec;  // enc = fl(1 / sd) (nvfp4_te_block_enc)
+    if (!(sd >= 0x1p-100f && sd <= 0x1p16f)) return false;
+    enc = fm::nvfp4_te_block_enc(s, g);
+    if (!(u32_as_float(abits << 16) * enc <= 6.5f)) return false;
+  }
+  codes = bf16_codes16(w, a, [enc](float m) { return fm::e2m1_rne_index_bits_min3(m * enc); });
+  return true;
+}
+
 // One thread quantizes NB consecutive 1x16 blocks starting at flat block b0 (all in range):
 // the steps of formats::nvfp4_te_quantize_block16, with the element step from Codec.
 template <typename Codec, typename In, int NB, bool kSR>
@@ -140,26 +160,13 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
   for (int b = 0; b < NB; ++b) {
     const In* xb = &v.e[16 * b];
     if constexpr (std::is_same_v<In, uint16_t> && !kSR) {
-      // BF16 RTN, packed (bf16_e2m1.cuh): v = fl(|x| * enc) and its index by
-      // e2m1_rne_index_bits_min3, when the block has no NaN, no -0.0 (TE codes it 0x0, the packed
-      // sign 0x8), max |x| * enc <= 6.5 and enc > 2^-17 (sd <= 2^16: every nonzero x has a nonzero
-      // product, so the TE sign "v < 0" is the BF16 sign bit). An all-zero block uses enc = 0.
       uint32_t w[8], a[8];
       bf16_block_words(w, v.w[2 * b], v.w[2 * b + 1]);
       const uint32_t abits = bf16_block_absmax_bits(a, w);
-      if (abits <= 0x7F80u && !bf16_block_has_negative_zero(w)) {
-        const float bamax = u32_as_float(abits << 16);
-        s[b] = fm::nvfp4_te_block_scale(bamax, g);
-        const float sd = fm::e4m3_decode(s[b]) * g.s_dec;  // enc = fl(1 / sd) (nvfp4_te_block_enc)
-        float enc = -1.0f;
-        if (abits == 0u) {
-          enc = 0.0f;
-        } else if (sd >= 0x1p-100f && sd <= 0x1p16f) {
-          enc = fm::nvfp4_te_block_enc(s[b], g);
-          if (!(bamax * enc <= 6.5f)) enc = -1.0f;
-        }
-        if (enc >= 0.0f) {
-          const uint2 c = bf16_codes16(w, a, [enc](float m) { return fm::e2m1_rne_index_bits_min3(m * enc); });
+      if (abits <= 0x7F80u) {
+        s[b] = fm::nvfp4_te_block_scale(u32_as_float(abits << 16), g);
+        uint2 c;
+        if (nvfp4_te_bf16_rtn_block16(c, w, a, abits, s[b], g)) {
           packed.w[2 * b] = c.x;
           packed.w[2 * b + 1] = c.y;
           continue;
@@ -264,12 +271,34 @@ __global__ void __launch_bounds__(kThreads) nvfp4_te_2d_quantize_kernel(uint8_t*
     else
 #pragma unroll
       for (int i = 0; i < 16; ++i) v.e[i] = In(0);
-    float tile_amax = group_max<16>(fm::block_amax(v.e, 16));
-    uint8_t p[8];
-    uint32_t s = fm::nvfp4_te_quantize_block16(p, v.e, tile_amax, g);
+    uint32_t w[8], a[8], abits = 0;
+    float bamax;
+    if constexpr (std::is_same_v<In, uint16_t>) {  // block max from the |x| bits unless a NaN is present
+      bf16_block_words(w, v.w[0], v.w[1]);
+      abits = bf16_block_absmax_bits(a, w);
+      bamax = abits <= 0x7F80u ? u32_as_float(abits << 16) : fm::block_amax(v.e, 16);
+    } else {
+      bamax = fm::block_amax(v.e, 16);
+    }
+    const float tile_amax = group_max<16>(bamax);
+    uint32_t s;
     PackedBytes<8> pk;
+    bool packed_path = false;
+    if constexpr (std::is_same_v<In, uint16_t>) {  // BF16: the packed RTN path with the tile's scale
+      s = fm::nvfp4_te_block_scale(tile_amax, g);
+      uint2 c;
+      if (nvfp4_te_bf16_rtn_block16(c, w, a, abits, s, g)) {
+        pk.w[0] = c.x;
+        pk.w[1] = c.y;
+        packed_path = true;
+      }
+    }
+    if (!packed_path) {
+      uint8_t p[8];
+      s = fm::nvfp4_te_quantize_block16(p, v.e, tile_amax, g);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) pk.set(i, p[i]);
+      for (int i = 0; i < 8; ++i) pk.set(i, p[i]);
+    }
     if (ok) {
       store_packed(codes + (row * kb + cb) * 8, pk);
       scales[scale_index(row * kb + cb, kb, swizzled)] = static_cast<uint8_t>(s);
