@@ -320,10 +320,16 @@ Result<SafetensorsFile> SafetensorsFile::parse(const uint8_t* bytes, size_t size
   std::shared_ptr<uint8_t> copy(static_cast<uint8_t*>(::operator new(size ? size : 1, std::align_val_t{64})),
                                 [](uint8_t* p) { ::operator delete(p, std::align_val_t{64}); });
   if (size) std::memcpy(copy.get(), bytes, size);
+  const uint8_t* image = copy.get();
+  return from_image(label, std::move(copy), image, size);
+}
+
+Result<SafetensorsFile> SafetensorsFile::from_image(const std::string& label, std::shared_ptr<void> owner,
+                                                    const uint8_t* image, size_t size) {
   ParsedImage parsed;
-  NIB_RETURN_IF_ERROR(parse_image(copy.get(), size, label, &parsed));
+  NIB_RETURN_IF_ERROR(parse_image(image, size, label, &parsed));
   SafetensorsFile f;
-  f.shards_.push_back(make_shard<Shard>(label, copy, copy.get(), parsed));
+  f.shards_.push_back(make_shard<Shard>(label, std::move(owner), image, parsed));
   for (TensorInfo& t : parsed.tensors) {
     std::string name = t.name;
     f.order_.push_back(name);
@@ -356,17 +362,9 @@ Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
 
   if (!is_index) {
     NIB_ASSIGN_OR_RETURN(std::shared_ptr<MappedFile> map, MappedFile::open(target));
-    ParsedImage parsed;
-    NIB_RETURN_IF_ERROR(parse_image(map->data(), map->size(), target, &parsed));
-    SafetensorsFile f;
-    f.shards_.push_back(make_shard<Shard>(target, map, map->data(), parsed));
-    for (TensorInfo& t : parsed.tensors) {
-      std::string name = t.name;
-      f.order_.push_back(name);
-      f.index_.emplace(std::move(name), std::make_pair(size_t{0}, std::move(t)));
-    }
-    f.metadata_ = std::move(parsed.metadata);
-    return f;
+    const uint8_t* image = map->data();
+    const size_t size = map->size();
+    return from_image(target, std::move(map), image, size);
   }
 
   // Sharded: {"metadata": {...}, "weight_map": {tensor: shard file}}.

@@ -45,6 +45,9 @@ class SafetensorsFile {
 
  private:
   struct Shard;
+  // A one-file SafetensorsFile over the image [image, image + size) kept alive by `owner`.
+  static Result<SafetensorsFile> from_image(const std::string& label, std::shared_ptr<void> owner,
+                                            const uint8_t* image, size_t size);
   std::vector<std::shared_ptr<Shard>> shards_;
   std::map<std::string, std::pair<size_t, TensorInfo>> index_;  // name -> (shard, info)
   std::vector<std::string> order_;

@@ -1,10 +1,9 @@
 // The element steps the CUDA format kernels call, as one struct (FormatsCodec): each is the
-// src/formats/ function itself (so GPU and CPU drivers agree bit for bit), with the nvfp4-2level
-// steps taking the block's reciprocal r = formats::nvfp4_2level_block_reciprocal(sp) computed once
-// per 16-block — except the SR index, which is e2m1_sr_index_ru below: the same function as
-// formats::e2m1_sr_index_h in round-up fmas (device-only: the host has no per-operation rounding
-// modes). element_codec_test.cu checks every step against its formats/ or former formulation over
-// all 2^32 inputs.
+// src/formats/ function itself, so GPU and CPU drivers agree bit for bit (the nvfp4-2level steps
+// are in kernel_util.cuh's nvfp4_2level_encode_block16) — except the SR index, e2m1_sr_index_ru
+// below: the same function as formats::e2m1_sr_index_h in round-up fmas (device-only: the host
+// has no per-operation rounding modes). element_codec_test.cu checks every step against its
+// formats/ or former formulation over all 2^32 inputs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -46,13 +45,6 @@ struct FormatsCodec {
   static __device__ __forceinline__ uint32_t te_sr(float x, float enc, uint32_t h) {  // = nvfp4_te_encode_sr_h
     const float v = x * enc;
     return e2m1_sr_index_ru(fabsf(v), h) | (static_cast<uint32_t>(v < 0.0f) << 3);
-  }
-  static __device__ __forceinline__ uint32_t tl_rtn(float x, float sp, float r) {
-    return formats::nvfp4_2level_encode_rtn(x, sp, r);
-  }
-  static __device__ __forceinline__ uint32_t tl_sr(float x, float sp, float r, uint32_t h) {
-    return e2m1_sr_index_ru(formats::nvfp4_2level_scaled_magnitude(x, sp, r), h) |
-           (formats::signbit_nan_positive(x) << 3);
   }
 };
 

@@ -32,6 +32,21 @@ __device__ __forceinline__ uint64_t load_guide(const uint8_t* guide, int64_t b, 
 
 }  // namespace
 
+// Block b of x (16 elements) -> codes: element i encoded by encode(x_i, guidance of i).
+template <typename In, typename Encode>
+__device__ __forceinline__ void guided_block16(uint8_t* codes, const In* x, int64_t b, const uint8_t* guide,
+                                               GuidanceKind kind, const Encode& encode) {
+  Vec<In, 16> v;
+  load_vec(v, x + b * 16);
+  const uint64_t gd = load_guide(guide, b, kind);
+  PackedBytes<8> pk;
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    pk.set(i, fm::e2m1_pack(encode(fm::load_f32(v.e[2 * i]), guide_at(gd, 2 * i, kind)),
+                            encode(fm::load_f32(v.e[2 * i + 1]), guide_at(gd, 2 * i + 1, kind))));
+  store_packed(codes + b * 8, pk);
+}
+
 // codes (M, K/2) <- x (M, K); roll_scales (M, K/16) e4m3; roll_amax (1) f32; guide (M, K/2) or (M, K/8).
 template <typename In>
 __global__ void __launch_bounds__(256) nvfp4_te_guided_kernel(uint8_t* codes, const In* x, int64_t nblocks,
@@ -39,19 +54,12 @@ __global__ void __launch_bounds__(256) nvfp4_te_guided_kernel(uint8_t* codes, co
                                                               const uint8_t* guide, GuidanceKind kind) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= nblocks) return;
-  const fm::Nvfp4TeGlobal g = fm::nvfp4_te_global(*roll_amax);
-  const float enc = fm::nvfp4_te_block_enc(roll_scales[b], g);
-  Vec<In, 16> v;
-  load_vec(v, x + b * 16);
-  const uint64_t gd = load_guide(guide, b, kind);
-  PackedBytes<8> pk;
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    pk.set(i, fm::e2m1_pack(fm::nvfp4_te_encode_guided(fm::load_f32(v.e[2 * i]), enc, guide_at(gd, 2 * i, kind), kind),
-                            fm::nvfp4_te_encode_guided(fm::load_f32(v.e[2 * i + 1]), enc, guide_at(gd, 2 * i + 1, kind), kind)));
-  store_packed(codes + b * 8, pk);
+  const float enc = fm::nvfp4_te_block_enc(roll_scales[b], fm::nvfp4_te_global(*roll_amax));
+  guided_block16(codes, x, b, guide, kind,
+                 [enc, kind](float xi, uint32_t gi) { return fm::nvfp4_te_encode_guided(xi, enc, gi, kind); });
 }
 
+// codes (M, K/2) <- x (M, K); roll_inner (M, K/16) e4m3; roll_outer (M, ceil(K/128)) f32; guide as above.
 template <typename In>
 __global__ void __launch_bounds__(256) nvfp4_2level_guided_kernel(uint8_t* codes, const In* x, int64_t nblocks,
                                                                   int64_t kb, const uint8_t* roll_inner,
@@ -61,15 +69,8 @@ __global__ void __launch_bounds__(256) nvfp4_2level_guided_kernel(uint8_t* codes
   if (b >= nblocks) return;
   const int64_t r = b / kb, cb = b - r * kb;
   const float sp = fm::nvfp4_2level_block_scale(roll_inner[b], roll_outer[r * ((kb + 7) / 8) + cb / 8]);
-  Vec<In, 16> v;
-  load_vec(v, x + b * 16);
-  const uint64_t gd = load_guide(guide, b, kind);
-  PackedBytes<8> pk;
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    pk.set(i, fm::e2m1_pack(fm::nvfp4_2level_encode_guided(fm::load_f32(v.e[2 * i]), sp, guide_at(gd, 2 * i, kind), kind),
-                            fm::nvfp4_2level_encode_guided(fm::load_f32(v.e[2 * i + 1]), sp, guide_at(gd, 2 * i + 1, kind), kind)));
-  store_packed(codes + b * 8, pk);
+  guided_block16(codes, x, b, guide, kind,
+                 [sp, kind](float xi, uint32_t gi) { return fm::nvfp4_2level_encode_guided(xi, sp, gi, kind); });
 }
 
 template <typename In>

@@ -699,33 +699,6 @@ Status quantize_mxfp4(uint8_t* codes, uint8_t* scales, const In* x, int64_t M, i
   return Status::ok();
 }
 
-template <typename Out>
-__global__ void __launch_bounds__(kThreads) mxfp4_dequantize_kernel(Out* y, const uint8_t* codes, const uint8_t* scales,
-                                                                   int64_t nblocks) {
-  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b >= nblocks) return;
-  Vec<uint8_t, 16> c;
-  c.w[0] = *reinterpret_cast<const uint4*>(codes + b * 16);
-  const uint32_t byte = scales[b];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    Vec<Out, 16> v;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v.e[i] = from_f32<Out>(fm::mxfp4_decode(fm::e2m1_unpack(c.e, 16 * h + i), byte));
-    store_vec(y + b * 32 + 16 * h, v);
-  }
-}
-
-template <typename Out>
-Status dequantize_mxfp4(Out* y, const uint8_t* codes, const uint8_t* scales, int64_t M, int64_t K, cudaStream_t stream) {
-  if (M < 0 || K <= 0 || K % 32 != 0) return invalid_argument("dequantize_mxfp4: K={} must be a positive multiple of 32", K);
-  const int64_t nblocks = M * K / 32;
-  if (nblocks == 0) return Status::ok();
-  mxfp4_dequantize_kernel<Out><<<ceil_div_int(nblocks, kThreads), kThreads, 0, stream>>>(y, codes, scales, nblocks);
-  NIB_CUDA_CHECK_LAUNCH();
-  return Status::ok();
-}
-
 template <typename In, MxScaleRule kRule>
 __global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(uint8_t* elems, uint8_t* scales, const In* x,
                                                                  int64_t nblocks, int64_t kb, bool swizzled) {
@@ -761,32 +734,49 @@ Status quantize_mxfp8(uint8_t* elems, uint8_t* scales, const In* x, int64_t M, i
   return Status::ok();
 }
 
-template <typename Out>
-__global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(Out* y, const uint8_t* elems, const uint8_t* scales,
-                                                                   int64_t nblocks) {
+// y (nblocks*32) <- MX blocks; thread per 1x32 block. kFp8: E4M3 elements (32 bytes per block),
+// else packed E2M1 codes (16 bytes).
+template <typename Out, bool kFp8>
+__global__ void __launch_bounds__(kThreads) mx_dequantize_kernel(Out* y, const uint8_t* elems, const uint8_t* scales,
+                                                                int64_t nblocks) {
+  constexpr int kBytes = kFp8 ? 32 : 16;
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= nblocks) return;
-  Vec<uint8_t, 32> c;
-  c.w[0] = *reinterpret_cast<const uint4*>(elems + b * 32);
-  c.w[1] = *reinterpret_cast<const uint4*>(elems + b * 32 + 16);
+  Vec<uint8_t, kBytes> c;
+#pragma unroll
+  for (int i = 0; i < kBytes / 16; ++i) c.w[i] = *reinterpret_cast<const uint4*>(elems + b * kBytes + 16 * i);
   const uint32_t byte = scales[b];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     Vec<Out, 16> v;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v.e[i] = from_f32<Out>(fm::mxfp8_decode(c.e[16 * h + i], byte));
+    for (int i = 0; i < 16; ++i) {
+      const int e = 16 * h + i;
+      v.e[i] = from_f32<Out>(kFp8 ? fm::mxfp8_decode(c.e[e], byte) : fm::mxfp4_decode(fm::e2m1_unpack(c.e, e), byte));
+    }
     store_vec(y + b * 32 + 16 * h, v);
   }
 }
 
-template <typename Out>
-Status dequantize_mxfp8(Out* y, const uint8_t* elems, const uint8_t* scales, int64_t M, int64_t K, cudaStream_t stream) {
-  if (M < 0 || K <= 0 || K % 32 != 0) return invalid_argument("dequantize_mxfp8: K={} must be a positive multiple of 32", K);
+template <typename Out, bool kFp8>
+Status dequantize_mx(Out* y, const uint8_t* elems, const uint8_t* scales, int64_t M, int64_t K, cudaStream_t stream) {
+  if (M < 0 || K <= 0 || K % 32 != 0)
+    return invalid_argument("dequantize_{}: K={} must be a positive multiple of 32", kFp8 ? "mxfp8" : "mxfp4", K);
   const int64_t nblocks = M * K / 32;
   if (nblocks == 0) return Status::ok();
-  mxfp8_dequantize_kernel<Out><<<ceil_div_int(nblocks, kThreads), kThreads, 0, stream>>>(y, elems, scales, nblocks);
+  mx_dequantize_kernel<Out, kFp8><<<ceil_div_int(nblocks, kThreads), kThreads, 0, stream>>>(y, elems, scales, nblocks);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
+}
+
+template <typename Out>
+Status dequantize_mxfp4(Out* y, const uint8_t* codes, const uint8_t* scales, int64_t M, int64_t K, cudaStream_t stream) {
+  return dequantize_mx<Out, false>(y, codes, scales, M, K, stream);
+}
+
+template <typename Out>
+Status dequantize_mxfp8(Out* y, const uint8_t* elems, const uint8_t* scales, int64_t M, int64_t K, cudaStream_t stream) {
+  return dequantize_mx<Out, true>(y, elems, scales, M, K, stream);
 }
 
 // ---- explicit instantiations ------------------------------------------------------------------
