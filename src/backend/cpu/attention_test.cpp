@@ -16,12 +16,25 @@ using testing::dot;
 using testing::expect_grad_matches_fd;
 using testing::random_vector;
 
+// Random q: (B,T,H,D), k, v: (B,T,Hkv,D) in double from seeds seed, seed+1, seed+2, and their
+// forward out: (B,T,H,D), att: (B,H,T,T).
+struct AttentionForward {
+  std::vector<double> q, k, v, out, att;
+};
+AttentionForward random_attention_forward(int64_t B, int64_t Tn, int64_t H, int64_t Hkv, int64_t D, uint64_t seed) {
+  AttentionForward f{random_vector(B * Tn * H * D, seed), random_vector(B * Tn * Hkv * D, seed + 1),
+                     random_vector(B * Tn * Hkv * D, seed + 2), {}, {}};
+  f.out.resize(f.q.size());
+  f.att.resize(B * H * Tn * Tn);
+  attention_forward(f.out.data(), f.att.data(), f.q.data(), f.k.data(), f.v.data(), B, Tn, H, Hkv, D);
+  return f;
+}
+
 TEST(Attention, BackwardMatchesFiniteDifferencesWithGqa) {
   const int64_t B = 2, Tn = 5, H = 4, Hkv = 2, D = 4;
-  auto q = random_vector(B * Tn * H * D, 21), k = random_vector(B * Tn * Hkv * D, 22);
-  auto v = random_vector(B * Tn * Hkv * D, 23), r = random_vector(B * Tn * H * D, 24);
-  std::vector<double> out(q.size()), att(B * H * Tn * Tn), dq(q.size()), dk(k.size()), dv(v.size());
-  attention_forward(out.data(), att.data(), q.data(), k.data(), v.data(), B, Tn, H, Hkv, D);
+  auto [q, k, v, out, att] = random_attention_forward(B, Tn, H, Hkv, D, 21);
+  auto r = random_vector(B * Tn * H * D, 24);
+  std::vector<double> dq(q.size()), dk(k.size()), dv(v.size());
   attention_backward(dq.data(), dk.data(), dv.data(), r.data(), att.data(), q.data(), k.data(), v.data(), B, Tn, H,
                      Hkv, D);
   std::vector<double> att2(att.size());
@@ -36,10 +49,7 @@ TEST(Attention, BackwardMatchesFiniteDifferencesWithGqa) {
 
 TEST(Attention, CausalAndHeadMappingAgainstDirectFormula) {
   const int64_t B = 1, Tn = 4, H = 4, Hkv = 2, D = 3;
-  auto q = random_vector(B * Tn * H * D, 25), k = random_vector(B * Tn * Hkv * D, 26);
-  auto v = random_vector(B * Tn * Hkv * D, 27);
-  std::vector<double> out(q.size()), att(B * H * Tn * Tn);
-  attention_forward(out.data(), att.data(), q.data(), k.data(), v.data(), B, Tn, H, Hkv, D);
+  auto [q, k, v, out, att] = random_attention_forward(B, Tn, H, Hkv, D, 25);
   for (int64_t h = 0; h < H; ++h) {
     int64_t hk = h / 2;  // repeat_kv: query head h uses kv head h // n_rep
     for (int64_t t = 0; t < Tn; ++t) {
@@ -74,10 +84,7 @@ TEST(Attention, CausalAndHeadMappingAgainstDirectFormula) {
 
 TEST(Attention, FloatMatchesDoubleWithinDerivedTolerance) {
   const int64_t B = 2, Tn = 16, H = 2, Hkv = 1, D = 8;
-  auto q = random_vector(B * Tn * H * D, 28), k = random_vector(B * Tn * Hkv * D, 29);
-  auto v = random_vector(B * Tn * Hkv * D, 30);
-  std::vector<double> out(q.size()), att(B * H * Tn * Tn);
-  attention_forward(out.data(), att.data(), q.data(), k.data(), v.data(), B, Tn, H, Hkv, D);
+  auto [q, k, v, out, att] = random_attention_forward(B, Tn, H, Hkv, D, 28);
   std::vector<float> qf(q.begin(), q.end()), kf(k.begin(), k.end()), vf(v.begin(), v.end());
   std::vector<float> outf(q.size()), attf(att.size());
   attention_forward(outf.data(), attf.data(), qf.data(), kf.data(), vf.data(), B, Tn, H, Hkv, D);
