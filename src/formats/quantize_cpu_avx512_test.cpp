@@ -17,10 +17,13 @@
 
 #include "core/bits.h"
 #include "core/philox.h"
+#include "formats/bf16_test_util.h"
 #include "formats/quantize_cpu.h"
 
 namespace nibble::formats {
 namespace {
+
+using testing::to_bf16;
 
 // One value of a 16-block in mode `mode` (chosen per block).
 float block_value(PhiloxStream& rng, int mode, float f) {
@@ -55,12 +58,6 @@ std::vector<float> fast_path_input(int64_t n, uint64_t seed) {
     x[static_cast<size_t>(i)] = block_value(rng, mode, f);
   }
   return x;
-}
-
-std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
-  std::vector<uint16_t> b(x.size());
-  for (size_t i = 0; i < x.size(); ++i) b[i] = f32_to_bf16_bits(x[i]);
-  return b;
 }
 
 template <typename In>

@@ -11,10 +11,13 @@
 
 #include "core/bits.h"
 #include "core/philox.h"
+#include "formats/bf16_test_util.h"
 #include "formats/quantize_cpu.h"
 
 namespace nibble::formats {
 namespace {
+
+using testing::to_bf16;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -39,12 +42,6 @@ std::vector<float> edge_input(int64_t n, uint64_t seed) {
     x[static_cast<size_t>(i)] = static_cast<float>(v);
   }
   return x;
-}
-
-std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
-  std::vector<uint16_t> b(x.size());
-  for (size_t i = 0; i < x.size(); ++i) b[i] = f32_to_bf16_bits(x[i]);
-  return b;
 }
 
 template <typename In>
