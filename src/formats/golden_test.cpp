@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/bits.h"
+#include "formats/bf16_test_util.h"
 #include "formats/golden.h"
 #include "formats/quantize_cpu.h"
 
@@ -48,13 +49,26 @@ void expect_f32_eq(const std::vector<float>& got, const golden::Tensor& want, co
                     << (first >= 0 ? w[static_cast<size_t>(first)] : 0.0f);
 }
 
+// A golden file and its input x: (M,K) f32.
+struct GoldenInput {
+  golden::File f;
+  int64_t M = 0, K = 0;
+  std::vector<float> x;
+};
+GoldenInput load_input(const std::string& name) {
+  GoldenInput in;
+  in.f = golden::load(name);
+  const golden::Tensor& xt = in.f.at("x");
+  in.M = xt.shape[0];
+  in.K = xt.shape[1];
+  in.x = xt.as<float>();
+  return in;
+}
+
 TEST(Golden, Nvfp4Te1x16) {
   for (const char* kind : kKinds) {
     SCOPED_TRACE(kind);
-    golden::File f = golden::load(std::string("nvfp4_te_1x16_") + kind);
-    const auto& xt = f.at("x");
-    int64_t M = xt.shape[0], K = xt.shape[1];
-    std::vector<float> x = xt.as<float>();
+    auto [f, M, K, x] = load_input(std::string("nvfp4_te_1x16_") + kind);
     std::vector<uint8_t> codes(static_cast<size_t>(M * K / 2)), scales(static_cast<size_t>(M * K / 16));
     float amax = nvfp4_te_quantize_cpu(codes.data(), scales.data(), x.data(), M, K);
     expect_bytes_eq(codes, f.at("codes"), "codes");
@@ -64,12 +78,8 @@ TEST(Golden, Nvfp4Te1x16) {
     nvfp4_te_dequantize_cpu(y.data(), codes.data(), scales.data(), amax, M, K);
     expect_f32_eq(y, f.at("dequant"), "dequant");
     // BF16 input path: quantize the BF16 rounding of x, compare against the f32 path on that input.
-    std::vector<uint16_t> xb(x.size());
-    std::vector<float> xbf(x.size());
-    for (size_t i = 0; i < x.size(); ++i) {
-      xb[i] = f32_to_bf16_bits(x[i]);
-      xbf[i] = bf16_bits_to_f32(xb[i]);
-    }
+    std::vector<uint16_t> xb = testing::to_bf16(x);
+    std::vector<float> xbf = testing::from_bf16(xb);
     std::vector<uint8_t> c1(codes.size()), s1(scales.size()), c2(codes.size()), s2(scales.size());
     float a1 = nvfp4_te_quantize_cpu(c1.data(), s1.data(), xb.data(), M, K);
     float a2 = nvfp4_te_quantize_cpu(c2.data(), s2.data(), xbf.data(), M, K);
@@ -82,10 +92,7 @@ TEST(Golden, Nvfp4Te1x16) {
 TEST(Golden, Nvfp4Te2d) {
   for (const char* kind : {"normal", "wide", "ties_zero"}) {
     SCOPED_TRACE(kind);
-    golden::File f = golden::load(std::string("nvfp4_te_2d_") + kind);
-    const auto& xt = f.at("x");
-    int64_t M = xt.shape[0], K = xt.shape[1];
-    std::vector<float> x = xt.as<float>();
+    auto [f, M, K, x] = load_input(std::string("nvfp4_te_2d_") + kind);
     std::vector<uint8_t> codes(static_cast<size_t>(M * K / 2)), scales(static_cast<size_t>(M * K / 16));
     std::vector<uint8_t> codes_t(static_cast<size_t>(K * M / 2)), scales_t(static_cast<size_t>(K * ((M + 15) / 16)));
     float amax = nvfp4_te_quantize_2d_cpu(codes.data(), scales.data(), codes_t.data(), scales_t.data(), x.data(), M, K);
@@ -138,10 +145,7 @@ TEST(Golden, Nvfp4TeRht) {
 TEST(Golden, Nvfp4TetraJetV2DoubleBlock) {
   for (const char* kind : kKinds) {
     SCOPED_TRACE(kind);
-    golden::File f = golden::load(std::string("nvfp4_tetrajet_v2_doubleblock_") + kind);
-    const auto& xt = f.at("x");
-    int64_t M = xt.shape[0], K = xt.shape[1];
-    std::vector<float> x = xt.as<float>();
+    auto [f, M, K, x] = load_input(std::string("nvfp4_tetrajet_v2_doubleblock_") + kind);
     std::vector<uint8_t> codes(static_cast<size_t>(M * K / 2)), inner(static_cast<size_t>(M * K / 16));
     std::vector<float> outer(static_cast<size_t>(M * K / 128));
     nvfp4_2level_quantize_cpu(codes.data(), inner.data(), outer.data(), x.data(), M, K);
@@ -161,56 +165,46 @@ TEST(Golden, Nvfp4TetraJetV2DoubleBlock) {
   }
 }
 
-TEST(Golden, Mxfp4) {
-  struct Rule {
-    const char* prefix;
-    MxScaleRule rule;
-  } rules[] = {{"floor", MxScaleRule::kFloor}, {"rceil", MxScaleRule::kRceil}, {"te_ceil", MxScaleRule::kTeCeil}};
+struct MxRule {
+  const char* prefix;  // tensor names <prefix>_codes, <prefix>_scales, <prefix>_dequant
+  MxScaleRule rule;
+};
+
+// One MX family's golden files <file_prefix><kind>: for every kind and rule, the element bytes
+// (elems_per_byte per byte) and E8M0 scale bytes of quantize(x) bit for bit, then dequantize's
+// values; with dequant_optional, a rule whose file has no <prefix>_dequant skips that last check.
+template <typename Quantize, typename Dequantize>
+void expect_mx_golden(const std::string& file_prefix, const std::vector<MxRule>& rules, int64_t elems_per_byte,
+                      bool dequant_optional, Quantize quantize, Dequantize dequantize) {
   for (const char* kind : kKinds) {
     SCOPED_TRACE(kind);
-    golden::File f = golden::load(std::string("mxfp4_e2m1_") + kind);
-    const auto& xt = f.at("x");
-    int64_t M = xt.shape[0], K = xt.shape[1];
-    std::vector<float> x = xt.as<float>();
-    for (const Rule& r : rules) {
+    auto [f, M, K, x] = load_input(file_prefix + kind);
+    for (const MxRule& r : rules) {
       SCOPED_TRACE(r.prefix);
       std::string p = r.prefix;
-      std::vector<uint8_t> codes(static_cast<size_t>(M * K / 2)), scales(static_cast<size_t>(M * K / 32));
-      mxfp4_quantize_cpu(codes.data(), scales.data(), x.data(), M, K, r.rule);
-      expect_bytes_eq(codes, f.at(p + "_codes"), p + "_codes");
+      std::vector<uint8_t> elems(static_cast<size_t>(M * K / elems_per_byte)), scales(static_cast<size_t>(M * K / 32));
+      quantize(elems.data(), scales.data(), x.data(), M, K, r.rule);
+      expect_bytes_eq(elems, f.at(p + "_codes"), p + "_codes");
       expect_bytes_eq(scales, f.at(p + "_scales"), p + "_scales");
-      if (f.has(p + "_dequant")) {
-        std::vector<float> y(static_cast<size_t>(M * K));
-        mxfp4_dequantize_cpu(y.data(), codes.data(), scales.data(), M, K);
-        expect_f32_eq(y, f.at(p + "_dequant"), p + "_dequant");
-      }
+      if (dequant_optional && !f.has(p + "_dequant")) continue;
+      std::vector<float> y(static_cast<size_t>(M * K));
+      dequantize(y.data(), elems.data(), scales.data(), M, K);
+      expect_f32_eq(y, f.at(p + "_dequant"), p + "_dequant");
     }
   }
 }
 
+TEST(Golden, Mxfp4) {
+  // Dequant optional: the files have no te_ceil_dequant.
+  expect_mx_golden(
+      "mxfp4_e2m1_", {{"floor", MxScaleRule::kFloor}, {"rceil", MxScaleRule::kRceil}, {"te_ceil", MxScaleRule::kTeCeil}},
+      2, /*dequant_optional=*/true, [](auto... args) { mxfp4_quantize_cpu(args...); }, mxfp4_dequantize_cpu);
+}
+
 TEST(Golden, Mxfp8) {
-  struct Rule {
-    const char* prefix;
-    MxScaleRule rule;
-  } rules[] = {{"floor", MxScaleRule::kFloor}, {"rceil", MxScaleRule::kRceil}};
-  for (const char* kind : kKinds) {
-    SCOPED_TRACE(kind);
-    golden::File f = golden::load(std::string("mxfp8_e4m3_") + kind);
-    const auto& xt = f.at("x");
-    int64_t M = xt.shape[0], K = xt.shape[1];
-    std::vector<float> x = xt.as<float>();
-    for (const Rule& r : rules) {
-      SCOPED_TRACE(r.prefix);
-      std::string p = r.prefix;
-      std::vector<uint8_t> elems(static_cast<size_t>(M * K)), scales(static_cast<size_t>(M * K / 32));
-      mxfp8_quantize_cpu(elems.data(), scales.data(), x.data(), M, K, r.rule);
-      expect_bytes_eq(elems, f.at(p + "_codes"), p + "_codes");
-      expect_bytes_eq(scales, f.at(p + "_scales"), p + "_scales");
-      std::vector<float> y(static_cast<size_t>(M * K));
-      mxfp8_dequantize_cpu(y.data(), elems.data(), scales.data(), M, K);
-      expect_f32_eq(y, f.at(p + "_dequant"), p + "_dequant");
-    }
-  }
+  expect_mx_golden("mxfp8_e4m3_", {{"floor", MxScaleRule::kFloor}, {"rceil", MxScaleRule::kRceil}}, 1,
+                   /*dequant_optional=*/false, [](auto... args) { mxfp8_quantize_cpu(args...); },
+                   mxfp8_dequantize_cpu);
 }
 
 }  // namespace
