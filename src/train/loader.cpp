@@ -46,6 +46,16 @@ Status fill_row(const std::vector<TokenShard>& shards, const std::vector<int64_t
   return Status::ok();
 }
 
+// Shapes out as B windows of T tokens (tokens, targets: (B,T) int32) and returns the (T+1) int32
+// row scratch that fill_row reads each window into.
+std::vector<int32_t> start_batch(Batch* out, int64_t batch, int64_t seq_len) {
+  out->batch = batch;
+  out->seq_len = seq_len;
+  out->tokens.resize(static_cast<size_t>(batch * seq_len));
+  out->targets.resize(static_cast<size_t>(batch * seq_len));
+  return std::vector<int32_t>(static_cast<size_t>(seq_len + 1));
+}
+
 }  // namespace
 
 Result<TrainLoader> TrainLoader::open(const std::vector<std::string>& shard_paths, int64_t batch, int64_t seq_len,
@@ -73,11 +83,7 @@ void TrainLoader::make_order(uint64_t epoch) {
 }
 
 Status TrainLoader::next(Batch* out) {
-  out->batch = batch_;
-  out->seq_len = seq_len_;
-  out->tokens.resize(static_cast<size_t>(batch_ * seq_len_));
-  out->targets.resize(static_cast<size_t>(batch_ * seq_len_));
-  std::vector<int32_t> row(static_cast<size_t>(seq_len_ + 1));
+  std::vector<int32_t> row = start_batch(out, batch_, seq_len_);
   for (int64_t b = 0; b < batch_; ++b) {
     if (state_.position >= windows_per_epoch()) {
       ++state_.epoch;
@@ -140,11 +146,7 @@ Result<ValLoader> ValLoader::open(const std::vector<std::string>& shard_paths, i
 
 Status ValLoader::get(int64_t i, Batch* out) const {
   NIB_CHECK_MSG(i >= 0 && i < num_batches_, "validation batch {} of {}", i, num_batches_);
-  out->batch = batch_;
-  out->seq_len = seq_len_;
-  out->tokens.resize(static_cast<size_t>(batch_ * seq_len_));
-  out->targets.resize(static_cast<size_t>(batch_ * seq_len_));
-  std::vector<int32_t> row(static_cast<size_t>(seq_len_ + 1));
+  std::vector<int32_t> row = start_batch(out, batch_, seq_len_);
   for (int64_t b = 0; b < batch_; ++b) {
     const int64_t w = i * batch_ + b;
     NIB_RETURN_IF_ERROR(fill_row(shards_, shard_window_begin_, w, seq_len_, row.data(),
