@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "model/tiny_olmo2_test_util.h"
 #include "tools/cli_test_util.h"
 #include "train/shards.h"
 #include "train/tokenizer.h"
@@ -23,17 +24,7 @@ using nlohmann::json;
 
 // Tiny model inline (vocab 300, hidden 64, 2 layers), text of ~40 KB, 1 thread.
 std::string write_tiny_config(const ScratchDir& d) {
-  json cfg{{"model",
-            {{"architectures", {"Olmo2ForCausalLM"}},
-             {"model_type", "olmo2"},
-             {"hidden_size", 64},
-             {"num_hidden_layers", 2},
-             {"num_attention_heads", 2},
-             {"num_key_value_heads", 2},
-             {"intermediate_size", 128},
-             {"vocab_size", 300},
-             {"max_position_embeddings", 64},
-             {"rope_theta", 500000.0}}},
+  json cfg{{"model", model::test::tiny_olmo2_model_json(300)},
            {"recipe", "bf16"},
            {"batch_size", 4},
            {"seq_len", 32},

@@ -17,6 +17,7 @@
 #include "core/bits.h"
 #include "formats/quantize_cpu.h"
 #include "io/safetensors.h"
+#include "model/tiny_olmo2_test_util.h"
 #include "train/checkpoint.h"
 #include "train/corpus.h"
 #include "train/export.h"
@@ -51,18 +52,9 @@ class TrainerTest : public ::testing::Test {
   // The tiny run config: 4x32 tokens per micro-batch (M = 128 rows: the TetraJet backward
   // operand needs M % 128 == 0), shared data folder.
   static json tiny_config(const std::string& recipe, int64_t steps) {
-    return json{{"model",
-                 {{"architectures", {"Olmo2ForCausalLM"}},
-                  {"model_type", "olmo2"},
-                  {"hidden_size", 64},
-                  {"num_hidden_layers", 2},
-                  {"num_attention_heads", 2},
-                  {"num_key_value_heads", 2},
-                  {"intermediate_size", 128},
-                  {"vocab_size", 320},
-                  {"max_position_embeddings", 64},
-                  {"rope_theta", 500000.0},
-                  {"rms_norm_eps", 1e-6}}},
+    json tiny_model = model::test::tiny_olmo2_model_json(320);
+    tiny_model["rms_norm_eps"] = 1e-6;
+    return json{{"model", tiny_model},
                 {"recipe", recipe},
                 {"seed", 7},
                 {"batch_size", 4},
@@ -87,6 +79,14 @@ class TrainerTest : public ::testing::Test {
     std::error_code ec;
     fs::remove_all(o.run_dir, ec);
     return o;
+  }
+  // A bf16 run of `steps` steps without evaluation into run folder `name`; its last checkpoint.
+  static Result<Checkpoint> train_bf16_checkpoint(const std::string& name, int64_t steps) {
+    RunConfig c = resolve(tiny_config("bf16", steps), {"eval.interval=0"});
+    TrainOptions o = options(name);
+    auto r = run_pretraining(c, o);
+    if (!r) return r.status();
+    return open_checkpoint(o.run_dir);
   }
   static std::string read_bytes(const std::string& path) {
     std::ifstream in(path, std::ios::binary);
@@ -295,12 +295,8 @@ TEST_F(TrainerTest, NonFiniteStepsAreSkippedThenAbort) {
 }
 
 TEST_F(TrainerTest, GenerationIsDeterministicPerSeed) {
-  RunConfig c = resolve(tiny_config("bf16", 20), {"eval.interval=0"});
-  TrainOptions o = options("gen");
-  auto r = run_pretraining(c, o);
-  ASSERT_TRUE(r) << r.status().message();
-  auto ck = open_checkpoint(o.run_dir);
-  ASSERT_TRUE(ck);
+  auto ck = train_bf16_checkpoint("gen", 20);
+  ASSERT_TRUE(ck) << ck.status().message();
   auto m = load_checkpoint_model(*ck);
   ASSERT_TRUE(m) << m.status().message();
   std::vector<int32_t> prompt{10, 20, 30};
@@ -337,12 +333,8 @@ TEST_F(TrainerTest, GenerationIsDeterministicPerSeed) {
 }
 
 TEST_F(TrainerTest, ExportsRoundTrip) {
-  RunConfig c = resolve(tiny_config("bf16", 2), {"eval.interval=0"});
-  TrainOptions o = options("export");
-  auto r = run_pretraining(c, o);
-  ASSERT_TRUE(r) << r.status().message();
-  auto ck = open_checkpoint(o.run_dir);
-  ASSERT_TRUE(ck);
+  auto ck = train_bf16_checkpoint("export", 2);
+  ASSERT_TRUE(ck) << ck.status().message();
   auto src = io::SafetensorsFile::open(ck->dir + "/model.safetensors");
   ASSERT_TRUE(src);
 
