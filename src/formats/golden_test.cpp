@@ -65,18 +65,26 @@ GoldenInput load_input(const std::string& name) {
   return in;
 }
 
+// A TE 1x16 result, codes: (rows, cols/2) e2m1x2, scales: (rows, cols/16) ue4m3, amax, against
+// the file's codes<suffix>, scales<suffix>, amax<suffix>, and its TE dequantization against
+// dequant<suffix>.
+void expect_te_1x16_eq(const golden::File& f, const std::string& suffix, const std::vector<uint8_t>& codes,
+                       const std::vector<uint8_t>& scales, float amax, int64_t rows, int64_t cols) {
+  expect_bytes_eq(codes, f.at("codes" + suffix), "codes" + suffix);
+  expect_bytes_eq(scales, f.at("scales" + suffix), "scales" + suffix);
+  expect_f32_eq({amax}, f.at("amax" + suffix), "amax" + suffix);
+  std::vector<float> y(static_cast<size_t>(rows * cols));
+  nvfp4_te_dequantize_cpu(y.data(), codes.data(), scales.data(), amax, rows, cols);
+  expect_f32_eq(y, f.at("dequant" + suffix), "dequant" + suffix);
+}
+
 TEST(Golden, Nvfp4Te1x16) {
   for (const char* kind : kKinds) {
     SCOPED_TRACE(kind);
     auto [f, M, K, x] = load_input(std::string("nvfp4_te_1x16_") + kind);
     std::vector<uint8_t> codes(static_cast<size_t>(M * K / 2)), scales(static_cast<size_t>(M * K / 16));
     float amax = nvfp4_te_quantize_cpu(codes.data(), scales.data(), x.data(), M, K);
-    expect_bytes_eq(codes, f.at("codes"), "codes");
-    expect_bytes_eq(scales, f.at("scales"), "scales");
-    expect_f32_eq({amax}, f.at("amax"), "amax");
-    std::vector<float> y(static_cast<size_t>(M * K));
-    nvfp4_te_dequantize_cpu(y.data(), codes.data(), scales.data(), amax, M, K);
-    expect_f32_eq(y, f.at("dequant"), "dequant");
+    expect_te_1x16_eq(f, "", codes, scales, amax, M, K);
     // BF16 input path: quantize the BF16 rounding of x, compare against the f32 path on that input.
     std::vector<uint16_t> xb = testing::to_bf16(x);
     std::vector<float> xbf = testing::from_bf16(xb);
@@ -96,14 +104,9 @@ TEST(Golden, Nvfp4Te2d) {
     std::vector<uint8_t> codes(static_cast<size_t>(M * K / 2)), scales(static_cast<size_t>(M * K / 16));
     std::vector<uint8_t> codes_t(static_cast<size_t>(K * M / 2)), scales_t(static_cast<size_t>(K * ((M + 15) / 16)));
     float amax = nvfp4_te_quantize_2d_cpu(codes.data(), scales.data(), codes_t.data(), scales_t.data(), x.data(), M, K);
-    expect_bytes_eq(codes, f.at("codes"), "codes");
-    expect_bytes_eq(scales, f.at("scales"), "scales");
+    expect_te_1x16_eq(f, "", codes, scales, amax, M, K);
     expect_bytes_eq(codes_t, f.at("codes_t"), "codes_t");
     expect_bytes_eq(scales_t, f.at("scales_t"), "scales_t");
-    expect_f32_eq({amax}, f.at("amax"), "amax");
-    std::vector<float> y(static_cast<size_t>(M * K));
-    nvfp4_te_dequantize_cpu(y.data(), codes.data(), scales.data(), amax, M, K);
-    expect_f32_eq(y, f.at("dequant"), "dequant");
   }
 }
 
@@ -125,21 +128,11 @@ TEST(Golden, Nvfp4TeRht) {
   std::vector<uint8_t> yt_bytes(yt.size() * 2);
   std::memcpy(yt_bytes.data(), yt.data(), yt_bytes.size());
   expect_bytes_eq(yt_bytes, f.at("x_t_rht"), "x_t_rht");
-  expect_f32_eq({amax_t}, f.at("amax_t"), "amax_t");
-  expect_bytes_eq(codes_t, f.at("codes_t"), "codes_t");
-  expect_bytes_eq(scales_t, f.at("scales_t"), "scales_t");
-  std::vector<float> yd(static_cast<size_t>(K * M));
-  nvfp4_te_dequantize_cpu(yd.data(), codes_t.data(), scales_t.data(), amax_t, K, M);
-  expect_f32_eq(yd, f.at("dequant_t"), "dequant_t");
+  expect_te_1x16_eq(f, "_t", codes_t, scales_t, amax_t, K, M);
   // Rowwise part of the same file (no RHT).
   std::vector<uint8_t> codes(static_cast<size_t>(M * K / 2)), scales(static_cast<size_t>(M * K / 16));
   float amax = nvfp4_te_quantize_cpu(codes.data(), scales.data(), x.data(), M, K);
-  expect_f32_eq({amax}, f.at("amax"), "amax");
-  expect_bytes_eq(codes, f.at("codes"), "codes");
-  expect_bytes_eq(scales, f.at("scales"), "scales");
-  std::vector<float> y(static_cast<size_t>(M * K));
-  nvfp4_te_dequantize_cpu(y.data(), codes.data(), scales.data(), amax, M, K);
-  expect_f32_eq(y, f.at("dequant"), "dequant");
+  expect_te_1x16_eq(f, "", codes, scales, amax, M, K);
 }
 
 TEST(Golden, Nvfp4TetraJetV2DoubleBlock) {
