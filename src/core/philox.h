@@ -17,9 +17,15 @@ struct Philox4x32 {
 };
 
 NIB_HOST_DEVICE void philox_mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
+#if NIB_ON_DEVICE
+  // One 32x32->64 multiply (IMAD.WIDE.U32) whose halves are the two words: the 64-bit C++ form
+  // left 64-bit XORs and masks in the round function for ptxas to narrow.
+  asm("{\n\t.reg .b64 p;\n\tmul.wide.u32 p, %2, %3;\n\tmov.b64 {%1, %0}, p;\n\t}" : "=r"(hi), "=r"(lo) : "r"(a), "r"(b));
+#else
   uint64_t p = static_cast<uint64_t>(a) * static_cast<uint64_t>(b);
   hi = static_cast<uint32_t>(p >> 32);
   lo = static_cast<uint32_t>(p);
+#endif
 }
 
 // The raw generator: 10 rounds of Philox4x32 on `counter` under `key`.

@@ -35,10 +35,15 @@ NIB_HOST_DEVICE int rht_h16(int i, int j) {
 
 // y (16) <- x (16) · (1/4) diag(s) H16 in binary32, fixed order (see the file comment).
 // y may alias x.
-NIB_HOST_DEVICE void rht16_f32(float* y, const float* x, uint32_t sign_mask) {
-  float t[16];
-  for (int i = 0; i < 16; ++i) t[i] = ((sign_mask >> i) & 1u) ? -x[i] : x[i];
+// The butterfly alone, in place: t <- t · H16 (no signs, no 1/4), in the fixed order above.
+NIB_HOST_DEVICE void rht16_butterfly_f32(float* t) {
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
   for (int h = 1; h < 16; h <<= 1) {
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
     for (int i = 0; i < 16; ++i) {
       if (i & h) continue;
       float a = t[i], b = t[i + h];
@@ -46,6 +51,11 @@ NIB_HOST_DEVICE void rht16_f32(float* y, const float* x, uint32_t sign_mask) {
       t[i + h] = a - b;
     }
   }
+}
+NIB_HOST_DEVICE void rht16_f32(float* y, const float* x, uint32_t sign_mask) {
+  float t[16];
+  for (int i = 0; i < 16; ++i) t[i] = ((sign_mask >> i) & 1u) ? -x[i] : x[i];
+  rht16_butterfly_f32(t);
   for (int j = 0; j < 16; ++j) y[j] = t[j] * 0.25f;
 }
 

@@ -77,7 +77,8 @@ Mismatches<kN> run_check(const Launch& launch) {
 }
 
 // mismatches[0]: rne index, [1]: SR index (float u and half-word h forms), [2]: amax step,
-// [3]: e2m1_rne_index_bits_min3 (v < 7), [4]: e2m1_sr_index_ru (element_codec.cuh; a >= 0 or NaN);
+// [3]: e2m1_rne_index_bits_min3 (v < 7), [4]: e2m1_sr_index_ru (element_codec.cuh; a >= 0 or NaN),
+// [5]: e2m1_sr_index_ru_biased (finite a >= 0), [6]: e2m1_rne_index_biased (finite v >= 0);
 // first[]: one failing bit pattern.
 __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* first, uint64_t base, uint64_t count) {
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
@@ -115,11 +116,21 @@ __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* 
         atomicAdd(&mismatches[4], 1ull);
         first[4] = bits;
       }
+      if (bits < 0x7F800000u &&  // finite a >= 0
+          e2m1_sr_index_ru_biased(a, sr_offset_g(hs[j])) - 0x4B000001u != fm::e2m1_sr_index_h(a, hs[j])) {
+        atomicAdd(&mismatches[5], 1ull);
+        first[5] = bits;
+      }
     }
     // The min3 index form (formats/e2m1.h) for every v in [0, 7).
     if (bits < 0x40E00000u && fm::e2m1_rne_index_bits_min3(a) - 0x4B000000u != fm::e2m1_rne_index(a)) {
       atomicAdd(&mismatches[3], 1ull);
       first[3] = bits;
+    }
+    // Its capped form (element_codec.cuh) for every finite v >= 0.
+    if (bits < 0x7F800000u && e2m1_rne_index_biased(a) - 0x4B000000u != fm::e2m1_rne_index(a)) {
+      atomicAdd(&mismatches[6], 1ull);
+      first[6] = bits;
     }
     const float ms[4] = {0.0f, 1.0f, 3.0e38f, 1e-42f};
 #pragma unroll
@@ -134,7 +145,7 @@ __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* 
 
 TEST(ElementCodec, ExhaustiveAgainstFormerFormulations) {
   if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
-  const Mismatches<5> m = run_check<5>([](unsigned long long* mism, unsigned int* first) {
+  const Mismatches<7> m = run_check<7>([](unsigned long long* mism, unsigned int* first) {
     exhaustive_kernel<<<132 * 16, 256>>>(mism, first, 0, uint64_t{1} << 32);
   });
   EXPECT_EQ(m.count[0], 0u) << "e2m1 rne index differs, e.g. bits 0x" << std::hex << m.first[0];
@@ -142,6 +153,8 @@ TEST(ElementCodec, ExhaustiveAgainstFormerFormulations) {
   EXPECT_EQ(m.count[2], 0u) << "amax step differs, e.g. bits 0x" << std::hex << m.first[2];
   EXPECT_EQ(m.count[3], 0u) << "e2m1 min3 index differs, e.g. bits 0x" << std::hex << m.first[3];
   EXPECT_EQ(m.count[4], 0u) << "e2m1 SR round-up form differs, e.g. bits 0x" << std::hex << m.first[4];
+  EXPECT_EQ(m.count[5], 0u) << "e2m1 SR biased g form differs, e.g. bits 0x" << std::hex << m.first[5];
+  EXPECT_EQ(m.count[6], 0u) << "e2m1 capped min3 index differs, e.g. bits 0x" << std::hex << m.first[6];
 }
 
 // The sm_89+ hardware E4M3 conversions behind e4m3_rne_sat_magnitude / e4m3_decode on the device

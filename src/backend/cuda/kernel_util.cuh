@@ -146,6 +146,89 @@ __device__ __forceinline__ void nvfp4_2level_decode8(float (&y)[8], uint32_t w, 
   }
 }
 
+// max(a, b) that returns NaN when either is NaN (PTX max.NaN; fmaxf skips NaN).
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// PTX prmt.b32 in its default mode with both sources `table`: byte n of the result is byte
+// (c >> 4n) & 3 of table, or, when bit 4n + 3 of c is set, that byte's sign bit replicated (0x00 /
+// 0xFF). (__byte_perm documents only the 3-bit selectors.)
+__device__ __forceinline__ uint32_t prmt_sign_mode(uint32_t table, uint32_t c) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(table), "r"(c));
+  return d;
+}
+
+// nvfp4_2level_decode8 for a finite sp, from byte tables instead of per-code arithmetic (the
+// fused op's phase 1). A magnitude |q| of E2M1 index k is a BF16 value whose two bytes come from
+// 8-entry tables indexed by k (one byte permute gives four codes' bytes; the permute's selector
+// nibble is the code with its sign bit masked). The codes' signs go into the high bytes:
+// permuting `sign_table` (all 0x80, or all 0x7F to flip every sign: the RHT sign of the row) with
+// the unmasked codes as selector yields, per byte, 0x80 / 0xFF (0x7F / 0x00) for a clear / set sign
+// bit, whose bit 6 is the wanted sign. A permute pairs two elements' bytes into a BF16x2 word;
+// each half widens to binary32 exactly, and y = fl(±|q| * sp) = ±fl(|q| * sp) (round to nearest is
+// symmetric; a zero takes the sign of the product, as the definition's negation gives) for any
+// finite sp, negative, zero and subnormal included. Non-finite sp: nvfp4_2level_decode8 (NaN bits
+// differ). Checked against the definition (CudaVsCpu.Decode8FastEqualsDefinition).
+__device__ __forceinline__ void nvfp4_2level_decode8_finite(float (&y)[8], uint32_t w, float sp, uint32_t sign_table) {
+  constexpr uint32_t kHi03 = 0x3F3F3F00u, kHi47 = 0x40404040u;  // high byte of |q|, k = 0..3, 4..7
+  constexpr uint32_t kLo03 = 0xC0800000u, kLo47 = 0xC0804000u;  // low byte of |q| (BF16)
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // codes 4*half .. 4*half + 3
+    const uint32_t sel = half ? w >> 16 : w;
+    const uint32_t k = sel & 0x7777u;
+    const uint32_t sg = prmt_sign_mode(sign_table, sel);
+    const uint32_t hi = __byte_perm(kHi03, kHi47, k) | ((sg << 1) & 0x80808080u);
+    const uint32_t lo = __byte_perm(kLo03, kLo47, k);
+    const uint32_t p01 = __byte_perm(lo, hi, 0x5140), p23 = __byte_perm(lo, hi, 0x7362);  // BF16 pairs
+    y[4 * half + 0] = __uint_as_float(p01 << 16) * sp;
+    y[4 * half + 1] = __uint_as_float(p01 & 0xFFFF0000u) * sp;
+    y[4 * half + 2] = __uint_as_float(p23 << 16) * sp;
+    y[4 * half + 3] = __uint_as_float(p23 & 0xFFFF0000u) * sp;
+  }
+}
+
+// The sign bits of v[0..7] at the code sign positions 4i + 3 (the other bits zero): the top bytes
+// of the even elements gathered into one word (sign at 8j + 7, wanted at 8j + 3) and of the odd
+// ones into another (already in place), by six byte permutes.
+__device__ __forceinline__ uint32_t sign_nibbles8(const float* v) {
+  const auto top2 = [&](int i, int j) { return __byte_perm(__float_as_uint(v[i]), __float_as_uint(v[j]), 0x0073); };
+  const uint32_t even = __byte_perm(top2(0, 2), top2(4, 6), 0x5410);
+  const uint32_t odd = __byte_perm(top2(1, 3), top2(5, 7), 0x5410);
+  return ((even >> 4) & 0x08080808u) | (odd & 0x80808080u);
+}
+
+// nvfp4_2level_encode_block16 on the fast path only, in fewer instructions per element: for a
+// block that passed the range check (every v[i] zero or |v[i]| in [c 2^-60, c 2^60], no NaN) with
+// sp / r its scale and reciprocal times c / over c (c a power of two, v = c x exactly: the
+// quotient steps then see c times their operands, so every step is exact or the same rounding and
+// v / sp gives the bits x / sp gives). Per element: the 5-step quotient, the biased index
+// (e2m1_sr_index_ru_biased / e2m1_rne_index_biased), a multiply-add into the packed word; the
+// bias is removed once per word and the signs (signbit(x), no NaN here) come from sign_nibbles8.
+template <bool kSR>
+__device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16_fast(const float* v, float sp, float r,
+                                                                          const formats::SrKey& key, uint64_t q0) {
+  PackedBytes<8> packed;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    Philox4x32 words{};
+    if constexpr (kSR) words = sr_words(key, q0 + h);
+    uint32_t acc = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float a = formats::nvfp4_2level_quotient_fma(fabsf(v[8 * h + i]), sp, r);
+      const uint32_t biased = kSR ? e2m1_sr_index_ru_biased(a, sr_offset_g(words, i)) : e2m1_rne_index_biased(a);
+      acc += biased << (4 * i);
+    }
+    acc -= (kSR ? 0x4B000001u : 0x4B000000u) * 0x11111111u;
+    packed.w[h] = acc | sign_nibbles8(v + 8 * h);
+  }
+  return packed;
+}
+
 inline int ceil_div_int(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
 }  // namespace nibble::cuda

@@ -728,6 +728,119 @@ TEST(CudaVsCpu, Decode8EqualsDefinition) {
     }
 }
 
+// nvfp4_2level_decode8_finite (the fused op's decode for a finite scale) against the definition:
+// random code words (every code lands in every nibble position many times), both sign tables (the
+// second flips every code's sign: the RHT sign of a row), finite scales spanning the binary32
+// range, negative, zero and subnormal ones included. out[(j * 2 + flip) * nw * 8 + w * 8 + i].
+__global__ void decode8_finite_kernel(float* out, const uint32_t* words, int nw, const float* sps) {
+  const int j = blockIdx.x, flip = blockIdx.y;
+  for (int w = threadIdx.x; w < nw; w += blockDim.x) {
+    float y[8];
+    nvfp4_2level_decode8_finite(y, words[w], sps[j], flip ? 0x7F7F7F7Fu : 0x80808080u);
+    for (int i = 0; i < 8; ++i) out[((j * 2 + flip) * static_cast<int64_t>(nw) + w) * 8 + i] = y[i];
+  }
+}
+
+TEST(CudaVsCpu, Decode8FiniteEqualsDefinition) {
+  NIB_REQUIRE_GPU();
+  std::vector<float> sps = {0.0f, -0.0f, 1e-45f, -1e-45f, 1e-40f, 0x1p-126f, 1.0f, -1.0f, 0.75f, 448.0f, 3e38f, -3e38f};
+  PhiloxStream rng(32, 1);
+  for (int i = 0; i < 100; ++i) {
+    const float sp = static_cast<float>(std::exp2(rng.next_uniform() * 250.0 - 140.0));
+    sps.push_back(i % 2 ? -sp : sp);
+  }
+  std::vector<uint32_t> words(2048);
+  for (uint32_t& w : words) w = rng.next_u32();
+  const int nw = static_cast<int>(words.size()), nsp = static_cast<int>(sps.size());
+  Dev<uint32_t> wd(words);
+  Dev<float> sd(sps), out(static_cast<size_t>(nsp) * 2 * nw * 8);
+  decode8_finite_kernel<<<dim3(nsp, 2), 256>>>(out.get(), wd.get(), nw, sd.get());
+  NIB_CUDA_CHECK_LAUNCH();
+  const std::vector<float> got = out.host();
+  for (int j = 0; j < nsp; ++j)
+    for (int flip = 0; flip < 2; ++flip)
+      for (int w = 0; w < nw; ++w)
+        for (int i = 0; i < 8; ++i) {
+          const uint32_t code = ((words[w] >> (4 * i)) & 15u) ^ (flip ? 8u : 0u);
+          const float g = got[((static_cast<size_t>(j) * 2 + flip) * nw + w) * 8 + i];
+          ASSERT_EQ(float_as_u32(g), float_as_u32(fm::nvfp4_2level_decode(code, sps[j])))
+              << "code " << code << " sp " << sps[j] << " flip " << flip;
+        }
+}
+
+// sign_nibbles8: the sign bits of 8 floats at bits 4i + 3, for random bit patterns (NaN, -0.0 and
+// every sign combination among them).
+__global__ void sign_nibbles8_kernel(uint32_t* out, const uint32_t* bits, int n8) {
+  for (int w = blockIdx.x * blockDim.x + threadIdx.x; w < n8; w += gridDim.x * blockDim.x) {
+    float v[8];
+    for (int i = 0; i < 8; ++i) v[i] = __uint_as_float(bits[8 * w + i]);
+    out[w] = sign_nibbles8(v);
+  }
+}
+
+TEST(CudaVsCpu, SignNibbles8) {
+  NIB_REQUIRE_GPU();
+  PhiloxStream rng(33, 1);
+  std::vector<uint32_t> bits(8 * 4096);
+  for (uint32_t& b : bits) b = rng.next_u32();
+  for (size_t i = 0; i < 8 * 256; ++i) bits[i] = ((i / 8) >> (i % 8) & 1u) ? 0x80000000u : 0u;  // +-0, all 256 sign sets
+  Dev<uint32_t> bd(bits), out(bits.size() / 8);
+  sign_nibbles8_kernel<<<16, 256>>>(out.get(), bd.get(), static_cast<int>(bits.size() / 8));
+  NIB_CUDA_CHECK_LAUNCH();
+  const std::vector<uint32_t> got = out.host();
+  for (size_t w = 0; w < got.size(); ++w) {
+    uint32_t want = 0;
+    for (int i = 0; i < 8; ++i) want |= (bits[8 * w + i] >> 31) << (4 * i + 3);
+    ASSERT_EQ(got[w], want) << "word " << w;
+  }
+}
+
+// The fused op on one forward-quantized operand (codes, inner, outer of an [M, K] tensor) against
+// the CPU reference (SR) and the unfused GPU chain (RTN and SR), for three seeds.
+void check_fused(const std::vector<uint8_t>& c, const std::vector<uint8_t>& in, const std::vector<float>& o, int64_t M,
+                 int64_t K) {
+  const int64_t n = M * K;
+  Dev<uint8_t> cd(c), ind(in);
+  Dev<float> od(o);
+  for (uint64_t seed : kSeeds) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    const uint32_t mask = fm::rht_random_sign_mask(seed, 21);
+    const fm::SrKey key{seed, 22};
+    std::vector<uint8_t> ct_ref(n / 2), it_ref(n / 16);
+    std::vector<float> ot_ref(K * (M / 128));
+    fm::nvfp4_2level_backward_operand_cpu(ct_ref.data(), it_ref.data(), ot_ref.data(), c.data(), in.data(), o.data(), M,
+                                          K, mask, key);
+    Dev<uint8_t> ct(n / 2), it(n / 16);
+    Dev<float> ot(K * (M / 128));
+    expect_ok(nvfp4_2level_transpose_rht_requantize(ct.get(), it.get(), ot.get(), cd.get(), ind.get(), od.get(), M, K,
+                                                    mask, &key));
+    // The values the CPU quantizes: dequant -> transpose -> RHT (to know where they are NaN).
+    std::vector<float> deq_cpu(n), pre(n);
+    fm::nvfp4_2level_dequantize_cpu(deq_cpu.data(), c.data(), in.data(), o.data(), M, K);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) pre[k * M + m] = deq_cpu[m * K + k];
+    fm::rht16_rows_f32_cpu(pre.data(), pre.data(), K, M, mask);
+    EXPECT_TRUE(same_codes_nan_sign_free(ct.host(), ct_ref, pre));
+    EXPECT_TRUE(same_bits(it.host(), it_ref));
+    EXPECT_TRUE(same_bits(ot.host(), ot_ref));
+    // The unfused GPU chain gives the same bits (RTN here checks the kernel's RTN path too).
+    Dev<float> deq(n), deq_t(n), rot(n);
+    expect_ok(dequantize_nvfp4_2level(deq.get(), cd.get(), ind.get(), od.get(), M, K));
+    expect_ok(transpose(deq_t.get(), static_cast<const float*>(deq.get()), M, K));
+    expect_ok(rht16_rows_f32(rot.get(), deq_t.get(), K, M, mask));
+    for (const fm::SrKey* sr : {static_cast<const fm::SrKey*>(nullptr), &key}) {
+      Dev<uint8_t> c2(n / 2), i2(n / 16), c3(n / 2), i3(n / 16);
+      Dev<float> o2(K * (M / 128)), o3(K * (M / 128));
+      expect_ok(quantize_nvfp4_2level(c2.get(), i2.get(), o2.get(), static_cast<const float*>(rot.get()), K, M, sr));
+      expect_ok(nvfp4_2level_transpose_rht_requantize(c3.get(), i3.get(), o3.get(), cd.get(), ind.get(), od.get(), M, K,
+                                                      mask, sr));
+      EXPECT_TRUE(same_bits(c3.host(), c2.host()));
+      EXPECT_TRUE(same_bits(i3.host(), i2.host()));
+      EXPECT_TRUE(same_bits(o3.host(), o2.host()));
+    }
+  }
+}
+
 TEST(CudaVsCpu, FusedBackwardOperand) {
   NIB_REQUIRE_GPU();
   for_inputs({{128, 16}, {128, 48}, {256, 128}, {128, 320}, {384, 272}}, [](const std::vector<float>& x, int64_t M, int64_t K) {
@@ -735,46 +848,38 @@ TEST(CudaVsCpu, FusedBackwardOperand) {
     std::vector<uint8_t> c(n / 2), in(n / 16);
     std::vector<float> o(M * no);
     fm::nvfp4_2level_quantize_cpu(c.data(), in.data(), o.data(), x.data(), M, K);
-    Dev<uint8_t> cd(c), ind(in);
-    Dev<float> od(o);
-    for (uint64_t seed : kSeeds) {
-      SCOPED_TRACE("seed " + std::to_string(seed));
-      const uint32_t mask = fm::rht_random_sign_mask(seed, 21);
-      const fm::SrKey key{seed, 22};
-      std::vector<uint8_t> ct_ref(n / 2), it_ref(n / 16);
-      std::vector<float> ot_ref(K * (M / 128));
-      fm::nvfp4_2level_backward_operand_cpu(ct_ref.data(), it_ref.data(), ot_ref.data(), c.data(), in.data(), o.data(), M,
-                                            K, mask, key);
-      Dev<uint8_t> ct(n / 2), it(n / 16);
-      Dev<float> ot(K * (M / 128));
-      expect_ok(nvfp4_2level_transpose_rht_requantize(ct.get(), it.get(), ot.get(), cd.get(), ind.get(), od.get(), M, K,
-                                                      mask, &key));
-      // The values the CPU quantizes: dequant -> transpose -> RHT (to know where they are NaN).
-      std::vector<float> deq_cpu(n), pre(n);
-      fm::nvfp4_2level_dequantize_cpu(deq_cpu.data(), c.data(), in.data(), o.data(), M, K);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) pre[k * M + m] = deq_cpu[m * K + k];
-      fm::rht16_rows_f32_cpu(pre.data(), pre.data(), K, M, mask);
-      EXPECT_TRUE(same_codes_nan_sign_free(ct.host(), ct_ref, pre));
-      EXPECT_TRUE(same_bits(it.host(), it_ref));
-      EXPECT_TRUE(same_bits(ot.host(), ot_ref));
-      // The unfused GPU chain gives the same bits (RTN here checks the kernel's RTN path too).
-      Dev<float> deq(n), deq_t(n), rot(n);
-      expect_ok(dequantize_nvfp4_2level(deq.get(), cd.get(), ind.get(), od.get(), M, K));
-      expect_ok(transpose(deq_t.get(), static_cast<const float*>(deq.get()), M, K));
-      expect_ok(rht16_rows_f32(rot.get(), deq_t.get(), K, M, mask));
-      for (const fm::SrKey* sr : {static_cast<const fm::SrKey*>(nullptr), &key}) {
-        Dev<uint8_t> c2(n / 2), i2(n / 16), c3(n / 2), i3(n / 16);
-        Dev<float> o2(K * (M / 128)), o3(K * (M / 128));
-        expect_ok(quantize_nvfp4_2level(c2.get(), i2.get(), o2.get(), static_cast<const float*>(rot.get()), K, M, sr));
-        expect_ok(nvfp4_2level_transpose_rht_requantize(c3.get(), i3.get(), o3.get(), cd.get(), ind.get(), od.get(), M, K,
-                                                        mask, sr));
-        EXPECT_TRUE(same_bits(c3.host(), c2.host()));
-        EXPECT_TRUE(same_bits(i3.host(), i2.host()));
-        EXPECT_TRUE(same_bits(o3.host(), o2.host()));
+    check_fused(c, in, o, M, K);
+  });
+}
+
+// Operands no quantizer would write: random code bytes, random inner scale bytes (negative, and in
+// the second round NaN E4M3 0x7F / 0xFF) and outer scales spread over 2^-140 .. 2^120 with either
+// sign (second round: some 0, subnormal, Inf and NaN). Reaches the blocks the fast paths leave to
+// the general ones: non-finite decode scales, RHT outputs below 2^-58 or above 2^62, NaN blocks,
+// block scales out of [2^-60, 2^60].
+TEST(CudaVsCpu, FusedBackwardOperandRawBytes) {
+  NIB_REQUIRE_GPU();
+  const int64_t M = 256, K = 208, no = (K + 127) / 128;
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round == 0 ? "finite scales" : "any scales");
+    PhiloxStream rng(34 + round, 1);
+    std::vector<uint8_t> c(M * K / 2), in(M * K / 16);
+    std::vector<float> o(M * no);
+    for (uint8_t& b : c) b = static_cast<uint8_t>(rng.next_u32());
+    for (uint8_t& b : in) {
+      b = static_cast<uint8_t>(rng.next_u32());
+      if (round == 0 && (b & 0x7F) == 0x7F) b = 0x7E;
+    }
+    for (float& v : o) {
+      const uint32_t r = rng.next_u32();
+      v = static_cast<float>(std::exp2(rng.next_uniform() * 260.0 - 140.0)) * ((r & 1u) ? -1.0f : 1.0f);
+      if (round == 1 && (r >> 1) % 16 == 0) {
+        const float specials[] = {0.0f, 1e-42f, INFINITY, -INFINITY, NAN, -0.0f};
+        v = specials[(r >> 5) % 6];
       }
     }
-  });
+    check_fused(c, in, o, M, K);
+  }
 }
 
 TEST(CudaApi, BadShapesReturnStatus) {

@@ -127,80 +127,119 @@ Status rht16_rows_f32(float* y, const float* x, int64_t M, int64_t K, uint32_t s
 
 namespace {
 // CTA tile: 128 input rows (m) x 64 input columns (k) = 64 output rows x one 128-block along m.
-constexpr int kFusedTileM = 128, kFusedTileK = 64, kFusedThreads = 256;
+constexpr int kFusedTileM = 128, kFusedTileK = 64, kFusedThreads = 256, kFusedMinBlocks = 4;
 // Shared row (one k) holds 128 m-values as 8 groups of 16, each group padded to 20 floats so the
-// 16-byte reads of 8 consecutive groups hit distinct banks.
+// 16-byte reads of the 8 groups of a row hit distinct banks. Group g of row k sits in slot
+// g ^ ((k >> 3) & 7): phase 1 writes 8 rows k = 8c + i (c = 0..7) of one group in one store
+// instruction, and the swizzle spreads those over the 8 slots, so that store is conflict-free too.
 constexpr int kGroupStride = 20, kRowStride = 8 * kGroupStride;
 constexpr int kFusedSmemBytes = kFusedTileK * kRowStride * 4;
-__device__ __forceinline__ int fused_pos(int m) { return (m >> 4) * kGroupStride + (m & 15); }
+__device__ __forceinline__ int fused_pos(int k, int m) {
+  return k * kRowStride + ((m >> 4) ^ ((k >> 3) & 7)) * kGroupStride + (m & 15);
+}
 }  // namespace
 
 // codes_t (K, M/2), inner_t (K, M/16), outer_t (K, M/128) <- codes (M, K/2), inner (M, K/16),
 // outer (M, K/128). grid = (K/64, M/128). The RHT's sign s_m of input row m (the m-th element of
-// its 16-group along M) is applied while decoding, by flipping the code sign bits of that row
+// its 16-group along M) is applied while decoding, by flipping the sign of that row's codes
 // (negating a decoded value is exact, as the formats::rht16_f32 sign step), so phase 2 transforms
 // with no sign step.
 template <typename Codec, bool kSR>
-__global__ void __launch_bounds__(kFusedThreads) nvfp4_2level_transpose_rht_requantize_kernel(
+__global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks) nvfp4_2level_transpose_rht_requantize_kernel(
     uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes, const uint8_t* inner,
     const float* outer, int64_t M, int64_t K, uint32_t sign_mask, fm::SrKey key) {
   extern __shared__ float4 smem_f4[];
   float* tile = reinterpret_cast<float*>(smem_f4);
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kFusedTileM, k0 = static_cast<int64_t>(blockIdx.x) * kFusedTileK;
 
-  // Phase 1: thread (m = t % 128, half h = t / 128) decodes the two 1x16 blocks at input columns
-  // k0 + 32h + {0, 16} of row m0 + m (blocks past K are zero-filled; their rows are not stored).
+  // Phase 1: thread (c = t % 8, q = t / 8) decodes code word c (input columns k0 + 8c .. +7) of the
+  // four rows m0 + 4q .. +3 and stores each column's four values as one 16-byte shared store
+  // (columns past K are zero-filled; their rows are not stored). A warp's loads read whole 32-byte
+  // row segments of four rows.
   {
-    const int m = threadIdx.x % kFusedTileM, h = threadIdx.x / kFusedTileM;
-    const int64_t row = m0 + m, no = (K + 127) / 128;
-    const int pos = fused_pos(m);
-    const uint32_t flip = ((sign_mask >> (m & 15)) & 1u) ? 0x88888888u : 0u;  // RHT sign of this row
+    const int c = threadIdx.x % 8, q = threadIdx.x / 8;
+    const int64_t kc = k0 + 8 * c;
+    float y[4][8];
+    if (kc < K) {
+      const int64_t row0 = m0 + 4 * q, code_stride = K / 2, inner_stride = K / 16, outer_stride = (K + 127) / 128;
+      const uint8_t* code_row = codes + row0 * code_stride + kc / 2;
+      const uint8_t* inner_row = inner + row0 * inner_stride + kc / 16;
+      const float* outer_row = outer + row0 * outer_stride + kc / 128;
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const int64_t kc = k0 + 32 * h + 16 * b;
-      float* dst = tile + (32 * h + 16 * b) * kRowStride + pos;
-      if (kc < K) {
-        const uint2 w = __ldcs(reinterpret_cast<const uint2*>(codes + row * (K / 2) + kc / 2));
-        const float so = __ldg(outer + row * no + kc / 128);
-        const float sp = fm::nvfp4_2level_block_scale(__ldg(inner + row * (K / 16) + kc / 16), so);
-        float y[8];
-        nvfp4_2level_decode8(y, w.x ^ flip, sp);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) dst[i * kRowStride] = y[i];
-        nvfp4_2level_decode8(y, w.y ^ flip, sp);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) dst[(8 + i) * kRowStride] = y[i];
-      } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) dst[i * kRowStride] = 0.0f;
+      for (int r = 0; r < 4; ++r) {
+        const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(code_row + r * code_stride));
+        const float sp = fm::nvfp4_2level_block_scale(__ldg(inner_row + r * inner_stride), __ldg(outer_row + r * outer_stride));
+        const bool flip = (sign_mask >> ((4 * q + r) & 15)) & 1u;  // RHT sign of this row
+        if (isfinite(sp))
+          nvfp4_2level_decode8_finite(y[r], w, sp, flip ? 0x7F7F7F7Fu : 0x80808080u);
+        else
+          nvfp4_2level_decode8(y[r], flip ? w ^ 0x88888888u : w, sp);
       }
+    } else {
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) y[r][i] = 0.0f;
     }
+    float* dst = tile + fused_pos(8 * c, 4 * q);  // rows 8c + i share the slot
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      *reinterpret_cast<float4*>(dst + i * kRowStride) = make_float4(y[0][i], y[1][i], y[2][i], y[3][i]);
   }
   __syncthreads();
 
   // Phase 2: lane group of 8 = one output row k (8 groups g of 16 m's); 32 rows per pass, 2 passes.
+  // The butterfly leaves v = 4 x (x = the RHT output the reference quantizes: v * 0.25f). A block
+  // whose v are all zero or in [2^-58, 2^62] (no NaN: the NaN-propagating max fails the test) has
+  // exact x = v / 4 and takes the fast encode on v with the scale times 4; any other block forms x
+  // and takes the general encode.
   const int g = threadIdx.x & 7;
 #pragma unroll 1
   for (int pass = 0; pass < kFusedTileK / 32; ++pass) {
     const int kk = pass * 32 + (threadIdx.x >> 3);
-    const float4* src = reinterpret_cast<const float4*>(tile + kk * kRowStride + g * kGroupStride);
+    const float4* src = reinterpret_cast<const float4*>(tile + fused_pos(kk, 16 * g));
     float v[16];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       float4 f = src[q];
       v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
     }
-    fm::rht16_f32(v, v, 0u);  // the signs were applied in phase 1
-    float bamax = 0.0f;
+    fm::rht16_butterfly_f32(v);  // the signs were applied in phase 1; the 1/4 below
+    float vmax = 0.0f;
+    uint32_t dmin = 0xFFFFFFFFu;  // min over i of 2 bits(|v_i|) - 2 (mod 2^32: zeros give the maximum)
 #pragma unroll
-    for (int i = 0; i < 16; ++i) bamax = Codec::amax(bamax, v[i]);
+    for (int i = 0; i < 16; i += 2) {
+      vmax = fmax_nan(fmax_nan(vmax, fabsf(v[i])), fabsf(v[i + 1]));
+      dmin = __vimin3_u32(dmin, __float_as_uint(v[i]) * 2u - 2u, __float_as_uint(v[i + 1]) * 2u - 2u);
+    }
+    const bool fast = vmax <= 0x1p62f && dmin >= 2u * 0x22800000u - 2u;  // 0x22800000 = bits(2^-58)
+    float bamax;
+    if (fast) {
+      bamax = vmax * 0.25f;  // exact (vmax is 0 or >= 2^-58) and NaN-free
+    } else {
+      bamax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        v[i] *= 0.25f;
+        bamax = Codec::amax(bamax, v[i]);
+      }
+    }
     const float so = fm::nvfp4_2level_outer_scale(group_max<8>(bamax));
     const uint32_t si = fm::nvfp4_2level_inner_scale(bamax, so);
     const float sp = fm::nvfp4_2level_block_scale(si, so);
     const float rp = fm::nvfp4_2level_block_reciprocal(sp);
     const int64_t orow = k0 + kk, ocol = m0 + 16 * g;
-    const PackedBytes<8> packed = nvfp4_2level_encode_block16<kSR>(
-        v, sp, rp, bamax, key, static_cast<uint64_t>(orow * M + ocol) / 8);
+    const uint64_t q0 = static_cast<uint64_t>(orow * M + ocol) / 8;
+    PackedBytes<8> packed;
+    if (fast && rp != 0.0f) {  // rp in [2^-60, 2^60]: 4 sp and rp / 4 are exact
+      packed = nvfp4_2level_encode_block16_fast<kSR>(v, 4.0f * sp, 0.25f * rp, key, q0);
+    } else {
+      if (fast) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] *= 0.25f;
+      }
+      packed = nvfp4_2level_encode_block16<kSR>(v, sp, rp, bamax, key, q0);
+    }
     if (orow < K) {  // the shuffles above ran on whole warps
       store_packed(codes_t + orow * (M / 2) + ocol / 2, packed);
       inner_t[orow * (M / 16) + ocol / 16] = static_cast<uint8_t>(si);
