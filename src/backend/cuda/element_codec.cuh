@@ -40,15 +40,15 @@ __device__ __forceinline__ uint32_t e2m1_sr_index_ru(float a, uint32_t h) {
   return m - 0x4B000001u;
 }
 
-// The same SR index for a finite a >= 0 (no NaN step: callers route NaN blocks elsewhere) in the
+// The same SR index for a >= 0, +Inf included (no NaN step: callers route NaN blocks elsewhere) in the
 // form the fast block encoders use: g = 128 + h * 2^-16 (sr_offset_g: in [128, 256) the binary32
 // unit is 2^-16, so g's bits are 0x43000000 | h, one byte permute from a Philox word), and the
 // result is biased, 0x4B000001 + index, for packing. y = fma_ru(a, m, -g) = ru(m a - 128 - h');
 // ru never passes the integer ceil, so ceil(y) = ceil(m a - h') - 128, and fadd_ru(y, 2^23 + 129 +
 // c) lands in [2^23, 2^24) (m a - 128 - h' > -129) where ru is the integer ceil: 2^23 + 1 + c +
-// ceil(m a - h'), as above. For a >= 6 every piece is >= 7 and the cap 7 applies, any finite a.
-// Equal to formats::e2m1_sr_index_h for every finite binary32 a >= 0 at the boundary and random h
-// (ElementCodec.ExhaustiveAgainstFormerFormulations).
+// ceil(m a - h'), as above. For a >= 6 every piece is >= 7 (+Inf stays +Inf) and the cap 7
+// applies. Equal to formats::e2m1_sr_index_h for every binary32 a in [0, +Inf] at the boundary and
+// random h (ElementCodec.ExhaustiveAgainstFormerFormulations).
 __device__ __forceinline__ float sr_offset_g(uint32_t halfword_bits_0_15) {
   return __uint_as_float(0x43000000u | halfword_bits_0_15);
 }
@@ -62,7 +62,7 @@ __device__ __forceinline__ uint32_t e2m1_sr_index_ru_biased(float a, float g) {
   const uint32_t t3 = __float_as_uint(__fadd_ru(__fmaf_ru(a, 0.5f, -g), 8388741.0f));
   return min(__vimin3_u32(t1, t2, t3), 0x4B000008u);
 }
-// RTN counterpart for any finite a >= 0: formats::e2m1_rne_index_bits_min3 (exact below 7) capped
+// RTN counterpart for any a in [0, +Inf]: formats::e2m1_rne_index_bits_min3 (exact below 7) capped
 // at 0x4B000000 + 7 (for a >= 7 its third piece is already >= 8, and the index of a >= 5 is 7).
 __device__ __forceinline__ uint32_t e2m1_rne_index_biased(float a) {
   return min(formats::e2m1_rne_index_bits_min3(a), 0x4B000007u);

@@ -78,7 +78,7 @@ Mismatches<kN> run_check(const Launch& launch) {
 
 // mismatches[0]: rne index, [1]: SR index (float u and half-word h forms), [2]: amax step,
 // [3]: e2m1_rne_index_bits_min3 (v < 7), [4]: e2m1_sr_index_ru (element_codec.cuh; a >= 0 or NaN),
-// [5]: e2m1_sr_index_ru_biased (finite a >= 0), [6]: e2m1_rne_index_biased (finite v >= 0);
+// [5]: e2m1_sr_index_ru_biased (a >= 0 or +Inf), [6]: e2m1_rne_index_biased (v >= 0 or +Inf);
 // first[]: one failing bit pattern.
 __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* first, uint64_t base, uint64_t count) {
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
@@ -116,7 +116,7 @@ __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* 
         atomicAdd(&mismatches[4], 1ull);
         first[4] = bits;
       }
-      if (bits < 0x7F800000u &&  // finite a >= 0
+      if (bits <= 0x7F800000u &&  // a >= 0, +Inf included
           e2m1_sr_index_ru_biased(a, sr_offset_g(hs[j])) - 0x4B000001u != fm::e2m1_sr_index_h(a, hs[j])) {
         atomicAdd(&mismatches[5], 1ull);
         first[5] = bits;
@@ -127,8 +127,8 @@ __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* 
       atomicAdd(&mismatches[3], 1ull);
       first[3] = bits;
     }
-    // Its capped form (element_codec.cuh) for every finite v >= 0.
-    if (bits < 0x7F800000u && e2m1_rne_index_biased(a) - 0x4B000000u != fm::e2m1_rne_index(a)) {
+    // Its capped form (element_codec.cuh) for every v >= 0, +Inf included.
+    if (bits <= 0x7F800000u && e2m1_rne_index_biased(a) - 0x4B000000u != fm::e2m1_rne_index(a)) {
       atomicAdd(&mismatches[6], 1ull);
       first[6] = bits;
     }

@@ -89,63 +89,6 @@ __device__ __forceinline__ Philox4x32 sr_words(const formats::SrKey& key, uint64
   return philox_block(key.seed, key.stream, q);
 }
 
-// One nvfp4-2level inner block of 16 elements -> 8 packed code bytes, shared by the quantize
-// kernel and the fused backward-operand kernel. xf: the 16 values (f32), sp/rp: the block
-// scale and its reciprocal, bamax: the block max of |xf|. RTN, or (kSR) SR with half-words of
-// the Philox blocks q0 and q0 + 1 (q0 = flat index of xf[0] / 8). The fast (division-free)
-// quotient is chosen once per block, as formats::nvfp4_2level_block_fast decides.
-template <bool kSR>
-__device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16(const float* xf, float sp, float rp, float bamax,
-                                                                      const formats::SrKey& key, uint64_t q0) {
-  PackedBytes<8> packed;
-  auto encode = [&](auto mag) {
-    if constexpr (!kSR) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        packed.set(i, formats::e2m1_pack(formats::nvfp4_2level_code_rtn(mag(2 * i), xf[2 * i]),
-                                         formats::nvfp4_2level_code_rtn(mag(2 * i + 1), xf[2 * i + 1])));
-    } else {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const Philox4x32 w = sr_words(key, q0 + h);
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          const int i = 8 * h + 2 * p;
-          packed.set(4 * h + p,
-                     formats::e2m1_pack(
-                         e2m1_sr_index_ru(mag(i), formats::sr_halfword(w, 2 * p)) |
-                             (formats::signbit_nan_positive(xf[i]) << 3),
-                         e2m1_sr_index_ru(mag(i + 1), formats::sr_halfword(w, 2 * p + 1)) |
-                             (formats::signbit_nan_positive(xf[i + 1]) << 3)));  // = nvfp4_2level_code_sr_h
-        }
-      }
-    }
-  };
-  if (formats::nvfp4_2level_block_fast(xf, rp, bamax)) {
-    encode([&](int i) { return formats::nvfp4_2level_scaled_magnitude_fast(xf[i], sp, rp); });
-  } else {
-    encode([&](int i) { return formats::nvfp4_2level_scaled_magnitude(xf[i], sp, rp); });
-  }
-  return packed;
-}
-
-// The 8 values of a word of 8 codes (code i in bits 4i..4i+3), = formats::nvfp4_2level_decode(code,
-// sp) bit for bit in fewer instructions: the magnitude of index k >= 2 has the bits (k + 252) << 22
-// (2k+252 = 2(e+126)+m for k = 2e+m), which gives t = 0.5 and 0.75 for k = 0, 1, where the value is
-// 2t - 1 (0 and 0.5) and for k >= 2 2t - 1 >= t: so |q| = min(t, fma(t, 2, -1)) (exact); then
-// fl(|q| * sp) as the definition, and the code's sign bit flips the result's sign (the definition
-// negates the product: the same bits, NaN included). Checked against the definition for every
-// code and a spread of scales (CudaVsCpu.Decode8EqualsDefinition).
-__device__ __forceinline__ void nvfp4_2level_decode8(float (&y)[8], uint32_t w, float sp) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t k = (w >> (4 * i)) & 7u;
-    const float t = __uint_as_float((k << 22) + 0x3F000000u);
-    const float q = fminf(t, fmaf(t, 2.0f, -1.0f));
-    y[i] = __uint_as_float(__float_as_uint(q * sp) ^ (((w >> (4 * i + 3)) & 1u) << 31));
-  }
-}
-
 // max(a, b) that returns NaN when either is NaN (PTX max.NaN; fmaxf skips NaN).
 __device__ __forceinline__ float fmax_nan(float a, float b) {
   float d;
@@ -160,35 +103,6 @@ __device__ __forceinline__ uint32_t prmt_sign_mode(uint32_t table, uint32_t c) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(table), "r"(c));
   return d;
-}
-
-// nvfp4_2level_decode8 for a finite sp, from byte tables instead of per-code arithmetic (the
-// fused op's phase 1). A magnitude |q| of E2M1 index k is a BF16 value whose two bytes come from
-// 8-entry tables indexed by k (one byte permute gives four codes' bytes; the permute's selector
-// nibble is the code with its sign bit masked). The codes' signs go into the high bytes:
-// permuting `sign_table` (all 0x80, or all 0x7F to flip every sign: the RHT sign of the row) with
-// the unmasked codes as selector yields, per byte, 0x80 / 0xFF (0x7F / 0x00) for a clear / set sign
-// bit, whose bit 6 is the wanted sign. A permute pairs two elements' bytes into a BF16x2 word;
-// each half widens to binary32 exactly, and y = fl(±|q| * sp) = ±fl(|q| * sp) (round to nearest is
-// symmetric; a zero takes the sign of the product, as the definition's negation gives) for any
-// finite sp, negative, zero and subnormal included. Non-finite sp: nvfp4_2level_decode8 (NaN bits
-// differ). Checked against the definition (CudaVsCpu.Decode8FastEqualsDefinition).
-__device__ __forceinline__ void nvfp4_2level_decode8_finite(float (&y)[8], uint32_t w, float sp, uint32_t sign_table) {
-  constexpr uint32_t kHi03 = 0x3F3F3F00u, kHi47 = 0x40404040u;  // high byte of |q|, k = 0..3, 4..7
-  constexpr uint32_t kLo03 = 0xC0800000u, kLo47 = 0xC0804000u;  // low byte of |q| (BF16)
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {  // codes 4*half .. 4*half + 3
-    const uint32_t sel = half ? w >> 16 : w;
-    const uint32_t k = sel & 0x7777u;
-    const uint32_t sg = prmt_sign_mode(sign_table, sel);
-    const uint32_t hi = __byte_perm(kHi03, kHi47, k) | ((sg << 1) & 0x80808080u);
-    const uint32_t lo = __byte_perm(kLo03, kLo47, k);
-    const uint32_t p01 = __byte_perm(lo, hi, 0x5140), p23 = __byte_perm(lo, hi, 0x7362);  // BF16 pairs
-    y[4 * half + 0] = __uint_as_float(p01 << 16) * sp;
-    y[4 * half + 1] = __uint_as_float(p01 & 0xFFFF0000u) * sp;
-    y[4 * half + 2] = __uint_as_float(p23 << 16) * sp;
-    y[4 * half + 3] = __uint_as_float(p23 & 0xFFFF0000u) * sp;
-  }
 }
 
 // The sign bits of v[0..7] at the code sign positions 4i + 3 (the other bits zero): the top bytes
@@ -227,6 +141,104 @@ __device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16_fast(const
     packed.w[h] = acc | sign_nibbles8(v + 8 * h);
   }
   return packed;
+}
+
+// nvfp4_2level_block_fast plus "no NaN" (device form, one pass): every nonzero |x[i]| in
+// [2^-60, 2^60] (so the NaN-skipping block max is too) and r != 0. Such a block can take
+// nvfp4_2level_encode_block16_fast.
+__device__ __forceinline__ bool nvfp4_2level_block_fast_nan_free(const float* x, float r) {
+  uint32_t lo = 0xFFFFFFFFu, hi = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t b = __float_as_uint(x[i]) & 0x7FFFFFFFu;
+    lo = min(lo, b - 1u);  // zeros wrap to the maximum
+    hi = max(hi, b);       // NaN and Inf exceed 2^60
+  }
+  return r != 0.0f && hi <= 0x5D800000u && lo >= 0x21800000u - 1u;
+}
+
+// One nvfp4-2level inner block of 16 elements -> 8 packed code bytes, shared by the quantize
+// kernel and the fused backward-operand kernel. xf: the 16 values (f32), sp/rp: the block
+// scale and its reciprocal (nvfp4_2level_block_reciprocal). RTN, or (kSR) SR with half-words of
+// the Philox blocks q0 and q0 + 1 (q0 = flat index of xf[0] / 8). A block that passes
+// nvfp4_2level_block_fast_nan_free takes nvfp4_2level_encode_block16_fast; any other block (NaN,
+// extreme magnitudes or scale) the per-element definition (formats::nvfp4_2level_scaled_magnitude).
+template <bool kSR>
+__device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16(const float* xf, float sp, float rp,
+                                                                      const formats::SrKey& key, uint64_t q0) {
+  PackedBytes<8> packed;
+  auto encode = [&](auto mag) {
+    if constexpr (!kSR) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        packed.set(i, formats::e2m1_pack(formats::nvfp4_2level_code_rtn(mag(2 * i), xf[2 * i]),
+                                         formats::nvfp4_2level_code_rtn(mag(2 * i + 1), xf[2 * i + 1])));
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const Philox4x32 w = sr_words(key, q0 + h);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          const int i = 8 * h + 2 * p;
+          packed.set(4 * h + p,
+                     formats::e2m1_pack(
+                         e2m1_sr_index_ru(mag(i), formats::sr_halfword(w, 2 * p)) |
+                             (formats::signbit_nan_positive(xf[i]) << 3),
+                         e2m1_sr_index_ru(mag(i + 1), formats::sr_halfword(w, 2 * p + 1)) |
+                             (formats::signbit_nan_positive(xf[i + 1]) << 3)));  // = nvfp4_2level_code_sr_h
+        }
+      }
+    }
+  };
+  if (nvfp4_2level_block_fast_nan_free(xf, rp)) return nvfp4_2level_encode_block16_fast<kSR>(xf, sp, rp, key, q0);
+  encode([&](int i) { return formats::nvfp4_2level_scaled_magnitude(xf[i], sp, rp); });
+  return packed;
+}
+
+// The 8 values of a word of 8 codes (code i in bits 4i..4i+3), = formats::nvfp4_2level_decode(code,
+// sp) bit for bit in fewer instructions: the magnitude of index k >= 2 has the bits (k + 252) << 22
+// (2k+252 = 2(e+126)+m for k = 2e+m), which gives t = 0.5 and 0.75 for k = 0, 1, where the value is
+// 2t - 1 (0 and 0.5) and for k >= 2 2t - 1 >= t: so |q| = min(t, fma(t, 2, -1)) (exact); then
+// fl(|q| * sp) as the definition, and the code's sign bit flips the result's sign (the definition
+// negates the product: the same bits, NaN included). Checked against the definition for every
+// code and a spread of scales (CudaVsCpu.Decode8EqualsDefinition).
+__device__ __forceinline__ void nvfp4_2level_decode8(float (&y)[8], uint32_t w, float sp) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t k = (w >> (4 * i)) & 7u;
+    const float t = __uint_as_float((k << 22) + 0x3F000000u);
+    const float q = fminf(t, fmaf(t, 2.0f, -1.0f));
+    y[i] = __uint_as_float(__float_as_uint(q * sp) ^ (((w >> (4 * i + 3)) & 1u) << 31));
+  }
+}
+
+// nvfp4_2level_decode8 for a finite sp, from byte tables instead of per-code arithmetic (the
+// fused op's phase 1). A magnitude |q| of E2M1 index k is a BF16 value whose two bytes come from
+// 8-entry tables indexed by k (one byte permute gives four codes' bytes; the permute's selector
+// nibble is the code with its sign bit masked). The codes' signs go into the high bytes:
+// permuting `sign_table` (all 0x80, or all 0x7F to flip every sign: the RHT sign of the row) with
+// the unmasked codes as selector yields, per byte, 0x80 / 0xFF (0x7F / 0x00) for a clear / set sign
+// bit, whose bit 6 is the wanted sign. A permute pairs two elements' bytes into a BF16x2 word;
+// each half widens to binary32 exactly, and y = fl(±|q| * sp) = ±fl(|q| * sp) (round to nearest is
+// symmetric; a zero takes the sign of the product, as the definition's negation gives) for any
+// finite sp, negative, zero and subnormal included. Non-finite sp: nvfp4_2level_decode8 (NaN bits
+// differ). Checked against the definition (CudaVsCpu.Decode8FastEqualsDefinition).
+__device__ __forceinline__ void nvfp4_2level_decode8_finite(float (&y)[8], uint32_t w, float sp, uint32_t sign_table) {
+  constexpr uint32_t kHi03 = 0x3F3F3F00u, kHi47 = 0x40404040u;  // high byte of |q|, k = 0..3, 4..7
+  constexpr uint32_t kLo03 = 0xC0800000u, kLo47 = 0xC0804000u;  // low byte of |q| (BF16)
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // codes 4*half .. 4*half + 3
+    const uint32_t sel = half ? w >> 16 : w;
+    const uint32_t k = sel & 0x7777u;
+    const uint32_t sg = prmt_sign_mode(sign_table, sel);
+    const uint32_t hi = __byte_perm(kHi03, kHi47, k) | ((sg << 1) & 0x80808080u);
+    const uint32_t lo = __byte_perm(kLo03, kLo47, k);
+    const uint32_t p01 = __byte_perm(lo, hi, 0x5140), p23 = __byte_perm(lo, hi, 0x7362);  // BF16 pairs
+    y[4 * half + 0] = __uint_as_float(p01 << 16) * sp;
+    y[4 * half + 1] = __uint_as_float(p01 & 0xFFFF0000u) * sp;
+    y[4 * half + 2] = __uint_as_float(p23 << 16) * sp;
+    y[4 * half + 3] = __uint_as_float(p23 & 0xFFFF0000u) * sp;
+  }
 }
 
 inline int ceil_div_int(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }

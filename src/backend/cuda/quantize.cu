@@ -182,6 +182,26 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
                                             Codec::te_rtn(fm::load_f32(xb[2 * i + 1]), enc)));
     } else {
       const uint64_t q0 = static_cast<uint64_t>(b0 + b) * 2;  // flat element (b0+b)*16, / 8
+      // Fast form when no v = x * enc is NaN: v + 0 turns -0 into +0, so its sign bit is TE's
+      // "v < 0"; the biased SR index of |v| (any non-NaN a, Inf saturating), packed by
+      // multiply-add, the signs by byte permutes (as nvfp4_2level_encode_block16_fast).
+      float v[16], vmax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        v[i] = fm::load_f32(xb[i]) * enc + 0.0f;
+        vmax = fmax_nan(vmax, fabsf(v[i]));
+      }
+      if (vmax == vmax) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const Philox4x32 w = sr_words(key, q0 + q);
+          uint32_t acc = 0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc += e2m1_sr_index_ru_biased(fabsf(v[8 * q + i]), sr_offset_g(w, i)) << (4 * i);
+          packed.w[2 * b + q] = (acc - 0x4B000001u * 0x11111111u) | sign_nibbles8(v + 8 * q);
+        }
+        continue;
+      }
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
         Philox4x32 w = sr_words(key, q0 + q);
@@ -442,7 +462,7 @@ __device__ __forceinline__ PackedBytes<8> nvfp4_2level_bf16_rtn_block16(const ui
     float xf[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) xf[i] = fm::load_f32(xb[i]);
-    packed = nvfp4_2level_encode_block16<false>(xf, sp, rp, bamax, fm::SrKey{}, 0);
+    packed = nvfp4_2level_encode_block16<false>(xf, sp, rp, fm::SrKey{}, 0);
   }
   return packed;
 }
@@ -480,7 +500,7 @@ __device__ __forceinline__ void nvfp4_2level_lane(uint8_t* codes, uint8_t* inner
     float xf[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) xf[i] = fm::load_f32(v.e[i]);
-    packed = nvfp4_2level_encode_block16<kSR>(xf, sp, rp, bamax, key, static_cast<uint64_t>(l.e) / 8);  // e % 16 == 0
+    packed = nvfp4_2level_encode_block16<kSR>(xf, sp, rp, key, static_cast<uint64_t>(l.e) / 8);  // e % 16 == 0
   }
   store_packed(codes + l.e / 2, packed);  // 8-byte aligned: e/2 is a multiple of 8
   inner[scale_index(l.e / 16, kb, swizzled)] = static_cast<uint8_t>(si);

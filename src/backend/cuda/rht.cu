@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks) nvfp4_2level_t
 #pragma unroll
         for (int i = 0; i < 16; ++i) v[i] *= 0.25f;
       }
-      packed = nvfp4_2level_encode_block16<kSR>(v, sp, rp, bamax, key, q0);
+      packed = nvfp4_2level_encode_block16<kSR>(v, sp, rp, key, q0);
     }
     if (orow < K) {  // the shuffles above ran on whole warps
       store_packed(codes_t + orow * (M / 2) + ocol / 2, packed);
