@@ -165,15 +165,18 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks) nvfp4_2level_t
       const uint8_t* code_row = codes + row0 * code_stride + kc / 2;
       const uint8_t* inner_row = inner + row0 * inner_stride + kc / 16;
       const float* outer_row = outer + row0 * outer_stride + kc / 128;
+      const uint32_t flips = sign_mask >> ((4 * q) & 15);  // bit r: the RHT sign of row 4q + r
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(code_row + r * code_stride));
-        const float sp = fm::nvfp4_2level_block_scale(__ldg(inner_row + r * inner_stride), __ldg(outer_row + r * outer_stride));
-        const bool flip = (sign_mask >> ((4 * q + r) & 15)) & 1u;  // RHT sign of this row
+        const uint32_t inner_byte = __ldg(inner_row + r * inner_stride);
+        const float so = __ldg(outer_row + r * outer_stride);
+        const uint32_t flip = (flips >> r) & 1u;
+        const float sp = fm::e4m3_decode_any_nan(inner_byte) * so;  // = the block scale when finite
         if (isfinite(sp))
-          nvfp4_2level_decode8_finite(y[r], w, sp, flip ? 0x7F7F7F7Fu : 0x80808080u);
+          nvfp4_2level_decode8_finite(y[r], w, sp, 0x80808080u - flip * 0x01010101u);  // or 0x7F7F7F7F
         else
-          nvfp4_2level_decode8(y[r], flip ? w ^ 0x88888888u : w, sp);
+          nvfp4_2level_decode8(y[r], w ^ (flip * 0x88888888u), fm::nvfp4_2level_block_scale(inner_byte, so));
       }
     } else {
 #pragma unroll
