@@ -184,6 +184,11 @@ Result<std::vector<BandwidthRow>> run_quantize_bandwidth_bench(const BandwidthBe
     for (int b = 0; b < B; ++b)
       check(quantize_nvfp4_2level(codes[b]->as<uint8_t>(), scales[b]->as<uint8_t>(), outer[b]->as<float>(), xb[b]->as<uint16_t>(), M, K));
     NIB_CUDA_CHECK(cudaDeviceSynchronize());
+    // Dequantize nvfp4-2level -> bf16: read N/2 + N/16 + N/32, write 2N.
+    add("dequant nvfp4_2level -> bf16", n / 2 + n / 16 + n / 32 + 2 * n, [&](int b) {
+      check(dequantize_nvfp4_2level(dst[b]->as<uint16_t>(), codes[b]->as<uint8_t>(), scales[b]->as<uint8_t>(),
+                                    outer[b]->as<float>(), M, K));
+    });
     const uint64_t fused_bytes = 2 * (n / 2 + n / 16 + n / 32);
     const uint32_t mask = formats::rht_random_sign_mask(cfg.seed, 11);
     add("fused 2level->T->RHT->2level sr", fused_bytes, [&](int b) {

@@ -212,18 +212,18 @@ __device__ __forceinline__ void nvfp4_2level_decode8(float (&y)[8], uint32_t w, 
   }
 }
 
-// nvfp4_2level_decode8 for a finite sp, from byte tables instead of per-code arithmetic (the
-// fused op's phase 1). A magnitude |q| of E2M1 index k is a BF16 value whose two bytes come from
-// 8-entry tables indexed by k (one byte permute gives four codes' bytes; the permute's selector
-// nibble is the code with its sign bit masked). The codes' signs go into the high bytes:
-// permuting `sign_table` (all 0x80, or all 0x7F to flip every sign: the RHT sign of the row) with
-// the unmasked codes as selector yields, per byte, 0x80 / 0xFF (0x7F / 0x00) for a clear / set sign
-// bit, whose bit 6 is the wanted sign. A permute pairs two elements' bytes into a BF16x2 word;
-// each half widens to binary32 exactly, and y = fl(±|q| * sp) = ±fl(|q| * sp) (round to nearest is
-// symmetric; a zero takes the sign of the product, as the definition's negation gives) for any
-// finite sp, negative, zero and subnormal included. Non-finite sp: nvfp4_2level_decode8 (NaN bits
-// differ). Checked against the definition (CudaVsCpu.Decode8FastEqualsDefinition).
-__device__ __forceinline__ void nvfp4_2level_decode8_finite(float (&y)[8], uint32_t w, float sp, uint32_t sign_table) {
+// y[i] = fl(e2m1_decode(code i) * factor) for the 8 codes of w, for any factor: the TE and MXFP4
+// decode definitions, and nvfp4_2level_decode8 whenever sp is finite (that definition negates the
+// product, which differs only in NaN bits). From byte tables instead of per-code arithmetic: a
+// magnitude |q| of E2M1 index k is a BF16 value whose two bytes come from 8-entry tables indexed
+// by k (one byte permute gives four codes' bytes; the selector nibble is the code with its sign
+// bit masked). The codes' signs go into the high bytes: permuting `sign_table` (all 0x80, or all
+// 0x7F to flip every sign: the RHT sign of a row in the fused op) with the unmasked codes as
+// selector yields, per byte, 0x80 / 0xFF (0x7F / 0x00) for a clear / set sign bit, whose bit 6 is
+// the wanted sign. A permute pairs two elements' bytes into a BF16x2 word, each half widens to
+// binary32 exactly, and one multiply gives y. Checked against the definitions
+// (CudaVsCpu.DecodeMulEqualsDefinitions).
+__device__ __forceinline__ void e2m1_decode8_mul(float (&y)[8], uint32_t w, float factor, uint32_t sign_table = 0x80808080u) {
   constexpr uint32_t kHi03 = 0x3F3F3F00u, kHi47 = 0x40404040u;  // high byte of |q|, k = 0..3, 4..7
   constexpr uint32_t kLo03 = 0xC0800000u, kLo47 = 0xC0804000u;  // low byte of |q| (BF16)
 #pragma unroll
@@ -234,10 +234,10 @@ __device__ __forceinline__ void nvfp4_2level_decode8_finite(float (&y)[8], uint3
     const uint32_t hi = __byte_perm(kHi03, kHi47, k) | ((sg << 1) & 0x80808080u);
     const uint32_t lo = __byte_perm(kLo03, kLo47, k);
     const uint32_t p01 = __byte_perm(lo, hi, 0x5140), p23 = __byte_perm(lo, hi, 0x7362);  // BF16 pairs
-    y[4 * half + 0] = __uint_as_float(p01 << 16) * sp;
-    y[4 * half + 1] = __uint_as_float(p01 & 0xFFFF0000u) * sp;
-    y[4 * half + 2] = __uint_as_float(p23 << 16) * sp;
-    y[4 * half + 3] = __uint_as_float(p23 & 0xFFFF0000u) * sp;
+    y[4 * half + 0] = __uint_as_float(p01 << 16) * factor;
+    y[4 * half + 1] = __uint_as_float(p01 & 0xFFFF0000u) * factor;
+    y[4 * half + 2] = __uint_as_float(p23 << 16) * factor;
+    y[4 * half + 3] = __uint_as_float(p23 & 0xFFFF0000u) * factor;
   }
 }
 

@@ -375,22 +375,47 @@ __device__ __forceinline__ Out from_f32(float v) {
   else return f32_to_bf16_bits(v);
 }
 
-// y (nblocks*16) <- codes/scales (linear); thread per 1x16 block.
+// 16 decoded values -> y (16-byte aligned): f32 as they are, BF16 by the hardware RNE conversion,
+// two per instruction (= f32_to_bf16_bits for every value GPU arithmetic produces: its NaN is the
+// canonical 0x7FFFFFFF, which both turn into 0x7FFF).
+template <typename Out>
+__device__ __forceinline__ void store_values16(Out* y, const float (&f)[16]) {
+  Vec<Out, 16> v;
+  if constexpr (std::is_same_v<Out, float>) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v.e[i] = f[i];
+  } else {
+    uint32_t* w = reinterpret_cast<uint32_t*>(v.w);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+  }
+  store_vec(y, v);
+}
+
+// The 16 values of a 1x16 block of packed codes c: fl(e2m1_decode(code) * factor) each.
+__device__ __forceinline__ void decode16_mul(float (&f)[16], const uint2& c, float factor) {
+  float lo[8], hi[8];
+  e2m1_decode8_mul(lo, c.x, factor);
+  e2m1_decode8_mul(hi, c.y, factor);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    f[i] = lo[i];
+    f[8 + i] = hi[i];
+  }
+}
+
+// y (nblocks*16) <- codes/scales (linear); thread per 1x16 block:
+// formats::nvfp4_te_dequantize_block16 by the table decode (e2m1_decode8_mul).
 template <typename Out>
 __global__ void __launch_bounds__(kThreads) nvfp4_te_dequantize_kernel(Out* y, const uint8_t* codes,
                                                                       const uint8_t* scales, const float* amax,
                                                                       int64_t nblocks) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= nblocks) return;
-  uint2 c = *reinterpret_cast<const uint2*>(codes + b * 8);
-  uint8_t p[8];
-  for (int i = 0; i < 4; ++i) { p[i] = (c.x >> (8 * i)) & 0xFF; p[4 + i] = (c.y >> (8 * i)) & 0xFF; }
+  const uint2 c = __ldcs(reinterpret_cast<const uint2*>(codes + b * 8));
   float f[16];
-  fm::nvfp4_te_dequantize_block16(f, p, scales[b], *amax);
-  Vec<Out, 16> v;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v.e[i] = from_f32<Out>(f[i]);
-  store_vec(y + b * 16, v);
+  decode16_mul(f, c, fm::nvfp4_te_dequant_factor(scales[b], *amax));
+  store_values16(y + b * 16, f);
 }
 
 template <typename Out>
@@ -629,15 +654,20 @@ __global__ void __launch_bounds__(kThreads) nvfp4_2level_dequantize_kernel(Out* 
                                                                           int64_t nblocks, int64_t kb) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= nblocks) return;
-  uint2 c = *reinterpret_cast<const uint2*>(codes + b * 8);
-  uint8_t p[8];
-  for (int i = 0; i < 4; ++i) { p[i] = (c.x >> (8 * i)) & 0xFF; p[4 + i] = (c.y >> (8 * i)) & 0xFF; }
+  const uint2 c = __ldcs(reinterpret_cast<const uint2*>(codes + b * 8));
   const int64_t r = b / kb, cb = b - r * kb;  // outer (M, ceil(K/128)): block (r, cb) -> (r, cb/8)
   const float sp = fm::nvfp4_2level_block_scale(inner[b], outer[r * ((kb + 7) / 8) + cb / 8]);
-  Vec<Out, 16> v;
+  if (isfinite(sp)) {  // the table decode (e2m1_decode8_mul) equals nvfp4_2level_decode here
+    float f[16];
+    decode16_mul(f, c, sp);
+    store_values16(y + b * 16, f);
+  } else {  // the definition, whose NaN may carry a sign: the software BF16 rounding keeps it
+    Vec<Out, 16> v;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) v.e[i] = from_f32<Out>(fm::nvfp4_2level_decode(fm::e2m1_unpack(p, i), sp));
-  store_vec(y + b * 16, v);
+    for (int i = 0; i < 16; ++i)
+      v.e[i] = from_f32<Out>(fm::nvfp4_2level_decode(((i < 8 ? c.x : c.y) >> (4 * (i % 8))) & 15u, sp));
+    store_vec(y + b * 16, v);
+  }
 }
 
 template <typename Out>
@@ -768,13 +798,16 @@ __global__ void __launch_bounds__(kThreads) mx_dequantize_kernel(Out* y, const u
   const uint32_t byte = scales[b];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    Vec<Out, 16> v;
+    if constexpr (kFp8) {
+      Vec<Out, 16> v;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int e = 16 * h + i;
-      v.e[i] = from_f32<Out>(kFp8 ? fm::mxfp8_decode(c.e[e], byte) : fm::mxfp4_decode(fm::e2m1_unpack(c.e, e), byte));
+      for (int i = 0; i < 16; ++i) v.e[i] = from_f32<Out>(fm::mxfp8_decode(c.e[16 * h + i], byte));
+      store_vec(y + b * 32 + 16 * h, v);
+    } else {  // mxfp4_decode = e2m1_decode(code) * e8m0_decode(byte): the table decode
+      float f[16];
+      decode16_mul(f, h ? make_uint2(c.w[0].z, c.w[0].w) : make_uint2(c.w[0].x, c.w[0].y), fm::e8m0_decode(byte));
+      store_values16(y + b * 32 + 16 * h, f);
     }
-    store_vec(y + b * 32 + 16 * h, v);
   }
 }
 

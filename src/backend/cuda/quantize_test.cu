@@ -728,22 +728,25 @@ TEST(CudaVsCpu, Decode8EqualsDefinition) {
     }
 }
 
-// nvfp4_2level_decode8_finite (the fused op's decode for a finite scale) against the definition:
-// random code words (every code lands in every nibble position many times), both sign tables (the
-// second flips every code's sign: the RHT sign of a row), finite scales spanning the binary32
-// range, negative, zero and subnormal ones included. out[(j * 2 + flip) * nw * 8 + w * 8 + i].
-__global__ void decode8_finite_kernel(float* out, const uint32_t* words, int nw, const float* sps) {
+// e2m1_decode8_mul (the table decode of the fused op and the dequantizers) against the
+// definitions: random code words (every code lands in every nibble position many times), both sign
+// tables (the second flips every code's sign: the RHT sign of a row), factors spanning the binary32
+// range, negative, zero, subnormal, infinite and NaN ones included. Equal to fl(e2m1_decode(code) *
+// factor) (TE, MXFP4) everywhere and to nvfp4_2level_decode for every finite factor.
+// out[(j * 2 + flip) * nw * 8 + w * 8 + i].
+__global__ void decode8_mul_kernel(float* out, const uint32_t* words, int nw, const float* sps) {
   const int j = blockIdx.x, flip = blockIdx.y;
   for (int w = threadIdx.x; w < nw; w += blockDim.x) {
     float y[8];
-    nvfp4_2level_decode8_finite(y, words[w], sps[j], flip ? 0x7F7F7F7Fu : 0x80808080u);
+    e2m1_decode8_mul(y, words[w], sps[j], flip ? 0x7F7F7F7Fu : 0x80808080u);
     for (int i = 0; i < 8; ++i) out[((j * 2 + flip) * static_cast<int64_t>(nw) + w) * 8 + i] = y[i];
   }
 }
 
-TEST(CudaVsCpu, Decode8FiniteEqualsDefinition) {
+TEST(CudaVsCpu, DecodeMulEqualsDefinitions) {
   NIB_REQUIRE_GPU();
-  std::vector<float> sps = {0.0f, -0.0f, 1e-45f, -1e-45f, 1e-40f, 0x1p-126f, 1.0f, -1.0f, 0.75f, 448.0f, 3e38f, -3e38f};
+  std::vector<float> sps = {0.0f, -0.0f, 1e-45f, -1e-45f, 1e-40f, 0x1p-126f, 1.0f,      -1.0f,
+                            0.75f, 448.0f, 3e38f, -3e38f, INFINITY, -INFINITY, NAN};
   PhiloxStream rng(32, 1);
   for (int i = 0; i < 100; ++i) {
     const float sp = static_cast<float>(std::exp2(rng.next_uniform() * 250.0 - 140.0));
@@ -754,7 +757,7 @@ TEST(CudaVsCpu, Decode8FiniteEqualsDefinition) {
   const int nw = static_cast<int>(words.size()), nsp = static_cast<int>(sps.size());
   Dev<uint32_t> wd(words);
   Dev<float> sd(sps), out(static_cast<size_t>(nsp) * 2 * nw * 8);
-  decode8_finite_kernel<<<dim3(nsp, 2), 256>>>(out.get(), wd.get(), nw, sd.get());
+  decode8_mul_kernel<<<dim3(nsp, 2), 256>>>(out.get(), wd.get(), nw, sd.get());
   NIB_CUDA_CHECK_LAUNCH();
   const std::vector<float> got = out.host();
   for (int j = 0; j < nsp; ++j)
@@ -763,8 +766,15 @@ TEST(CudaVsCpu, Decode8FiniteEqualsDefinition) {
         for (int i = 0; i < 8; ++i) {
           const uint32_t code = ((words[w] >> (4 * i)) & 15u) ^ (flip ? 8u : 0u);
           const float g = got[((static_cast<size_t>(j) * 2 + flip) * nw + w) * 8 + i];
-          ASSERT_EQ(float_as_u32(g), float_as_u32(fm::nvfp4_2level_decode(code, sps[j])))
-              << "code " << code << " sp " << sps[j] << " flip " << flip;
+          const float te = fm::e2m1_decode(code) * sps[j];
+          if (std::isnan(te)) {
+            ASSERT_TRUE(std::isnan(g)) << "code " << code << " factor " << sps[j];
+          } else {
+            ASSERT_EQ(float_as_u32(g), float_as_u32(te)) << "code " << code << " factor " << sps[j] << " flip " << flip;
+          }
+          if (std::isfinite(sps[j]))
+            ASSERT_EQ(float_as_u32(g), float_as_u32(fm::nvfp4_2level_decode(code, sps[j])))
+                << "code " << code << " sp " << sps[j] << " flip " << flip;
         }
 }
 

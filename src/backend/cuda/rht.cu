@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks) nvfp4_2level_t
         const uint32_t flip = (flips >> r) & 1u;
         const float sp = fm::e4m3_decode_any_nan(inner_byte) * so;  // = the block scale when finite
         if (isfinite(sp))
-          nvfp4_2level_decode8_finite(y[r], w, sp, 0x80808080u - flip * 0x01010101u);  // or 0x7F7F7F7F
+          e2m1_decode8_mul(y[r], w, sp, 0x80808080u - flip * 0x01010101u);  // or 0x7F7F7F7F
         else
           nvfp4_2level_decode8(y[r], w ^ (flip * 0x88888888u), fm::nvfp4_2level_block_scale(inner_byte, so));
       }
