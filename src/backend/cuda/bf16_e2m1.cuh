@@ -31,23 +31,25 @@ __device__ __forceinline__ void bf16_block_words(uint32_t (&w)[8], const uint4& 
   w[4] = hi.x; w[5] = hi.y; w[6] = hi.z; w[7] = hi.w;
 }
 
-// max over the block of the 15-bit |x| patterns (> 0x7F80 iff the block holds a NaN); a[p] =
-// w[p] with the sign bits cleared, reused by the codes.
-__device__ __forceinline__ uint32_t bf16_block_absmax_bits(uint32_t (&a)[8], const uint32_t (&w)[8]) {
+// max over the block (N words, 2N elements) of the 15-bit |x| patterns (> 0x7F80 iff the block
+// holds a NaN); a[p] = w[p] with the sign bits cleared, reused by the codes.
+template <int N>
+__device__ __forceinline__ uint32_t bf16_block_absmax_bits(uint32_t (&a)[N], const uint32_t (&w)[N]) {
   uint32_t m = 0;
 #pragma unroll
-  for (int p = 0; p < 8; ++p) {
+  for (int p = 0; p < N; ++p) {
     a[p] = w[p] & 0x7FFF7FFFu;
     m = __vmaxu2(m, a[p]);
   }
   return max(m & 0xFFFFu, m >> 16);
 }
 
-// True iff some element is -0.0 (0x8000, the smallest signed 16-bit value).
-__device__ __forceinline__ bool bf16_block_has_negative_zero(const uint32_t (&w)[8]) {
+// True iff some element of the N words is -0.0 (0x8000, the smallest signed 16-bit value).
+template <int N>
+__device__ __forceinline__ bool bf16_block_has_negative_zero(const uint32_t (&w)[N]) {
   uint32_t m = 0x7FFF7FFFu;
 #pragma unroll
-  for (int p = 0; p < 8; ++p) m = __vmins2(m, w[p]);
+  for (int p = 0; p < N; ++p) m = __vmins2(m, w[p]);
   return (m & 0xFFFFu) == 0x8000u || (m >> 16) == 0x8000u;
 }
 

@@ -132,16 +132,25 @@ __device__ __forceinline__ float block16_amax(const In* x) {
 // Returns false (codes untouched) unless the block has no NaN, no -0.0 (TE codes it 0x0, the
 // packed sign 0x8), max |x| * enc <= 6.5 and enc > 2^-17 (sd <= 2^16: every nonzero x has a nonzero
 // product, so the TE sign "v < 0" is the BF16 sign bit); an all-zero block uses enc = 0.
-__device__ __forceinline__ bool nvfp4_te_bf16_rtn_block16(uint2& codes, const uint32_t (&w)[8], const uint32_t (&a)[8],
-                                                          uint32_t abits, uint32_t s, const fm::Nvfp4TeGlobal& g) {
+// The enc the packed path uses for BF16 elements whose max |x| bits are abits (and whether it may):
+// see nvfp4_te_bf16_rtn_block16.
+template <int N>
+__device__ __forceinline__ bool nvfp4_te_bf16_packed_enc(float& enc, const uint32_t (&w)[N], uint32_t abits, uint32_t s,
+                                                         const fm::Nvfp4TeGlobal& g) {
   if (abits > 0x7F80u || bf16_block_has_negative_zero(w)) return false;
-  float enc = 0.0f;
+  enc = 0.0f;
   if (abits != 0u) {
     const float sd = fm::e4m3_decode(s) * g.s_dec;  // enc = fl(1 / sd) (nvfp4_te_block_enc)
     if (!(sd >= 0x1p-100f && sd <= 0x1p16f)) return false;
     enc = fm::nvfp4_te_block_enc(s, g);
     if (!(u32_as_float(abits << 16) * enc <= 6.5f)) return false;
   }
+  return true;
+}
+__device__ __forceinline__ bool nvfp4_te_bf16_rtn_block16(uint2& codes, const uint32_t (&w)[8], const uint32_t (&a)[8],
+                                                          uint32_t abits, uint32_t s, const fm::Nvfp4TeGlobal& g) {
+  float enc;
+  if (!nvfp4_te_bf16_packed_enc(enc, w, abits, s, g)) return false;
   codes = bf16_codes16(w, a, [enc](float m) { return fm::e2m1_rne_index_bits_min3(m * enc); });
   return true;
 }
@@ -263,88 +272,121 @@ Status quantize_nvfp4_te(uint8_t* codes, uint8_t* scales, float* amax, const In*
 
 // ---- NVFP4 TE 2-D (16x16 tiles) --------------------------------------------------------------
 
-// A warp covers 16 rows x 4 column blocks: lane l owns row 16*blockIdx.y + (l & 15) and column
-// blocks 4*warp + 2*(l >> 4) + {0, 1}. The tile amax is a max over the 16 lanes of one half-warp.
-// CTA: 8 warps side by side = 16 rows x 32 column blocks. Columnwise outputs (optional): since
-// the tile scale is shared, code (m, k) of x^T equals code (k, m) of x; the half-warp transposes
-// its 16x16 tile of nibbles with 16 shuffles, and lane r writes row k = 16*cb + r of codes_t.
+// CTA = 128 rows x 64 columns (8 x 4 tiles), 256 threads. Warp w = tile row w of the CTA (rows
+// 16w .. 16w+15); lane (qq = lane / 8, c = lane % 8) = rows 4qq .. 4qq+3 of that tile row and
+// columns 8c .. 8c+7 (half c & 1 of column block c / 2). Each load instruction of a warp reads four
+// rows x 64 contiguous columns; the tile amax is a max over the 8 lanes of the tile (lane bits 0,
+// 3, 4); each lane encodes its 4 x 8 elements with the tile's scale (BF16: the packed path,
+// bf16_codes8, when nvfp4_te_bf16_packed_enc allows it; otherwise the per-element definition) and
+// stores one 4-byte code word per row (8 lanes: 32 contiguous bytes). Columnwise outputs: since
+// the tile scale is shared, code (m, k) of x^T equals code (k, m) of x; each lane regroups its 4
+// x 8 nibbles into 8 columns of 4 nibbles, stages them in shared memory as [column][row quad],
+// and after a barrier each thread writes 16 contiguous bytes of one column of codes_t.
+constexpr int kTe2dRows = 128, kTe2dCols = 64;
+constexpr int kTe2dStageStride = 34;  // uint16 per staged column: 32 quads + 2 (2-way bank conflicts)
+
 template <typename In>
 __global__ void __launch_bounds__(kThreads) nvfp4_te_2d_quantize_kernel(uint8_t* codes, uint8_t* scales,
                                                                        uint8_t* codes_t, uint8_t* scales_t,
                                                                        const float* amax, const In* x, int64_t M,
                                                                        int64_t kb, bool swizzled) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r16 = lane & 15;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * 16;
-  const int64_t row = m0 + r16;
-  const int64_t cb0 = static_cast<int64_t>(blockIdx.x) * 32 + warp * 4 + 2 * (lane >> 4);
-  const bool row_ok = row < M;
+  __shared__ uint16_t stage[kTe2dCols * kTe2dStageStride];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 7, qq = lane >> 3;
+  const int64_t K = kb * 16, m0 = static_cast<int64_t>(blockIdx.y) * kTe2dRows;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTe2dCols, col = col0 + 8 * c, cb = col / 16;
+  const int64_t row0 = m0 + 16 * warp + 4 * qq;  // this lane's rows: row0 .. row0 + 3
+  const bool col_ok = col < K;                   // K % 16 == 0: a column block is in or out
   const fm::Nvfp4TeGlobal g = fm::nvfp4_te_global(*amax);
-  const In* xr = x + row * kb * 16;
-  const int64_t mt = (M + 15) / 16;
+
+  Vec<In, 8> v[4];
 #pragma unroll
-  for (int b = 0; b < 2; ++b) {
-    const int64_t cb = cb0 + b;
-    const bool col_ok = cb < kb;
-    const bool ok = row_ok && col_ok;
-    Vec<In, 16> v;
-    if (ok) load_vec(v, xr + cb * 16);
+  for (int r = 0; r < 4; ++r) {
+    if (col_ok && row0 + r < M) load_vec(v[r], x + (row0 + r) * K + col);
     else
 #pragma unroll
-      for (int i = 0; i < 16; ++i) v.e[i] = In(0);
-    uint32_t w[8], a[8], abits = 0;
-    float bamax;
-    if constexpr (std::is_same_v<In, uint16_t>) {  // block max from the |x| bits unless a NaN is present
-      bf16_block_words(w, v.w[0], v.w[1]);
-      abits = bf16_block_absmax_bits(a, w);
-      bamax = abits <= 0x7F80u ? u32_as_float(abits << 16) : fm::block_amax(v.e, 16);
-    } else {
-      bamax = fm::block_amax(v.e, 16);
-    }
-    const float tile_amax = group_max<16>(bamax);
-    uint32_t s;
-    PackedBytes<8> pk;
-    bool packed_path = false;
-    if constexpr (std::is_same_v<In, uint16_t>) {  // BF16: the packed RTN path with the tile's scale
-      s = fm::nvfp4_te_block_scale(tile_amax, g);
-      uint2 c;
-      if (nvfp4_te_bf16_rtn_block16(c, w, a, abits, s, g)) {
-        pk.w[0] = c.x;
-        pk.w[1] = c.y;
-        packed_path = true;
-      }
-    }
-    if (!packed_path) {
-      uint8_t p[8];
-      s = fm::nvfp4_te_quantize_block16(p, v.e, tile_amax, g);
+      for (int i = 0; i < 8; ++i) v[r].e[i] = In(0);  // zero padding does not change the tile amax
+  }
+  uint32_t w[16], a[16], abits = 0;  // BF16: the lane's 16 words (4 per row) and their magnitudes
+  float lane_amax = 0.0f;
+  if constexpr (std::is_same_v<In, uint16_t>) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) pk.set(i, p[i]);
+    for (int r = 0; r < 4; ++r) {
+      w[4 * r] = v[r].w[0].x; w[4 * r + 1] = v[r].w[0].y; w[4 * r + 2] = v[r].w[0].z; w[4 * r + 3] = v[r].w[0].w;
     }
-    if (ok) {
-      store_packed(codes + (row * kb + cb) * 8, pk);
-      scales[scale_index(row * kb + cb, kb, swizzled)] = static_cast<uint8_t>(s);
-    }
-    if (codes_t != nullptr) {
-      // Lane r16 gathers nibble r16 (column k = 16*cb + r16) of every row of the tile.
-      const uint64_t mine = (static_cast<uint64_t>(pk.w[1]) << 32) | pk.w[0];
-      uint64_t col = 0;
+    abits = bf16_block_absmax_bits(a, w);
+    if (abits <= 0x7F80u) lane_amax = u32_as_float(abits << 16);  // else a NaN: the float max below
+  }
+  if (!std::is_same_v<In, uint16_t> || abits > 0x7F80u) {
 #pragma unroll
-      for (int src = 0; src < 16; ++src) {
-        const uint64_t other = __shfl_sync(0xFFFFFFFFu, mine, (lane & 16) | src);
-        col |= ((other >> (4 * r16)) & 0xFull) << (4 * src);
-      }
-      if (col_ok) {
-        const int64_t k = cb * 16 + r16;
-        uint8_t* dst = codes_t + k * (M / 2) + m0 / 2;
-        if (m0 + 16 <= M && (M % 16) == 0) {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(static_cast<uint32_t>(col), static_cast<uint32_t>(col >> 32));
-        } else {
-          for (int i = 0; 2 * i + 1 < M - m0 && i < 8; ++i) dst[i] = static_cast<uint8_t>(col >> (8 * i));
-        }
-        if (scales_t != nullptr) scales_t[k * mt + m0 / 16] = static_cast<uint8_t>(s);
-      }
-    } else if (scales_t != nullptr && col_ok) {
-      scales_t[(cb * 16 + r16) * mt + m0 / 16] = static_cast<uint8_t>(s);
+    for (int r = 0; r < 4; ++r) lane_amax = fm::amax_update(lane_amax, fm::block_amax(v[r].e, 8));
+  }
+  float tile_amax = lane_amax;
+  tile_amax = fmaxf(tile_amax, __shfl_xor_sync(0xFFFFFFFFu, tile_amax, 1));
+  tile_amax = fmaxf(tile_amax, __shfl_xor_sync(0xFFFFFFFFu, tile_amax, 8));
+  tile_amax = fmaxf(tile_amax, __shfl_xor_sync(0xFFFFFFFFu, tile_amax, 16));
+  const uint32_t s = fm::nvfp4_te_block_scale(tile_amax, g);
+
+  uint32_t cw[4];  // code word of each row: code of column 8c + i in nibble i
+  float enc;
+  bool packed = false;
+  if constexpr (std::is_same_v<In, uint16_t>) packed = nvfp4_te_bf16_packed_enc(enc, w, abits, s, g);
+  if (packed) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      cw[r] = bf16_codes8(w + 4 * r, a + 4 * r, [enc](float m) { return fm::e2m1_rne_index_bits_min3(m * enc); });
+  } else {
+    enc = fm::nvfp4_te_block_enc(s, g);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      cw[r] = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) cw[r] |= fm::nvfp4_te_encode_rtn(fm::load_f32(v[r].e[i]), enc) << (4 * i);
     }
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    if (col_ok && row0 + r < M) {
+      *reinterpret_cast<uint32_t*>(codes + (row0 + r) * (K / 2) + col / 2) = cw[r];
+      if ((c & 1) == 0) scales[scale_index((row0 + r) * kb + cb, kb, swizzled)] = static_cast<uint8_t>(s);
+    }
+  }
+
+  const int64_t mt = (M + 15) / 16, tile_row = m0 / 16 + warp;
+  if (scales_t != nullptr && qq == 0 && col_ok && tile_row < mt) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) scales_t[(col + j) * mt + tile_row] = static_cast<uint8_t>(s);
+  }
+  if (codes_t == nullptr) return;  // CTA-uniform
+  // Nibble transpose: column j's 4 codes (rows 4qq .. +3) as one uint16. even/odd: byte b holds
+  // column 2b / 2b + 1 of rows (0, 1) or (2, 3); a byte permute pairs the two row halves.
+  const uint32_t e01 = (cw[0] & 0x0F0F0F0Fu) | ((cw[1] & 0x0F0F0F0Fu) << 4);
+  const uint32_t o01 = ((cw[0] >> 4) & 0x0F0F0F0Fu) | (cw[1] & 0xF0F0F0F0u);
+  const uint32_t e23 = (cw[2] & 0x0F0F0F0Fu) | ((cw[3] & 0x0F0F0F0Fu) << 4);
+  const uint32_t o23 = ((cw[2] >> 4) & 0x0F0F0F0Fu) | (cw[3] & 0xF0F0F0F0u);
+  const uint32_t cols[4] = {__byte_perm(e01, e23, 0x5140), __byte_perm(o01, o23, 0x5140), __byte_perm(e01, e23, 0x7362),
+                            __byte_perm(o01, o23, 0x7362)};  // columns (0, 2), (1, 3), (4, 6), (5, 7)
+  uint16_t* st = stage + 8 * c * kTe2dStageStride + (4 * warp + qq);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const int j = (p & 1) + 4 * (p >> 1);  // low half: column j, high half: column j + 2
+    st[j * kTe2dStageStride] = static_cast<uint16_t>(cols[p]);
+    st[(j + 2) * kTe2dStageStride] = static_cast<uint16_t>(cols[p] >> 16);
+  }
+  __syncthreads();
+  // Thread t: column k = t / 4 of the CTA, bytes 16 (t % 4) .. +15 of its 64 (rows m0 + 32 (t % 4) ..).
+  const int k = threadIdx.x >> 2, chunk = threadIdx.x & 3;
+  if (col0 + k >= K) return;
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(stage + k * kTe2dStageStride + 8 * chunk);
+  const uint4 bytes16 = make_uint4(src[0], src[1], src[2], src[3]);
+  const int64_t b0 = m0 / 2 + 16 * chunk, row_bytes = M / 2;  // M is even
+  uint8_t* dst = codes_t + (col0 + k) * row_bytes + b0;
+  if (b0 + 16 <= row_bytes && row_bytes % 16 == 0) {
+    *reinterpret_cast<uint4*>(dst) = bytes16;
+  } else {
+    const uint32_t words[4] = {bytes16.x, bytes16.y, bytes16.z, bytes16.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      if (b0 + i < row_bytes) dst[i] = static_cast<uint8_t>(words[i / 4] >> (8 * (i % 4)));
   }
 }
 
@@ -361,7 +403,7 @@ Status quantize_nvfp4_te_2d(uint8_t* codes, uint8_t* scales, uint8_t* codes_t, u
   if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(scales, 0, fm::swizzled_scale_bytes(M, kb), stream));
   if (amax_mode == AmaxMode::kCompute) NIB_RETURN_IF_ERROR(absmax(amax, x, M * K, stream));
   if (M == 0) return Status::ok();
-  dim3 grid(ceil_div_int(kb, 32), ceil_div_int(M, 16));
+  dim3 grid(ceil_div_int(K, kTe2dCols), ceil_div_int(M, kTe2dRows));
   nvfp4_te_2d_quantize_kernel<In><<<grid, kThreads, 0, stream>>>(codes, scales, codes_t, scales_t, amax, x, M, kb, swz);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();

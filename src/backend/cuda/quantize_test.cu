@@ -382,7 +382,8 @@ TEST(CudaVsCpu, Absmax) {
 TEST(CudaVsCpu, Nvfp4Te2d) {
   NIB_REQUIRE_GPU();
   // M need not be a multiple of 16 (last tile row zero-padded); columnwise output needs M even.
-  for_inputs({{16, 16}, {6, 48}, {34, 160}, {128, 512}, {62, 400}}, [](const std::vector<float>& x, int64_t M, int64_t K) {
+  for_inputs({{16, 16}, {6, 48}, {34, 160}, {128, 512}, {62, 400}, {288, 96}}, [](const std::vector<float>& x, int64_t M,
+                                                                                   int64_t K) {
     const int64_t n = M * K, mt = (M + 15) / 16;
     std::vector<uint8_t> c_ref(n / 2), s_ref(n / 16), ct_ref(n / 2), st_ref(K * mt);
     float amax_ref = fm::nvfp4_te_quantize_2d_cpu(c_ref.data(), s_ref.data(), ct_ref.data(), st_ref.data(), x.data(), M, K);
@@ -394,16 +395,30 @@ TEST(CudaVsCpu, Nvfp4Te2d) {
     EXPECT_TRUE(same_bits(codes_t.host(), ct_ref));
     EXPECT_TRUE(same_bits(scales_t.host(), st_ref));
     EXPECT_TRUE(same_bits(amax.host(), std::vector<float>{amax_ref}));
-    // BF16 input, rowwise only.
+    // BF16 input: rowwise only, rowwise + columnwise, and the swizzled scale layout with the
+    // columnwise scales alone.
     auto xb = to_bf16(x);
     std::vector<float> xbf(x.size());
     for (size_t i = 0; i < x.size(); ++i) xbf[i] = bf16_bits_to_f32(xb[i]);
-    fm::nvfp4_te_quantize_2d_cpu(c_ref.data(), s_ref.data(), nullptr, nullptr, xbf.data(), M, K);
+    fm::nvfp4_te_quantize_2d_cpu(c_ref.data(), s_ref.data(), ct_ref.data(), st_ref.data(), xbf.data(), M, K);
     Dev<uint16_t> xbd(xb);
-    expect_ok(quantize_nvfp4_te_2d(codes.get(), scales.get(), nullptr, nullptr, amax.get(),
-                                   static_cast<const uint16_t*>(xbd.get()), M, K));
+    const uint16_t* xbp = xbd.get();
+    expect_ok(quantize_nvfp4_te_2d(codes.get(), scales.get(), nullptr, nullptr, amax.get(), xbp, M, K));
     EXPECT_TRUE(same_bits(codes.host(), c_ref));
     EXPECT_TRUE(same_bits(scales.host(), s_ref));
+    Dev<uint8_t> codes2(n / 2), codes_t2(n / 2), scales_t2(K * mt);
+    expect_ok(quantize_nvfp4_te_2d(codes2.get(), scales.get(), codes_t2.get(), scales_t2.get(), amax.get(), xbp, M, K));
+    EXPECT_TRUE(same_bits(codes2.host(), c_ref));
+    EXPECT_TRUE(same_bits(codes_t2.host(), ct_ref));
+    EXPECT_TRUE(same_bits(scales_t2.host(), st_ref));
+    std::vector<uint8_t> swz_ref(fm::swizzled_scale_bytes(M, K / 16));
+    fm::scales_linear_to_swizzled(swz_ref.data(), s_ref.data(), M, K / 16);
+    Dev<uint8_t> swz(swz_ref.size()), scales_t3(K * mt);
+    expect_ok(quantize_nvfp4_te_2d(codes2.get(), swz.get(), nullptr, scales_t3.get(), amax.get(), xbp, M, K,
+                                   AmaxMode::kCompute, ScaleLayout::kSwizzled));
+    EXPECT_TRUE(same_bits(swz.host(), swz_ref));
+    EXPECT_TRUE(same_bits(scales_t3.host(), st_ref));
+    EXPECT_TRUE(same_bits(codes2.host(), c_ref));
   });
 }
 
