@@ -23,7 +23,10 @@ stamp() { echo "== [$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/steps.log"; 
 
 stamp "device"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$OUT/steps.log"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || cat .gpubin/COMMIT 2>/dev/null || echo unknown)" | tee -a "$OUT/steps.log"
+# A prebuilt binary names its own commit (the copied tree's git metadata may be older).
+COMMIT=""
+[ -n "${NIBBLE_GPU_PREBUILT:-}" ] && COMMIT=$(cat "$NIBBLE_GPU_PREBUILT/COMMIT" 2>/dev/null)
+echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" | tee -a "$OUT/steps.log"
 
 BIN=""
 try_prebuilt() {
