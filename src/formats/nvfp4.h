@@ -214,23 +214,10 @@ NIB_HOST_DEVICE float nvfp4_2level_scaled_magnitude(float x, float sp, float r) 
   if (r == 0.0f || !in_range) return a / sp;
   return nvfp4_2level_quotient_fma(a, sp, r);
 }
-// One range decision for a whole 16-block (what the GPU kernels use): true iff r != 0 (sp in
-// range), bamax <= 2^60 (bamax = the block's NaN-skipping amax of x) and every nonzero |x[i]| >=
-// 2^-60 (the minimum of bits(|x|) - 1 over the block, so zeros never fail it). Then
-// v[i] = nvfp4_2level_quotient_fma(|x[i]|, sp, r) = fl(|x[i]| / sp) for every i (NaN elements
-// give NaN either way: their E2M1 index is 0, and the code's sign comes from x); otherwise each
-// element takes nvfp4_2level_scaled_magnitude (its own decision).
-NIB_HOST_DEVICE bool nvfp4_2level_block_fast(const float* x, float r, float bamax) {
-  uint32_t m = 0xFFFFFFFFu;
-#if defined(__CUDACC__)
-#pragma unroll
-#endif
-  for (int i = 0; i < 16; ++i) {
-    const uint32_t t = (float_as_u32(x[i]) & 0x7FFFFFFFu) - 1u;
-    m = t < m ? t : m;
-  }
-  return r != 0.0f && bamax <= 0x1p60f && m >= 0x21800000u - 1u;
-}
+// One range decision for a whole 16-block (the GPU kernels' form is
+// cuda::nvfp4_2level_block_fast_nan_free): when sp is in [2^-60, 2^60] (r != 0) and every nonzero
+// |x[i]| in [2^-60, 2^60], v[i] = nvfp4_2level_quotient_fma(|x[i]|, sp, r) = fl(|x[i]| / sp) for
+// every i; otherwise each element takes nvfp4_2level_scaled_magnitude (its own decision).
 // The weaker block condition that suffices when only the RTN index of each element is needed:
 // r != 0 (sp in [2^-60, 2^60]) and bamax <= 2^60, with no per-element range check. Elements with
 // |x| >= 2^-60 get the exact quotient as above. For smaller |x| the steps may meet subnormal
@@ -239,16 +226,9 @@ NIB_HOST_DEVICE bool nvfp4_2level_block_fast(const float* x, float r, float bama
 // 2^-150 * r <= 2^-90: the computed value stays far below 0.25, index 0, as the division gives.
 // Tested: formats/quantize_test.cpp (every BF16 magnitude, extreme scales).
 NIB_HOST_DEVICE bool nvfp4_2level_block_fast_rtn(float r, float bamax) { return r != 0.0f && bamax <= 0x1p60f; }
-// fl(|x| / sp) on the fast path (valid when nvfp4_2level_block_fast holds for x's block).
-NIB_HOST_DEVICE float nvfp4_2level_scaled_magnitude_fast(float x, float sp, float r) {
-  return nvfp4_2level_quotient_fma(u32_as_float(float_as_u32(x) & 0x7FFFFFFFu), sp, r);
-}
 // Element code from its scaled magnitude v = fl(|x| / sp) and x (for the sign).
 NIB_HOST_DEVICE uint32_t nvfp4_2level_code_rtn(float v, float x) {
   return e2m1_rne_index(v) | (signbit_nan_positive(x) << 3);
-}
-NIB_HOST_DEVICE uint32_t nvfp4_2level_code_sr(float v, float x, float u) {
-  return e2m1_sr_index(v, u) | (signbit_nan_positive(x) << 3);
 }
 NIB_HOST_DEVICE uint32_t nvfp4_2level_code_sr_h(float v, float x, uint32_t h) {
   return e2m1_sr_index_h(v, h) | (signbit_nan_positive(x) << 3);

@@ -143,9 +143,9 @@ __device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16_fast(const
   return packed;
 }
 
-// nvfp4_2level_block_fast plus "no NaN" (device form, one pass): every nonzero |x[i]| in
-// [2^-60, 2^60] (so the NaN-skipping block max is too) and r != 0. Such a block can take
-// nvfp4_2level_encode_block16_fast.
+// The block test of the fast 2-level encode (formats/nvfp4.h, "one range decision for a whole
+// 16-block"), one pass: r != 0 (sp in [2^-60, 2^60]) and every nonzero |x[i]| in [2^-60, 2^60],
+// which excludes NaN and Inf. Such a block can take nvfp4_2level_encode_block16_fast.
 __device__ __forceinline__ bool nvfp4_2level_block_fast_nan_free(const float* x, float r) {
   uint32_t lo = 0xFFFFFFFFu, hi = 0;
 #pragma unroll
