@@ -32,7 +32,10 @@ AttentionForward random_attention_forward(int64_t B, int64_t Tn, int64_t H, int6
 
 TEST(Attention, BackwardMatchesFiniteDifferencesWithGqa) {
   const int64_t B = 2, Tn = 5, H = 4, Hkv = 2, D = 4;
-  auto [q, k, v, out, att] = random_attention_forward(B, Tn, H, Hkv, D, 21);
+  // Named references, not a structured binding: the lambda below captures them (clang before 16
+  // cannot capture structured bindings).
+  AttentionForward f = random_attention_forward(B, Tn, H, Hkv, D, 21);
+  std::vector<double>&q = f.q, &k = f.k, &v = f.v, &out = f.out, &att = f.att;
   auto r = random_vector(B * Tn * H * D, 24);
   std::vector<double> dq(q.size()), dk(k.size()), dv(v.size());
   attention_backward(dq.data(), dk.data(), dv.data(), r.data(), att.data(), q.data(), k.data(), v.data(), B, Tn, H,

@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_te_2d_quantize_kernel(uint8_t*
   const uint4 bytes16 = make_uint4(src[0], src[1], src[2], src[3]);
   const int64_t b0 = m0 / 2 + 16 * chunk, row_bytes = M / 2;  // M is even
   uint8_t* dst = codes_t + (col0 + k) * row_bytes + b0;
-  if (b0 + 16 <= row_bytes && row_bytes % 16 == 0) {
+  if (b0 + 16 <= row_bytes && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
     *reinterpret_cast<uint4*>(dst) = bytes16;
   } else {
     const uint32_t words[4] = {bytes16.x, bytes16.y, bytes16.z, bytes16.w};
