@@ -736,6 +736,57 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quantize_kernel(uint8_t* codes
   load_vec(v, x + b * 32);
   PackedBytes<16> packed;
   uint32_t byte;
+  // floor / RCEIL (sign bit = signbit(x * inv) = signbit(x): inv is a positive power of two) on a
+  // NaN-free block: the packed paths. BF16 RTN: bf16_codes8 with the capped min3 index of fl(|x| *
+  // inv); SR: the biased g-form index, multiply-add packing and permuted signs. TE-ceil (sign iff
+  // x * inv < 0) and blocks holding a NaN take the per-element definition.
+  if constexpr (kRule != MxScaleRule::kTeCeil) {
+    if constexpr (!kSR && std::is_same_v<In, uint16_t>) {
+      uint32_t w[16], a[16];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        w[4 * i] = v.w[i].x; w[4 * i + 1] = v.w[i].y; w[4 * i + 2] = v.w[i].z; w[4 * i + 3] = v.w[i].w;
+      }
+      const uint32_t abits = bf16_block_absmax_bits(a, w);
+      if (abits <= 0x7F80u) {
+        byte = fm::mxfp4_scale_byte(u32_as_float(abits << 16), kRule);
+        const float inv = fm::e8m0_inverse(byte);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          packed.w[q] = bf16_codes8(w + 4 * q, a + 4 * q, [inv](float m) { return e2m1_rne_index_biased(m * inv); });
+        store_packed(codes + b * 16, packed);
+        scales[scale_index(b, kb, swizzled)] = static_cast<uint8_t>(byte);
+        return;
+      }
+    }
+    if constexpr (kSR) {
+      float xv[32], vmax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        xv[i] = fm::load_f32(v.e[i]);
+        vmax = fmax_nan(vmax, fabsf(xv[i]));
+      }
+      if (vmax == vmax) {  // no NaN: vmax is the block's amax
+        byte = fm::mxfp4_scale_byte(vmax, kRule);
+        const float inv = fm::e8m0_inverse(byte);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const Philox4x32 w = sr_words(key, static_cast<uint64_t>(b) * 4 + q);  // elements 32b + 8q ..
+          float sv[8];
+          uint32_t acc = 0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            sv[i] = xv[8 * q + i] * inv;
+            acc += e2m1_sr_index_ru_biased(fabsf(sv[i]), sr_offset_g(w, i)) << (4 * i);
+          }
+          packed.w[q] = (acc - 0x4B000001u * 0x11111111u) | sign_nibbles8(sv);
+        }
+        store_packed(codes + b * 16, packed);
+        scales[scale_index(b, kb, swizzled)] = static_cast<uint8_t>(byte);
+        return;
+      }
+    }
+  }
   if constexpr (!kSR) {
     uint8_t p[16];
     byte = fm::mxfp4_quantize_block32(p, v.e, kRule);

@@ -451,6 +451,9 @@ void check_2level(const std::vector<In>& xin, int64_t M, int64_t K) {
       Dev<float> y(n);
       expect_ok(dequantize_nvfp4_2level(y.get(), codes.get(), inner.get(), outer.get(), M, K));
       EXPECT_TRUE(same_bits(y.host(), y_ref));
+      Dev<uint16_t> yb(n);
+      expect_ok(dequantize_nvfp4_2level(yb.get(), codes.get(), inner.get(), outer.get(), M, K));
+      EXPECT_TRUE(same_bits(as_bf16(yb.host()), as_bf16(to_bf16(y_ref))));
       std::vector<uint8_t> swz_ref(fm::swizzled_scale_bytes(M, K / 16));
       fm::scales_linear_to_swizzled(swz_ref.data(), i_ref.data(), M, K / 16);
       Dev<uint8_t> swz(swz_ref.size());
@@ -589,6 +592,9 @@ void check_mx(const std::vector<In>& xin, int64_t M, int64_t K) {
         Dev<float> y(n);
         expect_ok(dequantize_mxfp4(y.get(), codes.get(), scales.get(), M, K));
         EXPECT_TRUE(same_bits(y.host(), y_ref));
+        Dev<uint16_t> yb(n);
+        expect_ok(dequantize_mxfp4(yb.get(), codes.get(), scales.get(), M, K));
+        EXPECT_TRUE(same_bits(as_bf16(yb.host()), as_bf16(to_bf16(y_ref))));
         std::vector<uint8_t> swz_ref(fm::swizzled_scale_bytes(M, K / 32));
         fm::scales_linear_to_swizzled(swz_ref.data(), s_ref.data(), M, K / 32);
         Dev<uint8_t> swz(swz_ref.size());
@@ -608,6 +614,9 @@ void check_mx(const std::vector<In>& xin, int64_t M, int64_t K) {
     Dev<float> y(n);
     expect_ok(dequantize_mxfp8(y.get(), elems.get(), scales.get(), M, K));
     EXPECT_TRUE(same_bits(y.host(), y_ref));
+    Dev<uint16_t> yb(n);
+    expect_ok(dequantize_mxfp8(yb.get(), elems.get(), scales.get(), M, K));
+    EXPECT_TRUE(same_bits(as_bf16(yb.host()), as_bf16(to_bf16(y_ref))));
   }
 }
 
