@@ -123,7 +123,7 @@ fi
 if [ "${NIBBLE_GPU_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   # Hardware counters of three kernels on the quick (4096^2) bench: is it issue- or memory-bound?
   stamp "ncu profiles"
-  for k in 'nvfp4_te_quantize_kernel<nibble::cuda::FormatsCodec, unsigned short' 'nvfp4_2level_bf16_rtn_k128_kernel' \
+  for k in 'nvfp4_te_quantize_kernel<nibble::cuda::FormatsCodec, unsigned short' 'nvfp4_2level_bf16_k128_kernel<.int.2, .int.5, .bool.0' \
            'transpose_rht_requantize_kernel<nibble::cuda::FormatsCodec, .bool.1'; do
     NIBBLE_BENCH_QUICK=1 timeout 120 ncu --clock-control none --kernel-name-base demangled -k "regex:${k//[<>:,]/.}" -c 1 \
       --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats --section InstructionStats \

@@ -605,11 +605,14 @@ __global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t
 // (outer amax by shuffles); the code bytes, inner scale bytes and (first thread of the group) the
 // outer scale are stored directly. Threads past the end (whole groups: nthreads is a multiple of
 // 8 / kNB) run the shuffles on zeros and store nothing.
-template <int kNB, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) nvfp4_2level_bf16_rtn_k128_kernel(uint8_t* codes, uint8_t* inner,
-                                                                                         float* outer, const uint16_t* x,
-                                                                                         int64_t nthreads, int64_t kb,
-                                                                                         bool swizzled) {
+// CTAs per SM the SR instance is compiled for: 4 (<= 64 registers) measured 0.460 of copy against
+// 0.447 for 3 (69 registers) on an H200 (docs/benchmarks.md).
+constexpr int kSrMinBlocks = 4;
+template <int kNB, int kMinBlocks, bool kSR>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) nvfp4_2level_bf16_k128_kernel(uint8_t* codes, uint8_t* inner,
+                                                                                     float* outer, const uint16_t* x,
+                                                                                     int64_t nthreads, int64_t kb,
+                                                                                     bool swizzled, fm::SrKey key) {
   constexpr int kGroup = 8 / kNB;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool ok = t < nthreads;
@@ -635,8 +638,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) nvfp4_2level_bf16_rtn_k1
 #pragma unroll
   for (int b = 0; b < kNB; ++b) {
     si[b] = fm::nvfp4_2level_inner_scale(bamax[b], so);
-    const PackedBytes<8> p = nvfp4_2level_bf16_rtn_block16(v.e + 16 * b, w[b], a[b], nan_free[b], bamax[b],
-                                                           fm::nvfp4_2level_block_scale(si[b], so));
+    const float sp = fm::nvfp4_2level_block_scale(si[b], so);
+    PackedBytes<8> p;
+    if constexpr (kSR) {
+      float xf[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) xf[i] = fm::load_f32(v.e[16 * b + i]);
+      const uint64_t q0 = static_cast<uint64_t>(16 * kNB * t + 16 * b) / 8;  // flat element / 8
+      p = nvfp4_2level_encode_block16<true>(xf, sp, fm::nvfp4_2level_block_reciprocal(sp), key, q0);
+    } else {
+      p = nvfp4_2level_bf16_rtn_block16(v.e + 16 * b, w[b], a[b], nan_free[b], bamax[b], sp);
+    }
     packed.w[2 * b] = p.w[0];
     packed.w[2 * b + 1] = p.w[1];
   }
@@ -665,14 +677,19 @@ Status quantize_nvfp4_2level_impl(uint8_t* codes, uint8_t* inner, float* outer, 
     kernel<<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
   };
   if constexpr (std::is_same_v<In, uint16_t> && std::is_same_v<Codec, FormatsCodec>) {
-    if (!sr && K % 128 == 0) {
-      // Two inner blocks per thread at <= 48 registers (5 CTAs of 256 per SM): measured on an H200
-      // against one block per thread at 40 registers (0.76 of copy), two at 40 / 64 registers
-      // (0.83 / 0.82) and this (0.86) (docs/benchmarks.md).
+    if (K % 128 == 0) {
+      // Two inner blocks per thread, one pass. RTN at <= 48 registers (5 CTAs of 256 per SM):
+      // measured on an H200 against one block per thread at 40 registers (0.76 of copy), two at
+      // 40 / 64 registers (0.83 / 0.82) and this (0.86); SR at <= 64 (docs/benchmarks.md).
       constexpr int kNB = 2;
       const int64_t nthreads = M * K / (16 * kNB);
-      nvfp4_2level_bf16_rtn_k128_kernel<kNB, 5><<<ceil_div_int(nthreads, kThreads), kThreads, 0, stream>>>(
-          codes, inner, outer, x, nthreads, kb, swz);
+      const int grid = ceil_div_int(nthreads, kThreads);
+      if (sr)
+        nvfp4_2level_bf16_k128_kernel<kNB, kSrMinBlocks, true><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x,
+                                                                                              nthreads, kb, swz, *sr);
+      else
+        nvfp4_2level_bf16_k128_kernel<kNB, 5, false><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, nthreads,
+                                                                                    kb, swz, fm::SrKey{});
       NIB_CUDA_CHECK_LAUNCH();
       return Status::ok();
     }
