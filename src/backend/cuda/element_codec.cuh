@@ -2,8 +2,9 @@
 // src/formats/ function itself, so GPU and CPU drivers agree bit for bit (the nvfp4-2level steps
 // are in kernel_util.cuh's nvfp4_2level_encode_block16) — except the SR index, e2m1_sr_index_ru
 // below: the same function as formats::e2m1_sr_index_h in round-up fmas (device-only: the host
-// has no per-operation rounding modes). element_codec_test.cu checks every step against its
-// formats/ or former formulation over all 2^32 inputs.
+// has no per-operation rounding modes), and its biased forms for the packed fast paths
+// (e2m1_sr_index_ru_biased, e2m1_rne_index_biased). element_codec_test.cu checks every step
+// against its formats/ or former formulation over all 2^32 inputs.
 #pragma once
 
 #include <cuda_runtime.h>

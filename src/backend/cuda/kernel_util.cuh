@@ -2,7 +2,9 @@
 // element arrays held in registers, warp max-reductions, the grid-wide amax (atomicMax on the
 // float bits: non-negative floats order like uint32), and the Philox block of a run of eight
 // consecutive flat elements (the half-words formats::sr_uniform() draws one at a time), the
-// double-block encode of a 16-element block (RTN or SR) and decode of 8 packed codes.
+// double-block encode of a 16-element block (RTN or SR; a fast form for in-range NaN-free blocks),
+// the sign gather of 8 values, and two decoders of 8 packed E2M1 codes (the 2-level definition,
+// and the byte-table decode e2m1_decode8_mul that the fused op and the dequantizers use).
 // Mirrors the vectorised load/store helpers of llm.c's dev/cuda (x128) and TE's Vec<>.
 #pragma once
 
