@@ -22,6 +22,7 @@
 #include "backend/cuda/quantize.h"
 #include "core/bits.h"
 #include "core/philox.h"
+#include "formats/bf16_test_util.h"
 #include "formats/e4m3.h"
 #include "formats/golden.h"
 #include "formats/nvfp4.h"
@@ -143,11 +144,8 @@ std::vector<float> make_input(int64_t M, int64_t K, Fill fill, uint64_t seed) {
   return x;
 }
 
-std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
-  std::vector<uint16_t> b(x.size());
-  for (size_t i = 0; i < x.size(); ++i) b[i] = f32_to_bf16_bits(x[i]);
-  return b;
-}
+using fm::testing::from_bf16;
+using fm::testing::to_bf16;
 
 struct Shape2 {
   int64_t M, K;
@@ -398,8 +396,7 @@ TEST(CudaVsCpu, Nvfp4Te2d) {
     // BF16 input: rowwise only, rowwise + columnwise, and the swizzled scale layout with the
     // columnwise scales alone.
     auto xb = to_bf16(x);
-    std::vector<float> xbf(x.size());
-    for (size_t i = 0; i < x.size(); ++i) xbf[i] = bf16_bits_to_f32(xb[i]);
+    const std::vector<float> xbf = from_bf16(xb);
     fm::nvfp4_te_quantize_2d_cpu(c_ref.data(), s_ref.data(), ct_ref.data(), st_ref.data(), xbf.data(), M, K);
     Dev<uint16_t> xbd(xb);
     const uint16_t* xbp = xbd.get();
