@@ -3,7 +3,6 @@
 #include "train/dataset.h"
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -106,17 +105,12 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
   if (!(o.val_fraction >= 0 && o.val_fraction <= 0.5))
     return invalid_argument("val_fraction {} must be in [0, 0.5]", o.val_fraction);
   // Inputs: text files or token shards, never both in one run.
-  std::vector<std::string> shard_files;
-  for (const std::string& p : o.text_files)
-    if (is_token_shard_file(p)) shard_files.push_back(p);
+  std::vector<std::string> shard_files, plain_files;
+  for (const std::string& p : o.text_files) (is_token_shard_file(p) ? shard_files : plain_files).push_back(p);
   const bool from_shards = !shard_files.empty();
-  if (from_shards && shard_files.size() != o.text_files.size()) {
-    std::string text_file;
-    for (const std::string& p : o.text_files)
-      if (!is_token_shard_file(p)) text_file = p;
+  if (from_shards && !plain_files.empty())
     return invalid_argument("data.files mixes NIBTOK token shards ('{}') and text files ('{}'): use one kind per run",
-                            shard_files[0], text_file);
-  }
+                            shard_files[0], plain_files[0]);
   if (from_shards && o.tokenizer_file.empty())
     return invalid_argument("'{}' is a NIBTOK token shard: token shards need data.tokenizer (the tokenizer that "
                             "produced them, so checkpoints, eval and generate can decode)", shard_files[0]);
@@ -197,18 +191,21 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
   if (from_shards) {
     // Token shards: checked against the tokenizer, concatenated in order, tail held out (or val_files).
     const Tokenizer& tok = *loaded;
-    std::vector<TokenShard> train_shards, val_shards;
-    using PathList = const std::vector<std::string>*;
-    for (PathList list : std::array<PathList, 2>{&shard_files, &o.val_shard_files}) {
-      for (const std::string& p : *list) {
+    // Opens the shards at `paths` (the config key `key` names them), each within the tokenizer's vocabulary.
+    auto open_shards = [&](const std::vector<std::string>& paths, const char* key,
+                           std::vector<TokenShard>* shards) -> Status {
+      for (const std::string& p : paths) {
         NIB_ASSIGN_OR_RETURN(TokenShard sh, TokenShard::open(p));
         if (sh.vocab_size() > tok.vocab_size())
-          return invalid_argument("{}: token shard '{}' has vocab_size {}, more than data.tokenizer's {}",
-                                  list == &shard_files ? "data.files" : "data.val_files", p, sh.vocab_size(),
-                                  tok.vocab_size());
-        (list == &shard_files ? train_shards : val_shards).push_back(std::move(sh));
+          return invalid_argument("{}: token shard '{}' has vocab_size {}, more than data.tokenizer's {}", key, p,
+                                  sh.vocab_size(), tok.vocab_size());
+        shards->push_back(std::move(sh));
       }
-    }
+      return Status::ok();
+    };
+    std::vector<TokenShard> train_shards, val_shards;
+    NIB_RETURN_IF_ERROR(open_shards(shard_files, "data.files", &train_shards));
+    NIB_RETURN_IF_ERROR(open_shards(o.val_shard_files, "data.val_files", &val_shards));
     std::vector<int32_t> tokens;  // (N) the input shards' tokens in order
     NIB_RETURN_IF_ERROR(append_shard_tokens(&tokens, train_shards));
     const int64_t n = static_cast<int64_t>(tokens.size());
@@ -254,6 +251,15 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
   }
   const Tokenizer& tok = loaded ? *loaded : *trained;
   auto t2 = std::chrono::steady_clock::now();
+  // Special ids, then how the tokenizer came to be (keys are stored sorted either way).
+  nlohmann::json tokenizer_json = {{"unk_id", tok.unk_id()}, {"bos_id", tok.bos_id()}, {"eos_id", tok.eos_id()},
+                                   {"pad_id", tok.pad_id()}};
+  if (loaded) {
+    tokenizer_json.update({{"type", "sentencepiece (loaded)"}, {"file", o.tokenizer_file}});
+  } else {
+    tokenizer_json.update({{"type", "sentencepiece-bpe"}, {"seed", o.tokenizer_seed},
+                           {"max_sentences", o.tokenizer_max_sentences}, {"byte_fallback", true}});
+  }
   nlohmann::json j = {
       {"format_version", kDataFormatVersion},
       {"fingerprint", hex64(fp)},
@@ -262,13 +268,7 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
       {"val_fraction", o.val_fraction},
       {"input", from_shards ? "token-shards" : "text"},
       {"val_sources", o.val_shard_files},
-      {"tokenizer", loaded ? nlohmann::json{{"type", "sentencepiece (loaded)"}, {"file", o.tokenizer_file},
-                                            {"unk_id", tok.unk_id()}, {"bos_id", tok.bos_id()},
-                                            {"eos_id", tok.eos_id()}, {"pad_id", tok.pad_id()}}
-                           : nlohmann::json{{"type", "sentencepiece-bpe"}, {"seed", o.tokenizer_seed},
-                                            {"max_sentences", o.tokenizer_max_sentences}, {"byte_fallback", true},
-                                            {"unk_id", tok.unk_id()}, {"bos_id", tok.bos_id()},
-                                            {"eos_id", tok.eos_id()}, {"pad_id", tok.pad_id()}}},
+      {"tokenizer", tokenizer_json},
       {"summary",
        {{"files", sum.files}, {"documents", sum.documents}, {"train_lines", sum.train_lines},
         {"val_lines", sum.val_lines}, {"train_tokens", sum.train_tokens}, {"val_tokens", sum.val_tokens},

@@ -25,10 +25,15 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
   return d;
 }
 
+// w[0..3] <- the four words of q (8 BF16 elements, element 2p in the low half of word p).
+__device__ __forceinline__ void bf16_words4(uint32_t* w, const uint4& q) {
+  w[0] = q.x; w[1] = q.y; w[2] = q.z; w[3] = q.w;
+}
+
 // The 8 words of a 16-element BF16 block held as two uint4.
 __device__ __forceinline__ void bf16_block_words(uint32_t (&w)[8], const uint4& lo, const uint4& hi) {
-  w[0] = lo.x; w[1] = lo.y; w[2] = lo.z; w[3] = lo.w;
-  w[4] = hi.x; w[5] = hi.y; w[6] = hi.z; w[7] = hi.w;
+  bf16_words4(w, lo);
+  bf16_words4(w + 4, hi);
 }
 
 // max over the block (N words, 2N elements) of the 15-bit |x| patterns (> 0x7F80 iff the block

@@ -57,6 +57,8 @@ __device__ __forceinline__ float sr_offset_g(uint32_t halfword_bits_0_15) {
 __device__ __forceinline__ float sr_offset_g(const Philox4x32& r, int j) {
   return __uint_as_float(__byte_perm(r.v[j >> 1], 0x43000000u, (j & 1) ? 0x7632 : 0x7610));
 }
+constexpr uint32_t kSrIndexBias = 0x4B000001u;   // e2m1_sr_index_ru_biased = kSrIndexBias + index
+constexpr uint32_t kRtnIndexBias = 0x4B000000u;  // e2m1_rne_index_biased = kRtnIndexBias + index
 __device__ __forceinline__ uint32_t e2m1_sr_index_ru_biased(float a, float g) {
   const uint32_t t1 = __float_as_uint(__fadd_ru(__fmaf_ru(a, 2.0f, -g), 8388737.0f));  // 2^23 + 129
   const uint32_t t2 = __float_as_uint(__fadd_ru(__fadd_ru(a, -g), 8388739.0f));

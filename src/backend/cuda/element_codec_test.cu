@@ -117,7 +117,7 @@ __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* 
         first[4] = bits;
       }
       if (bits <= 0x7F800000u &&  // a >= 0, +Inf included
-          e2m1_sr_index_ru_biased(a, sr_offset_g(hs[j])) - 0x4B000001u != fm::e2m1_sr_index_h(a, hs[j])) {
+          e2m1_sr_index_ru_biased(a, sr_offset_g(hs[j])) - kSrIndexBias != fm::e2m1_sr_index_h(a, hs[j])) {
         atomicAdd(&mismatches[5], 1ull);
         first[5] = bits;
       }
@@ -128,7 +128,7 @@ __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* 
       first[3] = bits;
     }
     // Its capped form (element_codec.cuh) for every v >= 0, +Inf included.
-    if (bits <= 0x7F800000u && e2m1_rne_index_biased(a) - 0x4B000000u != fm::e2m1_rne_index(a)) {
+    if (bits <= 0x7F800000u && e2m1_rne_index_biased(a) - kRtnIndexBias != fm::e2m1_rne_index(a)) {
       atomicAdd(&mismatches[6], 1ull);
       first[6] = bits;
     }

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "backend/cuda/bf16_e2m1.cuh"
 #include "backend/cuda/element_codec.cuh"
 #include "core/bits.h"
 #include "core/philox.h"
@@ -98,15 +99,6 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
   return d;
 }
 
-// PTX prmt.b32 in its default mode with both sources `table`: byte n of the result is byte
-// (c >> 4n) & 3 of table, or, when bit 4n + 3 of c is set, that byte's sign bit replicated (0x00 /
-// 0xFF). (__byte_perm documents only the 3-bit selectors.)
-__device__ __forceinline__ uint32_t prmt_sign_mode(uint32_t table, uint32_t c) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(table), "r"(c));
-  return d;
-}
-
 // The sign bits of v[0..7] at the code sign positions 4i + 3 (the other bits zero): the top bytes
 // of the even elements gathered into one word (sign at 8j + 7, wanted at 8j + 3) and of the odd
 // ones into another (already in place), by six byte permutes.
@@ -115,6 +107,17 @@ __device__ __forceinline__ uint32_t sign_nibbles8(const float* v) {
   const uint32_t even = __byte_perm(top2(0, 2), top2(4, 6), 0x5410);
   const uint32_t odd = __byte_perm(top2(1, 3), top2(5, 7), 0x5410);
   return ((even >> 4) & 0x08080808u) | (odd & 0x80808080u);
+}
+
+// The code word of 8 elements (code i in nibble i) from their biased indices biased_index(i)
+// (bias + index, as e2m1_sr_index_ru_biased / e2m1_rne_index_biased return them: accumulated by
+// multiply-adds, the bias removed once) and the sign bits of v[0..7] (sign_nibbles8; v NaN-free).
+template <typename BiasedIndex>
+__device__ __forceinline__ uint32_t e2m1_code_word8(const float* v, uint32_t bias, const BiasedIndex& biased_index) {
+  uint32_t acc = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc += biased_index(i) << (4 * i);
+  return (acc - bias * 0x11111111u) | sign_nibbles8(v);
 }
 
 // nvfp4_2level_encode_block16 on the fast path only, in fewer instructions per element: for a
@@ -132,15 +135,10 @@ __device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16_fast(const
   for (int h = 0; h < 2; ++h) {
     Philox4x32 words{};
     if constexpr (kSR) words = sr_words(key, q0 + h);
-    uint32_t acc = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    packed.w[h] = e2m1_code_word8(v + 8 * h, kSR ? kSrIndexBias : kRtnIndexBias, [&](int i) {
       const float a = formats::nvfp4_2level_quotient_fma(fabsf(v[8 * h + i]), sp, r);
-      const uint32_t biased = kSR ? e2m1_sr_index_ru_biased(a, sr_offset_g(words, i)) : e2m1_rne_index_biased(a);
-      acc += biased << (4 * i);
-    }
-    acc -= (kSR ? 0x4B000001u : 0x4B000000u) * 0x11111111u;
-    packed.w[h] = acc | sign_nibbles8(v + 8 * h);
+      return kSR ? e2m1_sr_index_ru_biased(a, sr_offset_g(words, i)) : e2m1_rne_index_biased(a);
+    });
   }
   return packed;
 }
@@ -232,7 +230,7 @@ __device__ __forceinline__ void e2m1_decode8_mul(float (&y)[8], uint32_t w, floa
   for (int half = 0; half < 2; ++half) {  // codes 4*half .. 4*half + 3
     const uint32_t sel = half ? w >> 16 : w;
     const uint32_t k = sel & 0x7777u;
-    const uint32_t sg = prmt_sign_mode(sign_table, sel);
+    const uint32_t sg = prmt(sign_table, sign_table, sel);  // sign-replicate mode where the sign bit is set
     const uint32_t hi = __byte_perm(kHi03, kHi47, k) | ((sg << 1) & 0x80808080u);
     const uint32_t lo = __byte_perm(kLo03, kLo47, k);
     const uint32_t p01 = __byte_perm(lo, hi, 0x5140), p23 = __byte_perm(lo, hi, 0x7362);  // BF16 pairs

@@ -126,14 +126,12 @@ __device__ __forceinline__ float block16_amax(const In* x) {
   return m;
 }
 
-// BF16 RTN, packed (bf16_e2m1.cuh): the 16 codes of a TE block whose scale byte s is already
-// known (from the block's own amax, or its 16x16 tile's), as v = fl(|x| * enc) and its index by
-// e2m1_rne_index_bits_min3. w / a: the block's words and magnitudes, abits: its max |x| bits.
-// Returns false (codes untouched) unless the block has no NaN, no -0.0 (TE codes it 0x0, the
-// packed sign 0x8), max |x| * enc <= 6.5 and enc > 2^-17 (sd <= 2^16: every nonzero x has a nonzero
-// product, so the TE sign "v < 0" is the BF16 sign bit); an all-zero block uses enc = 0.
-// The enc the packed path uses for BF16 elements whose max |x| bits are abits (and whether it may):
-// see nvfp4_te_bf16_rtn_block16.
+// Whether TE BF16 RTN may take the packed path (bf16_e2m1.cuh: v = fl(|x| * enc), its index by
+// e2m1_rne_index_bits_min3) for the elements of words w (max |x| bits abits) under scale byte s
+// (from their own amax, or their 16x16 tile's), and the enc it uses: only when they hold no NaN,
+// no -0.0 (TE codes it 0x0, the packed sign 0x8), max |x| * enc <= 6.5 and enc > 2^-17 (sd <= 2^16:
+// every nonzero x has a nonzero product, so the TE sign "v < 0" is the BF16 sign bit); all zeros
+// use enc = 0.
 template <int N>
 __device__ __forceinline__ bool nvfp4_te_bf16_packed_enc(float& enc, const uint32_t (&w)[N], uint32_t abits, uint32_t s,
                                                          const fm::Nvfp4TeGlobal& g) {
@@ -147,6 +145,7 @@ __device__ __forceinline__ bool nvfp4_te_bf16_packed_enc(float& enc, const uint3
   }
   return true;
 }
+// The 16 codes of a TE BF16 block by the packed path; false (codes untouched) where it may not.
 __device__ __forceinline__ bool nvfp4_te_bf16_rtn_block16(uint2& codes, const uint32_t (&w)[8], const uint32_t (&a)[8],
                                                           uint32_t abits, uint32_t s, const fm::Nvfp4TeGlobal& g) {
   float enc;
@@ -192,8 +191,8 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
     } else {
       const uint64_t q0 = static_cast<uint64_t>(b0 + b) * 2;  // flat element (b0+b)*16, / 8
       // Fast form when no v = x * enc is NaN: v + 0 turns -0 into +0, so its sign bit is TE's
-      // "v < 0"; the biased SR index of |v| (any non-NaN a, Inf saturating), packed by
-      // multiply-add, the signs by byte permutes (as nvfp4_2level_encode_block16_fast).
+      // "v < 0"; the biased SR index of |v| (any non-NaN a, Inf saturating), packed with the signs
+      // by e2m1_code_word8 (as nvfp4_2level_encode_block16_fast).
       float v[16], vmax = 0.0f;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
@@ -204,10 +203,9 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
           const Philox4x32 w = sr_words(key, q0 + q);
-          uint32_t acc = 0;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc += e2m1_sr_index_ru_biased(fabsf(v[8 * q + i]), sr_offset_g(w, i)) << (4 * i);
-          packed.w[2 * b + q] = (acc - 0x4B000001u * 0x11111111u) | sign_nibbles8(v + 8 * q);
+          packed.w[2 * b + q] = e2m1_code_word8(v + 8 * q, kSrIndexBias, [&](int i) {
+            return e2m1_sr_index_ru_biased(fabsf(v[8 * q + i]), sr_offset_g(w, i));
+          });
         }
         continue;
       }
@@ -311,7 +309,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_te_2d_quantize_kernel(uint8_t*
   if constexpr (std::is_same_v<In, uint16_t>) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      w[4 * r] = v[r].w[0].x; w[4 * r + 1] = v[r].w[0].y; w[4 * r + 2] = v[r].w[0].z; w[4 * r + 3] = v[r].w[0].w;
+      bf16_words4(w + 4 * r, v[r].w[0]);
     }
     abits = bf16_block_absmax_bits(a, w);
     if (abits <= 0x7F80u) lane_amax = u32_as_float(abits << 16);  // else a NaN: the float max below
@@ -600,14 +598,16 @@ __global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t
   }
 }
 
-// BF16 RTN with K % 128 == 0 (the common case), one pass, no grid-stride loop: thread t owns
-// kNB consecutive inner blocks (elements 16 kNB t ..), 8 / kNB consecutive threads one 128-block
-// (outer amax by shuffles); the code bytes, inner scale bytes and (first thread of the group) the
-// outer scale are stored directly. Threads past the end (whole groups: nthreads is a multiple of
-// 8 / kNB) run the shuffles on zeros and store nothing.
-// CTAs per SM the SR instance is compiled for: 4 (<= 64 registers) measured 0.460 of copy against
-// 0.447 for 3 (69 registers) on an H200 (docs/benchmarks.md).
+// CTAs per SM the SR instance of the kernel below is compiled for: 4 (<= 64 registers) measured
+// 0.460 of copy against 0.447 for 3 (69 registers) on an H200 (docs/benchmarks.md).
 constexpr int kSrMinBlocks = 4;
+
+// BF16 with K % 128 == 0 (the common case), one pass, no grid-stride loop: thread t owns kNB
+// consecutive inner blocks (elements 16 kNB t ..), 8 / kNB consecutive threads one 128-block
+// (outer amax by shuffles); RTN by the packed path (nvfp4_2level_bf16_rtn_block16), SR by
+// nvfp4_2level_encode_block16; the code bytes, inner scale bytes and (first thread of the group)
+// the outer scale are stored directly. Threads past the end (whole groups: nthreads is a multiple
+// of 8 / kNB) run the shuffles on zeros and store nothing.
 template <int kNB, int kMinBlocks, bool kSR>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) nvfp4_2level_bf16_k128_kernel(uint8_t* codes, uint8_t* inner,
                                                                                      float* outer, const uint16_t* x,
@@ -755,72 +755,64 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quantize_kernel(uint8_t* codes
   uint32_t byte;
   // floor / RCEIL (sign bit = signbit(x * inv) = signbit(x): inv is a positive power of two) on a
   // NaN-free block: the packed paths. BF16 RTN: bf16_codes8 with the capped min3 index of fl(|x| *
-  // inv); SR: the biased g-form index, multiply-add packing and permuted signs. TE-ceil (sign iff
-  // x * inv < 0) and blocks holding a NaN take the per-element definition.
-  if constexpr (kRule != MxScaleRule::kTeCeil) {
-    if constexpr (!kSR && std::is_same_v<In, uint16_t>) {
-      uint32_t w[16], a[16];
+  // inv); SR: the biased g-form index with e2m1_code_word8. TE-ceil (sign iff x * inv < 0) and
+  // blocks holding a NaN take the per-element definition.
+  bool done = false;
+  if constexpr (kRule != MxScaleRule::kTeCeil && !kSR && std::is_same_v<In, uint16_t>) {
+    uint32_t w[16], a[16];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        w[4 * i] = v.w[i].x; w[4 * i + 1] = v.w[i].y; w[4 * i + 2] = v.w[i].z; w[4 * i + 3] = v.w[i].w;
-      }
-      const uint32_t abits = bf16_block_absmax_bits(a, w);
-      if (abits <= 0x7F80u) {
-        byte = fm::mxfp4_scale_byte(u32_as_float(abits << 16), kRule);
-        const float inv = fm::e8m0_inverse(byte);
+    for (int i = 0; i < 4; ++i) bf16_words4(w + 4 * i, v.w[i]);
+    const uint32_t abits = bf16_block_absmax_bits(a, w);
+    if (abits <= 0x7F80u) {
+      byte = fm::mxfp4_scale_byte(u32_as_float(abits << 16), kRule);
+      const float inv = fm::e8m0_inverse(byte);
 #pragma unroll
-        for (int q = 0; q < 4; ++q)
-          packed.w[q] = bf16_codes8(w + 4 * q, a + 4 * q, [inv](float m) { return e2m1_rne_index_biased(m * inv); });
-        store_packed(codes + b * 16, packed);
-        scales[scale_index(b, kb, swizzled)] = static_cast<uint8_t>(byte);
-        return;
-      }
-    }
-    if constexpr (kSR) {
-      float xv[32], vmax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        xv[i] = fm::load_f32(v.e[i]);
-        vmax = fmax_nan(vmax, fabsf(xv[i]));
-      }
-      if (vmax == vmax) {  // no NaN: vmax is the block's amax
-        byte = fm::mxfp4_scale_byte(vmax, kRule);
-        const float inv = fm::e8m0_inverse(byte);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const Philox4x32 w = sr_words(key, static_cast<uint64_t>(b) * 4 + q);  // elements 32b + 8q ..
-          float sv[8];
-          uint32_t acc = 0;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            sv[i] = xv[8 * q + i] * inv;
-            acc += e2m1_sr_index_ru_biased(fabsf(sv[i]), sr_offset_g(w, i)) << (4 * i);
-          }
-          packed.w[q] = (acc - 0x4B000001u * 0x11111111u) | sign_nibbles8(sv);
-        }
-        store_packed(codes + b * 16, packed);
-        scales[scale_index(b, kb, swizzled)] = static_cast<uint8_t>(byte);
-        return;
-      }
+      for (int q = 0; q < 4; ++q)
+        packed.w[q] = bf16_codes8(w + 4 * q, a + 4 * q, [inv](float m) { return e2m1_rne_index_biased(m * inv); });
+      done = true;
     }
   }
-  if constexpr (!kSR) {
-    uint8_t p[16];
-    byte = fm::mxfp4_quantize_block32(p, v.e, kRule);
+  if constexpr (kRule != MxScaleRule::kTeCeil && kSR) {
+    float xv[32], vmax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) packed.set(i, p[i]);
-  } else {
-    byte = fm::mxfp4_scale_byte(fm::block_amax(v.e, 32), kRule);
-    const float inv = fm::e8m0_inverse(byte);
+    for (int i = 0; i < 32; ++i) {
+      xv[i] = fm::load_f32(v.e[i]);
+      vmax = fmax_nan(vmax, fabsf(xv[i]));
+    }
+    if (vmax == vmax) {  // no NaN: vmax is the block's amax
+      byte = fm::mxfp4_scale_byte(vmax, kRule);
+      const float inv = fm::e8m0_inverse(byte);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      Philox4x32 w = sr_words(key, static_cast<uint64_t>(b) * 4 + q);  // elements 32b + 8q ..
+      for (int q = 0; q < 4; ++q) {
+        const Philox4x32 w = sr_words(key, static_cast<uint64_t>(b) * 4 + q);  // elements 32b + 8q ..
+        float sv[8];
 #pragma unroll
-      for (int p = 0; p < 4; ++p)
-        packed.set(4 * q + p,
-                   fm::e2m1_pack(fm::mxfp4_encode_sr(fm::load_f32(v.e[8 * q + 2 * p]), inv, kRule, word_uniform(w, 2 * p)),
-                                 fm::mxfp4_encode_sr(fm::load_f32(v.e[8 * q + 2 * p + 1]), inv, kRule,
-                                                     word_uniform(w, 2 * p + 1))));
+        for (int i = 0; i < 8; ++i) sv[i] = xv[8 * q + i] * inv;
+        packed.w[q] = e2m1_code_word8(sv, kSrIndexBias,
+                                      [&](int i) { return e2m1_sr_index_ru_biased(fabsf(sv[i]), sr_offset_g(w, i)); });
+      }
+      done = true;
+    }
+  }
+  if (!done) {  // the per-element definition
+    if constexpr (!kSR) {
+      uint8_t p[16];
+      byte = fm::mxfp4_quantize_block32(p, v.e, kRule);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) packed.set(i, p[i]);
+    } else {
+      byte = fm::mxfp4_scale_byte(fm::block_amax(v.e, 32), kRule);
+      const float inv = fm::e8m0_inverse(byte);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        Philox4x32 w = sr_words(key, static_cast<uint64_t>(b) * 4 + q);  // elements 32b + 8q ..
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+          packed.set(4 * q + p,
+                     fm::e2m1_pack(fm::mxfp4_encode_sr(fm::load_f32(v.e[8 * q + 2 * p]), inv, kRule, word_uniform(w, 2 * p)),
+                                   fm::mxfp4_encode_sr(fm::load_f32(v.e[8 * q + 2 * p + 1]), inv, kRule,
+                                                       word_uniform(w, 2 * p + 1))));
+      }
     }
   }
   store_packed(codes + b * 16, packed);
