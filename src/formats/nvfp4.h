@@ -230,9 +230,6 @@ NIB_HOST_DEVICE bool nvfp4_2level_block_fast_rtn(float r, float bamax) { return 
 NIB_HOST_DEVICE uint32_t nvfp4_2level_code_rtn(float v, float x) {
   return e2m1_rne_index(v) | (signbit_nan_positive(x) << 3);
 }
-NIB_HOST_DEVICE uint32_t nvfp4_2level_code_sr_h(float v, float x, uint32_t h) {
-  return e2m1_sr_index_h(v, h) | (signbit_nan_positive(x) << 3);
-}
 // The definition: fl(|x| / sp) by one IEEE division (0 when sp == 0).
 NIB_HOST_DEVICE float nvfp4_2level_scaled_magnitude(float x, float sp) {
   float a = u32_as_float(float_as_u32(x) & 0x7FFFFFFFu);

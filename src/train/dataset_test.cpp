@@ -226,7 +226,13 @@ TEST(Dataset, TokenShardInput) {
   ASSERT_TRUE(write_token_shard(root + "/wide.bin", wide, 512).is_ok());
   e = o;
   e.text_files = {root + "/wide.bin"};
-  cases.push_back({e, "has vocab_size 512, more than data.tokenizer's 300"});
+  cases.push_back({e, "data.files: token shard '" + root + "/wide.bin' has vocab_size 512, more than data.tokenizer's 300"});
+  e = o;
+  e.val_shard_files = {root + "/wide.bin"};
+  cases.push_back({e, "data.val_files: token shard '" + root + "/wide.bin' has vocab_size 512"});
+  e = o;
+  e.text_files = {root + "/a.bin", root + "/text.txt"};
+  cases.push_back({e, "('" + root + "/a.bin') and text files ('" + root + "/text.txt')"});
   for (const auto& [opts, expect] : cases) {
     auto r = prepare_dataset(root + "/e", opts);
     ASSERT_FALSE(r.is_ok()) << expect;

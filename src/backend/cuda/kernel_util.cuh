@@ -185,7 +185,7 @@ __device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16(const floa
                          e2m1_sr_index_ru(mag(i), formats::sr_halfword(w, 2 * p)) |
                              (formats::signbit_nan_positive(xf[i]) << 3),
                          e2m1_sr_index_ru(mag(i + 1), formats::sr_halfword(w, 2 * p + 1)) |
-                             (formats::signbit_nan_positive(xf[i + 1]) << 3)));  // = nvfp4_2level_code_sr_h
+                             (formats::signbit_nan_positive(xf[i + 1]) << 3)));  // = e2m1_sr_index_h | signbit
         }
       }
     }
