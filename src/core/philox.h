@@ -28,35 +28,70 @@ NIB_HOST_DEVICE void philox_mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32
 #endif
 }
 
+constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;  // the key increments per round
+
+// One Philox4x32 round on (c0, c1, c2, c3) under the round key (k0, k1).
+NIB_HOST_DEVICE void philox_round(uint32_t& c0, uint32_t& c1, uint32_t& c2, uint32_t& c3, uint32_t k0, uint32_t k1) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+  uint32_t hi0, lo0, hi1, lo1;
+  philox_mulhilo(kM0, c0, hi0, lo0);
+  philox_mulhilo(kM1, c2, hi1, lo1);
+  c0 = hi1 ^ c1 ^ k0;
+  c1 = lo1;
+  c2 = hi0 ^ c3 ^ k1;
+  c3 = lo0;
+}
+
 // The raw generator: 10 rounds of Philox4x32 on `counter` under `key`.
 NIB_HOST_DEVICE Philox4x32 philox4x32_10(Philox4x32 counter, uint32_t key0, uint32_t key1) {
-  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
-  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
   uint32_t c0 = counter.v[0], c1 = counter.v[1], c2 = counter.v[2], c3 = counter.v[3];
 #if defined(__CUDACC__)
 #pragma unroll
 #endif
   for (int round = 0; round < 10; ++round) {
-    uint32_t hi0, lo0, hi1, lo1;
-    philox_mulhilo(kM0, c0, hi0, lo0);
-    philox_mulhilo(kM1, c2, hi1, lo1);
-    uint32_t n0 = hi1 ^ c1 ^ key0;
-    uint32_t n2 = hi0 ^ c3 ^ key1;
-    c0 = n0;
-    c1 = lo1;
-    c2 = n2;
-    c3 = lo0;
-    key0 += kW0;
-    key1 += kW1;
+    philox_round(c0, c1, c2, c3, key0, key1);
+    key0 += kPhiloxW0;
+    key1 += kPhiloxW1;
   }
   return Philox4x32{{c0, c1, c2, c3}};
 }
 
+// The ten round keys of a 64-bit key (round r: the key plus r times (W0, W1)), for callers that
+// compute them once: a CUDA kernel that takes them as a parameter reads each from its parameter
+// space as an operand of the round's XOR instead of recomputing the schedule per call.
+struct PhiloxRoundKeys {
+  uint32_t k0[10], k1[10];
+};
+NIB_HOST_DEVICE PhiloxRoundKeys philox_round_keys(uint64_t seed) {
+  PhiloxRoundKeys keys{};
+  uint32_t key0 = static_cast<uint32_t>(seed), key1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    keys.k0[round] = key0;
+    keys.k1[round] = key1;
+    key0 += kPhiloxW0;
+    key1 += kPhiloxW1;
+  }
+  return keys;
+}
+// philox4x32_10(counter, seed lo, seed hi) from the seed's round keys.
+NIB_HOST_DEVICE Philox4x32 philox4x32_10(Philox4x32 counter, const PhiloxRoundKeys& keys) {
+  uint32_t c0 = counter.v[0], c1 = counter.v[1], c2 = counter.v[2], c3 = counter.v[3];
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+  for (int round = 0; round < 10; ++round) philox_round(c0, c1, c2, c3, keys.k0[round], keys.k1[round]);
+  return Philox4x32{{c0, c1, c2, c3}};
+}
+
+// The counter of block `offset` of `stream`.
+NIB_HOST_DEVICE Philox4x32 philox_counter(uint64_t stream, uint64_t offset) {
+  return Philox4x32{{static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32),
+                     static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32)}};
+}
+
 // Four random words for block `offset` of `stream` under `seed`.
 NIB_HOST_DEVICE Philox4x32 philox_block(uint64_t seed, uint64_t stream, uint64_t offset) {
-  Philox4x32 ctr{{static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32),
-                  static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32)}};
-  return philox4x32_10(ctr, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  return philox4x32_10(philox_counter(stream, offset), static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 }
 
 // Uniform in [0, 1) with 24 random bits; exact in binary32: (word >> 8) * 2^-24.

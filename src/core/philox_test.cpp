@@ -6,10 +6,15 @@
 namespace nibble {
 namespace {
 
-// One Random123 known answer: philox4x32_10(counter, key0, key1) equals want word for word.
+// One Random123 known answer: philox4x32_10(counter, key0, key1) equals want word for word, and
+// so does the form that takes the precomputed round keys of (key0, key1).
 void expect_known_answer(Philox4x32 counter, uint32_t key0, uint32_t key1, Philox4x32 want) {
-  Philox4x32 r = philox4x32_10(counter, key0, key1);
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(r.v[i], want.v[i]) << "word " << i;
+  const Philox4x32 r = philox4x32_10(counter, key0, key1);
+  const Philox4x32 rk = philox4x32_10(counter, philox_round_keys((static_cast<uint64_t>(key1) << 32) | key0));
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(r.v[i], want.v[i]) << "word " << i;
+    EXPECT_EQ(rk.v[i], want.v[i]) << "word " << i << " (round-key form)";
+  }
 }
 
 TEST(Philox, KnownAnswerZero) {

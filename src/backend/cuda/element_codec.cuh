@@ -2,8 +2,9 @@
 // src/formats/ function itself, so GPU and CPU drivers agree bit for bit (the nvfp4-2level steps
 // are in kernel_util.cuh's nvfp4_2level_encode_block16) — except the SR index, e2m1_sr_index_ru
 // below: the same function as formats::e2m1_sr_index_h in round-up fmas (device-only: the host
-// has no per-operation rounding modes), and its biased forms for the packed fast paths
-// (e2m1_sr_index_ru_biased, e2m1_rne_index_biased). element_codec_test.cu checks every step
+// has no per-operation rounding modes), and the forms the packed fast paths use (the SR index in
+// the top byte of e2m1_sr_index_top_byte, the biased RTN index e2m1_rne_index_biased).
+// element_codec_test.cu checks every step
 // against its formats/ or former formulation over all 2^32 inputs.
 #pragma once
 
@@ -41,31 +42,32 @@ __device__ __forceinline__ uint32_t e2m1_sr_index_ru(float a, uint32_t h) {
   return m - 0x4B000001u;
 }
 
-// The same SR index for a >= 0, +Inf included (no NaN step: callers route NaN blocks elsewhere) in the
-// form the fast block encoders use: g = 128 + h * 2^-16 (sr_offset_g: in [128, 256) the binary32
-// unit is 2^-16, so g's bits are 0x43000000 | h, one byte permute from a Philox word), and the
-// result is biased, 0x4B000001 + index, for packing. y = fma_ru(a, m, -g) = ru(m a - 128 - h');
-// ru never passes the integer ceil, so ceil(y) = ceil(m a - h') - 128, and fadd_ru(y, 2^23 + 129 +
-// c) lands in [2^23, 2^24) (m a - 128 - h' > -129) where ru is the integer ceil: 2^23 + 1 + c +
-// ceil(m a - h'), as above. For a >= 6 every piece is >= 7 (+Inf stays +Inf) and the cap 7
-// applies. Equal to formats::e2m1_sr_index_h for every binary32 a in [0, +Inf] at the boundary and
-// random h (ElementCodec.ExhaustiveAgainstFormerFormulations).
-__device__ __forceinline__ float sr_offset_g(uint32_t halfword_bits_0_15) {
-  return __uint_as_float(0x43000000u | halfword_bits_0_15);
+// The SR index in the bit form, for the packed SR paths: formats::e2m1_sr_index_h's own test on
+// a >= 1 ("h << 6 < the low 22 mantissa bits"), carried below 1 by a scaling. b = ru(a * 2^-126)
+// lays E2M1's grid on binary32's: for a >= 1, b is exact and bits(b) >> 22 = 2 + 2e + m for
+// a = 2^e (1 + m/2 + ...) (the floor index k on [1, 8)), its low 22 bits the fraction of the gap
+// times 2^22; for a < 1, b is subnormal, bits(b) = N = ceil(2^22 * 2a), and N >> 22 = floor(2a)
+// with N mod 2^22 = ceil(2^22 frac(2a)) (E2M1 is uniform with step 1/2 there, like a subnormal
+// range). In both cases bits(b) = 2^22 k + ceil(r) with r = 2^22 * (fraction of the gap) in
+// [0, 2^22), and up iff h * 2^-16 < r / 2^22 iff 64h < r iff 64h < ceil(r) (64h an integer).
+// With t = 2^24 - 1 - 256h (sr_carry_term), X = 4 bits(b) + t = 2^24 k + 4 ceil(r) + 2^24 - 1 -
+// 256h carries into bit 24 exactly when 4 ceil(r) >= 256h + 1, i.e. ceil(r) > 64h: X >> 24 =
+// k + up, the unsaturated index. Valid for a in [0, 64) (X >> 24 <= 14, no overflow); the caller
+// caps it at 7 (a >= 6 never rounds up: k = 7 there, or more above 8). t's bytes are
+// [0xFF, ~h, 0x00]: one byte permute of the inverted Philox word. Equal to
+// formats::e2m1_sr_index_h (capped) for every binary32 a in [0, 64) at the boundary and random h
+// (ElementCodec.ExhaustiveAgainstFormerFormulations).
+__device__ __forceinline__ uint32_t sr_carry_term(uint32_t h) { return 0xFFFFFFu - (h << 8); }
+// t of half-word j (0..7) of a Philox block (formats::sr_halfword(r, j)).
+__device__ __forceinline__ uint32_t sr_carry_term(const Philox4x32& r, int j) {
+  return __byte_perm(~r.v[j >> 1], 0x000000FFu, (j & 1) ? 0x5324 : 0x5104);
 }
-// g of half-word j (0..7) of a Philox block (formats::sr_halfword(r, j)): one byte permute.
-__device__ __forceinline__ float sr_offset_g(const Philox4x32& r, int j) {
-  return __uint_as_float(__byte_perm(r.v[j >> 1], 0x43000000u, (j & 1) ? 0x7632 : 0x7610));
+__device__ __forceinline__ uint32_t e2m1_sr_index_top_byte(float a, uint32_t carry_term) {
+  return (__float_as_uint(__fmul_ru(a, 0x1p-126f)) << 2) + carry_term;
 }
-constexpr uint32_t kSrIndexBias = 0x4B000001u;   // e2m1_sr_index_ru_biased = kSrIndexBias + index
+
 constexpr uint32_t kRtnIndexBias = 0x4B000000u;  // e2m1_rne_index_biased = kRtnIndexBias + index
-__device__ __forceinline__ uint32_t e2m1_sr_index_ru_biased(float a, float g) {
-  const uint32_t t1 = __float_as_uint(__fadd_ru(__fmaf_ru(a, 2.0f, -g), 8388737.0f));  // 2^23 + 129
-  const uint32_t t2 = __float_as_uint(__fadd_ru(__fadd_ru(a, -g), 8388739.0f));
-  const uint32_t t3 = __float_as_uint(__fadd_ru(__fmaf_ru(a, 0.5f, -g), 8388741.0f));
-  return min(__vimin3_u32(t1, t2, t3), 0x4B000008u);
-}
-// RTN counterpart for any a in [0, +Inf]: formats::e2m1_rne_index_bits_min3 (exact below 7) capped
+// The RTN index for any a in [0, +Inf], biased for packing: formats::e2m1_rne_index_bits_min3 (exact below 7) capped
 // at 0x4B000000 + 7 (for a >= 7 its third piece is already >= 8, and the index of a >= 5 is 7).
 __device__ __forceinline__ uint32_t e2m1_rne_index_biased(float a) {
   return min(formats::e2m1_rne_index_bits_min3(a), 0x4B000007u);

@@ -78,8 +78,8 @@ Mismatches<kN> run_check(const Launch& launch) {
 
 // mismatches[0]: rne index, [1]: SR index (float u and half-word h forms), [2]: amax step,
 // [3]: e2m1_rne_index_bits_min3 (v < 7), [4]: e2m1_sr_index_ru (element_codec.cuh; a >= 0 or NaN),
-// [5]: e2m1_sr_index_ru_biased (a >= 0 or +Inf), [6]: e2m1_rne_index_biased (v >= 0 or +Inf);
-// first[]: one failing bit pattern.
+// [5]: e2m1_rne_index_biased (v >= 0 or +Inf), [6]: e2m1_sr_index_top_byte capped at 7 (a in
+// [0, 64)), [7]: sr_carry_term of a Philox block's half-word; first[]: one failing bit pattern.
 __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* first, uint64_t base, uint64_t count) {
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
@@ -116,10 +116,19 @@ __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* 
         atomicAdd(&mismatches[4], 1ull);
         first[4] = bits;
       }
-      if (bits <= 0x7F800000u &&  // a >= 0, +Inf included
-          e2m1_sr_index_ru_biased(a, sr_offset_g(hs[j])) - kSrIndexBias != fm::e2m1_sr_index_h(a, hs[j])) {
-        atomicAdd(&mismatches[5], 1ull);
-        first[5] = bits;
+      if (bits < 0x42800000u &&  // a in [0, 64)
+          min(e2m1_sr_index_top_byte(a, sr_carry_term(hs[j])) >> 24, 7u) != fm::e2m1_sr_index_h(a, hs[j])) {
+        atomicAdd(&mismatches[6], 1ull);
+        first[6] = bits;
+      }
+    }
+    // The carry term from a Philox block's half-word j (one byte permute) against its definition.
+    const Philox4x32 words{{bits, ~bits, bits * 2654435761u, bits ^ 0x5A5A5A5Au}};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (sr_carry_term(words, j) != sr_carry_term(fm::sr_halfword(words, j))) {
+        atomicAdd(&mismatches[7], 1ull);
+        first[7] = bits;
       }
     }
     // The min3 index form (formats/e2m1.h) for every v in [0, 7).
@@ -129,8 +138,8 @@ __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* 
     }
     // Its capped form (element_codec.cuh) for every v >= 0, +Inf included.
     if (bits <= 0x7F800000u && e2m1_rne_index_biased(a) - kRtnIndexBias != fm::e2m1_rne_index(a)) {
-      atomicAdd(&mismatches[6], 1ull);
-      first[6] = bits;
+      atomicAdd(&mismatches[5], 1ull);
+      first[5] = bits;
     }
     const float ms[4] = {0.0f, 1.0f, 3.0e38f, 1e-42f};
 #pragma unroll
@@ -145,7 +154,7 @@ __global__ void exhaustive_kernel(unsigned long long* mismatches, unsigned int* 
 
 TEST(ElementCodec, ExhaustiveAgainstFormerFormulations) {
   if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
-  const Mismatches<7> m = run_check<7>([](unsigned long long* mism, unsigned int* first) {
+  const Mismatches<8> m = run_check<8>([](unsigned long long* mism, unsigned int* first) {
     exhaustive_kernel<<<132 * 16, 256>>>(mism, first, 0, uint64_t{1} << 32);
   });
   EXPECT_EQ(m.count[0], 0u) << "e2m1 rne index differs, e.g. bits 0x" << std::hex << m.first[0];
@@ -153,8 +162,9 @@ TEST(ElementCodec, ExhaustiveAgainstFormerFormulations) {
   EXPECT_EQ(m.count[2], 0u) << "amax step differs, e.g. bits 0x" << std::hex << m.first[2];
   EXPECT_EQ(m.count[3], 0u) << "e2m1 min3 index differs, e.g. bits 0x" << std::hex << m.first[3];
   EXPECT_EQ(m.count[4], 0u) << "e2m1 SR round-up form differs, e.g. bits 0x" << std::hex << m.first[4];
-  EXPECT_EQ(m.count[5], 0u) << "e2m1 SR biased g form differs, e.g. bits 0x" << std::hex << m.first[5];
-  EXPECT_EQ(m.count[6], 0u) << "e2m1 capped min3 index differs, e.g. bits 0x" << std::hex << m.first[6];
+  EXPECT_EQ(m.count[5], 0u) << "e2m1 capped min3 index differs, e.g. bits 0x" << std::hex << m.first[5];
+  EXPECT_EQ(m.count[6], 0u) << "e2m1 SR top-byte form differs, e.g. bits 0x" << std::hex << m.first[6];
+  EXPECT_EQ(m.count[7], 0u) << "SR carry term of a Philox half-word differs, e.g. word 0x" << std::hex << m.first[7];
 }
 
 // The sm_89+ hardware E4M3 conversions behind e4m3_rne_sat_magnitude / e4m3_decode on the device

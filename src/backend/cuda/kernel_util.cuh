@@ -86,10 +86,20 @@ __device__ __forceinline__ void atomic_max_nonneg(float* amax, float v) {
   atomicMax(reinterpret_cast<unsigned int*>(amax), __float_as_uint(v));
 }
 
+// An SR key (formats::SrKey) as the kernels take it: the stream and the seed's ten Philox round
+// keys, computed on the host, so that each Philox call reads its round keys from the kernel's
+// parameter space (a constant operand of the round's XOR) instead of computing the schedule.
+struct SrKeyDevice {
+  PhiloxRoundKeys round_keys{};
+  uint64_t stream = 0;
+  SrKeyDevice() = default;
+  explicit SrKeyDevice(const formats::SrKey& key) : round_keys(philox_round_keys(key.seed)), stream(key.stream) {}
+};
+
 // The Philox block of flat elements 8q .. 8q+7 of (seed, stream): its half-word j is what
 // formats::sr_uniform(key, 8q + j) turns into a uniform (formats::sr_halfword_uniform(w, j)).
-__device__ __forceinline__ Philox4x32 sr_words(const formats::SrKey& key, uint64_t q) {
-  return philox_block(key.seed, key.stream, q);
+__device__ __forceinline__ Philox4x32 sr_words(const SrKeyDevice& key, uint64_t q) {
+  return philox4x32_10(philox_counter(key.stream, q), key.round_keys);
 }
 
 // max(a, b) that returns NaN when either is NaN (PTX max.NaN; fmaxf skips NaN).
@@ -99,18 +109,26 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
   return d;
 }
 
+// The top bytes of w[0..7] in two words, by six byte permutes: byte j of `even` is the top byte
+// of w[2j], byte j of `odd` that of w[2j + 1].
+__device__ __forceinline__ void gather_top_bytes8(const uint32_t (&w)[8], uint32_t& even, uint32_t& odd) {
+  const auto top2 = [&](int i, int j) { return __byte_perm(w[i], w[j], 0x0073); };
+  even = __byte_perm(top2(0, 2), top2(4, 6), 0x5410);
+  odd = __byte_perm(top2(1, 3), top2(5, 7), 0x5410);
+}
+
 // The sign bits of v[0..7] at the code sign positions 4i + 3 (the other bits zero): the top bytes
-// of the even elements gathered into one word (sign at 8j + 7, wanted at 8j + 3) and of the odd
-// ones into another (already in place), by six byte permutes.
+// gathered (the even elements' sign at 8j + 7, wanted at 8j + 3; the odd ones' already in place).
 __device__ __forceinline__ uint32_t sign_nibbles8(const float* v) {
-  const auto top2 = [&](int i, int j) { return __byte_perm(__float_as_uint(v[i]), __float_as_uint(v[j]), 0x0073); };
-  const uint32_t even = __byte_perm(top2(0, 2), top2(4, 6), 0x5410);
-  const uint32_t odd = __byte_perm(top2(1, 3), top2(5, 7), 0x5410);
+  uint32_t w[8], even, odd;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w[i] = __float_as_uint(v[i]);
+  gather_top_bytes8(w, even, odd);
   return ((even >> 4) & 0x08080808u) | (odd & 0x80808080u);
 }
 
 // The code word of 8 elements (code i in nibble i) from their biased indices biased_index(i)
-// (bias + index, as e2m1_sr_index_ru_biased / e2m1_rne_index_biased return them: accumulated by
+// (bias + index, as e2m1_rne_index_biased returns them: accumulated by
 // multiply-adds, the bias removed once) and the sign bits of v[0..7] (sign_nibbles8; v NaN-free).
 template <typename BiasedIndex>
 __device__ __forceinline__ uint32_t e2m1_code_word8(const float* v, uint32_t bias, const BiasedIndex& biased_index) {
@@ -120,25 +138,53 @@ __device__ __forceinline__ uint32_t e2m1_code_word8(const float* v, uint32_t bia
   return (acc - bias * 0x11111111u) | sign_nibbles8(v);
 }
 
+// formats::nvfp4_2level_block_scale for an inner byte that nvfp4_2level_inner_scale has just
+// produced (0x00..0x7E, never a NaN byte): the bare hardware decode (e4m3_decode_any_nan), without
+// the NaN fix that e4m3_decode spends two instructions on.
+__device__ __forceinline__ float nvfp4_2level_block_scale_encoded(uint32_t inner_byte, float so) {
+  return formats::e4m3_decode_any_nan(inner_byte) * so;
+}
+
+// The SR code word of 8 elements: X[i] = e2m1_sr_index_top_byte(magnitude(i), half-word i of
+// `words`) carries the unsaturated index (<= 14: magnitude(i) in [0, 64)) in its top byte; six
+// byte permutes gather the top bytes (even elements into the low nibbles, odd into the high), a
+// nibble with bit 3 set (index >= 8) becomes 7 (bit 3 cleared, bits 0..2 set: over - over / 8),
+// and the sign bits of v[0..7] (sign_nibbles8; v NaN-free) complete the codes.
+template <typename Magnitude>
+__device__ __forceinline__ uint32_t e2m1_sr_code_word8(const float* v, const Philox4x32& words,
+                                                       const Magnitude& magnitude) {
+  uint32_t x[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = e2m1_sr_index_top_byte(magnitude(i), sr_carry_term(words, i));
+  uint32_t even, odd;
+  gather_top_bytes8(x, even, odd);
+  const uint32_t idx = even + (odd << 4);  // one LEA
+  const uint32_t over = idx & 0x88888888u;
+  return ((idx ^ over) | (over - (over >> 3))) | sign_nibbles8(v);
+}
+
 // nvfp4_2level_encode_block16 on the fast path only, in fewer instructions per element: for a
 // block that passed the range check (every v[i] zero or |v[i]| in [c 2^-60, c 2^60], no NaN) with
 // sp / r its scale and reciprocal times c / over c (c a power of two, v = c x exactly: the
 // quotient steps then see c times their operands, so every step is exact or the same rounding and
-// v / sp gives the bits x / sp gives). Per element: the 5-step quotient, the biased index
-// (e2m1_sr_index_ru_biased / e2m1_rne_index_biased), a multiply-add into the packed word; the
-// bias is removed once per word and the signs (signbit(x), no NaN here) come from sign_nibbles8.
+// v / sp gives the bits x / sp gives). Per element: the 5-step quotient, then RTN: the biased
+// index (e2m1_rne_index_biased) multiply-added into the packed word (the bias removed once per
+// word) with the signs from sign_nibbles8; SR: e2m1_sr_code_word8. The quotient is below 9.1
+// there (< 64 as e2m1_sr_index_top_byte needs): sp = fl(si * so) with si the E4M3 RNE of
+// t = 448 bamax / amax_128 (<= 448, up to rounding), which is at least t / 1.5 when nonzero (the
+// worst case: t just below 1.5 * 2^-9 rounding down to the subnormal 2^-9), so |x| / sp <=
+// 6 * 1.5 (1 + O(2^-23)).
 template <bool kSR>
 __device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16_fast(const float* v, float sp, float r,
-                                                                          const formats::SrKey& key, uint64_t q0) {
+                                                                          const SrKeyDevice& key, uint64_t q0) {
   PackedBytes<8> packed;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    Philox4x32 words{};
-    if constexpr (kSR) words = sr_words(key, q0 + h);
-    packed.w[h] = e2m1_code_word8(v + 8 * h, kSR ? kSrIndexBias : kRtnIndexBias, [&](int i) {
-      const float a = formats::nvfp4_2level_quotient_fma(fabsf(v[8 * h + i]), sp, r);
-      return kSR ? e2m1_sr_index_ru_biased(a, sr_offset_g(words, i)) : e2m1_rne_index_biased(a);
-    });
+    const auto quotient = [&](int i) { return formats::nvfp4_2level_quotient_fma(fabsf(v[8 * h + i]), sp, r); };
+    if constexpr (kSR)
+      packed.w[h] = e2m1_sr_code_word8(v + 8 * h, sr_words(key, q0 + h), quotient);
+    else
+      packed.w[h] = e2m1_code_word8(v + 8 * h, kRtnIndexBias, [&](int i) { return e2m1_rne_index_biased(quotient(i)); });
   }
   return packed;
 }
@@ -165,7 +211,7 @@ __device__ __forceinline__ bool nvfp4_2level_block_fast_nan_free(const float* x,
 // extreme magnitudes or scale) the per-element definition (formats::nvfp4_2level_scaled_magnitude).
 template <bool kSR>
 __device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16(const float* xf, float sp, float rp,
-                                                                      const formats::SrKey& key, uint64_t q0) {
+                                                                      const SrKeyDevice& key, uint64_t q0) {
   PackedBytes<8> packed;
   auto encode = [&](auto mag) {
     if constexpr (!kSR) {

@@ -159,7 +159,7 @@ __device__ __forceinline__ bool nvfp4_te_bf16_rtn_block16(uint2& codes, const ui
 template <typename Codec, typename In, int NB, bool kSR>
 __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales, const In* x, int64_t b0,
                                                 const fm::Nvfp4TeGlobal& g, int64_t kb, bool swizzled,
-                                                const fm::SrKey& key) {
+                                                const SrKeyDevice& key) {
   Vec<In, 16 * NB> v;
   load_vec(v, x + b0 * 16);
   PackedBytes<8 * NB> packed;
@@ -191,8 +191,8 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
     } else {
       const uint64_t q0 = static_cast<uint64_t>(b0 + b) * 2;  // flat element (b0+b)*16, / 8
       // Fast form when no v = x * enc is NaN: v + 0 turns -0 into +0, so its sign bit is TE's
-      // "v < 0"; the biased SR index of |v| (any non-NaN a, Inf saturating), packed with the signs
-      // by e2m1_code_word8 (as nvfp4_2level_encode_block16_fast).
+      // "v < 0"; e2m1_sr_code_word8 on min(|v|, 8) (any non-NaN |v|: from 6 up, Inf included, the
+      // index saturates at 7, and 8 keeps it in that function's range), as the 2-level fast encode.
       float v[16], vmax = 0.0f;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
@@ -203,9 +203,7 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
           const Philox4x32 w = sr_words(key, q0 + q);
-          packed.w[2 * b + q] = e2m1_code_word8(v + 8 * q, kSrIndexBias, [&](int i) {
-            return e2m1_sr_index_ru_biased(fabsf(v[8 * q + i]), sr_offset_g(w, i));
-          });
+          packed.w[2 * b + q] = e2m1_sr_code_word8(v + 8 * q, w, [&](int i) { return fminf(fabsf(v[8 * q + i]), 8.0f); });
         }
         continue;
       }
@@ -234,7 +232,7 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
 template <typename Codec, typename In, bool kSR>
 __global__ void __launch_bounds__(kThreads) nvfp4_te_quantize_kernel(uint8_t* codes, uint8_t* scales, const float* amax,
                                                                     const In* x, int64_t nblocks, int64_t kb,
-                                                                    bool swizzled, fm::SrKey key) {
+                                                                    bool swizzled, SrKeyDevice key) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t b0 = 2 * t;
   if (b0 >= nblocks) return;
@@ -255,7 +253,7 @@ Status quantize_nvfp4_te_impl(uint8_t* codes, uint8_t* scales, float* amax, cons
   if (nblocks == 0) return Status::ok();
   const int64_t threads = (nblocks + 1) / 2;
   const int grid = ceil_div_int(threads, kThreads);
-  fm::SrKey key = sr ? *sr : fm::SrKey{};
+  const SrKeyDevice key = sr ? SrKeyDevice(*sr) : SrKeyDevice{};
   if (sr) nvfp4_te_quantize_kernel<Codec, In, true><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
   else nvfp4_te_quantize_kernel<Codec, In, false><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
   NIB_CUDA_CHECK_LAUNCH();
@@ -527,7 +525,7 @@ __device__ __forceinline__ PackedBytes<8> nvfp4_2level_bf16_rtn_block16(const ui
     float xf[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) xf[i] = fm::load_f32(xb[i]);
-    packed = nvfp4_2level_encode_block16<false>(xf, sp, rp, fm::SrKey{}, 0);
+    packed = nvfp4_2level_encode_block16<false>(xf, sp, rp, SrKeyDevice{}, 0);
   }
   return packed;
 }
@@ -546,7 +544,7 @@ __device__ __forceinline__ float bf16_block_max(bool& nan_free, uint32_t (&w)[8]
 template <typename Codec, typename In, bool kSR>
 __device__ __forceinline__ void nvfp4_2level_lane(uint8_t* codes, uint8_t* inner, float* outer, const Vec<In, 16>& v,
                                                   int64_t t, const TwoLevelLane& l, int64_t kb, bool swizzled,
-                                                  const fm::SrKey& key) {
+                                                  const SrKeyDevice& key) {
   constexpr bool kBf16Rtn = std::is_same_v<In, uint16_t> && !kSR;
   uint32_t w[8], a[8];
   bool nan_free = false;
@@ -556,7 +554,7 @@ __device__ __forceinline__ void nvfp4_2level_lane(uint8_t* codes, uint8_t* inner
   const float so = fm::nvfp4_2level_outer_scale(group_max<8>(bamax));
   if (!l.ok) return;
   const uint32_t si = fm::nvfp4_2level_inner_scale(bamax, so);
-  const float sp = fm::nvfp4_2level_block_scale(si, so);
+  const float sp = nvfp4_2level_block_scale_encoded(si, so);
   PackedBytes<8> packed;
   if constexpr (kBf16Rtn) {
     packed = nvfp4_2level_bf16_rtn_block16(v.e, w, a, nan_free, bamax, sp);
@@ -579,7 +577,7 @@ __device__ __forceinline__ void nvfp4_2level_lane(uint8_t* codes, uint8_t* inner
 template <typename Codec, typename In, bool kSR>
 __global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t* codes, uint8_t* inner, float* outer,
                                                                         const In* x, int64_t M, int64_t K,
-                                                                        bool swizzled, fm::SrKey key) {
+                                                                        bool swizzled, SrKeyDevice key) {
   const int64_t no = (K + 127) / 128, kb = K / 16, nlanes = M * no * 8;
   const bool k128 = (K & 127) == 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -612,7 +610,7 @@ template <int kNB, int kMinBlocks, bool kSR>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) nvfp4_2level_bf16_k128_kernel(uint8_t* codes, uint8_t* inner,
                                                                                      float* outer, const uint16_t* x,
                                                                                      int64_t nthreads, int64_t kb,
-                                                                                     bool swizzled, fm::SrKey key) {
+                                                                                     bool swizzled, SrKeyDevice key) {
   constexpr int kGroup = 8 / kNB;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool ok = t < nthreads;
@@ -638,7 +636,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) nvfp4_2level_bf16_k128_k
 #pragma unroll
   for (int b = 0; b < kNB; ++b) {
     si[b] = fm::nvfp4_2level_inner_scale(bamax[b], so);
-    const float sp = fm::nvfp4_2level_block_scale(si[b], so);
+    const float sp = nvfp4_2level_block_scale_encoded(si[b], so);
     PackedBytes<8> p;
     if constexpr (kSR) {
       float xf[16];
@@ -671,7 +669,7 @@ Status quantize_nvfp4_2level_impl(uint8_t* codes, uint8_t* inner, float* outer, 
   const bool swz = inner_layout == ScaleLayout::kSwizzled;
   if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(inner, 0, fm::swizzled_scale_bytes(M, kb), stream));
   if (n128 == 0) return Status::ok();
-  fm::SrKey key = sr ? *sr : fm::SrKey{};
+  const SrKeyDevice key = sr ? SrKeyDevice(*sr) : SrKeyDevice{};
   auto launch = [&](auto kernel) {
     const int grid = static_cast<int>(std::min<int64_t>(ceil_div_int(n128 * 8, kThreads), resident_grid(kernel)));
     kernel<<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
@@ -686,10 +684,10 @@ Status quantize_nvfp4_2level_impl(uint8_t* codes, uint8_t* inner, float* outer, 
       const int grid = ceil_div_int(nthreads, kThreads);
       if (sr)
         nvfp4_2level_bf16_k128_kernel<kNB, kSrMinBlocks, true><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x,
-                                                                                              nthreads, kb, swz, *sr);
+                                                                                              nthreads, kb, swz, key);
       else
         nvfp4_2level_bf16_k128_kernel<kNB, 5, false><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, nthreads,
-                                                                                    kb, swz, fm::SrKey{});
+                                                                                    kb, swz, SrKeyDevice{});
       NIB_CUDA_CHECK_LAUNCH();
       return Status::ok();
     }
@@ -746,7 +744,7 @@ Status dequantize_nvfp4_2level(Out* y, const uint8_t* codes, const uint8_t* inne
 template <typename In, MxScaleRule kRule, bool kSR>
 __global__ void __launch_bounds__(kThreads) mxfp4_quantize_kernel(uint8_t* codes, uint8_t* scales, const In* x,
                                                                  int64_t nblocks, int64_t kb, bool swizzled,
-                                                                 fm::SrKey key) {
+                                                                 SrKeyDevice key) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= nblocks) return;
   Vec<In, 32> v;
@@ -755,7 +753,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quantize_kernel(uint8_t* codes
   uint32_t byte;
   // floor / RCEIL (sign bit = signbit(x * inv) = signbit(x): inv is a positive power of two) on a
   // NaN-free block: the packed paths. BF16 RTN: bf16_codes8 with the capped min3 index of fl(|x| *
-  // inv); SR: the biased g-form index with e2m1_code_word8. TE-ceil (sign iff x * inv < 0) and
+  // inv); SR: e2m1_sr_code_word8 on min(|x| * inv, 8). TE-ceil (sign iff x * inv < 0) and
   // blocks holding a NaN take the per-element definition.
   bool done = false;
   if constexpr (kRule != MxScaleRule::kTeCeil && !kSR && std::is_same_v<In, uint16_t>) {
@@ -788,8 +786,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quantize_kernel(uint8_t* codes
         float sv[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) sv[i] = xv[8 * q + i] * inv;
-        packed.w[q] = e2m1_code_word8(sv, kSrIndexBias,
-                                      [&](int i) { return e2m1_sr_index_ru_biased(fabsf(sv[i]), sr_offset_g(w, i)); });
+        packed.w[q] = e2m1_sr_code_word8(sv, w, [&](int i) { return fminf(fabsf(sv[i]), 8.0f); });
       }
       done = true;
     }
@@ -821,7 +818,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quantize_kernel(uint8_t* codes
 
 template <typename In, bool kSR>
 void launch_mxfp4(uint8_t* codes, uint8_t* scales, const In* x, int64_t nblocks, int64_t kb, bool swz, MxScaleRule rule,
-                  fm::SrKey key, cudaStream_t stream) {
+                  const SrKeyDevice& key, cudaStream_t stream) {
   const int grid = ceil_div_int(nblocks, kThreads);
   switch (rule) {
     case MxScaleRule::kFloor:
@@ -846,8 +843,8 @@ Status quantize_mxfp4(uint8_t* codes, uint8_t* scales, const In* x, int64_t M, i
   const bool swz = layout == ScaleLayout::kSwizzled;
   if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(scales, 0, fm::swizzled_scale_bytes(M, kb), stream));
   if (nblocks == 0) return Status::ok();
-  if (sr) launch_mxfp4<In, true>(codes, scales, x, nblocks, kb, swz, rule, *sr, stream);
-  else launch_mxfp4<In, false>(codes, scales, x, nblocks, kb, swz, rule, fm::SrKey{}, stream);
+  if (sr) launch_mxfp4<In, true>(codes, scales, x, nblocks, kb, swz, rule, SrKeyDevice(*sr), stream);
+  else launch_mxfp4<In, false>(codes, scales, x, nblocks, kb, swz, rule, SrKeyDevice{}, stream);
   return Status::ok();
 }
 
