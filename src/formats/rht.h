@@ -1,7 +1,8 @@
 // 16-point random Hadamard transform, host+device (01-formats.md §6; testdata README
 // `nvfp4_te_rht_normal`): x' = x_tile(1x16) · (1/4) · diag(s) · H16, Sylvester H16[i][j] =
 // (-1)^popcount(i&j). Sign vectors are 16-bit masks, bit i set <=> s[i] = -1.
-//  - TE (fixed signs, BF16 output): the exact sum (in double) rounded once to BF16.
+//  - TE (fixed signs, BF16 output): the exact sum (in double) rounded once to BF16; a tile whose
+//    values span at most 12 binades has exact binary32 sums, and rht16_bf16_f32 forms them there.
 //  - TetraJet-v2 (random signs from Philox, FP32): y_i = s_i x_i, then the 4-stage in-place
 //    butterfly for h = 1, 2, 4, 8 ((a, b) -> (a + b, a - b) on pairs i, i+h with i & h == 0),
 //    then each output * 0.25f. Plain binary32 adds (no FMA), so CPU and GPU agree bit for bit.
@@ -105,6 +106,34 @@ NIB_HOST_DEVICE void rht16_bf16_exact(uint16_t* y_bf16, const float* x_bf16_valu
       t[i + h] = a - b;
     }
   for (int j = 0; j < 16; ++j) y_bf16[j] = f64_to_bf16_bits(t[j] * 0.25);
+}
+
+// Whether rht16_bf16_f32 gives rht16_bf16_exact's bits for this tile of BF16 values: every
+// value is a multiple of its quantum 2^(max(E, 1) - 134) (E its biased exponent, 8 significant
+// bits), hence of q = 2^(Eq - 134) with Eq the smallest max(E, 1) of the nonzero values, and each
+// partial sum of the butterfly (at most 16 terms) lies below 16 * 2^(Emax - 126); when Emax - Eq
+// <= 12 such a multiple of q needs at most 24 significant bits, so every binary32 add and subtract
+// of the butterfly is exact and yields the double path's value (the same operations in the same
+// order, signed zeros included). Emax <= 250 keeps the sums far below binary32 overflow; * 0.25 is
+// exact (its quantum 2^(Eq - 136) >= 2^-135 is representable), and f32_to_bf16_bits rounds that
+// exact value once, as f64_to_bf16_bits does. NaN / Inf (E = 255) fail the test.
+NIB_HOST_DEVICE bool rht16_bf16_sums_fit_f32(const float* x_bf16_values) {
+  uint32_t hi = 0, lo = 0xFFFFFFFFu;
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t b = float_as_u32(x_bf16_values[i]) & 0x7FFFFFFFu;
+    hi = b > hi ? b : hi;
+    lo = b - 1u < lo ? b - 1u : lo;  // zeros wrap to the maximum
+  }
+  const uint32_t emax = hi >> 23, emin = (lo + 1u) >> 23, eq = emin > 1u ? emin : 1u;  // all zero: emin 0
+  return emax <= 250u && emax <= eq + 12u;
+}
+
+// rht16_bf16_exact for a tile that passes rht16_bf16_sums_fit_f32, in binary32.
+NIB_HOST_DEVICE void rht16_bf16_f32(uint16_t* y_bf16, const float* x_bf16_values, uint32_t sign_mask) {
+  float t[16];
+  for (int i = 0; i < 16; ++i) t[i] = ((sign_mask >> i) & 1u) ? -x_bf16_values[i] : x_bf16_values[i];
+  rht16_butterfly_f32(t);
+  for (int j = 0; j < 16; ++j) y_bf16[j] = f32_to_bf16_bits(t[j] * 0.25f);
 }
 
 }  // namespace nibble::formats

@@ -5,6 +5,7 @@
 // swizzle (bijection, hand-computed offsets) and TRACE guided rounding (its guarantee).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <set>
@@ -245,6 +246,46 @@ TEST(Rht, DoubleToBf16RoundsOnce) {
     float f = static_cast<float>(rng.next_normal() * std::exp(20 * rng.next_normal()));
     ASSERT_EQ(f64_to_bf16_bits(static_cast<double>(f)), f32_to_bf16_bits(f)) << f;
   }
+}
+
+TEST(Rht, Bf16TileInBinary32EqualsDoubleWhereSumsFit) {
+  // Tiles of BF16 values whose exponents span 0..14 binades around a random centre (the test's
+  // boundary is 12), BF16 subnormals, zeros of both signs, and centres up to the overflow edge:
+  // wherever rht16_bf16_sums_fit_f32 holds, the binary32 form gives the double form's bits.
+  PhiloxStream rng(91, 3);
+  int fit = 0, tested = 0;
+  for (int t = 0; t < 200000; ++t) {
+    const int span = static_cast<int>(rng.next_below(15));
+    const int centre = static_cast<int>(rng.next_below(270)) - 15;  // biased exponent, may leave [1, 254]
+    float x[16];
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t kind = static_cast<uint32_t>(rng.next_below(16));
+      const int e = std::clamp(centre + static_cast<int>(rng.next_below(static_cast<uint64_t>(span) + 1)), 0, 254);
+      uint32_t bits = (static_cast<uint32_t>(e) << 23) | (static_cast<uint32_t>(rng.next_below(128)) << 16);
+      if (kind == 0) bits = 0;                                              // zero
+      if (rng.next_below(2)) bits |= 0x80000000u;                           // either sign
+      x[i] = u32_as_float(bits);
+    }
+    if (t % 1000 == 0) std::fill(x, x + 16, -0.0f);  // all negative zeros
+    uint16_t want[16], got[16];
+    rht16_bf16_exact(want, x, kRhtTeSignMask);
+    ++tested;
+    if (!rht16_bf16_sums_fit_f32(x)) continue;
+    ++fit;
+    rht16_bf16_f32(got, x, kRhtTeSignMask);
+    for (int j = 0; j < 16; ++j) ASSERT_EQ(got[j], want[j]) << "tile " << t << " output " << j;
+  }
+  EXPECT_GT(fit, tested / 3);  // the fast form covers most tiles of this spread
+  // N(0, 1) tiles fit unless one holds a value below 2^-11 next to one above 2 (P(|x| < 2^-11)
+  // = 3.9e-4, so about 0.6% of tiles fall back to the double form): require 98%.
+  std::vector<float> xf = normal_input(16 * 4096, 5);
+  int normal_fit = 0;
+  for (size_t g = 0; g < xf.size(); g += 16) {
+    float x[16];
+    for (int i = 0; i < 16; ++i) x[i] = round_to_bf16(xf[g + i]);
+    normal_fit += rht16_bf16_sums_fit_f32(x) ? 1 : 0;
+  }
+  EXPECT_GE(normal_fit, 4096 * 98 / 100);
 }
 
 TEST(Rht, TeTransposeDriverEqualsTileFunction) {

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/cuda/bench.h"
@@ -192,6 +193,24 @@ TEST(CudaGolden, Nvfp4Te2d) {
     EXPECT_TRUE(same_bits(y.host(), f.at("dequant").as<float>()));
     EXPECT_TRUE(same_bits(codes_t.host(), f.at("codes_t").as<uint8_t>()));
     EXPECT_TRUE(same_bits(scales_t.host(), f.at("scales_t").as<uint8_t>()));
+  }
+}
+
+// The TE wgrad transform's element-by-element loads: K % 8 != 0 (rows not in whole 16-byte
+// chunks), and an x that is not 16-byte aligned; special values (NaN, Inf, wide tiles that take
+// the double form) included.
+TEST(CudaVsCpu, RhtTransposeBf16UnalignedRows) {
+  NIB_REQUIRE_GPU();
+  for (auto [M, K, offset] : {std::tuple<int64_t, int64_t, int64_t>{32, 20, 0}, {144, 13, 0}, {128, 64, 1}}) {
+    SCOPED_TRACE(std::to_string(M) + "x" + std::to_string(K) + " offset " + std::to_string(offset));
+    const int64_t n = M * K;
+    auto xb = to_bf16(make_input(M, K, Fill::kSpecial, static_cast<uint64_t>(M + K)));
+    std::vector<uint16_t> ref(n), padded(offset, 0);
+    fm::rht16_te_transpose_cpu(ref.data(), xb.data(), M, K);
+    padded.insert(padded.end(), xb.begin(), xb.end());
+    Dev<uint16_t> xbd(padded), yt(n);
+    expect_ok(rht16_transpose_bf16(yt.get(), xbd.get() + offset, M, K, fm::kRhtTeSignMask));
+    EXPECT_TRUE(same_bits(as_bf16(yt.host()), as_bf16(ref)));
   }
 }
 

@@ -50,37 +50,113 @@ template Status transpose<float>(float*, const float*, int64_t, int64_t, cudaStr
 template Status transpose<uint16_t>(uint16_t*, const uint16_t*, int64_t, int64_t, cudaStream_t);
 template Status transpose<uint8_t>(uint8_t*, const uint8_t*, int64_t, int64_t, cudaStream_t);
 
+// ---- shared tile layout of the transposing RHT kernels ------------------------------------------
+
+namespace {
+// CTA tile: 128 input rows (m) x 64 input columns (k) = 64 output rows x 128 m-values.
+// Shared row (one k) holds 128 m-values as 8 groups of 16, each group padded to 20 floats so the
+// 16-byte reads of the 8 groups of a row hit distinct banks. Group g of row k sits in slot
+// g ^ ((k >> 3) & 7): phase 1 writes 8 rows k = 8c + i (c = 0..7) of one group in one store
+// instruction, and the swizzle spreads those over the 8 slots, so that store is conflict-free too.
+constexpr int kTileM = 128, kTileK = 64, kTileThreads = 256;
+constexpr int kGroupStride = 20, kRowStride = 8 * kGroupStride;
+constexpr int kTileSmemBytes = kTileK * kRowStride * 4;
+__device__ __forceinline__ int tile_pos(int k, int m) {
+  return k * kRowStride + ((m >> 4) ^ ((k >> 3) & 7)) * kGroupStride + (m & 15);
+}
+// Phase 1's store: thread (c, q) holds y[r][i] = the value of row 4q + r, column 8c + i; column
+// 8c + i's four values go to shared memory as one 16-byte store.
+__device__ __forceinline__ void store_tile_columns(float* tile, int c, int q, const float (&y)[4][8]) {
+  float* dst = tile + tile_pos(8 * c, 4 * q);  // rows 8c + i share the slot
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    *reinterpret_cast<float4*>(dst + i * kRowStride) = make_float4(y[0][i], y[1][i], y[2][i], y[3][i]);
+}
+// Phase 2's load: the 16 m-values of group g of tile row kk.
+__device__ __forceinline__ void load_tile_group(float (&v)[16], const float* tile, int kk, int g) {
+  const float4* src = reinterpret_cast<const float4*>(tile + tile_pos(kk, 16 * g));
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float4 f = src[q];
+    v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
+  }
+}
+}  // namespace
+
 // ---- TE wgrad RHT: x (M, K) bf16 -> y_t (K, M) bf16 ----------------------------------------------
 
-// CTA tile: 64 (M) x 64 (K). Shared tile holds x values as float, [k][m] with m padded.
-// Phase 2: thread (k, g) transforms m = 16g .. 16g+15 of column k: 64 k x 4 groups = 256 threads.
-__global__ void __launch_bounds__(256) rht16_transpose_bf16_kernel(uint16_t* y_t, const uint16_t* x, int64_t M,
-                                                                   int64_t K, uint32_t sign_mask) {
-  __shared__ float tile[64][65];
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * 64, k0 = static_cast<int64_t>(blockIdx.x) * 64;
-  // load: 64 rows x 64 columns, thread reads 16 consecutive k of one row (4 threads per row... 16 rows/pass)
-  for (int pass = 0; pass < 4; ++pass) {
-    const int r = pass * 16 + threadIdx.x / 16, c = threadIdx.x % 16;  // c: which 4-element chunk
-    const int64_t m = m0 + r;
+// grid = (ceil(K / 64), ceil(M / 128)), 256 threads. Phase 1: thread (c = t % 8, q = t / 8) loads
+// columns k0 + 8c .. +7 of rows m0 + 4q .. +3 (one 16-byte load per row when kVec: K % 8 == 0 and
+// x 16-byte aligned; else element by element), applies each row's RHT sign (row m's sign is bit
+// m % 16 of sign_mask: negation is exact, as the definition's sign step), and stores the tile
+// transposed (zeros outside the tensor). Phase 2: lane group of 8 = one output row k, lane g =
+// its m-group 16g .. 16g+15; 32 rows per pass, 2 passes: formats::rht16_bf16_f32 when the
+// tile's sums fit binary32 (rht16_bf16_sums_fit_f32) in every lane of the warp, else the double
+// form formats::rht16_bf16_exact (warp-uniform, so a rare wide tile costs one warp's pass, not a
+// divergent branch per lane); two 16-byte stores of 8 BF16 each.
+template <bool kVec>
+__global__ void __launch_bounds__(kTileThreads) rht16_transpose_bf16_kernel(uint16_t* y_t, const uint16_t* x, int64_t M,
+                                                                         int64_t K, uint32_t sign_mask) {
+  extern __shared__ float4 smem_f4[];
+  float* tile = reinterpret_cast<float*>(smem_f4);
+  const uint64_t uM = static_cast<uint64_t>(M), uK = static_cast<uint64_t>(K);
+  const uint64_t m0 = static_cast<uint64_t>(blockIdx.y) * kTileM, k0 = static_cast<uint64_t>(blockIdx.x) * kTileK;
+  {
+    const int c = threadIdx.x % 8, q = threadIdx.x / 8;
+    const uint64_t kc = k0 + 8 * c;
+    float y[4][8];
+    if constexpr (kVec) {
+      uint4 w[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t k = k0 + 4 * c + j;
-      tile[4 * c + j][r] = (m < M && k < K) ? bf16_bits_to_f32(x[m * K + k]) : 0.0f;
+      for (int r = 0; r < 4; ++r) {
+        const uint64_t m = m0 + 4 * q + r;
+        w[r] = (m < uM && kc < uK) ? __ldcs(reinterpret_cast<const uint4*>(x + m * uK + kc)) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const uint32_t flip = ((sign_mask >> ((4 * q + r) & 15)) & 1u) * 0x80008000u;  // m0 % 16 == 0
+        uint32_t words[4];
+        bf16_words4(words, w[r]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          y[r][2 * j] = __uint_as_float((words[j] ^ flip) << 16);
+          y[r][2 * j + 1] = __uint_as_float((words[j] ^ flip) & 0xFFFF0000u);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const uint64_t m = m0 + 4 * q + r;
+        const bool neg = (sign_mask >> ((4 * q + r) & 15)) & 1u;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float v = (m < uM && kc + i < uK) ? bf16_bits_to_f32(x[m * uK + kc + i]) : 0.0f;
+          y[r][i] = neg ? -v : v;
+        }
+      }
     }
+    store_tile_columns(tile, c, q, y);
   }
   __syncthreads();
-  const int kk = threadIdx.x / 4, g = threadIdx.x % 4;
-  const int64_t k = k0 + kk, m = m0 + 16 * g;
-  if (k >= K || m >= M) return;  // M % 16 == 0: a group is all in or all out
-  float v[16];
+  const int g = threadIdx.x & 7;
+#pragma unroll 1
+  for (int pass = 0; pass < kTileK / 32; ++pass) {
+    const int kk = pass * 32 + (threadIdx.x >> 3);
+    float v[16];
+    load_tile_group(v, tile, kk, g);
+    uint16_t out[16];
+    if (__all_sync(0xFFFFFFFFu, fm::rht16_bf16_sums_fit_f32(v)))
+      fm::rht16_bf16_f32(out, v, 0u);  // the signs were applied in phase 1
+    else
+      fm::rht16_bf16_exact(out, v, 0u);
+    const uint64_t k = k0 + kk, m = m0 + 16 * g;
+    if (k < uK && m < uM) {  // M % 16 == 0: a group is all in or all out
+      Vec<uint16_t, 16> o;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = tile[kk][16 * g + i];
-  uint16_t out[16];
-  fm::rht16_bf16_exact(out, v, sign_mask);
-  Vec<uint16_t, 16> o;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) o.e[i] = out[i];
-  store_vec(y_t + k * M + m, o);
+      for (int i = 0; i < 16; ++i) o.e[i] = out[i];
+      store_vec(y_t + k * uM + m, o);
+    }
+  }
 }
 
 Status rht16_transpose_bf16(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t K, uint32_t sign_mask,
@@ -89,8 +165,11 @@ Status rht16_transpose_bf16(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t
   if ((reinterpret_cast<uintptr_t>(y_t) & 15u) || (M * 2) % 16 != 0)
     return invalid_argument("rht16_transpose_bf16: y_t rows must be 16-byte aligned");
   if (M == 0 || K == 0) return Status::ok();
-  dim3 grid(ceil_div_int(K, 64), ceil_div_int(M, 64));
-  rht16_transpose_bf16_kernel<<<grid, 256, 0, stream>>>(y_t, x, M, K, sign_mask);
+  dim3 grid(ceil_div_int(K, kTileK), ceil_div_int(M, kTileM));
+  if (K % 8 == 0 && (reinterpret_cast<uintptr_t>(x) & 15u) == 0)
+    rht16_transpose_bf16_kernel<true><<<grid, kTileThreads, kTileSmemBytes, stream>>>(y_t, x, M, K, sign_mask);
+  else
+    rht16_transpose_bf16_kernel<false><<<grid, kTileThreads, kTileSmemBytes, stream>>>(y_t, x, M, K, sign_mask);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
@@ -126,17 +205,7 @@ Status rht16_rows_f32(float* y, const float* x, int64_t M, int64_t K, uint32_t s
 // ---- fused backward-operand op -----------------------------------------------------------------
 
 namespace {
-// CTA tile: 128 input rows (m) x 64 input columns (k) = 64 output rows x one 128-block along m.
-constexpr int kFusedTileM = 128, kFusedTileK = 64, kFusedThreads = 256, kFusedMinBlocks = 4;
-// Shared row (one k) holds 128 m-values as 8 groups of 16, each group padded to 20 floats so the
-// 16-byte reads of the 8 groups of a row hit distinct banks. Group g of row k sits in slot
-// g ^ ((k >> 3) & 7): phase 1 writes 8 rows k = 8c + i (c = 0..7) of one group in one store
-// instruction, and the swizzle spreads those over the 8 slots, so that store is conflict-free too.
-constexpr int kGroupStride = 20, kRowStride = 8 * kGroupStride;
-constexpr int kFusedSmemBytes = kFusedTileK * kRowStride * 4;
-__device__ __forceinline__ int fused_pos(int k, int m) {
-  return k * kRowStride + ((m >> 4) ^ ((k >> 3) & 7)) * kGroupStride + (m & 15);
-}
+constexpr int kFusedMinBlocks = 4;  // 64 registers
 }  // namespace
 
 // codes_t (K, M/2), inner_t (K, M/16), outer_t (K, M/128) <- codes (M, K/2), inner (M, K/16),
@@ -145,12 +214,12 @@ __device__ __forceinline__ int fused_pos(int k, int m) {
 // (negating a decoded value is exact, as the formats::rht16_f32 sign step), so phase 2 transforms
 // with no sign step.
 template <typename Codec, bool kSR>
-__global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks) nvfp4_2level_transpose_rht_requantize_kernel(
+__global__ void __launch_bounds__(kTileThreads, kFusedMinBlocks) nvfp4_2level_transpose_rht_requantize_kernel(
     uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes, const uint8_t* inner,
     const float* outer, int64_t M, int64_t K, uint32_t sign_mask, SrKeyDevice key) {
   extern __shared__ float4 smem_f4[];
   float* tile = reinterpret_cast<float*>(smem_f4);
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kFusedTileM, k0 = static_cast<int64_t>(blockIdx.x) * kFusedTileK;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTileM, k0 = static_cast<int64_t>(blockIdx.x) * kTileK;
 
   // Phase 1: thread (c = t % 8, q = t / 8) decodes code word c (input columns k0 + 8c .. +7) of the
   // four rows m0 + 4q .. +3 and stores each column's four values as one 16-byte shared store
@@ -194,10 +263,7 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks) nvfp4_2level_t
 #pragma unroll
         for (int i = 0; i < 8; ++i) y[r][i] = 0.0f;
     }
-    float* dst = tile + fused_pos(8 * c, 4 * q);  // rows 8c + i share the slot
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      *reinterpret_cast<float4*>(dst + i * kRowStride) = make_float4(y[0][i], y[1][i], y[2][i], y[3][i]);
+    store_tile_columns(tile, c, q, y);
   }
   // With tame scales everywhere in the tile, every decoded value is 0 or a normal binary32 of
   // magnitude in [2^-34, 6 * 2^55], hence a multiple of 2^-57; the butterfly's sums of such values
@@ -214,15 +280,10 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks) nvfp4_2level_t
   // needed.
   const int g = threadIdx.x & 7;
 #pragma unroll 1
-  for (int pass = 0; pass < kFusedTileK / 32; ++pass) {
+  for (int pass = 0; pass < kTileK / 32; ++pass) {
     const int kk = pass * 32 + (threadIdx.x >> 3);
-    const float4* src = reinterpret_cast<const float4*>(tile + fused_pos(kk, 16 * g));
     float v[16];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      float4 f = src[q];
-      v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
-    }
+    load_tile_group(v, tile, kk, g);
     fm::rht16_butterfly_f32(v);  // the signs were applied in phase 1; the 1/4 below
     float vmax = 0.0f;
     bool fast = true;
@@ -282,18 +343,18 @@ Status fused_impl(uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint
   if (M == 0 || K == 0) return Status::ok();
   static bool attr_set = [] {
     NIB_CUDA_CHECK(cudaFuncSetAttribute(nvfp4_2level_transpose_rht_requantize_kernel<Codec, true>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmemBytes));
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kTileSmemBytes));
     NIB_CUDA_CHECK(cudaFuncSetAttribute(nvfp4_2level_transpose_rht_requantize_kernel<Codec, false>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmemBytes));
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kTileSmemBytes));
     return true;
   }();
   (void)attr_set;
-  dim3 grid(ceil_div_int(K, kFusedTileK), ceil_div_int(M, kFusedTileM));
+  dim3 grid(ceil_div_int(K, kTileK), ceil_div_int(M, kTileM));
   if (sr)
-    nvfp4_2level_transpose_rht_requantize_kernel<Codec, true><<<grid, kFusedThreads, kFusedSmemBytes, stream>>>(
+    nvfp4_2level_transpose_rht_requantize_kernel<Codec, true><<<grid, kTileThreads, kTileSmemBytes, stream>>>(
         codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, SrKeyDevice(*sr));
   else
-    nvfp4_2level_transpose_rht_requantize_kernel<Codec, false><<<grid, kFusedThreads, kFusedSmemBytes, stream>>>(
+    nvfp4_2level_transpose_rht_requantize_kernel<Codec, false><<<grid, kTileThreads, kTileSmemBytes, stream>>>(
         codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, SrKeyDevice{});
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
