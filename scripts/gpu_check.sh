@@ -8,7 +8,7 @@
 # (3) a direct nvcc/g++ build of that same binary from src/ with headers carried in .gpudeps/
 # (fmt header-only, nlohmann, googletest sources) for machines without the Debian packages.
 # Test data: $NIBBLE_TESTDATA_DIR, else ./.testdata (a copy of ../shared/testdata). Options:
-# NIBBLE_GPU_NCU=1 (ncu counters of three kernels: TE and 2-level BF16 RTN quantize, fused SR), NIBBLE_GPU_SANITIZE=1 (compute-sanitizer).
+# NIBBLE_GPU_NCU=1 (ncu counters of four kernels: TE and 2-level BF16 RTN quantize, fused SR, TE wgrad RHT), NIBBLE_GPU_SANITIZE=1 (compute-sanitizer).
 # Files under $OUT: steps.log, tests.log, bench.log, and with the options ncu.txt, sanitizer.log,
 # sass_counts.txt (instructions per kernel), and with NIBBLE_GPU_SASS_KERNELS=<regex> sass_kernels.txt.
 set -uo pipefail
@@ -124,7 +124,7 @@ if [ "${NIBBLE_GPU_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   # Hardware counters of three kernels on the quick (4096^2) bench: is it issue- or memory-bound?
   stamp "ncu profiles"
   for k in 'nvfp4_te_quantize_kernel<nibble::cuda::FormatsCodec, unsigned short' 'nvfp4_2level_bf16_k128_kernel<.int.2, .int.5, .bool.0' \
-           'transpose_rht_requantize_kernel<nibble::cuda::FormatsCodec, .bool.1'; do
+           'transpose_rht_requantize_kernel<nibble::cuda::FormatsCodec, .bool.1' 'rht16_transpose_bf16_kernel<.bool.1'; do
     NIBBLE_BENCH_QUICK=1 timeout 120 ncu --clock-control none --kernel-name-base demangled -k "regex:${k//[<>:,]/.}" -c 1 \
       --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats --section InstructionStats \
       "$BIN" --gtest_also_run_disabled_tests --gtest_filter='CudaBench.*' >>"$OUT/ncu.txt" 2>&1
