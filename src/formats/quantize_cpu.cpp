@@ -897,34 +897,52 @@ void mxfp8_dequantize_cpu(float* y, const uint8_t* elems, const uint8_t* scales,
 
 void rht16_te_transpose_cpu(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t K) {
   NIB_CHECK_MSG(M % 16 == 0, "rht16: M={} must be a multiple of 16", M);
-  // Task = 16 rows (one RHT group along M) x 16 columns: load the 16x16 tile row-major, run
-  // rht16_bf16_exact's steps on every column (k-lanes; same double operations, same order), store
-  // transposed. Contiguous loads instead of a 16-row stride per output element.
+  // Task = 16 rows (one RHT group along M) x 16 columns: load the 16x16 tile row-major (signs
+  // applied: negation is exact), run the butterfly on every column at once (k-lanes), store
+  // transposed. A column whose values pass rht16_bf16_sums_fit_f32 takes rht16_bf16_f32's binary32
+  // steps (exact there, so rht16_bf16_exact's bits); any other column rht16_bf16_exact itself.
   int64_t kc = (K + 15) / 16;
   parallel_for((M / 16) * kc, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       int64_t g = t / kc, k0 = 16 * (t % kc);
       int kw = static_cast<int>(std::min<int64_t>(16, K - k0));
-      double tile[16][16] = {};
+      float tile[16][16] = {};
       for (int i = 0; i < 16; ++i) {
         const uint16_t* xr = x + (16 * g + i) * K + k0;
-        bool neg = (kRhtTeSignMask >> i) & 1u;
-        for (int k = 0; k < kw; ++k) {
-          double v = static_cast<double>(bf16_bits_to_f32(xr[k]));
-          tile[i][k] = neg ? -v : v;
+        const uint32_t flip = ((kRhtTeSignMask >> i) & 1u) << 31;
+        for (int k = 0; k < kw; ++k) tile[i][k] = u32_as_float((static_cast<uint32_t>(xr[k]) << 16) ^ flip);
+      }
+      uint32_t hi[16] = {}, lo[16];  // rht16_bf16_sums_fit_f32's bounds, per column
+      std::fill(lo, lo + 16, 0xFFFFFFFFu);
+      for (int i = 0; i < 16; ++i)
+        for (int k = 0; k < 16; ++k) {
+          const uint32_t b = float_as_u32(tile[i][k]) & 0x7FFFFFFFu;
+          hi[k] = std::max(hi[k], b);
+          lo[k] = std::min(lo[k], b - 1u);
+        }
+      bool fits[16];
+      for (int k = 0; k < 16; ++k) {
+        fits[k] = rht16_bf16_fit_from_bounds(hi[k], lo[k]);
+        if (!fits[k] && k < kw) {  // the double form on this column (signs already applied)
+          float column[16];
+          uint16_t out[16];
+          for (int i = 0; i < 16; ++i) column[i] = tile[i][k];
+          rht16_bf16_exact(out, column, 0u);
+          for (int j = 0; j < 16; ++j) y_t[(k0 + k) * M + 16 * g + j] = out[j];
         }
       }
       for (int h = 1; h < 16; h <<= 1)
         for (int i = 0; i < 16; ++i) {
           if (i & h) continue;
           for (int k = 0; k < 16; ++k) {
-            double a = tile[i][k], b = tile[i + h][k];
+            float a = tile[i][k], b = tile[i + h][k];
             tile[i][k] = a + b;
             tile[i + h][k] = a - b;
           }
         }
       for (int k = 0; k < kw; ++k)
-        for (int j = 0; j < 16; ++j) y_t[(k0 + k) * M + 16 * g + j] = f64_to_bf16_bits(tile[j][k] * 0.25);
+        if (fits[k])
+          for (int j = 0; j < 16; ++j) y_t[(k0 + k) * M + 16 * g + j] = f32_to_bf16_bits(tile[j][k] * 0.25f);
     }
   });
 }

@@ -117,6 +117,12 @@ NIB_HOST_DEVICE void rht16_bf16_exact(uint16_t* y_bf16, const float* x_bf16_valu
 // order, signed zeros included). Emax <= 250 keeps the sums far below binary32 overflow; * 0.25 is
 // exact (its quantum 2^(Eq - 136) >= 2^-135 is representable), and f32_to_bf16_bits rounds that
 // exact value once, as f64_to_bf16_bits does. NaN / Inf (E = 255) fail the test.
+// The test from the tile's largest magnitude bits `hi` and its smallest nonzero magnitude bits
+// minus one `lo` (zeros wrap to 0xFFFFFFFF; all zero: lo = 0xFFFFFFFF).
+NIB_HOST_DEVICE bool rht16_bf16_fit_from_bounds(uint32_t hi, uint32_t lo) {
+  const uint32_t emax = hi >> 23, emin = (lo + 1u) >> 23, eq = emin > 1u ? emin : 1u;  // all zero: emin 0
+  return emax <= 250u && emax <= eq + 12u;
+}
 NIB_HOST_DEVICE bool rht16_bf16_sums_fit_f32(const float* x_bf16_values) {
   uint32_t hi = 0, lo = 0xFFFFFFFFu;
   for (int i = 0; i < 16; ++i) {
@@ -124,8 +130,7 @@ NIB_HOST_DEVICE bool rht16_bf16_sums_fit_f32(const float* x_bf16_values) {
     hi = b > hi ? b : hi;
     lo = b - 1u < lo ? b - 1u : lo;  // zeros wrap to the maximum
   }
-  const uint32_t emax = hi >> 23, emin = (lo + 1u) >> 23, eq = emin > 1u ? emin : 1u;  // all zero: emin 0
-  return emax <= 250u && emax <= eq + 12u;
+  return rht16_bf16_fit_from_bounds(hi, lo);
 }
 
 // rht16_bf16_exact for a tile that passes rht16_bf16_sums_fit_f32, in binary32.
