@@ -81,6 +81,19 @@ __device__ __forceinline__ void load_tile_group(float (&v)[16], const float* til
     v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
   }
 }
+// Phase 2's walk over the tile: lane group of 8 = one tile row kk (one output row), lane g its
+// m-group 16g .. 16g+15; 32 rows per pass, 2 passes. body(kk, g, v) gets the group's 16 values.
+template <typename Body>
+__device__ __forceinline__ void for_each_tile_group(const float* tile, const Body& body) {
+  const int g = threadIdx.x & 7;
+#pragma unroll 1
+  for (int pass = 0; pass < kTileK / 32; ++pass) {
+    const int kk = pass * 32 + (threadIdx.x >> 3);
+    float v[16];
+    load_tile_group(v, tile, kk, g);
+    body(kk, g, v);
+  }
+}
 }  // namespace
 
 // ---- TE wgrad RHT: x (M, K) bf16 -> y_t (K, M) bf16 ----------------------------------------------
@@ -138,12 +151,7 @@ __global__ void __launch_bounds__(kTileThreads) rht16_transpose_bf16_kernel(uint
     store_tile_columns(tile, c, q, y);
   }
   __syncthreads();
-  const int g = threadIdx.x & 7;
-#pragma unroll 1
-  for (int pass = 0; pass < kTileK / 32; ++pass) {
-    const int kk = pass * 32 + (threadIdx.x >> 3);
-    float v[16];
-    load_tile_group(v, tile, kk, g);
+  for_each_tile_group(tile, [&](int kk, int g, float (&v)[16]) {
     uint16_t out[16];
     if (__all_sync(0xFFFFFFFFu, fm::rht16_bf16_sums_fit_f32(v)))
       fm::rht16_bf16_f32(out, v, 0u);  // the signs were applied in phase 1
@@ -156,7 +164,7 @@ __global__ void __launch_bounds__(kTileThreads) rht16_transpose_bf16_kernel(uint
       for (int i = 0; i < 16; ++i) o.e[i] = out[i];
       store_vec(y_t + k * uM + m, o);
     }
-  }
+  });
 }
 
 Status rht16_transpose_bf16(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t K, uint32_t sign_mask,
@@ -278,12 +286,7 @@ __global__ void __launch_bounds__(kTileThreads, kFusedMinBlocks) nvfp4_2level_tr
   // exact x = v / 4 and takes the fast encode on v with the scale times 4; any other block forms x
   // and takes the general encode. In a tame tile (above) every block passes, and only its max is
   // needed.
-  const int g = threadIdx.x & 7;
-#pragma unroll 1
-  for (int pass = 0; pass < kTileK / 32; ++pass) {
-    const int kk = pass * 32 + (threadIdx.x >> 3);
-    float v[16];
-    load_tile_group(v, tile, kk, g);
+  for_each_tile_group(tile, [&](int kk, int g, float (&v)[16]) {
     fm::rht16_butterfly_f32(v);  // the signs were applied in phase 1; the 1/4 below
     float vmax = 0.0f;
     bool fast = true;
@@ -332,7 +335,7 @@ __global__ void __launch_bounds__(kTileThreads, kFusedMinBlocks) nvfp4_2level_tr
       inner_t[orow * (uM / 16) + ocol / 16] = static_cast<uint8_t>(si);
       if (g == 0) outer_t[orow * (uM / 128) + static_cast<uint64_t>(m0) / 128] = so;
     }
-  }
+  });
 }
 
 template <typename Codec>
