@@ -1,5 +1,5 @@
-// Bit-level helpers shared by host and device: float <-> uint32 reinterpretation, and the
-// BF16 and FP16 conversions (round to nearest even, NaN kept quiet). BF16 is the upper half
+// Bit-level helpers shared by host and device: float <-> uint32 reinterpretation, the magnitude
+// bit range of a run of floats, and the BF16 and FP16 conversions (round to nearest even, NaN kept quiet). BF16 is the upper half
 // of an IEEE binary32; these are the conversions every BF16 tensor in nibble goes through.
 #pragma once
 
@@ -36,6 +36,24 @@ NIB_HOST_DEVICE uint16_t f32_to_bf16_bits(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
   uint32_t rounding_bias = 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>((u + rounding_bias) >> 16);
+}
+
+// The magnitude range of x[0..n) as binary32 bits: `max_bits` = the largest bits(|x|) (NaN and
+// Inf above every finite value), `min_nonzero_bits_minus1` = the smallest bits(|x|) - 1 with
+// zeros wrapping to 0xFFFFFFFF (so it is the smallest nonzero magnitude's bits minus one, or
+// 0xFFFFFFFF when all are zero). One pass of integer min/max; the block tests build on it.
+NIB_HOST_DEVICE void magnitude_bit_range(const float* x, int n, uint32_t& max_bits, uint32_t& min_nonzero_bits_minus1) {
+  uint32_t hi = 0, lo = 0xFFFFFFFFu;
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+  for (int i = 0; i < n; ++i) {
+    const uint32_t b = float_as_u32(x[i]) & 0x7FFFFFFFu;
+    hi = b > hi ? b : hi;
+    lo = b - 1u < lo ? b - 1u : lo;
+  }
+  max_bits = hi;
+  min_nonzero_bits_minus1 = lo;
 }
 
 NIB_HOST_DEVICE float bf16_bits_to_f32(uint16_t b) { return u32_as_float(static_cast<uint32_t>(b) << 16); }

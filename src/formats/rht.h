@@ -34,8 +34,6 @@ NIB_HOST_DEVICE int rht_h16(int i, int j) {
   return (v & 1u) ? -1 : 1;
 }
 
-// y (16) <- x (16) · (1/4) diag(s) H16 in binary32, fixed order (see the file comment).
-// y may alias x.
 // The butterfly alone, in place: t <- t · H16 (no signs, no 1/4), in the fixed order above.
 NIB_HOST_DEVICE void rht16_butterfly_f32(float* t) {
 #if defined(__CUDACC__)
@@ -53,6 +51,8 @@ NIB_HOST_DEVICE void rht16_butterfly_f32(float* t) {
     }
   }
 }
+// y (16) <- x (16) · (1/4) diag(s) H16 in binary32, fixed order (see the file comment).
+// y may alias x.
 NIB_HOST_DEVICE void rht16_f32(float* y, const float* x, uint32_t sign_mask) {
   float t[16];
   for (int i = 0; i < 16; ++i) t[i] = ((sign_mask >> i) & 1u) ? -x[i] : x[i];
@@ -108,6 +108,13 @@ NIB_HOST_DEVICE void rht16_bf16_exact(uint16_t* y_bf16, const float* x_bf16_valu
   for (int j = 0; j < 16; ++j) y_bf16[j] = f64_to_bf16_bits(t[j] * 0.25);
 }
 
+// The test of rht16_bf16_sums_fit_f32 (below) from a tile's magnitude bit range
+// (magnitude_bit_range: its largest bits(|x|) `hi`, its smallest nonzero bits(|x|) minus one `lo`).
+NIB_HOST_DEVICE bool rht16_bf16_fit_from_bounds(uint32_t hi, uint32_t lo) {
+  const uint32_t emax = hi >> 23, emin = (lo + 1u) >> 23, eq = emin > 1u ? emin : 1u;  // all zero: emin 0
+  return emax <= 250u && emax <= eq + 12u;
+}
+
 // Whether rht16_bf16_f32 gives rht16_bf16_exact's bits for this tile of BF16 values: every
 // value is a multiple of its quantum 2^(max(E, 1) - 134) (E its biased exponent, 8 significant
 // bits), hence of q = 2^(Eq - 134) with Eq the smallest max(E, 1) of the nonzero values, and each
@@ -117,28 +124,18 @@ NIB_HOST_DEVICE void rht16_bf16_exact(uint16_t* y_bf16, const float* x_bf16_valu
 // order, signed zeros included). Emax <= 250 keeps the sums far below binary32 overflow; * 0.25 is
 // exact (its quantum 2^(Eq - 136) >= 2^-135 is representable), and f32_to_bf16_bits rounds that
 // exact value once, as f64_to_bf16_bits does. NaN / Inf (E = 255) fail the test.
-// The test from the tile's largest magnitude bits `hi` and its smallest nonzero magnitude bits
-// minus one `lo` (zeros wrap to 0xFFFFFFFF; all zero: lo = 0xFFFFFFFF).
-NIB_HOST_DEVICE bool rht16_bf16_fit_from_bounds(uint32_t hi, uint32_t lo) {
-  const uint32_t emax = hi >> 23, emin = (lo + 1u) >> 23, eq = emin > 1u ? emin : 1u;  // all zero: emin 0
-  return emax <= 250u && emax <= eq + 12u;
-}
 NIB_HOST_DEVICE bool rht16_bf16_sums_fit_f32(const float* x_bf16_values) {
-  uint32_t hi = 0, lo = 0xFFFFFFFFu;
-  for (int i = 0; i < 16; ++i) {
-    const uint32_t b = float_as_u32(x_bf16_values[i]) & 0x7FFFFFFFu;
-    hi = b > hi ? b : hi;
-    lo = b - 1u < lo ? b - 1u : lo;  // zeros wrap to the maximum
-  }
+  uint32_t hi, lo;
+  magnitude_bit_range(x_bf16_values, 16, hi, lo);
   return rht16_bf16_fit_from_bounds(hi, lo);
 }
 
-// rht16_bf16_exact for a tile that passes rht16_bf16_sums_fit_f32, in binary32.
+// rht16_bf16_exact for a tile that passes rht16_bf16_sums_fit_f32: rht16_f32, then one BF16
+// rounding per output.
 NIB_HOST_DEVICE void rht16_bf16_f32(uint16_t* y_bf16, const float* x_bf16_values, uint32_t sign_mask) {
   float t[16];
-  for (int i = 0; i < 16; ++i) t[i] = ((sign_mask >> i) & 1u) ? -x_bf16_values[i] : x_bf16_values[i];
-  rht16_butterfly_f32(t);
-  for (int j = 0; j < 16; ++j) y_bf16[j] = f32_to_bf16_bits(t[j] * 0.25f);
+  rht16_f32(t, x_bf16_values, sign_mask);
+  for (int j = 0; j < 16; ++j) y_bf16[j] = f32_to_bf16_bits(t[j]);
 }
 
 }  // namespace nibble::formats

@@ -58,21 +58,27 @@ __device__ __forceinline__ bool bf16_block_has_negative_zero(const uint32_t (&w)
   return (m & 0xFFFFu) == 0x8000u || (m >> 16) == 0x8000u;
 }
 
+// Indices 0..7 of 8 elements packed into nibbles (element i in nibble i) from their biased
+// forms biased_index(i) = 0x4B000000 + index (formats::e2m1_rne_index_bits_min3 and the capped
+// e2m1_rne_index_biased): sum_i t_i * 16^i keeps index i in nibble i (no carries: index <= 7); the
+// 0x4B000000 parts contribute 0x4B000000 + 0xB0000000 (i = 0, 1; the rest overflow out of 32
+// bits), removed by one subtraction.
+template <typename BiasedIndex>
+__device__ __forceinline__ uint32_t pack_biased_indices8(const BiasedIndex& biased_index) {
+  uint32_t word = 0u - 0xFB000000u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) word += biased_index(i) << (4 * i);
+  return word;
+}
+
 // The 8 codes of words w[4j .. 4j+3] (magnitudes a[...]): index_bits(|x|) = 0x4B000000 + index
 // (formats::e2m1_rne_index_bits_min3 of the element's scaled magnitude), sign bit = the BF16 sign
 // bit (TetraJet convention; for TE the caller excludes -0.0, the one input where they differ).
 template <typename IndexBits>
 __device__ __forceinline__ uint32_t bf16_codes8(const uint32_t* w, const uint32_t* a, const IndexBits& index_bits) {
-  // sum_i t_i * 16^i keeps idx_i in nibble i (no carries: idx <= 7); the 0x4B000000 parts
-  // contribute 0x4B000000 + 0xB0000000 (i = 0, 1; the rest overflow out of 32 bits), removed by
-  // one subtraction.
-  uint32_t word = 0u - 0xFB000000u;
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    const float even = __uint_as_float(a[p] << 16), odd = __uint_as_float(a[p] & 0xFFFF0000u);
-    word += index_bits(even) << (8 * p);
-    word += index_bits(odd) << (8 * p + 4);
-  }
+  const uint32_t word = pack_biased_indices8([&](int i) {  // element 2p in the low half of a[p]
+    return index_bits(__uint_as_float((i & 1) ? a[i >> 1] & 0xFFFF0000u : a[i >> 1] << 16));
+  });
   // Sign bits: byte masks of the 8 signs (bytes 1 and 3 of each word, sign-replicated), regrouped
   // into even / odd elements, then bit 3 of each nibble.
   constexpr uint32_t kSigns = 0xFDB9u;

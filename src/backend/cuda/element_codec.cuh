@@ -4,8 +4,8 @@
 // below: the same function as formats::e2m1_sr_index_h in round-up fmas (device-only: the host
 // has no per-operation rounding modes), and the forms the packed fast paths use (the SR index in
 // the top byte of e2m1_sr_index_top_byte, the biased RTN index e2m1_rne_index_biased).
-// element_codec_test.cu checks every step
-// against its formats/ or former formulation over all 2^32 inputs.
+// element_codec_test.cu checks every step against its formats/ or former formulation over all
+// 2^32 inputs.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -127,15 +127,12 @@ __device__ __forceinline__ uint32_t sign_nibbles8(const float* v) {
   return ((even >> 4) & 0x08080808u) | (odd & 0x80808080u);
 }
 
-// The code word of 8 elements (code i in nibble i) from their biased indices biased_index(i)
-// (bias + index, as e2m1_rne_index_biased returns them: accumulated by
-// multiply-adds, the bias removed once) and the sign bits of v[0..7] (sign_nibbles8; v NaN-free).
+// The code word of 8 elements (code i in nibble i) from their biased RTN indices biased_index(i)
+// (e2m1_rne_index_biased, packed by pack_biased_indices8) and the sign bits of v[0..7]
+// (sign_nibbles8; v NaN-free).
 template <typename BiasedIndex>
-__device__ __forceinline__ uint32_t e2m1_code_word8(const float* v, uint32_t bias, const BiasedIndex& biased_index) {
-  uint32_t acc = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc += biased_index(i) << (4 * i);
-  return (acc - bias * 0x11111111u) | sign_nibbles8(v);
+__device__ __forceinline__ uint32_t e2m1_code_word8(const float* v, const BiasedIndex& biased_index) {
+  return pack_biased_indices8(biased_index) | sign_nibbles8(v);
 }
 
 // formats::nvfp4_2level_block_scale for an inner byte that nvfp4_2level_inner_scale has just
@@ -163,6 +160,17 @@ __device__ __forceinline__ uint32_t e2m1_sr_code_word8(const float* v, const Phi
   return ((idx ^ over) | (over - (over >> 3))) | sign_nibbles8(v);
 }
 
+// The SR code words of kWords groups of 8 NaN-free values v of any magnitude (min(|v|, 8) keeps
+// e2m1_sr_code_word8 in its range; from 6 up, Inf included, the index saturates at 7 either way),
+// group q drawing from Philox block q0 + q: the TE and MXFP4 SR fast paths.
+template <int kWords>
+__device__ __forceinline__ void e2m1_sr_code_words_clamped(uint32_t* out, const float* v, const SrKeyDevice& key,
+                                                           uint64_t q0) {
+#pragma unroll
+  for (int q = 0; q < kWords; ++q)
+    out[q] = e2m1_sr_code_word8(v + 8 * q, sr_words(key, q0 + q), [&](int i) { return fminf(fabsf(v[8 * q + i]), 8.0f); });
+}
+
 // nvfp4_2level_encode_block16 on the fast path only, in fewer instructions per element: for a
 // block that passed the range check (every v[i] zero or |v[i]| in [c 2^-60, c 2^60], no NaN) with
 // sp / r its scale and reciprocal times c / over c (c a power of two, v = c x exactly: the
@@ -184,7 +192,7 @@ __device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16_fast(const
     if constexpr (kSR)
       packed.w[h] = e2m1_sr_code_word8(v + 8 * h, sr_words(key, q0 + h), quotient);
     else
-      packed.w[h] = e2m1_code_word8(v + 8 * h, kRtnIndexBias, [&](int i) { return e2m1_rne_index_biased(quotient(i)); });
+      packed.w[h] = e2m1_code_word8(v + 8 * h, [&](int i) { return e2m1_rne_index_biased(quotient(i)); });
   }
   return packed;
 }
@@ -193,13 +201,8 @@ __device__ __forceinline__ PackedBytes<8> nvfp4_2level_encode_block16_fast(const
 // 16-block"), one pass: r != 0 (sp in [2^-60, 2^60]) and every nonzero |x[i]| in [2^-60, 2^60],
 // which excludes NaN and Inf. Such a block can take nvfp4_2level_encode_block16_fast.
 __device__ __forceinline__ bool nvfp4_2level_block_fast_nan_free(const float* x, float r) {
-  uint32_t lo = 0xFFFFFFFFu, hi = 0;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const uint32_t b = __float_as_uint(x[i]) & 0x7FFFFFFFu;
-    lo = min(lo, b - 1u);  // zeros wrap to the maximum
-    hi = max(hi, b);       // NaN and Inf exceed 2^60
-  }
+  uint32_t hi, lo;  // NaN and Inf exceed 2^60; zeros never fail the lower bound
+  magnitude_bit_range(x, 16, hi, lo);
   return r != 0.0f && hi <= 0x5D800000u && lo >= 0x21800000u - 1u;
 }
 

@@ -191,8 +191,7 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
     } else {
       const uint64_t q0 = static_cast<uint64_t>(b0 + b) * 2;  // flat element (b0+b)*16, / 8
       // Fast form when no v = x * enc is NaN: v + 0 turns -0 into +0, so its sign bit is TE's
-      // "v < 0"; e2m1_sr_code_word8 on min(|v|, 8) (any non-NaN |v|: from 6 up, Inf included, the
-      // index saturates at 7, and 8 keeps it in that function's range), as the 2-level fast encode.
+      // "v < 0" (e2m1_sr_code_words_clamped).
       float v[16], vmax = 0.0f;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
@@ -200,11 +199,7 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
         vmax = fmax_nan(vmax, fabsf(v[i]));
       }
       if (vmax == vmax) {
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const Philox4x32 w = sr_words(key, q0 + q);
-          packed.w[2 * b + q] = e2m1_sr_code_word8(v + 8 * q, w, [&](int i) { return fminf(fabsf(v[8 * q + i]), 8.0f); });
-        }
+        e2m1_sr_code_words_clamped<2>(packed.w + 2 * b, v, key, q0);
         continue;
       }
 #pragma unroll
@@ -753,7 +748,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quantize_kernel(uint8_t* codes
   uint32_t byte;
   // floor / RCEIL (sign bit = signbit(x * inv) = signbit(x): inv is a positive power of two) on a
   // NaN-free block: the packed paths. BF16 RTN: bf16_codes8 with the capped min3 index of fl(|x| *
-  // inv); SR: e2m1_sr_code_word8 on min(|x| * inv, 8). TE-ceil (sign iff x * inv < 0) and
+  // inv); SR: e2m1_sr_code_words_clamped on x * inv. TE-ceil (sign iff x * inv < 0) and
   // blocks holding a NaN take the per-element definition.
   bool done = false;
   if constexpr (kRule != MxScaleRule::kTeCeil && !kSR && std::is_same_v<In, uint16_t>) {
@@ -781,13 +776,8 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quantize_kernel(uint8_t* codes
       byte = fm::mxfp4_scale_byte(vmax, kRule);
       const float inv = fm::e8m0_inverse(byte);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const Philox4x32 w = sr_words(key, static_cast<uint64_t>(b) * 4 + q);  // elements 32b + 8q ..
-        float sv[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sv[i] = xv[8 * q + i] * inv;
-        packed.w[q] = e2m1_sr_code_word8(sv, w, [&](int i) { return fminf(fabsf(sv[i]), 8.0f); });
-      }
+      for (int i = 0; i < 32; ++i) xv[i] *= inv;
+      e2m1_sr_code_words_clamped<4>(packed.w, xv, key, static_cast<uint64_t>(b) * 4);  // elements 32b ..
       done = true;
     }
   }

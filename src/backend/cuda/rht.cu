@@ -227,21 +227,23 @@ __global__ void __launch_bounds__(kTileThreads, kFusedMinBlocks) nvfp4_2level_tr
     const float* outer, int64_t M, int64_t K, uint32_t sign_mask, SrKeyDevice key) {
   extern __shared__ float4 smem_f4[];
   float* tile = reinterpret_cast<float*>(smem_f4);
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTileM, k0 = static_cast<int64_t>(blockIdx.x) * kTileK;
+  // Offsets are unsigned (every index here is non-negative), which keeps the divisions by 2, 16
+  // and 128 single shifts.
+  const uint64_t uM = static_cast<uint64_t>(M), uK = static_cast<uint64_t>(K);
+  const uint64_t m0 = static_cast<uint64_t>(blockIdx.y) * kTileM, k0 = static_cast<uint64_t>(blockIdx.x) * kTileK;
 
   // Phase 1: thread (c = t % 8, q = t / 8) decodes code word c (input columns k0 + 8c .. +7) of the
   // four rows m0 + 4q .. +3 and stores each column's four values as one 16-byte shared store
   // (columns past K are zero-filled; their rows are not stored). A warp's loads read whole 32-byte
   // row segments of four rows; all twelve loads are issued before the first decode, so that their
-  // latencies overlap. Offsets are unsigned (every index here is non-negative), which keeps the
-  // divisions by 2, 16 and 128 single shifts.
+  // latencies overlap.
   bool scales_tame = true;  // every block scale sp of this thread's rows is 0 or in [2^-33, 2^55]
   {
     const int c = threadIdx.x % 8, q = threadIdx.x / 8;
-    const uint64_t kc = static_cast<uint64_t>(k0) + 8 * c, uK = static_cast<uint64_t>(K);
+    const uint64_t kc = k0 + 8 * c;
     float y[4][8];
     if (kc < uK) {
-      const uint64_t row0 = static_cast<uint64_t>(m0) + 4 * q;
+      const uint64_t row0 = m0 + 4 * q;
       const uint64_t code_stride = uK / 2, inner_stride = uK / 16, outer_stride = (uK + 127) / 128;
       const uint8_t* code_row = codes + row0 * code_stride + kc / 2;
       const uint8_t* inner_row = inner + row0 * inner_stride + kc / 16;
@@ -317,8 +319,7 @@ __global__ void __launch_bounds__(kTileThreads, kFusedMinBlocks) nvfp4_2level_tr
     const uint32_t si = fm::nvfp4_2level_inner_scale(bamax, so);
     const float sp = nvfp4_2level_block_scale_encoded(si, so);
     const float rp = fm::nvfp4_2level_block_reciprocal(sp);
-    const uint64_t uM = static_cast<uint64_t>(M);
-    const uint64_t orow = static_cast<uint64_t>(k0) + kk, ocol = static_cast<uint64_t>(m0) + 16 * g;
+    const uint64_t orow = k0 + kk, ocol = m0 + 16 * g;
     const uint64_t q0 = (orow * uM + ocol) / 8;
     PackedBytes<8> packed;
     if (fast && rp != 0.0f) {  // rp in [2^-60, 2^60]: 4 sp and rp / 4 are exact
@@ -330,10 +331,10 @@ __global__ void __launch_bounds__(kTileThreads, kFusedMinBlocks) nvfp4_2level_tr
       }
       packed = nvfp4_2level_encode_block16<kSR>(v, sp, rp, key, q0);
     }
-    if (orow < static_cast<uint64_t>(K)) {  // the shuffles above ran on whole warps
+    if (orow < uK) {  // the shuffles above ran on whole warps
       store_packed(codes_t + orow * (uM / 2) + ocol / 2, packed);
       inner_t[orow * (uM / 16) + ocol / 16] = static_cast<uint8_t>(si);
-      if (g == 0) outer_t[orow * (uM / 128) + static_cast<uint64_t>(m0) / 128] = so;
+      if (g == 0) outer_t[orow * (uM / 128) + m0 / 128] = so;
     }
   });
 }
