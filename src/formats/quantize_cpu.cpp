@@ -336,7 +336,12 @@ void te_row_rtn(uint8_t* codes, uint8_t* scales, const In* x, int64_t K, const N
                 const SrKey* sr = nullptr, uint64_t index0 = 0) {
   int64_t nb = K / 16, b = 0;
 #if NIBBLE_FORMATS_AVX512
-  if (sr == nullptr)  // 256-element groups; a group holding a NaN takes the per-block functions
+  if constexpr (std::is_same_v<In, uint16_t>) {  // BF16: threshold search, whole row of 256-groups
+    if (sr == nullptr) {
+      te_row_bf16_avx512(codes, scales, x, nb / 16, g);
+      b = 16 * (nb / 16);
+    }
+  } else if (sr == nullptr)  // 256-element groups; a group holding a NaN takes the per-block functions
     for (; b + 16 <= nb; b += 16)
       if (!te_group256_avx512(codes + 8 * b, scales + b, x + 16 * b, g))
         for (int64_t j = b; j < b + 16; ++j)

@@ -342,7 +342,7 @@ inline __m512i avx512_bf16_table(const __m512i* r) {
 
 // Phase 1 of a 256-group x: the 16 block maxima as binary32 bits (lane b = block b; NaN shows as
 // bits > 0x7F800000).
-inline __m512i twolevel_bf16_maxima(const uint16_t* x) {
+inline __m512i bf16_group_maxima(const uint16_t* x) {
   __m512i a[8];
   for (int i = 0; i < 8; ++i) a[i] = _mm512_and_si512(_mm512_loadu_si512(x + 32 * i), _mm512_set1_epi16(0x7FFF));
   return avx512_bf16_block_maxima(a);
@@ -358,6 +358,29 @@ inline bool twolevel_bf16_scales(float* outer, uint8_t* inner, __m512i bm, __m51
                              _mm512_cmp_ps_mask(sp, _mm512_set1_ps(0x1p60f), _CMP_LE_OQ);
   const __mmask16 zero_sp = _mm512_cmp_ps_mask(sp, _mm512_setzero_ps(), _CMP_EQ_OQ);
   return nonfinite == 0 && static_cast<__mmask16>(in_range | zero_sp) == 0xFFFF;
+}
+
+// The 8 search tables tab (vector i: blocks 2i, 2i+1) from the thresholds paired as 16-bit halves,
+// lane b = block b: pr[j] = C_{2j+1} | C_{2j+2} << 16 (slot 7, the high half of pr[3], is never
+// searched: 2-level fills it with 0x7FFF, TE puts its sign threshold C_0 there).
+inline void bf16_search_tables(__m512i* tab, const __m512i* pr) {
+  // 4x4 dword transpose inside each 128-bit lane: r[j] lane L = the 4 pairs of block 4L + j.
+  const __m512i t0 = _mm512_unpacklo_epi32(pr[0], pr[1]), t1 = _mm512_unpackhi_epi32(pr[0], pr[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(pr[2], pr[3]), t3 = _mm512_unpackhi_epi32(pr[2], pr[3]);
+  const __m512i r[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
+                        _mm512_unpackhi_epi64(t1, t3)};
+  // Split each lane's 8 words into 8 low bytes then 8 high bytes (the vpshufb table layout).
+  const __m512i split = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+  const __m512i rs[4] = {_mm512_shuffle_epi8(r[0], split), _mm512_shuffle_epi8(r[1], split),
+                         _mm512_shuffle_epi8(r[2], split), _mm512_shuffle_epi8(r[3], split)};
+  tab[0] = avx512_bf16_table<0>(rs);
+  tab[1] = avx512_bf16_table<1>(rs);
+  tab[2] = avx512_bf16_table<2>(rs);
+  tab[3] = avx512_bf16_table<3>(rs);
+  tab[4] = avx512_bf16_table<4>(rs);
+  tab[5] = avx512_bf16_table<5>(rs);
+  tab[6] = avx512_bf16_table<6>(rs);
+  tab[7] = avx512_bf16_table<7>(rs);
 }
 
 // Phase 3: the thresholds C_k of the 16 blocks (block scales sp, in range or 0) and the 8 search
@@ -387,36 +410,25 @@ inline void twolevel_bf16_tables(__m512i* tab, __m512 sp) {
   pr[2] = even_pair(odd_c(2.5f, 0x1p-23f), 3.5f, 0x1p-23f);
   pr[3] = _mm512_or_si512(odd_c(5.0f, 0x1p-22f), _mm512_set1_epi32(0x7FFF0000));
   for (int j = 0; j < 4; ++j) pr[j] = _mm512_mask_mov_epi32(pr[j], zero_sp, never);
-  // 4x4 dword transpose inside each 128-bit lane: r[j] lane L = the 4 pairs of block 4L + j.
-  const __m512i t0 = _mm512_unpacklo_epi32(pr[0], pr[1]), t1 = _mm512_unpackhi_epi32(pr[0], pr[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(pr[2], pr[3]), t3 = _mm512_unpackhi_epi32(pr[2], pr[3]);
-  const __m512i r[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
-                        _mm512_unpackhi_epi64(t1, t3)};
-  // Split each lane's 8 words into 8 low bytes then 8 high bytes (the vpshufb table layout).
-  const __m512i split = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
-  const __m512i rs[4] = {_mm512_shuffle_epi8(r[0], split), _mm512_shuffle_epi8(r[1], split),
-                         _mm512_shuffle_epi8(r[2], split), _mm512_shuffle_epi8(r[3], split)};
-  tab[0] = avx512_bf16_table<0>(rs);
-  tab[1] = avx512_bf16_table<1>(rs);
-  tab[2] = avx512_bf16_table<2>(rs);
-  tab[3] = avx512_bf16_table<3>(rs);
-  tab[4] = avx512_bf16_table<4>(rs);
-  tab[5] = avx512_bf16_table<5>(rs);
-  tab[6] = avx512_bf16_table<6>(rs);
-  tab[7] = avx512_bf16_table<7>(rs);
+  bf16_search_tables(tab, pr);
 }
 
-// Phase 4: codes (128 bytes) of the 256-group x with its tables tab.
-inline void twolevel_bf16_codes(uint8_t* codes, const uint16_t* x, const __m512i* tab) {
+// Phase 4: codes (128 bytes) of the 256-group x with its tables tab. Sign bit: 2-level
+// (kTeSign false) signbit(x); TE (kTeSign true) x < 0 and |x| >= C_0 (slot 7), i.e. the scaled
+// value fl(x * enc) is negative.
+template <bool kTeSign>
+inline void bf16_threshold_codes(uint8_t* codes, const uint16_t* x, const __m512i* tab) {
   // Index words for slot q: low byte q, high byte 8 + q (257 q + 0x0800).
   const __m512i q3 = _mm512_set1_epi16(0x0B03), q1 = _mm512_set1_epi16(0x0901), q0 = _mm512_set1_epi16(0x0800);
+  const __m512i q7 = _mm512_set1_epi16(0x0F07);
   const __m512i s4 = _mm512_set1_epi16(0x0404), s2 = _mm512_set1_epi16(0x0202);
   const __m512i one = _mm512_set1_epi16(1), eight = _mm512_set1_epi16(8);
   const __m512i weights = _mm512_set1_epi32(0x00100001);  // words (1, 16): even + 16 * odd
   for (int i = 0; i < 8; ++i) {
     const __m512i w = _mm512_loadu_si512(x + 32 * i);
     const __m512i a = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
-    const __mmask32 neg = _mm512_movepi16_mask(w);
+    __mmask32 neg = _mm512_movepi16_mask(w);
+    if constexpr (kTeSign) neg = _mm512_mask_cmpge_epu16_mask(neg, a, _mm512_shuffle_epi8(tab[i], q7));
     const __mmask32 m1 = _mm512_cmpge_epu16_mask(a, _mm512_shuffle_epi8(tab[i], q3));
     const __m512i j2 = _mm512_mask_add_epi16(q1, m1, q1, s4);
     const __m512i b3 = _mm512_mask_add_epi16(q0, m1, q0, s4);
@@ -429,6 +441,15 @@ inline void twolevel_bf16_codes(uint8_t* codes, const uint16_t* x, const __m512i
     // (the high bytes of the words only reach bits >= 8).
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * i), _mm512_cvtepi32_epi8(_mm512_madd_epi16(c, weights)));
   }
+}
+
+// Software prefetch of the 256-group 32 groups after xg (16 KiB; the next row's start at a row's
+// end, which a row-major caller quantizes next): the row kernels' later phases touch only L1, so
+// the hardware prefetchers alone leave memory idle meanwhile. A prefetch never faults (the address
+// is formed as an integer: it may lie past the caller's buffer).
+inline void prefetch_group_ahead(const uint16_t* xg) {
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(xg) + 2 * 256 * 32;
+  for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * l), _MM_HINT_T0);
 }
 
 // 2-level RTN of ngroups consecutive 256-groups of a BF16 row (codes 128, inner 16, outer 2 per
@@ -444,23 +465,120 @@ inline void twolevel_row_bf16_avx512(uint8_t* codes, uint8_t* inner, float* oute
   for (int64_t g0 = 0; g0 < ngroups; g0 += kChunk) {
     const int64_t n = ngroups - g0 < kChunk ? ngroups - g0 : kChunk;
     const uint16_t* xc = x + 256 * g0;
-    for (int64_t g = 0; g < n; ++g) bm[g] = twolevel_bf16_maxima(xc + 256 * g);
+    for (int64_t g = 0; g < n; ++g) bm[g] = bf16_group_maxima(xc + 256 * g);
     for (int64_t g = 0; g < n; ++g)
       ok[g] = twolevel_bf16_scales(outer + 2 * (g0 + g), inner + 16 * (g0 + g), bm[g], sp[g]);
     for (int64_t g = 0; g < n; ++g) twolevel_bf16_tables(tab[g], sp[g]);
     for (int64_t g = 0; g < n; ++g) {
       const int64_t o = 2 * (g0 + g);  // first 128-block of the group
-      // Software prefetch of the group 32 ahead (16 KiB; the next row's start at a row's end,
-      // which a row-major caller quantizes next): phases 2-4 touch only L1, so the hardware
-      // prefetchers alone leave memory idle meanwhile. A prefetch never faults (the address is
-      // formed as an integer: it may lie past the caller's buffer).
-      const uintptr_t ahead = reinterpret_cast<uintptr_t>(x + 256 * (g0 + g)) + 2 * 256 * 32;
-      for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * l), _MM_HINT_T0);
+      prefetch_group_ahead(x + 256 * (g0 + g));
       if (ok[g])
-        twolevel_bf16_codes(codes + 64 * o, x + 128 * o, tab[g]);
+        bf16_threshold_codes<false>(codes + 64 * o, x + 128 * o, tab[g]);
       else
         for (int64_t j = o; j < o + 2; ++j)
           outer[j] = nvfp4_2level_quantize_block128(codes + 64 * j, inner + 8 * j, x + 128 * j, 128);
+    }
+  }
+}
+// ---- TE RTN, BF16 input: the same search, thresholds from a checked window --------------------
+//
+// TE's element step is a product, not a quotient: the index of x is e2m1_rne_index(fl(|x| * enc))
+// (enc = nvfp4_te_block_enc: finite, > 0) and its sign bit is set iff fl(x * enc) < 0, i.e. x < 0
+// and fl(|x| * enc) > 0 (nvfp4_te_encode_rtn). Both are nondecreasing in |x|, so per block the
+// search of the 2-level kernel applies with C_k = the smallest BF16 magnitude pattern b with P_k(b):
+//   P_k(b): fl(b * enc) > T_k (odd k), >= T_k (even k), k = 1..7;   P_0(b): fl(b * enc) > 0,
+// C_1..C_7 in slots 0-6, C_0 (the sign threshold) in slot 7. P_k(b) holds iff the real b lies
+// above (or at) a boundary R_k = (T_k +- h_k) / enc, h_k half a binary32 ulp of T_k (as above).
+// "Regular" blocks have enc in (2^-17, 2^64]. There d = fl(1 / enc) and r_k = fl(T_k * d) are
+// normal binary32 values within relative 2^-22 of R_k, far inside the gap between neighbouring
+// BF16 values (relative >= 2^-8). So with t the BF16 truncation of r_k (t <= r_k < t + 1 as
+// patterns), t - 1 lies below R_k and t + 2 above it, and
+//   C_k = t + [not P_k(t)] + [not P_k(t + 1)],
+// with P_k evaluated by the reference's own binary32 multiply (t, t + 1 normal; the products lie
+// next to T_k: no subnormal operand or result anywhere, which would cost microcode assists).
+// C_0 = 1 (every nonzero magnitude): fl(2^-133 * enc) > 0 iff 2^-133 * enc > 2^-150 iff enc > 2^-17.
+// An all-zero block (block max 0) is searched with enc = 1: its elements are +-0, below every
+// threshold (index 0, no sign: -0.0 -> 0x0), as the reference gives. The other blocks, rare in practice (block max below about 2^-18.8 of the tensor amax, where the
+// scale rounds to 0 and enc = FLT_MAX, or below about 6 * 2^-64; or block max above about
+// 6 * 2^17), go through the search with enc = 1 (no subnormals) and are then quantized again by the
+// per-block function, which overwrites their codes. Inf inputs stay on this path (Inf * enc = Inf:
+// index 7); a group holding a NaN takes the per-block functions. Tested byte-equal to the per-block
+// functions in quantize_cpu_avx512_test.cpp (every threshold of every block scale for many tensor
+// amax values, planted at C_k - 1 and C_k; irregular and special blocks).
+
+// Phase 2 (TE): the 16 scale bytes (written), the search's enc (lane b = block b; 1 in irregular
+// and all-zero lanes) and the mask of irregular blocks, from the maxima bm; the steps of
+// nvfp4_te_block_scale / nvfp4_te_block_enc. False (nothing written) for a NaN.
+inline bool te_bf16_scales(uint8_t* scales, __m512i bm, const Nvfp4TeGlobal& g, __m512& enc_out, __mmask16& irregular) {
+  if (_mm512_cmpgt_epu32_mask(bm, _mm512_set1_epi32(0x7F800000)) != 0) return false;
+  v16f t = (v16f)(_mm512_castsi512_ps(bm)) * g.m;
+  t = t < 448.0f ? t : 448.0f;
+  const v16u s = e4m3_rne_sat_magnitude16(t);
+  v16f enc = 1.0f / (e4m3_decode16(s) * g.s_dec);
+  enc = enc < kFltMax ? enc : kFltMax;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8((__m512i)(s)));
+  const __m512 e = (__m512)(enc);
+  const __mmask16 regular = _mm512_cmp_ps_mask(e, _mm512_set1_ps(0x1p-17f), _CMP_GT_OQ) &
+                            _mm512_cmp_ps_mask(e, _mm512_set1_ps(0x1p64f), _CMP_LE_OQ);
+  const __mmask16 zero = _mm512_cmpeq_epi32_mask(bm, _mm512_setzero_si512());
+  irregular = static_cast<__mmask16>(~(regular | zero));
+  enc_out = _mm512_mask_blend_ps(regular, _mm512_set1_ps(1.0f), e);
+  return true;
+}
+
+// Phase 3 (TE): the thresholds C_0..C_7 of the 16 blocks (search enc) and the search tables.
+inline void te_bf16_tables(__m512i* tab, __m512 enc) {
+  const __m512 d = _mm512_div_ps(_mm512_set1_ps(1.0f), enc);
+  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), step = _mm512_set1_epi32(0x10000);
+  // C_k as binary32 bits (pattern << 16): t + [not P(t)] + [not P(t + 1)], t from r = fl(T * d).
+  auto threshold = [&](float T, auto cmp) {
+    const __m512 r = _mm512_mul_ps(_mm512_set1_ps(T), d);
+    const __m512i b0 = _mm512_and_si512(_mm512_castps_si512(r), hi16);
+    const __m512i b1 = _mm512_add_epi32(b0, step);
+    const __mmask16 p0 = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_castsi512_ps(b0), enc), _mm512_set1_ps(T), decltype(cmp)::value);
+    const __mmask16 p1 = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_castsi512_ps(b1), enc), _mm512_set1_ps(T), decltype(cmp)::value);
+    const __m512i c = _mm512_mask_add_epi32(b0, static_cast<__mmask16>(~p0), b0, step);
+    return _mm512_mask_add_epi32(c, static_cast<__mmask16>(~p1), c, step);
+  };
+  const std::integral_constant<int, _CMP_GT_OQ> odd;  // index >= k iff fl(|x| * enc) > T_k
+  const std::integral_constant<int, _CMP_GE_OQ> even;  // ... >= T_k (ties to the even code)
+  // pr[j] = C_{2j+1} | C_{2j+2} << 16; pr[3] = C_7 | C_0 << 16 with C_0 = 1.
+  auto pair = [](__m512i lo_bits, __m512i hi_bits) { return _mm512_or_si512(_mm512_srli_epi32(lo_bits, 16), hi_bits); };
+  const __m512i pr[4] = {pair(threshold(0.25f, odd), threshold(0.75f, even)), pair(threshold(1.25f, odd), threshold(1.75f, even)),
+                         pair(threshold(2.5f, odd), threshold(3.5f, even)), pair(threshold(5.0f, odd), _mm512_set1_epi32(0x10000))};
+  bf16_search_tables(tab, pr);
+}
+
+// TE RTN of ngroups consecutive 256-groups of a BF16 row (codes 128, scales 16 per group), in
+// chunks of 16 groups one phase at a time, as twolevel_row_bf16_avx512. A group holding a NaN, and
+// an irregular block (above), take the per-block functions of nvfp4.h.
+inline void te_row_bf16_avx512(uint8_t* codes, uint8_t* scales, const uint16_t* x, int64_t ngroups,
+                               const Nvfp4TeGlobal& g) {
+  constexpr int64_t kChunk = 16;
+  __m512i bm[kChunk], tab[kChunk][8];
+  __m512 enc[kChunk];
+  __mmask16 irregular[kChunk];
+  bool ok[kChunk];
+  for (int64_t g0 = 0; g0 < ngroups; g0 += kChunk) {
+    const int64_t n = ngroups - g0 < kChunk ? ngroups - g0 : kChunk;
+    const uint16_t* xc = x + 256 * g0;
+    for (int64_t j = 0; j < n; ++j) bm[j] = bf16_group_maxima(xc + 256 * j);
+    for (int64_t j = 0; j < n; ++j)
+      ok[j] = te_bf16_scales(scales + 16 * (g0 + j), bm[j], g, enc[j], irregular[j]);
+    for (int64_t j = 0; j < n; ++j)
+      if (ok[j]) te_bf16_tables(tab[j], enc[j]);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t b = 16 * (g0 + j);  // first 16-block of the group
+      prefetch_group_ahead(x + 16 * b);
+      uint32_t redo = 0xFFFFu;  // blocks for the per-block function
+      if (ok[j]) {
+        bf16_threshold_codes<true>(codes + 8 * b, x + 16 * b, tab[j]);
+        redo = irregular[j];
+      }
+      for (; redo != 0; redo &= redo - 1) {
+        const int64_t k = b + __builtin_ctz(redo);
+        scales[k] = static_cast<uint8_t>(nvfp4_te_quantize_block16(codes + 8 * k, x + 16 * k, block_amax(x + 16 * k, 16), g));
+      }
     }
   }
 }

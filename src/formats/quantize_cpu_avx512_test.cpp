@@ -10,6 +10,7 @@
 // under the block maximum for ~320 scales, and special blocks (zeros, -0.0, subnormals, huge).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -420,6 +421,152 @@ TEST(Avx512Rows, TwoLevelBf16SpecialBlocks) {
     std::vector<float> z(static_cast<size_t>(3 * k));
     for (float& v : z) v = static_cast<float>(rng.next_normal());
     expect_2level_equal(to_bf16(z), 3, k);
+  }
+}
+
+// ---- TE RTN, BF16 input: the threshold-search kernel --------------------------------------------
+// (quantize_cpu_avx512.h derives, per block encode factor enc, the smallest BF16 magnitudes C_k
+// whose index is >= k (k = 1..7) and C_0, the smallest whose negative gets the sign bit, from a
+// window checked with the reference multiply; these tests compare every byte with the per-block
+// functions.)
+
+// The reference index and sign bit of BF16 magnitude pattern p under enc.
+uint32_t te_ref_index(uint32_t p, float enc) { return nvfp4_te_encode_rtn(bf16_bits_to_f32(static_cast<uint16_t>(p)), enc) & 7u; }
+uint32_t te_ref_sign(uint32_t p, float enc) {
+  return nvfp4_te_encode_rtn(-bf16_bits_to_f32(static_cast<uint16_t>(p)), enc) >> 3;
+}
+// C_0..C_7 by binary search over the patterns 0 .. 0x7F80 (the predicates are monotone: checked by
+// full scans in TeBf16ThresholdsAreMonotone); 0x7F81 = never.
+std::vector<uint32_t> te_thresholds(float enc) {
+  std::vector<uint32_t> c(8);
+  for (uint32_t k = 0; k < 8; ++k) {
+    auto holds = [&](uint32_t p) { return k == 0 ? te_ref_sign(p, enc) == 1 : te_ref_index(p, enc) >= k; };
+    uint32_t lo = 0, hi = 0x7F81;  // smallest p in [lo, hi) with holds(p), hi if none
+    while (lo < hi) {
+      const uint32_t mid = (lo + hi) / 2;
+      if (holds(mid)) hi = mid; else lo = mid + 1;
+    }
+    c[k] = lo;
+  }
+  return c;
+}
+
+TEST(Avx512Rows, TeBf16ThresholdsAreMonotone) {
+  // The kernel's premise: along the BF16 magnitude patterns the reference index and the sign bit
+  // of the negative never decrease (and te_thresholds finds the steps). Every pattern, for block
+  // encode factors from regular scales, zero scales (enc = FLT_MAX) and huge block maxima.
+  PhiloxStream rng(71, 10);
+  std::vector<float> encs = {kFltMax, 1.0f, 0x1p-17f, 0x1p-40f, 0x1p64f, 0x1p100f, 2.0f / 3.0f};
+  for (int i = 0; i < 24; ++i) {
+    const Nvfp4TeGlobal g = nvfp4_te_global(bf16_bits_to_f32(static_cast<uint16_t>(0x0100 + rng.next_below(0x7E00))));
+    encs.push_back(nvfp4_te_block_enc(rng.next_below(127), g));
+  }
+  for (float enc : encs) {
+    const std::vector<uint32_t> c = te_thresholds(enc);
+    uint32_t prev_idx = 0, prev_sign = 0;
+    for (uint32_t p = 0; p <= 0x7F80; ++p) {
+      const uint32_t idx = te_ref_index(p, enc), sign = te_ref_sign(p, enc);
+      ASSERT_GE(idx, prev_idx) << "enc=" << enc << " p=" << p;
+      ASSERT_GE(sign, prev_sign) << "enc=" << enc << " p=" << p;
+      for (uint32_t k = 1; k <= 7; ++k) ASSERT_EQ(idx >= k, p >= c[k]) << "enc=" << enc << " p=" << p << " k=" << k;
+      ASSERT_EQ(sign == 1, p >= c[0]) << "enc=" << enc << " p=" << p;
+      prev_idx = idx;
+      prev_sign = sign;
+    }
+  }
+}
+
+TEST(Avx512Rows, TeBf16EveryThresholdOfEveryBlockScale) {
+  // For each tensor amax A (a quarter of all positive finite BF16 patterns, from a random offset,
+  // and the ends) and each scale byte s = 0 .. 126 that some BF16 block maximum B <= A reaches, one
+  // 16-block: B, then C_k - 1 and C_k (those <= B) for k = 1..7 with random signs and for k = 0
+  // negative. The row starts with A (so the tensor amax is A) and holds every (A, s) block; this
+  // covers regular blocks, zero scales (enc = FLT_MAX) and huge block maxima (C_0 > 1).
+  PhiloxStream rng(72, 11);
+  std::vector<uint32_t> amaxes = {0x0001, 0x0080, 0x3F80, 0x7F7F};
+  for (uint32_t a = 1 + static_cast<uint32_t>(rng.next_below(4)); a < 0x7F80; a += 4) amaxes.push_back(a);
+  int64_t blocks = 0, planted = 0, zero_scale = 0, huge = 0, signs_above_1 = 0;
+  std::vector<uint16_t> x;
+  for (uint32_t a : amaxes) {
+    const float af = bf16_bits_to_f32(static_cast<uint16_t>(a));
+    const Nvfp4TeGlobal g = nvfp4_te_global(af);
+    x.assign(16, 0);
+    x[0] = static_cast<uint16_t>(a);
+    for (uint32_t sc = 0; sc <= 126; ++sc) {
+      // A BF16 B <= A with block scale sc: search next to the value that maps to sc.
+      const float target = sc == 0 ? 0.0f : e4m3_decode(sc) / g.m;
+      const uint32_t b0 = std::min<uint32_t>(f32_to_bf16_bits(target), a);
+      uint32_t bmax = 0xFFFFFFFFu;
+      for (uint32_t d : {0u, 1u, 2u, 3u, 4u})
+        for (uint32_t b : {b0 - d, b0 + d})
+          if (bmax == 0xFFFFFFFFu && b <= a && b > 0 && nvfp4_te_block_scale(bf16_bits_to_f32(static_cast<uint16_t>(b)), g) == sc)
+            bmax = b;
+      if (bmax == 0xFFFFFFFFu) continue;
+      const float enc = nvfp4_te_block_enc(sc, g);
+      const std::vector<uint32_t> c = te_thresholds(enc);
+      ++blocks;
+      zero_scale += sc == 0;
+      huge += enc <= 0x1p-17f;
+      signs_above_1 += c[0] > 1;
+      std::vector<uint16_t> blk = {static_cast<uint16_t>(bmax)};
+      for (uint32_t k = 0; k <= 7; ++k)
+        for (uint32_t p : {c[k] - 1, c[k]})
+          if (c[k] >= 1 && p <= bmax) {
+            const bool neg = k == 0 || rng.next_below(2) != 0;
+            blk.push_back(static_cast<uint16_t>(p | (neg ? 0x8000u : 0u)));
+          }
+      planted += static_cast<int64_t>(blk.size()) - 1;
+      blk.resize(16, 0);
+      x.insert(x.end(), blk.begin(), blk.end());
+    }
+    while (x.size() % 256 != 0) x.push_back(0);
+    expect_te_equal(x, 1, static_cast<int64_t>(x.size()));
+    if (::testing::Test::HasFatalFailure()) {
+      ADD_FAILURE() << "A=0x" << std::hex << a;
+      return;
+    }
+  }
+  EXPECT_GT(blocks, 700000);
+  EXPECT_GT(planted, blocks * 12);
+  EXPECT_GT(zero_scale, 5000);
+  EXPECT_GT(huge, 10000);
+  EXPECT_GT(signs_above_1, 10000);
+}
+
+TEST(Avx512Rows, TeBf16SpecialBlocks) {
+  // 16-blocks of: signed zeros; all-equal values; BF16 subnormals next to normals; values far
+  // below the tensor amax (block scale 0: codes +-6, or E4M3-subnormal scales); tiny values under
+  // a huge block maximum (negative ones whose scaled value underflows to -0.0 get no sign bit);
+  // Inf; N(0,1). Regular and irregular blocks share groups.
+  const int64_t M = 8, K = 2048;
+  PhiloxStream rng(73, 12);
+  for (float tensor_max : {1.0f, 0x1p40f, 0x1p100f, 0x1p-100f, 3e38f}) {
+    std::vector<uint16_t> x(static_cast<size_t>(M * K));
+    for (int64_t b = 0; b < M * K / 16; ++b) {
+      const int mode = static_cast<int>(rng.next_below(9));
+      const uint16_t eq = static_cast<uint16_t>(rng.next_below(0x7F80));
+      const float f = tensor_max * static_cast<float>(std::exp2(-static_cast<double>(rng.next_below(40))));
+      for (int i = 0; i < 16; ++i) {
+        const uint16_t s = rng.next_below(2) ? 0x8000 : 0;
+        uint16_t v;
+        switch (mode) {
+          case 0: v = s; break;
+          case 1: v = static_cast<uint16_t>(eq | s); break;
+          case 2: v = static_cast<uint16_t>((i == 5 ? f32_to_bf16_bits(f) : rng.next_below(0x80)) | s); break;
+          case 3: v = static_cast<uint16_t>(f32_to_bf16_bits(static_cast<float>(rng.next_normal()) * tensor_max * 0x1p-30f) | s); break;
+          case 4: v = static_cast<uint16_t>((i == 0 ? f32_to_bf16_bits(f) : rng.next_below(0x0400)) | s); break;
+          case 5: v = static_cast<uint16_t>(i == 7 ? 0x7F80 | s : f32_to_bf16_bits(static_cast<float>(rng.next_normal()) * f)); break;
+          default: v = static_cast<uint16_t>(f32_to_bf16_bits(static_cast<float>(rng.next_normal()) * f) ^ s); break;
+        }
+        x[static_cast<size_t>(16 * b + i)] = v;
+      }
+    }
+    x[3] = f32_to_bf16_bits(tensor_max);  // the tensor amax (unless an Inf block is larger)
+    expect_te_equal(x, M, K);
+    if (::testing::Test::HasFatalFailure()) {
+      ADD_FAILURE() << "tensor_max=" << tensor_max;
+      return;
+    }
   }
 }
 
