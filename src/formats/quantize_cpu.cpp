@@ -268,7 +268,36 @@ inline v16f pair_max_abs(v16f even, v16f odd) {
   return b > a ? b : a;  // NaN b compares false: skipped
 }
 #endif
+// E8M0 rules of e8m0.h on 16 lanes of block maxima (non-negative, NaN-free; Inf possible).
+inline v16u e8m0_round_up_bits16(v16f d) {
+  v16u u = (v16u)(d)&0x7FFFFFFFu;
+  v16u e = u >> 23, m = u & 0x7FFFFFu;
+  v16u byte = e == 0u ? (m > 0x400000u ? 1u : 0u) : e + (m != 0u ? 1u : 0u);
+  byte = byte > 0xFFu ? 0xFFu : byte;
+  return u >= 0x7F800000u ? 0xFFu : byte;
+}
+inline v16u mx_scale_byte16(v16f bamax, MxScaleRule rule, bool fp8) {
+  if (rule == MxScaleRule::kFloor) {
+    v16u u = (v16u)(bamax)&0x7FFFFFFFu;
+    v16i e = (v16i)(u >> 23) - (127 + (fp8 ? 8 : 2));
+    e = e < -127 ? -127 : e;
+    e = e > 128 ? 128 : e;
+    v16u byte = (v16u)(e + 127);
+    return u >= 0x7F800000u ? 0xFFu : byte;
+  }
+  if (rule == MxScaleRule::kRceil) return e8m0_round_up_bits16(bamax * (fp8 ? kRecip448 : kRecip6));
+  v16u byte = e8m0_round_up_bits16(bamax / 6.0f);  // te-ceil: Inf/NaN d -> 0xFF, else clamp E to 127
+  v16u u = (v16u)(bamax / 6.0f) & 0x7FFFFFFFu;
+  return u >= 0x7F800000u ? 0xFFu : (byte > 254u ? 254u : byte);
+}
+inline v16f e8m0_inverse16(v16u byte) {
+  v16u normal = (254u - byte) << 23;
+  v16u sub = 0x00400000u >> (byte - 254u);
+  return (v16f)(byte <= 253u ? normal : sub);
+}
+
 #include "formats/quantize_cpu_avx512.h"
+#include "formats/quantize_cpu_avx512_mx.h"
 #endif
 
 template <typename In>
@@ -629,33 +658,6 @@ void twolevel_quantize_impl(uint8_t* codes, uint8_t* inner, float* outer, const 
 // ---- MX -----------------------------------------------------------------------------------------
 
 #if NIBBLE_FORMATS_HMAX_TREE
-// E8M0 rules of e8m0.h on 16 lanes of block maxima (non-negative, NaN-free; Inf possible).
-inline v16u e8m0_round_up_bits16(v16f d) {
-  v16u u = (v16u)(d)&0x7FFFFFFFu;
-  v16u e = u >> 23, m = u & 0x7FFFFFu;
-  v16u byte = e == 0u ? (m > 0x400000u ? 1u : 0u) : e + (m != 0u ? 1u : 0u);
-  byte = byte > 0xFFu ? 0xFFu : byte;
-  return u >= 0x7F800000u ? 0xFFu : byte;
-}
-inline v16u mx_scale_byte16(v16f bamax, MxScaleRule rule, bool fp8) {
-  if (rule == MxScaleRule::kFloor) {
-    v16u u = (v16u)(bamax)&0x7FFFFFFFu;
-    v16i e = (v16i)(u >> 23) - (127 + (fp8 ? 8 : 2));
-    e = e < -127 ? -127 : e;
-    e = e > 128 ? 128 : e;
-    v16u byte = (v16u)(e + 127);
-    return u >= 0x7F800000u ? 0xFFu : byte;
-  }
-  if (rule == MxScaleRule::kRceil) return e8m0_round_up_bits16(bamax * (fp8 ? kRecip448 : kRecip6));
-  v16u byte = e8m0_round_up_bits16(bamax / 6.0f);  // te-ceil: Inf/NaN d -> 0xFF, else clamp E to 127
-  v16u u = (v16u)(bamax / 6.0f) & 0x7FFFFFFFu;
-  return u >= 0x7F800000u ? 0xFFu : (byte > 254u ? 254u : byte);
-}
-inline v16f e8m0_inverse16(v16u byte) {
-  v16u normal = (254u - byte) << 23;
-  v16u sub = 0x00400000u >> (byte - 254u);
-  return (v16f)(byte <= 253u ? normal : sub);
-}
 // e4m3_rne_sat on 16 lanes (NaN -> 0x7F, sign bit = signbit otherwise).
 inline v16u e4m3_rne_sat16(v16f v) {
   v16u mag = e4m3_rne_sat_magnitude16(v == v ? vabs(v) : 0.0f);
@@ -719,9 +721,18 @@ void mxfp4_quantize_impl(uint8_t* codes, uint8_t* scales, const In* x, int64_t M
   parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       int64_t b = 0;
+#if NIBBLE_FORMATS_AVX512
+      if constexpr (std::is_same_v<In, uint16_t>) {  // BF16 RTN: threshold search (quantize_cpu_avx512_mx.h)
+        if (sr == nullptr) {
+          mx_row_bf16_avx512(codes + r * (K / 2), scales + r * (K / 32), x + r * K, K / 512, rule, false);
+          b = 16 * (K / 512);
+        }
+      }
+#endif
 #if NIBBLE_FORMATS_HMAX_TREE
-      b = mx_row_vec(codes + r * (K / 2), scales + r * (K / 32), x + r * K, K, rule, false, sr,
-                     static_cast<uint64_t>(r * K));
+      if (b == 0)
+        b = mx_row_vec(codes + r * (K / 2), scales + r * (K / 32), x + r * K, K, rule, false, sr,
+                       static_cast<uint64_t>(r * K));
 #endif
       for (; b < K / 32; ++b)
         scales[r * (K / 32) + b] = static_cast<uint8_t>(
@@ -738,8 +749,14 @@ void mxfp8_quantize_impl(uint8_t* elems, uint8_t* scales, const In* x, int64_t M
   parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       int64_t b = 0;
+#if NIBBLE_FORMATS_AVX512
+      if constexpr (std::is_same_v<In, uint16_t>) {  // BF16: integer E4M3 rounding (quantize_cpu_avx512_mx.h)
+        mx_row_bf16_avx512(elems + r * K, scales + r * (K / 32), x + r * K, K / 512, rule, true);
+        b = 16 * (K / 512);
+      }
+#endif
 #if NIBBLE_FORMATS_HMAX_TREE
-      b = mx_row_vec(elems + r * K, scales + r * (K / 32), x + r * K, K, rule, true, nullptr, 0);
+      if (b == 0) b = mx_row_vec(elems + r * K, scales + r * (K / 32), x + r * K, K, rule, true, nullptr, 0);
 #endif
       for (; b < K / 32; ++b)
         scales[r * (K / 32) + b] =

@@ -360,19 +360,23 @@ inline bool twolevel_bf16_scales(float* outer, uint8_t* inner, __m512i bm, __m51
   return nonfinite == 0 && static_cast<__mmask16>(in_range | zero_sp) == 0xFFFF;
 }
 
-// The 8 search tables tab (vector i: blocks 2i, 2i+1) from the thresholds paired as 16-bit halves,
-// lane b = block b: pr[j] = C_{2j+1} | C_{2j+2} << 16 (slot 7, the high half of pr[3], is never
-// searched: 2-level fills it with 0x7FFF, TE puts its sign threshold C_0 there).
-inline void bf16_search_tables(__m512i* tab, const __m512i* pr) {
+// The thresholds of 16 blocks paired as 16-bit halves, lane b = block b: pr[j] = C_{2j+1} |
+// C_{2j+2} << 16 (slot 7, the high half of pr[3], is never searched: 2-level fills it with 0x7FFF,
+// TE puts its sign threshold C_0 there), rearranged per block: 128-bit lane L of rs[j] holds block
+// 4L + j's 8 words as 8 low bytes then 8 high bytes (the vpshufb table layout).
+inline void bf16_split_tables(__m512i* rs, const __m512i* pr) {
   // 4x4 dword transpose inside each 128-bit lane: r[j] lane L = the 4 pairs of block 4L + j.
   const __m512i t0 = _mm512_unpacklo_epi32(pr[0], pr[1]), t1 = _mm512_unpackhi_epi32(pr[0], pr[1]);
   const __m512i t2 = _mm512_unpacklo_epi32(pr[2], pr[3]), t3 = _mm512_unpackhi_epi32(pr[2], pr[3]);
   const __m512i r[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
                         _mm512_unpackhi_epi64(t1, t3)};
-  // Split each lane's 8 words into 8 low bytes then 8 high bytes (the vpshufb table layout).
   const __m512i split = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
-  const __m512i rs[4] = {_mm512_shuffle_epi8(r[0], split), _mm512_shuffle_epi8(r[1], split),
-                         _mm512_shuffle_epi8(r[2], split), _mm512_shuffle_epi8(r[3], split)};
+  for (int j = 0; j < 4; ++j) rs[j] = _mm512_shuffle_epi8(r[j], split);
+}
+// The 8 search tables tab of 16 16-blocks (vector i: blocks 2i, 2i+1) from their thresholds pr.
+inline void bf16_search_tables(__m512i* tab, const __m512i* pr) {
+  __m512i rs[4];
+  bf16_split_tables(rs, pr);
   tab[0] = avx512_bf16_table<0>(rs);
   tab[1] = avx512_bf16_table<1>(rs);
   tab[2] = avx512_bf16_table<2>(rs);
@@ -413,10 +417,11 @@ inline void twolevel_bf16_tables(__m512i* tab, __m512 sp) {
   bf16_search_tables(tab, pr);
 }
 
-// Phase 4: codes (128 bytes) of the 256-group x with its tables tab. Sign bit: 2-level
-// (kTeSign false) signbit(x); TE (kTeSign true) x < 0 and |x| >= C_0 (slot 7), i.e. the scaled
-// value fl(x * enc) is negative.
-template <bool kTeSign>
+// Phase 4: codes (16 kVectors bytes) of 32 kVectors elements x, vector i searched with table
+// tab[i] (each 128-bit lane: the table of its 8 words' block). Sign bit: kTeSign false (2-level,
+// MX floor/RCEIL) signbit(x); kTeSign true (TE, MX te-ceil) x < 0 and |x| >= C_0 (slot 7), i.e. the
+// scaled value is negative.
+template <bool kTeSign, int kVectors = 8>
 inline void bf16_threshold_codes(uint8_t* codes, const uint16_t* x, const __m512i* tab) {
   // Index words for slot q: low byte q, high byte 8 + q (257 q + 0x0800).
   const __m512i q3 = _mm512_set1_epi16(0x0B03), q1 = _mm512_set1_epi16(0x0901), q0 = _mm512_set1_epi16(0x0800);
@@ -424,7 +429,7 @@ inline void bf16_threshold_codes(uint8_t* codes, const uint16_t* x, const __m512
   const __m512i s4 = _mm512_set1_epi16(0x0404), s2 = _mm512_set1_epi16(0x0202);
   const __m512i one = _mm512_set1_epi16(1), eight = _mm512_set1_epi16(8);
   const __m512i weights = _mm512_set1_epi32(0x00100001);  // words (1, 16): even + 16 * odd
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < kVectors; ++i) {
     const __m512i w = _mm512_loadu_si512(x + 32 * i);
     const __m512i a = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
     __mmask32 neg = _mm512_movepi16_mask(w);

@@ -19,6 +19,7 @@
 #include "core/bits.h"
 #include "core/philox.h"
 #include "formats/bf16_test_util.h"
+#include "formats/mx.h"
 #include "formats/quantize_cpu.h"
 
 namespace nibble::formats {
@@ -568,6 +569,108 @@ TEST(Avx512Rows, TeBf16SpecialBlocks) {
       return;
     }
   }
+}
+
+// ---- MX RTN, BF16 input (quantize_cpu_avx512_mx.h) ----------------------------------------------
+
+// Quantizes x (one row) with the driver and compares every byte with the per-block functions.
+void expect_mx_equal(const std::vector<uint16_t>& x, MxScaleRule rule, bool fp8) {
+  const int64_t K = static_cast<int64_t>(x.size());
+  std::vector<uint8_t> out(static_cast<size_t>(fp8 ? K : K / 2)), scales(static_cast<size_t>(K / 32));
+  if (fp8)
+    mxfp8_quantize_cpu(out.data(), scales.data(), x.data(), 1, K, rule);
+  else
+    mxfp4_quantize_cpu(out.data(), scales.data(), x.data(), 1, K, rule);
+  std::vector<uint8_t> o_ref(out.size()), s_ref(scales.size());
+  for (int64_t b = 0; b < K / 32; ++b)
+    s_ref[static_cast<size_t>(b)] = static_cast<uint8_t>(
+        fp8 ? mxfp8_quantize_block32(o_ref.data() + 32 * b, x.data() + 32 * b, rule)
+            : mxfp4_quantize_block32(o_ref.data() + 16 * b, x.data() + 32 * b, rule));
+  ASSERT_EQ(scales, s_ref);
+  for (size_t i = 0; i < out.size(); ++i)
+    ASSERT_EQ(out[i], o_ref[i]) << "byte " << i << " (block " << i / (fp8 ? 32 : 16) << ", scale "
+                                << int(s_ref[i / (fp8 ? 32 : 16)]) << ")";
+}
+
+TEST(Avx512Rows, MxBf16EveryMagnitudeUnderEveryScale) {
+  // For each rule and each scale byte some BF16 block maximum reaches: blocks led by the smallest
+  // and by the largest such maximum B, the other 31 elements running through every BF16 magnitude
+  // from 0 to B (random signs), so every element the kernels can see next to that scale is
+  // quantized (MXFP4: every threshold C_k and the te-ceil sign threshold; MXFP8: every rounding
+  // case, E4M3 subnormals, saturation). Rows are padded with zero blocks to whole 512-groups.
+  PhiloxStream rng(81, 13);
+  const std::pair<MxScaleRule, bool> cases[] = {{MxScaleRule::kFloor, false}, {MxScaleRule::kRceil, false},
+                                                {MxScaleRule::kTeCeil, false}, {MxScaleRule::kFloor, true},
+                                                {MxScaleRule::kRceil, true}};
+  for (const auto& [rule, fp8] : cases) {
+    std::vector<uint32_t> lo(256, 0xFFFFFFFFu), hi(256, 0);
+    for (uint32_t p = 0; p <= 0x7F7F; ++p) {
+      const float v = bf16_bits_to_f32(static_cast<uint16_t>(p));
+      const uint32_t byte = fp8 ? mxfp8_scale_byte(v, rule) : mxfp4_scale_byte(v, rule);
+      lo[byte] = std::min(lo[byte], p);
+      hi[byte] = std::max(hi[byte], p);
+    }
+    int scales_seen = 0;
+    std::vector<uint16_t> x;
+    for (uint32_t byte = 0; byte < 256; ++byte) {
+      if (lo[byte] == 0xFFFFFFFFu) continue;
+      ++scales_seen;
+      for (uint32_t bmax : {lo[byte], hi[byte]}) {
+        uint32_t p = 0;
+        do {
+          x.push_back(static_cast<uint16_t>(bmax | (rng.next_below(2) ? 0x8000u : 0u)));
+          for (int i = 1; i < 32; ++i, ++p)
+            x.push_back(static_cast<uint16_t>((p <= bmax ? p : 0) | (rng.next_below(2) ? 0x8000u : 0u)));
+        } while (p <= bmax);
+      }
+    }
+    while (x.size() % 512 != 0) x.push_back(0);
+    EXPECT_GT(scales_seen, 240) << int(rule) << fp8;
+    expect_mx_equal(x, rule, fp8);
+    if (::testing::Test::HasFatalFailure()) {
+      ADD_FAILURE() << "rule " << int(rule) << " fp8 " << fp8;
+      return;
+    }
+  }
+}
+
+TEST(Avx512Rows, MxBf16SpecialBlocks) {
+  // 32-blocks of: signed zeros; BF16 subnormals alone (MXFP8 blocks with byte < 11: the group
+  // takes the per-block functions) or next to normals; N(0,1) at scales 2^-130 .. 2^127; NaN and
+  // Inf (fallback groups); the largest finite BF16; ties of the unit grids. Groups mix them.
+  PhiloxStream rng(82, 14);
+  std::vector<uint16_t> x(static_cast<size_t>(64 * 512));
+  for (size_t b = 0; b < x.size() / 32; ++b) {
+    const int mode = static_cast<int>(rng.next_below(8));
+    const double f = std::exp2(static_cast<double>(rng.next_below(258)) - 130.0);
+    for (int i = 0; i < 32; ++i) {
+      const uint16_t s = rng.next_below(2) ? 0x8000 : 0;
+      uint16_t v;
+      switch (mode) {
+        case 0: v = s; break;
+        case 1: v = static_cast<uint16_t>(rng.next_below(0x80) | s); break;
+        case 2: v = static_cast<uint16_t>((i == 9 ? f32_to_bf16_bits(static_cast<float>(f)) : rng.next_below(0x80)) | s); break;
+        case 3: v = static_cast<uint16_t>(i == 4 && rng.next_below(8) == 0 ? (rng.next_below(2) ? 0x7FC0 : 0x7F80) | s
+                                                                         : f32_to_bf16_bits(static_cast<float>(rng.next_normal() * f)) ^ s); break;
+        case 4: v = static_cast<uint16_t>((i == 0 ? 0x7F7F : f32_to_bf16_bits(static_cast<float>(rng.next_normal() * f))) ^ s); break;
+        case 5: {
+          static const float kTies[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f, 448.0f, 464.0f, 480.0f, 0x1p-10f, 0x1p-7f};
+          v = static_cast<uint16_t>(f32_to_bf16_bits(kTies[rng.next_below(13)] * static_cast<float>(std::exp2(static_cast<double>(rng.next_below(9)) - 4.0))) | s);
+          break;
+        }
+        default: v = static_cast<uint16_t>(f32_to_bf16_bits(static_cast<float>(rng.next_normal() * f)) ^ s); break;
+      }
+      x[32 * b + static_cast<size_t>(i)] = v;
+    }
+  }
+  for (MxScaleRule rule : {MxScaleRule::kFloor, MxScaleRule::kRceil, MxScaleRule::kTeCeil}) {
+    expect_mx_equal(x, rule, false);
+    if (rule != MxScaleRule::kTeCeil) expect_mx_equal(x, rule, true);
+  }
+  // A row whose length leaves a tail of single blocks after the 512-groups.
+  std::vector<uint16_t> y(x.begin(), x.begin() + 512 * 3 + 32 * 5);
+  expect_mx_equal(y, MxScaleRule::kTeCeil, false);
+  expect_mx_equal(y, MxScaleRule::kRceil, true);
 }
 
 }  // namespace
