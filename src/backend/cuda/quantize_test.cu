@@ -329,7 +329,8 @@ void for_inputs(const std::vector<Shape2>& shapes, Body body) {
 
 // Shapes whose K is a multiple of 16 (TE, 2-level), of 32 (MX), and with M % 128 == 0 (fused op).
 const std::vector<Shape2> kShapes16 = {{1, 16}, {7, 48}, {33, 160}, {128, 256}, {61, 400}};
-const std::vector<Shape2> kShapes32 = {{1, 32}, {7, 96}, {33, 160}, {128, 256}, {61, 416}};
+// (9 x 1056: two whole 512-element groups per row for the CPU's AVX-512 MX BF16 kernels, then a tail.)
+const std::vector<Shape2> kShapes32 = {{1, 32}, {7, 96}, {33, 160}, {128, 256}, {61, 416}, {9, 1056}};
 
 template <typename In>
 void check_te(const std::vector<In>& xin, int64_t M, int64_t K) {
