@@ -26,6 +26,22 @@ namespace {
 // Rows per parallel chunk so that a chunk holds at least ~64K elements.
 int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1)); }
 
+// The row-wise quantizers (TE 1x16, 2-level when K % 128 == 0, MX) store every output at a flat
+// offset (codes at i / 2, scale bytes at i / block, 2-level outer scales at i / 128) and key SR by
+// the flat index i, so an [M, K] tensor is one flat sequence of blocks that may be cut at any
+// block boundary. Their drivers cut it into pieces of kFlatPiece elements (a multiple of every
+// row kernel's group: 256 for NVFP4, 512 for MX), threaded: short rows (K = 128 in small models)
+// then run on the vector kernels instead of their per-block tails. fn(i, len): the piece at flat
+// offset i, len elements (kFlatPiece, or less for the last; a multiple of the block).
+constexpr int64_t kFlatPiece = 8192;
+template <typename Fn>
+void for_each_flat_piece(int64_t n, const Fn& fn) {
+  const int64_t pieces = (n + kFlatPiece - 1) / kFlatPiece;
+  parallel_for(pieces, row_grain(kFlatPiece), [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) fn(p * kFlatPiece, std::min(kFlatPiece, n - p * kFlatPiece));
+  });
+}
+
 #if defined(__GNUC__) && !defined(NIBBLE_FORMATS_SCALAR_ONLY) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 // GCC/Clang vector extensions (portable C++ with a scalar fallback below): 16 lanes of the same
 // IEEE binary32 operations as the scalar functions in nvfp4.h/e2m1.h, so the bits are identical
@@ -371,10 +387,13 @@ void te_row_rtn(uint8_t* codes, uint8_t* scales, const In* x, int64_t K, const N
       b = 16 * (nb / 16);
     }
   } else if (sr == nullptr)  // 256-element groups; a group holding a NaN takes the per-block functions
-    for (; b + 16 <= nb; b += 16)
+    for (; b + 16 <= nb; b += 16) {
+      prefetch_group_ahead(x + 16 * b);  // 16 KiB ahead: 256 floats take two calls
+      prefetch_group_ahead(x + 16 * b + 128);
       if (!te_group256_avx512(codes + 8 * b, scales + b, x + 16 * b, g))
         for (int64_t j = b; j < b + 16; ++j)
           scales[j] = static_cast<uint8_t>(nvfp4_te_quantize_block16(codes + 8 * j, x + 16 * j, block_amax(x + 16 * j, 16), g));
+    }
 #endif
 #if NIBBLE_FORMATS_HMAX_TREE
   // 16 blocks at a time: elements split even/odd (see split32), block maxima by a shuffle
@@ -475,13 +494,8 @@ void te_quantize_impl(uint8_t* codes, uint8_t* scales, const In* x, int64_t M, i
                       const SrKey* sr) {
   NIB_CHECK_MSG(K % 16 == 0, "nvfp4: K={} must be a multiple of 16", K);
   Nvfp4TeGlobal g = nvfp4_te_global(amax);
-  parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const In* xr = x + r * K;
-      uint8_t* cr = codes + r * (K / 2);
-      uint8_t* sr_row = scales + r * (K / 16);
-      te_row_rtn(cr, sr_row, xr, K, g, sr, static_cast<uint64_t>(r * K));
-    }
+  for_each_flat_piece(M * K, [&](int64_t i, int64_t len) {
+    te_row_rtn(codes + i / 2, scales + i / 16, x + i, len, g, sr, static_cast<uint64_t>(i));
   });
 }
 
@@ -500,10 +514,13 @@ void twolevel_row_vec(uint8_t* codes, uint8_t* inner, float* outer, const In* x,
       o = 2 * (K / 256);
     }
   } else if (sr == nullptr)  // pairs of 128-blocks; a pair outside the fast range takes the per-block functions
-    for (; o + 2 <= K / 128; o += 2)
+    for (; o + 2 <= K / 128; o += 2) {
+      prefetch_group_ahead(x + 128 * o);  // 16 KiB ahead: 256 floats take two calls
+      prefetch_group_ahead(x + 128 * o + 128);
       if (!twolevel_group256_avx512(codes + 64 * o, inner + 8 * o, outer + o, x + 128 * o))
         for (int64_t j = o; j < o + 2; ++j)
           outer[j] = nvfp4_2level_quantize_block128(codes + 64 * j, inner + 8 * j, x + 128 * j, 128);
+    }
 #endif
 #if NIBBLE_FORMATS_HMAX_TREE
   // Two 128-blocks (16 inner blocks, 256 elements) at a time, as in te_row_rtn.
@@ -630,24 +647,44 @@ void twolevel_row(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int
   }
 }
 
-// One row of K elements (K % 16 == 0), vectorised when K % 128 == 0.
+// One row of K elements (K % 16 == 0; its last 128-block may be partial). Whole pairs of 128-blocks
+// go to twolevel_row_vec; the rest (< 256 elements: a single 128-block and/or a partial one) is
+// quantized as the start of a zero-padded 256-element pair, which gives the same bits: zeros do
+// not change a block maximum, a partial 128-block is defined as its zero-padded block (01-formats
+// §3), each element's SR draw depends on its own flat index only, and the padding's outputs are
+// dropped. (Rows of K = 112 or 448 are what OutControl leaves after taking outlier channels out.)
 template <typename In>
 void twolevel_quantize_row(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t K, const SrKey* sr,
                            uint64_t index0) {
 #if NIBBLE_FORMATS_VEC16
-  if (K % 128 == 0) {
-    twolevel_row_vec(codes, inner, outer, x, K, sr, index0);
-    return;
+  const int64_t whole = K / 256 * 256, tail = K - whole;
+  if (whole > 0) twolevel_row_vec(codes, inner, outer, x, whole, sr, index0);
+  if (tail > 0) {
+    In padded[256] = {};
+    std::memcpy(padded, x + whole, static_cast<size_t>(tail) * sizeof(In));
+    uint8_t c[128], in[16];
+    float o[2];
+    twolevel_row_vec(c, in, o, padded, 256, sr, index0 + static_cast<uint64_t>(whole));
+    std::memcpy(codes + whole / 2, c, static_cast<size_t>(tail / 2));
+    std::memcpy(inner + whole / 16, in, static_cast<size_t>(tail / 16));
+    std::memcpy(outer + whole / 128, o, static_cast<size_t>((tail + 127) / 128) * sizeof(float));
   }
-#endif
+#else
   twolevel_row(codes, inner, outer, x, K, sr, index0);
+#endif
 }
 
 template <typename In>
 void twolevel_quantize_impl(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
                             const SrKey* sr) {
   NIB_CHECK_MSG(K % 16 == 0, "nvfp4-2level: K={} must be a multiple of 16", K);
-  int64_t no = (K + 127) / 128;
+  if (K % 128 == 0) {  // no partial 128-block: a flat sequence of 128-blocks
+    for_each_flat_piece(M * K, [&](int64_t i, int64_t len) {
+      twolevel_quantize_row(codes + i / 2, inner + i / 16, outer + i / 128, x + i, len, sr, static_cast<uint64_t>(i));
+    });
+    return;
+  }
+  int64_t no = (K + 127) / 128;  // each row ends with a partial (zero-padded) 128-block
   parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       twolevel_quantize_row(codes + r * (K / 2), inner + r * (K / 16), outer + r * no, x + r * K, K, sr,
@@ -714,31 +751,36 @@ int64_t mx_row_vec(uint8_t* out, uint8_t* scales, const In* x, int64_t K, MxScal
 }
 #endif
 
+// One piece of n elements (n % 32 == 0) at flat index index0: MXFP4 codes (n / 2 bytes) or MXFP8
+// elements (n), scales (n / 32). BF16 RTN on AVX-512: quantize_cpu_avx512_mx.h over whole
+// 512-groups; otherwise 16 blocks at a time (mx_row_vec); the rest per block (mx.h).
+template <typename In>
+void mx_piece(uint8_t* out, uint8_t* scales, const In* x, int64_t n, MxScaleRule rule, bool fp8, const SrKey* sr,
+              uint64_t index0) {
+  int64_t b = 0;
+#if NIBBLE_FORMATS_AVX512
+  if constexpr (std::is_same_v<In, uint16_t>) {
+    if (sr == nullptr) {
+      mx_row_bf16_avx512(out, scales, x, n / 512, rule, fp8);
+      b = 16 * (n / 512);
+    }
+  }
+#endif
+#if NIBBLE_FORMATS_HMAX_TREE
+  if (b == 0) b = mx_row_vec(out, scales, x, n, rule, fp8, sr, index0);
+#endif
+  for (; b < n / 32; ++b)
+    scales[b] = static_cast<uint8_t>(
+        fp8 ? mxfp8_quantize_block32(out + 32 * b, x + 32 * b, rule)
+            : mxfp4_quantize_block32(out + 16 * b, x + 32 * b, rule, sr, index0 + static_cast<uint64_t>(32 * b)));
+}
+
 template <typename In>
 void mxfp4_quantize_impl(uint8_t* codes, uint8_t* scales, const In* x, int64_t M, int64_t K, MxScaleRule rule,
                          const SrKey* sr) {
   NIB_CHECK_MSG(K % 32 == 0, "mxfp4: K={} must be a multiple of 32", K);
-  parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      int64_t b = 0;
-#if NIBBLE_FORMATS_AVX512
-      if constexpr (std::is_same_v<In, uint16_t>) {  // BF16 RTN: threshold search (quantize_cpu_avx512_mx.h)
-        if (sr == nullptr) {
-          mx_row_bf16_avx512(codes + r * (K / 2), scales + r * (K / 32), x + r * K, K / 512, rule, false);
-          b = 16 * (K / 512);
-        }
-      }
-#endif
-#if NIBBLE_FORMATS_HMAX_TREE
-      if (b == 0)
-        b = mx_row_vec(codes + r * (K / 2), scales + r * (K / 32), x + r * K, K, rule, false, sr,
-                       static_cast<uint64_t>(r * K));
-#endif
-      for (; b < K / 32; ++b)
-        scales[r * (K / 32) + b] = static_cast<uint8_t>(
-            mxfp4_quantize_block32(codes + r * (K / 2) + 16 * b, x + r * K + 32 * b, rule, sr,
-                                   static_cast<uint64_t>(r * K + 32 * b)));
-    }
+  for_each_flat_piece(M * K, [&](int64_t i, int64_t len) {
+    mx_piece(codes + i / 2, scales + i / 32, x + i, len, rule, false, sr, static_cast<uint64_t>(i));
   });
 }
 
@@ -746,22 +788,8 @@ template <typename In>
 void mxfp8_quantize_impl(uint8_t* elems, uint8_t* scales, const In* x, int64_t M, int64_t K, MxScaleRule rule) {
   NIB_CHECK_MSG(K % 32 == 0, "mxfp8: K={} must be a multiple of 32", K);
   NIB_CHECK_MSG(rule != MxScaleRule::kTeCeil, "mxfp8: the te-ceil rule is MXFP4 only");
-  parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      int64_t b = 0;
-#if NIBBLE_FORMATS_AVX512
-      if constexpr (std::is_same_v<In, uint16_t>) {  // BF16: integer E4M3 rounding (quantize_cpu_avx512_mx.h)
-        mx_row_bf16_avx512(elems + r * K, scales + r * (K / 32), x + r * K, K / 512, rule, true);
-        b = 16 * (K / 512);
-      }
-#endif
-#if NIBBLE_FORMATS_HMAX_TREE
-      if (b == 0) b = mx_row_vec(elems + r * K, scales + r * (K / 32), x + r * K, K, rule, true, nullptr, 0);
-#endif
-      for (; b < K / 32; ++b)
-        scales[r * (K / 32) + b] =
-            static_cast<uint8_t>(mxfp8_quantize_block32(elems + r * K + 32 * b, x + r * K + 32 * b, rule));
-    }
+  for_each_flat_piece(M * K, [&](int64_t i, int64_t len) {
+    mx_piece(elems + i, scales + i / 32, x + i, len, rule, true, nullptr, static_cast<uint64_t>(i));
   });
 }
 

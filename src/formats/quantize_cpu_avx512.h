@@ -448,12 +448,13 @@ inline void bf16_threshold_codes(uint8_t* codes, const uint16_t* x, const __m512
   }
 }
 
-// Software prefetch of the 256-group 32 groups after xg (16 KiB; the next row's start at a row's
-// end, which a row-major caller quantizes next): the row kernels' later phases touch only L1, so
-// the hardware prefetchers alone leave memory idle meanwhile. A prefetch never faults (the address
-// is formed as an integer: it may lie past the caller's buffer).
-inline void prefetch_group_ahead(const uint16_t* xg) {
-  const uintptr_t ahead = reinterpret_cast<uintptr_t>(xg) + 2 * 256 * 32;
+// Software prefetch of the 512 bytes 16 KiB after p (for a BF16 256-group: the group 32 groups
+// ahead; the next row's start at a row's end, which a row-major caller quantizes next): the row
+// kernels' later phases touch only L1, so the hardware prefetchers alone leave memory idle
+// meanwhile. A prefetch never faults (the address is formed as an integer: it may lie past the
+// caller's buffer).
+inline void prefetch_group_ahead(const void* p) {
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(p) + 16384;
   for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * l), _MM_HINT_T0);
 }
 

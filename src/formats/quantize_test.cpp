@@ -83,9 +83,11 @@ void check_2level_matches_block_functions(const std::vector<In>& x, int64_t M, i
 
 TEST(Drivers, TeEqualsBlockFunctions) {
   SrKey key{77, 3};
-  for (int64_t K : {256, 272, 784}) {  // whole 16-block groups, remainder blocks, both
+  // Whole 16-block groups, remainder blocks, both; short rows (the drivers cut the flat tensor
+  // into pieces of 8192 elements, across rows: 784 and 48 x 200 cross piece boundaries mid-row).
+  for (int64_t K : {256, 272, 784, 16, 48, 128}) {
     SCOPED_TRACE(K);
-    const int64_t M = 24;
+    const int64_t M = K == 48 ? 200 : 24;
     std::vector<float> x = edge_input(M * K, 1);
     check_te_matches_block_functions(x, M, K, nullptr);
     check_te_matches_block_functions(to_bf16(x), M, K, nullptr);
@@ -126,13 +128,16 @@ TEST(Drivers, VectorIndexEqualsScalarOnThresholdNeighbours) {
 
 TEST(Drivers, TwoLevelEqualsBlockFunctions) {
   SrKey key{78, 4};
-  for (int64_t K : {256, 272, 48}) {  // whole 128-blocks, a partial last block, a single partial block
+  // Whole 128-blocks, a partial last block, a single partial block; rows of one 128-block and of
+  // three (flat pieces of 8192 elements cut the 40 x 384 tensor mid-row).
+  for (int64_t K : {256, 272, 48, 128, 384}) {
     SCOPED_TRACE(K);
-    const int64_t M = 12;
+    const int64_t M = K == 384 ? 40 : 12;
     std::vector<float> x = edge_input(M * K, 2);
     check_2level_matches_block_functions(x, M, K, nullptr);
     check_2level_matches_block_functions(to_bf16(x), M, K, nullptr);
     check_2level_matches_block_functions(x, M, K, &key);
+    check_2level_matches_block_functions(to_bf16(x), M, K, &key);
   }
 }
 
@@ -153,9 +158,11 @@ TEST(Drivers, PartialLast128BlockEqualsZeroPadding) {
 
 TEST(Drivers, MxEqualsBlockFunctions) {
   SrKey key{31, 4};
-  for (int64_t K : {512, 544, 256}) {  // 16-block groups (vector path), + remainder, remainder only
+  // 16-block groups (vector path), + remainder, remainder only; short rows; and 12 x 1056, which
+  // the drivers' flat pieces of 8192 elements cut mid-row.
+  for (int64_t K : {512, 544, 256, 96, 160, 1056}) {
     SCOPED_TRACE(K);
-    const int64_t M = 6;
+    const int64_t M = K == 1056 ? 12 : 6;
     std::vector<float> x = edge_input(M * K, 3);
     // Row 0: blocks that hit every clamp of the E8M0 rules: all zero, FP32-subnormal only
     // (byte 0 / 1 boundaries), near FLT_MAX (bytes 253..255), tiny normals; plus an Inf block
