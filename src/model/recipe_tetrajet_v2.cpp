@@ -45,11 +45,20 @@ void gather_bf16(float* dst, const float* src, int64_t rows, int64_t rows_p, int
   });
 }
 
-// dst (cols, rows) <- src (rows, cols)^T.
+// dst (cols, rows) <- src (rows, cols)^T, in 32 x 32 tiles (the 32 source rows of a tile stay in
+// L1 while its 32 destination rows are written; reading whole columns strided missed the cache).
 void transpose(float* dst, const float* src, int64_t rows, int64_t cols) {
-  parallel_for(cols, grain(rows), [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c)
-      for (int64_t r = 0; r < rows; ++r) dst[c * rows + r] = src[r * cols + c];
+  constexpr int64_t kTile = 32;
+  const int64_t col_tiles = (cols + kTile - 1) / kTile;
+  parallel_for(col_tiles, std::max<int64_t>(1, grain(rows) / kTile), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c0 = t * kTile, c1 = std::min(cols, c0 + kTile);
+      for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+        const int64_t r1 = std::min(rows, r0 + kTile);
+        for (int64_t c = c0; c < c1; ++c)
+          for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * cols + c];
+      }
+    }
   });
 }
 
