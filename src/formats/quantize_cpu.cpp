@@ -820,6 +820,22 @@ float nvfp4_te_quantize_cpu(uint8_t* codes, uint8_t* scales, const uint16_t* x, 
 
 void nvfp4_te_dequantize_cpu(float* y, const uint8_t* codes, const uint8_t* scales, float amax, int64_t M, int64_t K) {
   NIB_CHECK_MSG(K % 16 == 0, "nvfp4: K={} must be a multiple of 16", K);
+#if NIBBLE_FORMATS_AVX512  // 16 blocks at a time, flat (outputs at flat offsets)
+  if ((M * K) % 256 == 0) {
+    for_each_flat_piece(M * K, [&](int64_t i, int64_t len) {
+      alignas(64) float f[16];
+      for (int64_t b = 0; b < len / 16; b += 16) {
+        const uint8_t* sb = scales + i / 16 + b;
+        v16u bytes;
+        for (int j = 0; j < 16; ++j) bytes[j] = sb[j];
+        const v16f fv = (e4m3_decode16_nan(bytes) * amax) * kRecip2688;  // nvfp4_te_dequant_factor
+        std::memcpy(f, &fv, sizeof(f));
+        avx512_decode_blocks<false>(y + i + 16 * b, codes + i / 2 + 8 * b, f, 16);
+      }
+    });
+    return;
+  }
+#endif
   parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < K / 16; ++b) {
@@ -893,6 +909,27 @@ void nvfp4_2level_dequantize_cpu(float* y, const uint8_t* codes, const uint8_t* 
                                  int64_t K) {
   NIB_CHECK_MSG(K % 16 == 0, "nvfp4-2level: K={} must be a multiple of 16", K);
   int64_t no = (K + 127) / 128;
+#if NIBBLE_FORMATS_AVX512  // pairs of 128-blocks, flat (outputs at flat offsets)
+  if (K % 256 == 0) {
+    for_each_flat_piece(M * K, [&](int64_t i, int64_t len) {
+      alignas(64) float f[16];
+      for (int64_t o = 0; o < len / 128; o += 2) {
+        const uint8_t* ib = inner + i / 16 + 8 * o;
+        const float* ob = outer + i / 128 + o;
+        v16u bytes;
+        v16f so;
+        for (int j = 0; j < 16; ++j) {
+          bytes[j] = ib[j];
+          so[j] = ob[j / 8];
+        }
+        const v16f fv = e4m3_decode16_nan(bytes) * so;  // nvfp4_2level_block_scale
+        std::memcpy(f, &fv, sizeof(f));
+        avx512_decode_blocks<true>(y + i + 128 * o, codes + i / 2 + 64 * o, f, 16);
+      }
+    });
+    return;
+  }
+#endif
   parallel_for(M, row_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t o = 0; o < no; ++o) {

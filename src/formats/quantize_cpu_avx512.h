@@ -265,6 +265,41 @@ inline bool twolevel_group256_avx512(uint8_t* codes, uint8_t* inner, float* oute
   return true;
 }
 
+// ---- dequantization to F32 ------------------------------------------------------------------------
+
+// e4m3_decode of 16 scale bytes (any byte: e4m3_decode16 is for the magnitudes a quantizer writes):
+// the magnitude, the sign bit 0x80, and for 0x7F / 0xFF the NaN e4m3_decode_bits gives.
+inline v16f e4m3_decode16_nan(v16u byte) {
+  const v16u sign = (byte & 0x80u) << 24;
+  const v16u d = (v16u)(e4m3_decode16(byte & 0x7Fu)) | sign;
+  return (v16f)((byte & 0x7Fu) == 0x7Fu ? (sign | 0x7FC00000u) : d);
+}
+
+// y (16 nblocks elements) <- the E2M1 codes of nblocks 16-blocks (8 bytes each) times f[b]:
+// kSignAfter false: e2m1_decode(code) * f (nvfp4_te_decode); true: +-(magnitude * f) with the sign
+// applied after the product (nvfp4_2level_decode; equal unless f is NaN). nblocks is even.
+template <bool kSignAfter>
+inline void avx512_decode_blocks(float* y, const uint8_t* codes, const float* f, int64_t nblocks) {
+  const __m512 tbl = kSignAfter ? _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0.0f, 0.5f, 1.0f, 1.5f,
+                                                 2.0f, 3.0f, 4.0f, 6.0f)
+                                : _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f,
+                                                 -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  for (int64_t b = 0; b < nblocks; b += 2) {
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 8 * b));
+    const __m128i lo = _mm_and_si128(c, nib), hi = _mm_and_si128(_mm_srli_epi16(c, 4), nib);
+    const __m128i blk[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};  // codes in element order
+    for (int h = 0; h < 2; ++h) {
+      const __m512i w = _mm512_cvtepu8_epi32(blk[h]);
+      __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(w, tbl), _mm512_set1_ps(f[b + h]));
+      if (kSignAfter)  // bit 3 of the code -> bit 31: v ^ (w << 28 & sign), ternary table 0x78
+        v = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(v), _mm512_slli_epi32(w, 28), sign, 0x78));
+      _mm512_storeu_ps(y + 16 * (b + h), v);
+    }
+  }
+}
+
 // ---- 2-level RTN, BF16 input: exact decision thresholds in BF16 space ---------------------------
 //
 // For a block with sp > 0 the reference code of x is e2m1_rne_index(fl(|x| / sp)) | signbit(x)<<3

@@ -7,6 +7,8 @@
 #include <cfloat>
 #include <cmath>
 #include <limits>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "core/bits.h"
@@ -362,6 +364,41 @@ TEST(EdgeCases, NaNAndInfPolicy) {
   mxfp8_quantize_cpu(c3.data(), s3.data(), x3.data(), 1, 32, MxScaleRule::kRceil);
   EXPECT_EQ(s3[0], 0xFF);
   EXPECT_EQ(c3[1], 0x7F);
+}
+
+TEST(Drivers, DequantizeEqualsBlockFunctions) {
+  // Every code byte, scale bytes over the whole E4M3 range including 0, subnormals and the NaN
+  // bytes 0x7F / 0xFF, outer scales of both signs, tiny and huge, and NaN: the drivers (vector path
+  // for whole 256-element groups, per block otherwise) against the per-block functions, bit for bit
+  // except that a NaN result only has to be a NaN (its sign and payload are unspecified: IEEE
+  // leaves them open, and the compilers may swap a product's operands).
+  PhiloxStream rng(91, 12);
+  for (auto [M, K] : {std::pair<int64_t, int64_t>{3, 512}, {5, 256}, {2, 8192 + 256}, {4, 144}, {3, 272}}) {
+    SCOPED_TRACE(std::to_string(M) + "x" + std::to_string(K));
+    const int64_t no = (K + 127) / 128;
+    std::vector<uint8_t> codes(static_cast<size_t>(M * K / 2)), scales(static_cast<size_t>(M * K / 16));
+    std::vector<float> outer(static_cast<size_t>(M * no));
+    for (auto& c : codes) c = static_cast<uint8_t>(rng.next_below(256));
+    for (auto& b : scales) b = static_cast<uint8_t>(rng.next_below(8) == 0 ? (rng.next_below(2) ? 0x7F : 0xFF) : rng.next_below(256));
+    const float outers[] = {1.0f, -3.5f, 0x1p-140f, 1e38f, std::numeric_limits<float>::quiet_NaN(), 0.0f, 7e-3f};
+    for (auto& o : outer) o = outers[rng.next_below(7)] * (1.0f + static_cast<float>(rng.next_below(100)) / 128.0f);
+    std::vector<float> y(static_cast<size_t>(M * K)), y_ref(y.size());
+    for (float amax : {2688.0f, 1e-30f, 3e38f}) {
+      nvfp4_te_dequantize_cpu(y.data(), codes.data(), scales.data(), amax, M, K);
+      for (int64_t b = 0; b < M * K / 16; ++b)
+        nvfp4_te_dequantize_block16(y_ref.data() + 16 * b, codes.data() + 8 * b, scales[static_cast<size_t>(b)], amax);
+      for (size_t i = 0; i < y.size(); ++i)
+        if (!(std::isnan(y[i]) && std::isnan(y_ref[i]))) ASSERT_EQ(float_as_u32(y[i]), float_as_u32(y_ref[i])) << "te " << i;
+    }
+    nvfp4_2level_dequantize_cpu(y.data(), codes.data(), scales.data(), outer.data(), M, K);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t o = 0; o < no; ++o)
+        nvfp4_2level_dequantize_block128(y_ref.data() + r * K + 128 * o, codes.data() + r * K / 2 + 64 * o,
+                                         scales.data() + r * K / 16 + 8 * o, outer[static_cast<size_t>(r * no + o)],
+                                         static_cast<int>(std::min<int64_t>(128, K - 128 * o)));
+    for (size_t i = 0; i < y.size(); ++i)
+      if (!(std::isnan(y[i]) && std::isnan(y_ref[i]))) ASSERT_EQ(float_as_u32(y[i]), float_as_u32(y_ref[i])) << "2-level " << i;
+  }
 }
 
 // ---- dequantize(quantize(x)) is idempotent on the grid ------------------------------------------
