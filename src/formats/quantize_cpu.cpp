@@ -910,7 +910,7 @@ void nvfp4_2level_dequantize_cpu(float* y, const uint8_t* codes, const uint8_t* 
   NIB_CHECK_MSG(K % 16 == 0, "nvfp4-2level: K={} must be a multiple of 16", K);
   int64_t no = (K + 127) / 128;
 #if NIBBLE_FORMATS_AVX512  // pairs of 128-blocks, flat (outputs at flat offsets)
-  if (K % 256 == 0) {
+  if (K % 128 == 0 && (M * K) % 256 == 0) {
     for_each_flat_piece(M * K, [&](int64_t i, int64_t len) {
       alignas(64) float f[16];
       for (int64_t o = 0; o < len / 128; o += 2) {

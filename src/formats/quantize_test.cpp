@@ -373,7 +373,7 @@ TEST(Drivers, DequantizeEqualsBlockFunctions) {
   // except that a NaN result only has to be a NaN (its sign and payload are unspecified: IEEE
   // leaves them open, and the compilers may swap a product's operands).
   PhiloxStream rng(91, 12);
-  for (auto [M, K] : {std::pair<int64_t, int64_t>{3, 512}, {5, 256}, {2, 8192 + 256}, {4, 144}, {3, 272}}) {
+  for (auto [M, K] : {std::pair<int64_t, int64_t>{3, 512}, {5, 256}, {2, 8192 + 256}, {6, 128}, {4, 384}, {4, 144}, {3, 272}}) {
     SCOPED_TRACE(std::to_string(M) + "x" + std::to_string(K));
     const int64_t no = (K + 127) / 128;
     std::vector<uint8_t> codes(static_cast<size_t>(M * K / 2)), scales(static_cast<size_t>(M * K / 16));
