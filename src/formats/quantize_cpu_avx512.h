@@ -3,13 +3,15 @@
 // Scales mirror nvfp4.h/e2m1.h step by step (same binary32 operations, same order), so every byte
 // equals the per-block functions; quantize_test.cpp and quantize_cpu_avx512_test.cpp check this.
 // Unit: 256 elements (16 blocks of 16; two 128-blocks for 2-level). TE and 2-level F32: split
-// even/odd as split32 does, element steps as in nvfp4.h. 2-level BF16: per block the 7 exact
-// decision thresholds C_k as BF16 patterns (closed form, argument below), then per element a
-// 3-step search on the 16-bit words (32 per instruction).
+// even/odd as split32 does, element steps as in nvfp4.h. BF16 (2-level and TE): per block the 7
+// exact decision thresholds C_k as BF16 patterns (2-level: closed form; TE: a window checked with
+// the reference multiply; arguments below), then per element a 3-step search on the 16-bit words
+// (32 per instruction); quantize_cpu_avx512_mx.h reuses the search for MXFP4. Also the F32
+// dequantizers' table decode (avx512_decode_blocks).
 // A 256-group whose inputs leave the range the streamlined steps assume is quantized by the
 // per-block functions of nvfp4.h instead: NaN; for 2-level F32 also Inf, |x| > 2^60,
 // 0 < |x| < 2^-60, or a block scale outside [2^-60, 2^60] other than 0; for 2-level BF16 Inf or
-// such a block scale (no per-element condition).
+// such a block scale (no per-element condition); for TE BF16 only single irregular blocks.
 #pragma once
 
 // (quantize_cpu.cpp includes <immintrin.h> at file scope.)
