@@ -388,8 +388,7 @@ void te_row_rtn(uint8_t* codes, uint8_t* scales, const In* x, int64_t K, const N
     }
   } else if (sr == nullptr)  // 256-element groups; a group holding a NaN takes the per-block functions
     for (; b + 16 <= nb; b += 16) {
-      prefetch_group_ahead(x + 16 * b);  // 16 KiB ahead: 256 floats take two calls
-      prefetch_group_ahead(x + 16 * b + 128);
+      prefetch_group_ahead(x + 16 * b, 1024);
       if (!te_group256_avx512(codes + 8 * b, scales + b, x + 16 * b, g))
         for (int64_t j = b; j < b + 16; ++j)
           scales[j] = static_cast<uint8_t>(nvfp4_te_quantize_block16(codes + 8 * j, x + 16 * j, block_amax(x + 16 * j, 16), g));
@@ -515,8 +514,7 @@ void twolevel_row_vec(uint8_t* codes, uint8_t* inner, float* outer, const In* x,
     }
   } else if (sr == nullptr)  // pairs of 128-blocks; a pair outside the fast range takes the per-block functions
     for (; o + 2 <= K / 128; o += 2) {
-      prefetch_group_ahead(x + 128 * o);  // 16 KiB ahead: 256 floats take two calls
-      prefetch_group_ahead(x + 128 * o + 128);
+      prefetch_group_ahead(x + 128 * o, 1024);
       if (!twolevel_group256_avx512(codes + 64 * o, inner + 8 * o, outer + o, x + 128 * o))
         for (int64_t j = o; j < o + 2; ++j)
           outer[j] = nvfp4_2level_quantize_block128(codes + 64 * j, inner + 8 * j, x + 128 * j, 128);
@@ -825,9 +823,7 @@ void nvfp4_te_dequantize_cpu(float* y, const uint8_t* codes, const uint8_t* scal
     for_each_flat_piece(M * K, [&](int64_t i, int64_t len) {
       alignas(64) float f[16];
       for (int64_t b = 0; b < len / 16; b += 16) {
-        const uint8_t* sb = scales + i / 16 + b;
-        v16u bytes;
-        for (int j = 0; j < 16; ++j) bytes[j] = sb[j];
+        const v16u bytes = avx512_load_bytes16(scales + i / 16 + b);
         const v16f fv = (e4m3_decode16_nan(bytes) * amax) * kRecip2688;  // nvfp4_te_dequant_factor
         std::memcpy(f, &fv, sizeof(f));
         avx512_decode_blocks<false>(y + i + 16 * b, codes + i / 2 + 8 * b, f, 16);
@@ -914,14 +910,9 @@ void nvfp4_2level_dequantize_cpu(float* y, const uint8_t* codes, const uint8_t* 
     for_each_flat_piece(M * K, [&](int64_t i, int64_t len) {
       alignas(64) float f[16];
       for (int64_t o = 0; o < len / 128; o += 2) {
-        const uint8_t* ib = inner + i / 16 + 8 * o;
-        const float* ob = outer + i / 128 + o;
-        v16u bytes;
-        v16f so;
-        for (int j = 0; j < 16; ++j) {
-          bytes[j] = ib[j];
-          so[j] = ob[j / 8];
-        }
+        const float* ob = outer + i / 128 + o;  // lanes 0-7: ob[0], 8-15: ob[1]
+        const v16u bytes = avx512_load_bytes16(inner + i / 16 + 8 * o);
+        const v16f so = (v16f)_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(ob[0]), _mm512_set1_ps(ob[1]));
         const v16f fv = e4m3_decode16_nan(bytes) * so;  // nvfp4_2level_block_scale
         std::memcpy(f, &fv, sizeof(f));
         avx512_decode_blocks<true>(y + i + 128 * o, codes + i / 2 + 64 * o, f, 16);

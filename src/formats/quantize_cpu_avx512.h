@@ -277,6 +277,11 @@ inline v16f e4m3_decode16_nan(v16u byte) {
   return (v16f)((byte & 0x7Fu) == 0x7Fu ? (sign | 0x7FC00000u) : d);
 }
 
+// 16 bytes, zero-extended to 16 lanes.
+inline v16u avx512_load_bytes16(const uint8_t* p) {
+  return (v16u)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // y (16 nblocks elements) <- the E2M1 codes of nblocks 16-blocks (8 bytes each) times f[b]:
 // kSignAfter false: e2m1_decode(code) * f (nvfp4_te_decode); true: +-(magnitude * f) with the sign
 // applied after the product (nvfp4_2level_decode; equal unless f is NaN). nblocks is even.
@@ -485,43 +490,52 @@ inline void bf16_threshold_codes(uint8_t* codes, const uint16_t* x, const __m512
   }
 }
 
-// Software prefetch of the 512 bytes 16 KiB after p (for a BF16 256-group: the group 32 groups
-// ahead; the next row's start at a row's end, which a row-major caller quantizes next): the row
-// kernels' later phases touch only L1, so the hardware prefetchers alone leave memory idle
-// meanwhile. A prefetch never faults (the address is formed as an integer: it may lie past the
-// caller's buffer).
-inline void prefetch_group_ahead(const void* p) {
+// Software prefetch of the `bytes` bytes (a multiple of 64) 16 KiB after p, the input of the group
+// 16 KiB ahead (for a BF16 256-group: 32 groups ahead; the next row's start at a row's end, which a
+// row-major caller quantizes next): the row kernels' later phases touch only L1, so the hardware
+// prefetchers alone leave memory idle meanwhile. A prefetch never faults (the address is formed as
+// an integer: it may lie past the caller's buffer).
+inline void prefetch_group_ahead(const void* p, int bytes) {
   const uintptr_t ahead = reinterpret_cast<uintptr_t>(p) + 16384;
-  for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * l), _MM_HINT_T0);
+  for (int l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
+}
+
+// The BF16 row kernels' chunk loop: ngroups 256-groups of x in chunks of up to 16, one phase at a
+// time over a chunk (each phase of one group is a long dependency chain: tree, division or
+// reciprocal, E4M3 rounding, ...; the independent groups of a phase loop overlap in the core).
+// Phase 1, the block maxima, is here; rest(g0, n, bm) runs the others on groups g0 .. g0 + n - 1.
+template <typename Rest>
+inline void bf16_row_in_chunks(const uint16_t* x, int64_t ngroups, const Rest& rest) {
+  constexpr int64_t kChunk = 16;
+  __m512i bm[kChunk];
+  for (int64_t g0 = 0; g0 < ngroups; g0 += kChunk) {
+    const int64_t n = ngroups - g0 < kChunk ? ngroups - g0 : kChunk;
+    for (int64_t j = 0; j < n; ++j) bm[j] = bf16_group_maxima(x + 256 * (g0 + j));
+    rest(g0, n, bm);
+  }
 }
 
 // 2-level RTN of ngroups consecutive 256-groups of a BF16 row (codes 128, inner 16, outer 2 per
-// group). Groups go in chunks of 16, one phase at a time over the chunk: each phase of one group
-// is a long dependency chain (tree, division, E4M3 rounding, ...), and the independent groups of
-// a phase loop overlap in the core. A group outside the fast range takes the per-block
-// functions of nvfp4.h.
+// group), phase by phase over chunks (bf16_row_in_chunks). A group outside the fast range takes
+// the per-block functions of nvfp4.h.
 inline void twolevel_row_bf16_avx512(uint8_t* codes, uint8_t* inner, float* outer, const uint16_t* x, int64_t ngroups) {
-  constexpr int64_t kChunk = 16;
-  __m512i bm[kChunk], tab[kChunk][8];
-  __m512 sp[kChunk];
-  bool ok[kChunk];
-  for (int64_t g0 = 0; g0 < ngroups; g0 += kChunk) {
-    const int64_t n = ngroups - g0 < kChunk ? ngroups - g0 : kChunk;
-    const uint16_t* xc = x + 256 * g0;
-    for (int64_t g = 0; g < n; ++g) bm[g] = bf16_group_maxima(xc + 256 * g);
+  bf16_row_in_chunks(x, ngroups, [&](int64_t g0, int64_t n, const __m512i* bm) {
+    __m512i tab[16][8];
+    __m512 sp[16];
+    bool ok[16];
     for (int64_t g = 0; g < n; ++g)
       ok[g] = twolevel_bf16_scales(outer + 2 * (g0 + g), inner + 16 * (g0 + g), bm[g], sp[g]);
     for (int64_t g = 0; g < n; ++g) twolevel_bf16_tables(tab[g], sp[g]);
     for (int64_t g = 0; g < n; ++g) {
       const int64_t o = 2 * (g0 + g);  // first 128-block of the group
-      prefetch_group_ahead(x + 256 * (g0 + g));
+      prefetch_group_ahead(x + 128 * o, 512);
       if (ok[g])
         bf16_threshold_codes<false>(codes + 64 * o, x + 128 * o, tab[g]);
       else
-        for (int64_t j = o; j < o + 2; ++j)
-          outer[j] = nvfp4_2level_quantize_block128(codes + 64 * j, inner + 8 * j, x + 128 * j, 128);
+        for (int64_t b = o; b < o + 2; ++b)
+          outer[b] = nvfp4_2level_quantize_block128(codes + 64 * b, inner + 8 * b, x + 128 * b, 128);
     }
-  }
+  });
 }
 // ---- TE RTN, BF16 input: the same search, thresholds from a checked window --------------------
 //
@@ -592,27 +606,22 @@ inline void te_bf16_tables(__m512i* tab, __m512 enc) {
   bf16_search_tables(tab, pr);
 }
 
-// TE RTN of ngroups consecutive 256-groups of a BF16 row (codes 128, scales 16 per group), in
-// chunks of 16 groups one phase at a time, as twolevel_row_bf16_avx512. A group holding a NaN, and
-// an irregular block (above), take the per-block functions of nvfp4.h.
+// TE RTN of ngroups consecutive 256-groups of a BF16 row (codes 128, scales 16 per group), phase by
+// phase over chunks (bf16_row_in_chunks). A group holding a NaN, and an irregular block (above),
+// take the per-block functions of nvfp4.h.
 inline void te_row_bf16_avx512(uint8_t* codes, uint8_t* scales, const uint16_t* x, int64_t ngroups,
                                const Nvfp4TeGlobal& g) {
-  constexpr int64_t kChunk = 16;
-  __m512i bm[kChunk], tab[kChunk][8];
-  __m512 enc[kChunk];
-  __mmask16 irregular[kChunk];
-  bool ok[kChunk];
-  for (int64_t g0 = 0; g0 < ngroups; g0 += kChunk) {
-    const int64_t n = ngroups - g0 < kChunk ? ngroups - g0 : kChunk;
-    const uint16_t* xc = x + 256 * g0;
-    for (int64_t j = 0; j < n; ++j) bm[j] = bf16_group_maxima(xc + 256 * j);
-    for (int64_t j = 0; j < n; ++j)
-      ok[j] = te_bf16_scales(scales + 16 * (g0 + j), bm[j], g, enc[j], irregular[j]);
+  bf16_row_in_chunks(x, ngroups, [&](int64_t g0, int64_t n, const __m512i* bm) {
+    __m512i tab[16][8];
+    __m512 enc[16];
+    __mmask16 irregular[16];
+    bool ok[16];
+    for (int64_t j = 0; j < n; ++j) ok[j] = te_bf16_scales(scales + 16 * (g0 + j), bm[j], g, enc[j], irregular[j]);
     for (int64_t j = 0; j < n; ++j)
       if (ok[j]) te_bf16_tables(tab[j], enc[j]);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t b = 16 * (g0 + j);  // first 16-block of the group
-      prefetch_group_ahead(x + 16 * b);
+      prefetch_group_ahead(x + 16 * b, 512);
       uint32_t redo = 0xFFFFu;  // blocks for the per-block function
       if (ok[j]) {
         bf16_threshold_codes<true>(codes + 8 * b, x + 16 * b, tab[j]);
@@ -623,7 +632,7 @@ inline void te_row_bf16_avx512(uint8_t* codes, uint8_t* scales, const uint16_t* 
         scales[k] = static_cast<uint8_t>(nvfp4_te_quantize_block16(codes + 8 * k, x + 16 * k, block_amax(x + 16 * k, 16), g));
       }
     }
-  }
+  });
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop

@@ -146,8 +146,7 @@ inline void mx_row_bf16_avx512(uint8_t* out, uint8_t* scales, const uint16_t* x,
       const int64_t gi = g0 + j;
       const uint16_t* xg = x + 512 * gi;
       uint8_t* sg = scales + 16 * gi;
-      prefetch_group_ahead(xg);  // 16 KiB ahead
-      prefetch_group_ahead(xg + 256);
+      prefetch_group_ahead(xg, 1024);
       if (!ok[j]) {
         for (int b = 0; b < 16; ++b)
           sg[b] = static_cast<uint8_t>(fp8 ? mxfp8_quantize_block32(out + 512 * gi + 32 * b, xg + 32 * b, rule)
