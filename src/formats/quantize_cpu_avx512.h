@@ -141,6 +141,18 @@ inline float avx512_amax(const float* p, int64_t n) {
   return u32_as_float(_mm512_reduce_max_epu32(m));
 }
 
+// nvfp4_te_block_scale / nvfp4_te_block_enc on 16 lanes (the same steps) from the NaN-free block
+// maxima bm (binary32 bits, lane b = block b): writes the 16 scale bytes, returns enc.
+inline __m512 te_scales16(uint8_t* scales, __m512i bm, const Nvfp4TeGlobal& g) {
+  v16f t = (v16f)(_mm512_castsi512_ps(bm)) * g.m;
+  t = t < 448.0f ? t : 448.0f;
+  const v16u s = e4m3_rne_sat_magnitude16(t);
+  v16f enc = 1.0f / (e4m3_decode16(s) * g.s_dec);
+  enc = enc < kFltMax ? enc : kFltMax;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8((__m512i)(s)));
+  return (__m512)(enc);
+}
+
 // TE RTN, one 256-group (16 blocks): codes (128 bytes), scales (16) <- x (256). False (nothing
 // written) if the group holds a NaN.
 template <typename In>
@@ -153,14 +165,7 @@ inline bool te_group256_avx512(uint8_t* codes, uint8_t* scales, const In* x, con
   }
   const __m512i bm = avx512_clean_maxima(avx512_block_maxima(pm), x);
   if (_mm512_cmpgt_epu32_mask(bm, _mm512_set1_epi32(0x7F800000)) != 0) return false;  // NaN
-  // nvfp4_te_block_scale / nvfp4_te_block_enc on 16 lanes (the same steps).
-  v16f t = (v16f)(_mm512_castsi512_ps(bm)) * g.m;
-  t = t < 448.0f ? t : 448.0f;
-  const v16u s = e4m3_rne_sat_magnitude16(t);
-  v16f enc = 1.0f / (e4m3_decode16(s) * g.s_dec);
-  enc = enc < kFltMax ? enc : kFltMax;
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8((__m512i)(s)));
-  const __m512 encv = (__m512)(enc), zero = _mm512_setzero_ps();
+  const __m512 encv = te_scales16(scales, bm, g), zero = _mm512_setzero_ps();
   const __m512i eight = _mm512_set1_epi32(8);
   for (int i = 0; i < 8; ++i) {
     const __m512 e2 = avx512_pair_broadcast(encv, i);
@@ -568,13 +573,7 @@ inline void twolevel_row_bf16_avx512(uint8_t* codes, uint8_t* inner, float* oute
 // nvfp4_te_block_scale / nvfp4_te_block_enc. False (nothing written) for a NaN.
 inline bool te_bf16_scales(uint8_t* scales, __m512i bm, const Nvfp4TeGlobal& g, __m512& enc_out, __mmask16& irregular) {
   if (_mm512_cmpgt_epu32_mask(bm, _mm512_set1_epi32(0x7F800000)) != 0) return false;
-  v16f t = (v16f)(_mm512_castsi512_ps(bm)) * g.m;
-  t = t < 448.0f ? t : 448.0f;
-  const v16u s = e4m3_rne_sat_magnitude16(t);
-  v16f enc = 1.0f / (e4m3_decode16(s) * g.s_dec);
-  enc = enc < kFltMax ? enc : kFltMax;
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8((__m512i)(s)));
-  const __m512 e = (__m512)(enc);
+  const __m512 e = te_scales16(scales, bm, g);
   const __mmask16 regular = _mm512_cmp_ps_mask(e, _mm512_set1_ps(0x1p-17f), _CMP_GT_OQ) &
                             _mm512_cmp_ps_mask(e, _mm512_set1_ps(0x1p64f), _CMP_LE_OQ);
   const __mmask16 zero = _mm512_cmpeq_epi32_mask(bm, _mm512_setzero_si512());
