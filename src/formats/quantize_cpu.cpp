@@ -191,12 +191,14 @@ inline void split32(const float* x, v16f& even, v16f& odd) {
 }
 // 8 packed bytes -> 16 codes in element order (even element = low nibble).
 inline v16u unpack_codes16(const uint8_t* p) {
-  typedef uint8_t v16b __attribute__((vector_size(16)));
-  v16b b = {};
-  std::memcpy(&b, p, 8);
-  const v16b dup = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
-  v16u w = __builtin_convertvector(__builtin_shuffle(b, dup), v16u);
-  const v16u sh = {0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4};
+  // Lanes 0-7 hold the low 32-bit word, lanes 8-15 the high one; lane i shifts out nibble i % 8
+  // (a byte shuffle here made GCC extract the bytes one by one through scalar registers).
+  uint32_t lo, hi;
+  std::memcpy(&lo, p, 4);
+  std::memcpy(&hi, p + 4, 4);
+  const v16i upper = {0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1};
+  const v16u sh = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
+  v16u w = upper != 0 ? v16u{} + hi : v16u{} + lo;
   return (w >> sh) & 0xFu;
 }
 // e2m1_decode on 16 lanes (table of the 16 signed values; 0x8 -> -0.0).
@@ -282,6 +284,44 @@ inline v16u e2m1_sr_index16(v16f a, v16f u) {
 inline v16f pair_max_abs(v16f even, v16f odd) {
   v16f a = vmax0(vabs(even)), b = vabs(odd);
   return b > a ? b : a;  // NaN b compares false: skipped
+}
+
+// ---- 16x16 tiles held as 16 row vectors (t[i] = row i, lane k = column k) ----
+// RHT16 along the rows of every column at once, without the 1/4: rows whose bit of `sign_mask`
+// is set negated (sign-bit xor, as -x), then rht16_butterfly_f32's stages h = 1, 2, 4, 8 on row
+// pairs (i, i + h): per column the same binary32 operations in the same order as rht16_f32.
+inline void rht16_rows_of_tile(v16f t[16], uint32_t sign_mask) {
+  for (int i = 0; i < 16; ++i)
+    if ((sign_mask >> i) & 1u) t[i] = (v16f)((v16u)(t[i]) ^ 0x80000000u);
+  for (int h = 1; h < 16; h <<= 1)
+    for (int i = 0; i < 16; ++i) {
+      if (i & h) continue;
+      v16f a = t[i], b = t[i + h];
+      t[i] = a + b;
+      t[i + h] = a - b;
+    }
+}
+template <int S, typename V>
+inline void transpose16x16_stage(V t[16]) {
+  // Row i (bit S clear) keeps its lanes without bit S and takes row i + S's lane l - S; row i + S
+  // the mirror. Masks: indices 0-15 select from a (row i), 16-31 from b (row i + S).
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16i keep = (lane & S) != 0 ? lane + (16 - S) : lane, take = keep + S;
+  for (int i = 0; i < 16; ++i) {
+    if (i & S) continue;
+    V a = t[i], b = t[i + S];
+    t[i] = __builtin_shuffle(a, b, keep);
+    t[i + S] = __builtin_shuffle(a, b, take);
+  }
+}
+// In-place transpose of a 16x16 tile of 32-bit lanes: stage S (8, 4, 2, 1) swaps bit S of the
+// row and the column index, two two-source permutes per row pair.
+template <typename V>
+inline void transpose16x16(V t[16]) {
+  transpose16x16_stage<8>(t);
+  transpose16x16_stage<4>(t);
+  transpose16x16_stage<2>(t);
+  transpose16x16_stage<1>(t);
 }
 #endif
 // E8M0 rules of e8m0.h on 16 lanes of block maxima (non-negative, NaN-free; Inf possible).
@@ -975,52 +1015,99 @@ void mxfp8_dequantize_cpu(float* y, const uint8_t* elems, const uint8_t* scales,
 
 void rht16_te_transpose_cpu(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t K) {
   NIB_CHECK_MSG(M % 16 == 0, "rht16: M={} must be a multiple of 16", M);
-  // Task = 16 rows (one RHT group along M) x 16 columns: load the 16x16 tile row-major (signs
-  // applied: negation is exact), run the butterfly on every column at once (k-lanes), store
-  // transposed. A column whose values pass rht16_bf16_sums_fit_f32 takes rht16_bf16_f32's binary32
-  // steps (exact there, so rht16_bf16_exact's bits); any other column rht16_bf16_exact itself.
-  int64_t kc = (K + 15) / 16;
-  parallel_for((M / 16) * kc, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      int64_t g = t / kc, k0 = 16 * (t % kc);
-      int kw = static_cast<int>(std::min<int64_t>(16, K - k0));
-      float tile[16][16] = {};
-      for (int i = 0; i < 16; ++i) {
-        const uint16_t* xr = x + (16 * g + i) * K + k0;
-        const uint32_t flip = ((kRhtTeSignMask >> i) & 1u) << 31;
-        for (int k = 0; k < kw; ++k) tile[i][k] = u32_as_float((static_cast<uint32_t>(xr[k]) << 16) ^ flip);
+  // Tile = 16 rows (one RHT group along M) x 16 columns: load it row-major (signs applied:
+  // negation is exact), run the butterfly on every column at once (k-lanes), store transposed. A
+  // column whose values pass rht16_bf16_sums_fit_f32 takes rht16_bf16_f32's binary32 steps (exact
+  // there, so rht16_bf16_exact's bits); any other column rht16_bf16_exact itself (exact_column:
+  // the column's values, signs applied, to output row k).
+  auto exact_column = [&](const float* column, int64_t g, int64_t k) {
+    uint16_t out[16];
+    rht16_bf16_exact(out, column, 0u);
+    std::memcpy(y_t + k * M + 16 * g, out, sizeof out);
+  };
+  auto tile16 = [&](int64_t g, int64_t k0) {
+    int kw = static_cast<int>(std::min<int64_t>(16, K - k0));
+#if NIBBLE_FORMATS_HMAX_TREE  // row vectors (k-lanes): butterfly across them, transpose in registers
+    v16f t[16];
+    v16u hi = {}, lo = v16u{} + 0xFFFFFFFFu;  // rht16_bf16_sums_fit_f32's bounds, per column
+    for (int i = 0; i < 16; ++i) {
+      const uint16_t* xr = x + (16 * g + i) * K + k0;
+      alignas(64) uint16_t part[16] = {};
+      if (kw < 16) std::memcpy(part, xr, 2 * kw);
+      v16u w = (v16u)(load16(kw < 16 ? part : xr)) ^ (((kRhtTeSignMask >> i) & 1u) << 31);
+      t[i] = (v16f)(w);
+      v16u b = w & 0x7FFFFFFFu;
+      hi = b > hi ? b : hi;
+      lo = b - 1u < lo ? b - 1u : lo;
+    }
+    rht16_rows_of_tile(t, 0u);
+    v16u bits[16];
+    for (int i = 0; i < 16; ++i) {  // f32_to_bf16_bits of finite values (other columns are redone)
+      v16u u = (v16u)(t[i] * 0.25f);
+      bits[i] = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    }
+    transpose16x16(bits);
+    typedef uint16_t v16h __attribute__((vector_size(32)));
+    for (int k = 0; k < kw; ++k) {
+      if (rht16_bf16_fit_from_bounds(hi[k], lo[k])) {
+        v16h out = __builtin_convertvector(bits[k], v16h);
+        std::memcpy(y_t + (k0 + k) * M + 16 * g, &out, 32);
+      } else {
+        float column[16];
+        for (int i = 0; i < 16; ++i)
+          column[i] = u32_as_float((static_cast<uint32_t>(x[(16 * g + i) * K + k0 + k]) << 16) ^
+                                   (((kRhtTeSignMask >> i) & 1u) << 31));
+        exact_column(column, g, k0 + k);
       }
-      uint32_t hi[16] = {}, lo[16];  // rht16_bf16_sums_fit_f32's bounds, per column
-      std::fill(lo, lo + 16, 0xFFFFFFFFu);
-      for (int i = 0; i < 16; ++i)
-        for (int k = 0; k < 16; ++k) {
-          const uint32_t b = float_as_u32(tile[i][k]) & 0x7FFFFFFFu;
-          hi[k] = std::max(hi[k], b);
-          lo[k] = std::min(lo[k], b - 1u);
-        }
-      bool fits[16];
+    }
+#else
+    float tile[16][16] = {};
+    for (int i = 0; i < 16; ++i) {
+      const uint16_t* xr = x + (16 * g + i) * K + k0;
+      const uint32_t flip = ((kRhtTeSignMask >> i) & 1u) << 31;
+      for (int k = 0; k < kw; ++k) tile[i][k] = u32_as_float((static_cast<uint32_t>(xr[k]) << 16) ^ flip);
+    }
+    uint32_t hi[16] = {}, lo[16];  // rht16_bf16_sums_fit_f32's bounds, per column
+    std::fill(lo, lo + 16, 0xFFFFFFFFu);
+    for (int i = 0; i < 16; ++i)
       for (int k = 0; k < 16; ++k) {
-        fits[k] = rht16_bf16_fit_from_bounds(hi[k], lo[k]);
-        if (!fits[k] && k < kw) {  // the double form on this column (signs already applied)
-          float column[16];
-          uint16_t out[16];
-          for (int i = 0; i < 16; ++i) column[i] = tile[i][k];
-          rht16_bf16_exact(out, column, 0u);
-          for (int j = 0; j < 16; ++j) y_t[(k0 + k) * M + 16 * g + j] = out[j];
+        const uint32_t b = float_as_u32(tile[i][k]) & 0x7FFFFFFFu;
+        hi[k] = std::max(hi[k], b);
+        lo[k] = std::min(lo[k], b - 1u);
+      }
+    bool fits[16];
+    for (int k = 0; k < 16; ++k) {
+      fits[k] = rht16_bf16_fit_from_bounds(hi[k], lo[k]);
+      if (!fits[k] && k < kw) {  // the double form on this column (signs already applied)
+        float column[16];
+        for (int i = 0; i < 16; ++i) column[i] = tile[i][k];
+        exact_column(column, g, k0 + k);
+      }
+    }
+    for (int h = 1; h < 16; h <<= 1)
+      for (int i = 0; i < 16; ++i) {
+        if (i & h) continue;
+        for (int k = 0; k < 16; ++k) {
+          float a = tile[i][k], b = tile[i + h][k];
+          tile[i][k] = a + b;
+          tile[i + h][k] = a - b;
         }
       }
-      for (int h = 1; h < 16; h <<= 1)
-        for (int i = 0; i < 16; ++i) {
-          if (i & h) continue;
-          for (int k = 0; k < 16; ++k) {
-            float a = tile[i][k], b = tile[i + h][k];
-            tile[i][k] = a + b;
-            tile[i + h][k] = a - b;
-          }
-        }
-      for (int k = 0; k < kw; ++k)
-        if (fits[k])
-          for (int j = 0; j < 16; ++j) y_t[(k0 + k) * M + 16 * g + j] = f32_to_bf16_bits(tile[j][k] * 0.25f);
+    for (int k = 0; k < kw; ++k)
+      if (fits[k])
+        for (int j = 0; j < 16; ++j) y_t[(k0 + k) * M + 16 * g + j] = f32_to_bf16_bits(tile[j][k] * 0.25f);
+#endif
+  };
+  // Task = 32 rows x 32 columns (2 x 2 tiles): whole 64-byte lines read and written. Consecutive
+  // tasks walk down M, so each of the task's 32 output rows is written sequentially.
+  int64_t gt = (M / 16 + 1) / 2, kt = (K + 31) / 32;
+  parallel_for(gt * kt, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t gp = t % gt, kp = t / gt;
+      if (gp + 2 < gt)  // the 32 input lines of the task two ahead (a 32-row stride: not prefetched by the hardware)
+        for (int64_t r = 32 * (gp + 2); r < std::min<int64_t>(32 * (gp + 3), M); ++r) __builtin_prefetch(x + r * K + 32 * kp);
+      for (int64_t g = 2 * gp; g < std::min<int64_t>(2 * gp + 2, M / 16); ++g)
+        for (int64_t k0 = 32 * kp; k0 < std::min<int64_t>(32 * kp + 32, K); k0 += 16) tile16(g, k0);
     }
   });
 }
@@ -1072,20 +1159,36 @@ void nvfp4_2level_backward_operand_cpu(uint8_t* codes_t, uint8_t* inner_t, float
   const int TM = M % 256 == 0 ? 256 : 128;
   int64_t mt = M / TM;
   parallel_for(mt * kt, 1, [&](int64_t t0, int64_t t1) {
+#if !NIBBLE_FORMATS_HMAX_TREE
     alignas(64) float tile[256][16];
+#endif
     alignas(64) float rows[16][256];
     for (int64_t t = t0; t < t1; ++t) {
       int64_t mi = t / kt, kj = t % kt;
+#if NIBBLE_FORMATS_HMAX_TREE
+      // Per 16-row group in registers: decode the 16 rows' blocks (row vectors, k-lanes), RHT
+      // across them, transpose, store as 16-element pieces of the 16 output rows. The first tile
+      // of every 128-column stripe prefetches the rows' next code line (the tile 8 columns on).
+      for (int g = 0; g < TM / 16; ++g) {
+        v16f tg[16];
+        for (int i = 0; i < 16; ++i) {
+          int64_t row = mi * TM + 16 * g + i;
+          const uint8_t* c = codes + row * (K / 2) + 8 * kj;
+          if ((kj & 7) == 0) __builtin_prefetch(c + 64);
+          float sp = nvfp4_2level_block_scale(inner[row * (K / 16) + kj], outer[row * no_in + (16 * kj) / 128]);
+          tg[i] = e2m1_decode16(unpack_codes16(c)) * sp;
+        }
+        rht16_rows_of_tile(tg, sign_mask);
+        for (int i = 0; i < 16; ++i) tg[i] = tg[i] * 0.25f;
+        transpose16x16(tg);
+        for (int k = 0; k < 16; ++k) std::memcpy(&rows[k][16 * g], &tg[k], 64);
+      }
+#else
       for (int m = 0; m < TM; ++m) {
         int64_t row = mi * TM + m;
         float sp = nvfp4_2level_block_scale(inner[row * (K / 16) + kj], outer[row * no_in + (16 * kj) / 128]);
         const uint8_t* c = codes + row * (K / 2) + 8 * kj;
-#if NIBBLE_FORMATS_HMAX_TREE  // GCC shuffles (unpack_codes16)
-        v16f v = e2m1_decode16(unpack_codes16(c)) * sp;
-        std::memcpy(tile[m], &v, 64);
-#else
         for (int i = 0; i < 16; ++i) tile[m][i] = nvfp4_2level_decode(e2m1_unpack(c, i), sp);
-#endif
       }
       for (int g = 0; g < TM / 16; ++g) {
         float(*tg)[16] = tile + 16 * g;
@@ -1106,6 +1209,7 @@ void nvfp4_2level_backward_operand_cpu(uint8_t* codes_t, uint8_t* inner_t, float
       }
       for (int m = 0; m < TM; ++m)
         for (int k = 0; k < 16; ++k) rows[k][m] = tile[m][k];
+#endif
       for (int i = 0; i < 16; ++i) {
         int64_t k = 16 * kj + i, m0 = mi * TM;
         float* ot = outer_t + k * (M / 128) + m0 / 128;

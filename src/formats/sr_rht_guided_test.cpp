@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <set>
@@ -289,20 +290,58 @@ TEST(Rht, Bf16TileInBinary32EqualsDoubleWhereSumsFit) {
 }
 
 TEST(Rht, TeTransposeDriverEqualsTileFunction) {
-  // Any K (partial 16-column tiles), wide magnitudes: driver == rht16_bf16_exact per column group.
-  const int64_t M = 48, K = 40;
-  std::vector<float> xf = normal_input(M * K, 15, 100.0);
-  std::vector<uint16_t> x(M * K), yt(K * M);
-  for (size_t i = 0; i < x.size(); ++i) x[i] = f32_to_bf16_bits(xf[i] * static_cast<float>(std::exp(3.0 * (i % 7))));
-  rht16_te_transpose_cpu(yt.data(), x.data(), M, K);
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t g = 0; g < M / 16; ++g) {
-      float t[16];
-      uint16_t ref[16];
-      for (int i = 0; i < 16; ++i) t[i] = bf16_bits_to_f32(x[(16 * g + i) * K + k]);
-      rht16_bf16_exact(ref, t, kRhtTeSignMask);
-      for (int j = 0; j < 16; ++j) ASSERT_EQ(yt[k * M + 16 * g + j], ref[j]) << k << "," << g << "," << j;
+  // Any K (partial 16-column tiles and 32-column tasks), an odd number of 16-row groups, wide
+  // magnitudes (both the binary32 and the double form): driver == rht16_bf16_exact per column
+  // group.
+  for (auto [M, K] : {std::pair<int64_t, int64_t>{48, 40}, {272, 112}}) {
+    SCOPED_TRACE(M);
+    std::vector<float> xf = normal_input(M * K, 15, 100.0);
+    std::vector<uint16_t> x(M * K), yt(K * M);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = f32_to_bf16_bits(xf[i] * static_cast<float>(std::exp(3.0 * (i % 7))));
+    rht16_te_transpose_cpu(yt.data(), x.data(), M, K);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t g = 0; g < M / 16; ++g) {
+        float t[16];
+        uint16_t ref[16];
+        for (int i = 0; i < 16; ++i) t[i] = bf16_bits_to_f32(x[(16 * g + i) * K + k]);
+        rht16_bf16_exact(ref, t, kRhtTeSignMask);
+        for (int j = 0; j < 16; ++j) ASSERT_EQ(yt[k * M + 16 * g + j], ref[j]) << k << "," << g << "," << j;
+      }
+  }
+}
+
+TEST(Rht, TeTransposeDriverTakesTheDoubleFormWhereBinary32Differs) {
+  // Columns on which rht16_bf16_f32 (binary32 sums) and rht16_bf16_exact disagree, found by a
+  // search over wide-spread BF16 values (few mantissa bits in the large ones, so the exact sums
+  // land on BF16 midpoints that a tiny term decides), with zeros mixed in: the driver must route
+  // each of them to the double form. A fit test that passes too many columns fails here.
+  PhiloxStream rng(31, 7);
+  std::vector<std::array<float, 16>> bad;
+  for (int trial = 0; trial < 200000 && bad.size() < 64; ++trial) {
+    std::array<float, 16> c{};
+    for (int i = 0; i < 16; ++i) {
+      const uint64_t kind = rng.next_below(4);
+      const float sign = rng.next_below(2) ? -1.0f : 1.0f;
+      if (kind == 0) continue;  // zero
+      if (kind == 1) c[i] = sign * std::ldexp(1.0f + static_cast<float>(rng.next_below(4)) / 4.0f, static_cast<int>(rng.next_below(3)));
+      else c[i] = round_to_bf16(sign * std::ldexp(1.0f + static_cast<float>(rng.next_below(128)) / 128.0f, -static_cast<int>(rng.next_below(24))));
     }
+    uint16_t fast[16], exact[16];
+    rht16_bf16_f32(fast, c.data(), kRhtTeSignMask);
+    rht16_bf16_exact(exact, c.data(), kRhtTeSignMask);
+    if (!std::equal(fast, fast + 16, exact)) bad.push_back(c);
+  }
+  ASSERT_GE(bad.size(), 16u);
+  const int64_t M = 16, K = static_cast<int64_t>(bad.size());
+  std::vector<uint16_t> x(M * K), yt(K * M);
+  for (int64_t k = 0; k < K; ++k)
+    for (int i = 0; i < 16; ++i) x[i * K + k] = f32_to_bf16_bits(bad[k][i]);
+  rht16_te_transpose_cpu(yt.data(), x.data(), M, K);
+  for (int64_t k = 0; k < K; ++k) {
+    uint16_t want[16];
+    rht16_bf16_exact(want, bad[k].data(), kRhtTeSignMask);
+    for (int j = 0; j < 16; ++j) ASSERT_EQ(yt[k * M + j], want[j]) << "column " << k << " output " << j;
+  }
 }
 
 // ---- fused backward operand -------------------------------------------------------------------------
