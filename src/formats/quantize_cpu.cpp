@@ -293,13 +293,7 @@ inline v16f pair_max_abs(v16f even, v16f odd) {
 inline void rht16_rows_of_tile(v16f t[16], uint32_t sign_mask) {
   for (int i = 0; i < 16; ++i)
     if ((sign_mask >> i) & 1u) t[i] = (v16f)((v16u)(t[i]) ^ 0x80000000u);
-  for (int h = 1; h < 16; h <<= 1)
-    for (int i = 0; i < 16; ++i) {
-      if (i & h) continue;
-      v16f a = t[i], b = t[i + h];
-      t[i] = a + b;
-      t[i + h] = a - b;
-    }
+  rht16_butterfly(t);
 }
 template <int S, typename V>
 inline void transpose16x16_stage(V t[16]) {

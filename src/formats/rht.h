@@ -34,8 +34,10 @@ NIB_HOST_DEVICE int rht_h16(int i, int j) {
   return (v & 1u) ? -1 : 1;
 }
 
-// The butterfly alone, in place: t <- t · H16 (no signs, no 1/4), in the fixed order above.
-NIB_HOST_DEVICE void rht16_butterfly_f32(float* t) {
+// The butterfly alone, in place: t <- t · H16 (no signs, no 1/4), in the fixed order above. T is
+// float, or a CPU vector type holding one column per lane (quantize_cpu.cpp's 16x16 tiles).
+template <typename T>
+NIB_HOST_DEVICE void rht16_butterfly(T* t) {
 #if defined(__CUDACC__)
 #pragma unroll
 #endif
@@ -45,12 +47,13 @@ NIB_HOST_DEVICE void rht16_butterfly_f32(float* t) {
 #endif
     for (int i = 0; i < 16; ++i) {
       if (i & h) continue;
-      float a = t[i], b = t[i + h];
+      T a = t[i], b = t[i + h];
       t[i] = a + b;
       t[i + h] = a - b;
     }
   }
 }
+NIB_HOST_DEVICE void rht16_butterfly_f32(float* t) { rht16_butterfly(t); }
 // y (16) <- x (16) · (1/4) diag(s) H16 in binary32, fixed order (see the file comment).
 // y may alias x.
 NIB_HOST_DEVICE void rht16_f32(float* y, const float* x, uint32_t sign_mask) {
