@@ -8,7 +8,8 @@
 # (3) a direct nvcc/g++ build of that same binary from src/ with headers carried in .gpudeps/
 # (fmt header-only, nlohmann, googletest sources) for machines without the Debian packages.
 # Test data: $NIBBLE_TESTDATA_DIR, else ./.testdata (a copy of ../shared/testdata). Options:
-# NIBBLE_GPU_NCU=1 (ncu counters of four kernels: TE and 2-level BF16 RTN quantize, fused SR, TE wgrad RHT), NIBBLE_GPU_SANITIZE=1 (compute-sanitizer).
+# NIBBLE_GPU_NCU=1 (ncu counters of five kernels: TE and 2-level BF16 RTN quantize, fused SR, TE wgrad RHT,
+# the fused op's arithmetic floor), NIBBLE_GPU_SANITIZE=1 (compute-sanitizer).
 # Files under $OUT: steps.log, tests.log, bench.log, and with the options ncu.txt, sanitizer.log,
 # sass_counts.txt (instructions per kernel), and with NIBBLE_GPU_SASS_KERNELS=<regex> sass_kernels.txt.
 set -uo pipefail
@@ -121,18 +122,19 @@ if command -v cuobjdump >/dev/null; then
 fi
 
 if [ "${NIBBLE_GPU_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
-  # Hardware counters of three kernels on the quick (4096^2) bench: is it issue- or memory-bound?
+  # Hardware counters of five kernels on the quick (4096^2) bench: is it issue- or memory-bound?
   stamp "ncu profiles"
   for k in 'nvfp4_te_quantize_kernel<nibble::cuda::FormatsCodec, unsigned short' 'nvfp4_2level_bf16_k128_kernel<.int.2, .int.5, .bool.0' \
-           'transpose_rht_requantize_kernel<nibble::cuda::FormatsCodec, .bool.1' 'rht16_transpose_bf16_kernel<.bool.1'; do
+           'transpose_rht_requantize_kernel<nibble::cuda::FormatsCodec, .bool.1' 'rht16_transpose_bf16_kernel<.bool.1' \
+           'fused_arithmetic_floor_kernel'; do
     NIBBLE_BENCH_QUICK=1 timeout 120 ncu --clock-control none --kernel-name-base demangled -k "regex:${k//[<>:,]/.}" -c 1 \
       --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats --section InstructionStats \
       "$BIN" --gtest_also_run_disabled_tests --gtest_filter='CudaBench.*' >>"$OUT/ncu.txt" 2>&1
   done
-  grep -E "nvfp4|transpose_rht|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|No Eligible|Duration" "$OUT/ncu.txt" | head -40
+  grep -E "nvfp4|transpose_rht|floor_kernel|Executed Instructions  |Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|No Eligible|Duration" "$OUT/ncu.txt" | head -60
 fi
 
 echo
 echo "tests rc=$TEST_RC bench rc=$BENCH_RC ($(grep -c '^\[       OK \]' "$OUT/tests.log") tests OK, $(grep -c '^\[  FAILED  \]' "$OUT/tests.log") failed lines)"
-grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |te rht)' "$OUT/bench.log" || tail -20 "$OUT/bench.log"
+grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |floor|te rht)' "$OUT/bench.log" || tail -20 "$OUT/bench.log"
 [ $TEST_RC = 0 ] && [ $BENCH_RC = 0 ]

@@ -13,9 +13,11 @@
 #include <memory>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/quantize.h"
 #include "core/bits.h"
 #include "core/philox.h"
+#include "formats/nvfp4.h"
 #include "formats/rht.h"
 
 namespace nibble::cuda {
@@ -34,6 +36,43 @@ __global__ void fill_normal_kernel(T* x, int64_t n, uint64_t seed) {
     if constexpr (sizeof(T) == 2) x[i] = f32_to_bf16_bits(z);
     else x[i] = z;
   }
+}
+
+// The element arithmetic of the fused backward-operand op with no memory traffic: what a fused
+// kernel would cost if its loads, stores, shared-memory transpose and addressing were free. Each
+// thread runs kFloorGroups 16-element groups in registers, each with the fused kernel's own steps
+// on its fast path: decode of two code words (e2m1_decode8_mul; the codes are the previous
+// group's output, so each group depends on the last and nothing is dead), the RHT butterfly, the
+// block max, the scale chain (outer scale over the 8 lanes of a 128-block, inner scale, block
+// scale, reciprocal) and the fast SR encode (two Philox4x32-10 blocks, the 5-step quotient, the
+// top-byte SR index). The thread's last code words go to `out` (so the work is observable).
+constexpr int kFloorGroups = 16;
+__global__ void __launch_bounds__(256) fused_arithmetic_floor_kernel(uint32_t* out, int64_t threads, SrKeyDevice key) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  uint32_t w0 = static_cast<uint32_t>(t) * 0x9E3779B9u, w1 = ~w0;  // the first group's codes
+  const float so_in = 0.75f;  // the decode factor (inner times outer scale of the input block)
+#pragma unroll 1
+  for (int it = 0; it < kFloorGroups; ++it) {
+    float lo[8], hi[8], v[16];
+    e2m1_decode8_mul(lo, w0, so_in);
+    e2m1_decode8_mul(hi, w1, so_in);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { v[i] = lo[i]; v[8 + i] = hi[i]; }
+    formats::rht16_butterfly_f32(v);
+    float vmax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) vmax = fmaxf(vmax, fabsf(v[i]));
+    const float bamax = vmax * 0.25f;
+    const float so = formats::nvfp4_2level_outer_scale(group_max<8>(bamax));
+    const uint32_t si = formats::nvfp4_2level_inner_scale(bamax, so);
+    const float sp = nvfp4_2level_block_scale_encoded(si, so);
+    const float rp = formats::nvfp4_2level_block_reciprocal(sp);
+    const uint64_t q0 = (static_cast<uint64_t>(t) * kFloorGroups + it) * 2;
+    const PackedBytes<8> packed = nvfp4_2level_encode_block16_fast<true>(v, 4.0f * sp, 0.25f * rp, key, q0);
+    w0 = packed.w[0];
+    w1 = packed.w[1];
+  }
+  if (t < threads) out[t] = w0 ^ w1;
 }
 
 struct DeviceBuffer {
@@ -201,6 +240,16 @@ Result<std::vector<BandwidthRow>> run_quantize_bandwidth_bench(const BandwidthBe
                                                   outer_t[b]->as<float>(), codes[b]->as<uint8_t>(),
                                                   scales[b]->as<uint8_t>(), outer[b]->as<float>(), M, K, mask, nullptr));
     });
+    // The fused op's element arithmetic alone (fused_arithmetic_floor_kernel), reported with the
+    // fused op's byte count: the ratio a fused kernel could reach if nothing but these steps cost.
+    {
+      const int64_t threads = N / (16 * kFloorGroups);
+      const SrKeyDevice dkey(key);
+      add("floor: fused op's arithmetic, no memory", fused_bytes, [&](int b) {
+        fused_arithmetic_floor_kernel<<<ceil_div_int(threads, 256), 256>>>(dst[b]->as<uint32_t>(), threads, dkey);
+        NIB_CUDA_CHECK_LAUNCH();
+      });
+    }
     // TE wgrad operand: RHT-transpose (read 2N, write 2N) + amax (2N) + quantize (2N + N/2 + N/16).
     add("te rht_t wgrad bf16 (rht+amax+quant)", 8 * n + n / 2 + n / 16 + 4, [&](int b) {
       check(quantize_nvfp4_te_rht_t(codes_t[b]->as<uint8_t>(), inner_t[b]->as<uint8_t>(), amax[b]->as<float>(),
