@@ -318,6 +318,24 @@ inline void transpose16x16(V t[16]) {
   transpose16x16_stage<1>(t);
 }
 #endif
+#if !NIBBLE_FORMATS_HMAX_TREE
+// A row of a 16x16 tile in the scalar tile paths, with elementwise binary32 + and -: rht16_butterfly
+// (rht.h) on 16 such rows runs the butterfly down every column, per column the same operations in
+// the same order as rht16_f32.
+struct TileRow16 {
+  float e[16];
+};
+inline TileRow16 operator+(const TileRow16& a, const TileRow16& b) {
+  TileRow16 r;
+  for (int k = 0; k < 16; ++k) r.e[k] = a.e[k] + b.e[k];
+  return r;
+}
+inline TileRow16 operator-(const TileRow16& a, const TileRow16& b) {
+  TileRow16 r;
+  for (int k = 0; k < 16; ++k) r.e[k] = a.e[k] - b.e[k];
+  return r;
+}
+#endif
 // E8M0 rules of e8m0.h on 16 lanes of block maxima (non-negative, NaN-free; Inf possible).
 inline v16u e8m0_round_up_bits16(v16f d) {
   v16u u = (v16u)(d)&0x7FFFFFFFu;
@@ -1055,17 +1073,17 @@ void rht16_te_transpose_cpu(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t
       }
     }
 #else
-    float tile[16][16] = {};
+    TileRow16 tile[16] = {};
     for (int i = 0; i < 16; ++i) {
       const uint16_t* xr = x + (16 * g + i) * K + k0;
       const uint32_t flip = ((kRhtTeSignMask >> i) & 1u) << 31;
-      for (int k = 0; k < kw; ++k) tile[i][k] = u32_as_float((static_cast<uint32_t>(xr[k]) << 16) ^ flip);
+      for (int k = 0; k < kw; ++k) tile[i].e[k] = u32_as_float((static_cast<uint32_t>(xr[k]) << 16) ^ flip);
     }
     uint32_t hi[16] = {}, lo[16];  // rht16_bf16_sums_fit_f32's bounds, per column
     std::fill(lo, lo + 16, 0xFFFFFFFFu);
     for (int i = 0; i < 16; ++i)
       for (int k = 0; k < 16; ++k) {
-        const uint32_t b = float_as_u32(tile[i][k]) & 0x7FFFFFFFu;
+        const uint32_t b = float_as_u32(tile[i].e[k]) & 0x7FFFFFFFu;
         hi[k] = std::max(hi[k], b);
         lo[k] = std::min(lo[k], b - 1u);
       }
@@ -1074,22 +1092,14 @@ void rht16_te_transpose_cpu(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t
       fits[k] = rht16_bf16_fit_from_bounds(hi[k], lo[k]);
       if (!fits[k] && k < kw) {  // the double form on this column (signs already applied)
         float column[16];
-        for (int i = 0; i < 16; ++i) column[i] = tile[i][k];
+        for (int i = 0; i < 16; ++i) column[i] = tile[i].e[k];
         exact_column(column, g, k0 + k);
       }
     }
-    for (int h = 1; h < 16; h <<= 1)
-      for (int i = 0; i < 16; ++i) {
-        if (i & h) continue;
-        for (int k = 0; k < 16; ++k) {
-          float a = tile[i][k], b = tile[i + h][k];
-          tile[i][k] = a + b;
-          tile[i + h][k] = a - b;
-        }
-      }
+    rht16_butterfly(tile);
     for (int k = 0; k < kw; ++k)
       if (fits[k])
-        for (int j = 0; j < 16; ++j) y_t[(k0 + k) * M + 16 * g + j] = f32_to_bf16_bits(tile[j][k] * 0.25f);
+        for (int j = 0; j < 16; ++j) y_t[(k0 + k) * M + 16 * g + j] = f32_to_bf16_bits(tile[j].e[k] * 0.25f);
 #endif
   };
   // Task = 32 rows x 32 columns (2 x 2 tiles): whole 64-byte lines read and written. Consecutive
@@ -1154,7 +1164,7 @@ void nvfp4_2level_backward_operand_cpu(uint8_t* codes_t, uint8_t* inner_t, float
   int64_t mt = M / TM;
   parallel_for(mt * kt, 1, [&](int64_t t0, int64_t t1) {
 #if !NIBBLE_FORMATS_HMAX_TREE
-    alignas(64) float tile[256][16];
+    alignas(64) TileRow16 tile[256];
 #endif
     alignas(64) float rows[16][256];
     for (int64_t t = t0; t < t1; ++t) {
@@ -1182,27 +1192,17 @@ void nvfp4_2level_backward_operand_cpu(uint8_t* codes_t, uint8_t* inner_t, float
         int64_t row = mi * TM + m;
         float sp = nvfp4_2level_block_scale(inner[row * (K / 16) + kj], outer[row * no_in + (16 * kj) / 128]);
         const uint8_t* c = codes + row * (K / 2) + 8 * kj;
-        for (int i = 0; i < 16; ++i) tile[m][i] = nvfp4_2level_decode(e2m1_unpack(c, i), sp);
+        for (int i = 0; i < 16; ++i) tile[m].e[i] = nvfp4_2level_decode(e2m1_unpack(c, i), sp);
       }
       for (int g = 0; g < TM / 16; ++g) {
-        float(*tg)[16] = tile + 16 * g;
+        TileRow16* tg = tile + 16 * g;
         for (int i = 0; i < 16; ++i)
           if ((sign_mask >> i) & 1u)
-            for (int k = 0; k < 16; ++k) tg[i][k] = -tg[i][k];
-        for (int h = 1; h < 16; h <<= 1)
-          for (int i = 0; i < 16; ++i) {
-            if (i & h) continue;
-            for (int k = 0; k < 16; ++k) {
-              float a = tg[i][k], b = tg[i + h][k];
-              tg[i][k] = a + b;
-              tg[i + h][k] = a - b;
-            }
-          }
-        for (int i = 0; i < 16; ++i)
-          for (int k = 0; k < 16; ++k) tg[i][k] = tg[i][k] * 0.25f;
+            for (int k = 0; k < 16; ++k) tg[i].e[k] = -tg[i].e[k];
+        rht16_butterfly(tg);
       }
       for (int m = 0; m < TM; ++m)
-        for (int k = 0; k < 16; ++k) rows[k][m] = tile[m][k];
+        for (int k = 0; k < 16; ++k) rows[k][m] = tile[m].e[k] * 0.25f;
 #endif
       for (int i = 0; i < 16; ++i) {
         int64_t k = 16 * kj + i, m0 = mi * TM;
