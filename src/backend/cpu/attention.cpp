@@ -1,7 +1,8 @@
-// Causal GQA attention forward/backward on the CPU (see attention.h). Per (batch, head) the
-// score, PV and gradient products are GEMMs on strided views of the (B,T,H,D) tensors
-// (gemm_serial, one BLAS call per product on the calling thread); the full T x T score matrix is
-// computed and the causal mask applied before the softmax (2x the causal flops, but BLAS speed).
+// Causal GQA attention forward/backward on the CPU (see attention.h), flash-style contract: the
+// forward saves the log-sum-exp per query row, the backward recomputes the probabilities. Per
+// (batch, head) the score, PV and gradient products are GEMMs on strided views of the (B,T,H,D)
+// tensors (gemm_serial, one BLAS call per product on the calling thread); the full T x T score
+// matrix of one head is computed in scratch and the causal mask applied before the softmax.
 // Forward work items are (batch, query head); backward items are (batch, kv head) with all query
 // heads of the group, so dk/dv have a single writer.
 #include "backend/cpu/attention.h"
@@ -17,21 +18,28 @@
 
 namespace nibble::cpu {
 
+// Scores of one (batch, head): a (T,T) = scale q k^T, causal entries only are meaningful.
 template <typename T>
-void attention_forward(T* out, T* att, const T* q, const T* k, const T* v, int64_t B, int64_t Tn, int64_t H,
+void attention_scores(T* a, const T* qb, int64_t ldq, const T* kb, int64_t ldk, int64_t Tn, int64_t D, T scale) {
+  gemm_serial<T>(false, true, Tn, Tn, D, scale, qb, ldq, kb, ldk, T(0), a, Tn);
+}
+
+template <typename T>
+void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v, int64_t B, int64_t Tn, int64_t H,
                        int64_t Hkv, int64_t D) {
   NIB_CHECK(H % Hkv == 0);
   const int64_t group = H / Hkv;
   const T scale = T(1) / std::sqrt(static_cast<T>(D));
   parallel_for(B * H, grain_for(Tn * Tn * D), [&](int64_t b0, int64_t e0) {
+    std::vector<T> att(static_cast<size_t>(Tn * Tn));  // one (T,T) scratch per work chunk
     for (int64_t bh = b0; bh < e0; ++bh) {
       const int64_t b = bh / H, h = bh % H, hk = h / group;
       const T* qb = q + (b * Tn * H + h) * D;      // (T,D) ld H*D
       const T* kb = k + (b * Tn * Hkv + hk) * D;   // (T,D) ld Hkv*D
       const T* vb = v + (b * Tn * Hkv + hk) * D;   // (T,D) ld Hkv*D
-      T* a = att + bh * Tn * Tn;                   // (T,T)
-      // a = scale * q k^T
-      gemm_serial<T>(false, true, Tn, Tn, D, scale, qb, H * D, kb, Hkv * D, T(0), a, Tn);
+      T* a = att.data();                           // (T,T)
+      T* lrow = lse + bh * Tn;                     // (T) of lse (B,H,T)
+      attention_scores(a, qb, H * D, kb, Hkv * D, Tn, D, scale);
       for (int64_t t = 0; t < Tn; ++t) {
         T* row = a + t * Tn;
         T mx = -std::numeric_limits<T>::infinity();
@@ -44,6 +52,7 @@ void attention_forward(T* out, T* att, const T* q, const T* k, const T* v, int64
         T inv = T(1) / sum;
         for (int64_t t2 = 0; t2 <= t; ++t2) row[t2] *= inv;
         for (int64_t t2 = t + 1; t2 < Tn; ++t2) row[t2] = T(0);  // causal mask
+        lrow[t] = mx + std::log(sum);
       }
       // out (T,D) ld H*D = a (T,T) . v (T,D)
       gemm_serial<T>(false, false, Tn, D, Tn, T(1), a, Tn, vb, Hkv * D, T(0), out + (b * Tn * H + h) * D, H * D);
@@ -52,13 +61,13 @@ void attention_forward(T* out, T* att, const T* q, const T* k, const T* v, int64
 }
 
 template <typename T>
-void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* att, const T* q, const T* k, const T* v,
-                        int64_t B, int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
+void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* out, const T* lse, const T* q, const T* k,
+                        const T* v, int64_t B, int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
   NIB_CHECK(H % Hkv == 0);
   const int64_t group = H / Hkv;
   const T scale = T(1) / std::sqrt(static_cast<T>(D));
   parallel_for(B * Hkv, grain_for(group * Tn * Tn * D), [&](int64_t b0, int64_t e0) {
-    std::vector<T> ds(static_cast<size_t>(Tn * Tn));  // one (T,T) scratch per work chunk
+    std::vector<T> att(static_cast<size_t>(Tn * Tn)), ds(att.size());  // (T,T) scratch per work chunk
     for (int64_t bk = b0; bk < e0; ++bk) {
       const int64_t b = bk / Hkv, hk = bk % Hkv;
       const T* kb = k + (b * Tn * Hkv + hk) * D;
@@ -67,19 +76,29 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* att, const 
       T* dvb = dv + (b * Tn * Hkv + hk) * D;
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         const T beta = h == hk * group ? T(0) : T(1);  // first head of the group overwrites dk, dv
-        const T* a = att + (b * H + h) * Tn * Tn;
         const T* qb = q + (b * Tn * H + h) * D;
         const T* dob = dout + (b * Tn * H + h) * D;
+        const T* ob = out + (b * Tn * H + h) * D;
+        const T* lrow = lse + (b * H + h) * Tn;
+        // recompute the probabilities from the saved log-sum-exp: a = exp(s - lse), 0 above the diagonal
+        T* a = att.data();
+        attention_scores(a, qb, H * D, kb, Hkv * D, Tn, D, scale);
+        for (int64_t t = 0; t < Tn; ++t) {
+          T* row = a + t * Tn;
+          for (int64_t t2 = 0; t2 <= t; ++t2) row[t2] = std::exp(row[t2] - lrow[t]);
+          for (int64_t t2 = t + 1; t2 < Tn; ++t2) row[t2] = T(0);
+        }
         // out = a v:  dv += a^T dout;  da = dout v^T
         gemm_serial<T>(true, false, Tn, D, Tn, T(1), a, Tn, dob, H * D, beta, dvb, Hkv * D);
         gemm_serial<T>(false, true, Tn, Tn, D, T(1), dob, H * D, vb, Hkv * D, T(0), ds.data(), Tn);
-        // softmax backward: ds = a (da - sum_t2 a da) * scale (masked entries have a = 0)
+        // softmax backward: ds = a (da - delta) * scale with delta_t = sum_d dout[t,d] out[t,d]
+        // (= sum_t2 a da, the flash-attention form); masked entries have a = 0
         for (int64_t t = 0; t < Tn; ++t) {
           const T* ar = a + t * Tn;
           T* dr = ds.data() + t * Tn;
-          T dot = 0;
-          for (int64_t t2 = 0; t2 <= t; ++t2) dot += ar[t2] * dr[t2];
-          for (int64_t t2 = 0; t2 <= t; ++t2) dr[t2] = ar[t2] * (dr[t2] - dot) * scale;
+          T delta = 0;
+          for (int64_t d = 0; d < D; ++d) delta += dob[t * H * D + d] * ob[t * H * D + d];
+          for (int64_t t2 = 0; t2 <= t; ++t2) dr[t2] = ar[t2] * (dr[t2] - delta) * scale;
           for (int64_t t2 = t + 1; t2 < Tn; ++t2) dr[t2] = T(0);
         }
         // scores = scale q k^T:  dq = ds k;  dk += ds^T q
@@ -96,8 +115,10 @@ template void attention_forward<float>(float*, float*, const float*, const float
 template void attention_forward<double>(double*, double*, const double*, const double*, const double*, int64_t,
                                         int64_t, int64_t, int64_t, int64_t);
 template void attention_backward<float>(float*, float*, float*, const float*, const float*, const float*,
-                                        const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+                                        const float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t,
+                                        int64_t);
 template void attention_backward<double>(double*, double*, double*, const double*, const double*, const double*,
-                                         const double*, const double*, int64_t, int64_t, int64_t, int64_t, int64_t);
+                                         const double*, const double*, const double*, int64_t, int64_t, int64_t,
+                                         int64_t, int64_t);
 
 }  // namespace nibble::cpu

@@ -8,15 +8,18 @@
 
 namespace nibble::cpu {
 
-// out: (B,T,H,D); att: (B,H,T,T) softmax probabilities saved for backward (entries t2 > t are 0);
+// Flash-style contract (06-backends.md): out: (B,T,H,D); lse: (B,H,T) log-sum-exp of each query
+// row's scaled causal scores, saved for backward instead of the (B,H,T,T) probabilities;
 // q: (B,T,H,D); k, v: (B,T,Hkv,D). H % Hkv == 0.
 template <typename T>
-void attention_forward(T* out, T* att, const T* q, const T* k, const T* v, int64_t B, int64_t Tn, int64_t H,
+void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v, int64_t B, int64_t Tn, int64_t H,
                        int64_t Hkv, int64_t D);
 
-// dq: (B,T,H,D), dk, dv: (B,T,Hkv,D) all overwritten; dout: (B,T,H,D); att from forward.
+// dq: (B,T,H,D), dk, dv: (B,T,Hkv,D) all overwritten; dout, out: (B,T,H,D); lse from forward:
+// the probabilities are recomputed as exp(scale q k^T - lse), delta_t = sum_d dout out.
 template <typename T>
-void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* att, const T* q, const T* k, const T* v,
+void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* out, const T* lse, const T* q, const T* k,
+                        const T* v,
                         int64_t B, int64_t Tn, int64_t H, int64_t Hkv, int64_t D);
 
 }  // namespace nibble::cpu

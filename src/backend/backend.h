@@ -1,0 +1,276 @@
+// The backend seam (../shared/spec/06-backends.md): every op the training step, the recipes and
+// the optimizer run goes through one Backend object per model instance, so one model definition
+// and one copy of each recipe's policy run on the CPU (backend/cpu, the oracle) and on CUDA
+// (backend/cuda). Ops are destination-first over raw pointers in the backend's memory (host
+// memory for the CPU backend, device memory for CUDA), stream-ordered; shapes are written at
+// every pointer. Scalar readable references for each op live in backend/reference.h; the op-test
+// suite (src/backend/ops_test) runs every op on every available backend against them.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "core/status.h"
+#include "core/tensor.h"
+#include "formats/mx.h"
+#include "formats/nvfp4.h"
+
+namespace nibble::backend {
+
+// ---- quantized operands: one value type --------------------------------------------------------
+// A quantized matrix (rows, cols) with blocks along cols, as a view of memory owned elsewhere
+// (on the backend's device). Used by recipes, checkpoints, export and weight sync alike.
+enum class QuantFormat : uint8_t {
+  kNvfp4Te,       // TE 1x16: codes (rows, cols/2) e2m1x2, scales (rows, cols/16) e4m3, amax (1) f32
+  kNvfp4Te2d,     // TE 16x16 tiles, scales replicated per row as kNvfp4Te; amax (1) f32
+  kNvfp4TwoLevel, // TetraJet-v2 double-block: codes, inner scales (rows, cols/16) e4m3,
+                  //   outer (rows, ceil(cols/128)) f32
+  kMxfp8,         // elems (rows, cols) e4m3, scales (rows, cols/32) e8m0 (rule kRceil unless said)
+};
+const char* quant_format_name(QuantFormat f);
+
+struct QuantizedTensor {
+  QuantFormat format = QuantFormat::kNvfp4TwoLevel;
+  int64_t rows = 0, cols = 0;
+  uint8_t* codes = nullptr;   // packed e2m1 (rows, cols/2) or e4m3 elements (rows, cols)
+  uint8_t* scales = nullptr;  // block scales, row-major linear layout
+  float* outer = nullptr;     // 2-level outer scales (rows, ceil(cols/128)) or TE amax (1)
+  // Bytes of each part for this format and shape.
+  static int64_t code_bytes(QuantFormat f, int64_t rows, int64_t cols);
+  static int64_t scale_bytes(QuantFormat f, int64_t rows, int64_t cols);
+  static int64_t outer_count(QuantFormat f, int64_t rows, int64_t cols);
+};
+
+// Ops a backend may lack; supports() says so, require() fails loudly naming the op and backend.
+enum class Op : uint16_t {
+  kGemm, kEmbedding, kRmsNorm, kRope, kSwiglu, kAttention, kCrossEntropy, kElementwise, kMoeRouting,
+  kAdamW, kQuantizeNvfp4Te, kQuantizeNvfp4TwoLevel, kQuantizeMxfp8, kRht16, kBackwardOperandTwoLevel,
+  kCount
+};
+const char* op_name(Op op);
+
+struct CrossEntropySums {
+  double ce_sum = 0;   // sum over valid rows of ce
+  double z_sum = 0;    // sum over valid rows of lse^2
+  int64_t n_valid = 0;
+};
+
+// What AdamW needs for one flat parameter range (see train/optimizer.h for the exact order).
+struct AdamWStep {
+  double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
+  int64_t step = 1;       // 1-based step count after this update (bias corrections)
+  float grad_scale = 1;   // gradients are multiplied by this first
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Device device() const = 0;
+  virtual std::string name() const = 0;  // "cpu", "cuda:0 (NVIDIA H200)"
+  virtual bool supports(Op op) const = 0;
+  // Fails with a CheckError naming the op and the backend when !supports(op).
+  void require(Op op) const;
+
+  // ---- memory (not for hot paths: callers keep grow-only buffers) -----------------------------
+  // Zero-filled on the CPU, unspecified on CUDA. Errors name `what`, the size and what is free.
+  virtual Result<void*> allocate(size_t bytes, const std::string& what) = 0;
+  virtual void deallocate(void* p) = 0;
+  virtual void copy_to_device(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;  // synchronises
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;              // device to device
+  virtual void fill_zero(void* dst, size_t bytes) = 0;
+  virtual void synchronize() = 0;
+
+  // ---- GEMMs, FP32 semantics: C (M,N) [+]= products with FP32 accumulation ----------------------
+  // operands_bf16: the caller promises every operand value is exactly a BF16 number (bf16-rounded
+  // activations, dequantized E2M1 x E4M3 blocks), so a backend may multiply on BF16 tensor cores
+  // with the same products; the sum order is the backend's.
+  // y: (M,N) = x: (M,K) . w: (N,K)^T
+  virtual void matmul_nt(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
+                         bool accumulate = false, bool operands_bf16 = false) = 0;
+  // y: (M,N) = a: (M,K) . b: (K,N)
+  virtual void matmul_nn(float* y, const float* a, const float* b, int64_t M, int64_t N, int64_t K,
+                         bool accumulate = false, bool operands_bf16 = false) = 0;
+  // y: (M,N) = a: (K,M)^T . b: (K,N)
+  virtual void matmul_tn(float* y, const float* a, const float* b, int64_t M, int64_t N, int64_t K,
+                         bool accumulate = false, bool operands_bf16 = false) = 0;
+
+  // ---- per-token layers (conventions of backend/cpu/nn_ops.h: backward overwrites input
+  // gradients and accumulates parameter gradients) ------------------------------------------------
+  // out: (N,C) = wte: (V,C)[tokens: (N) i32]
+  virtual void embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t V,
+                                 int64_t C) = 0;
+  // dwte: (V,C) += scatter of dout (N,C); deterministic (fixed order per row of dwte).
+  virtual void embedding_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t V,
+                                  int64_t C) = 0;
+  // out: (R,C), rstd: (R); x: (R,C), w: (C)
+  virtual void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t R, int64_t C,
+                               double eps) = 0;
+  // dx: (R,C) overwritten, dw: (C) +=
+  virtual void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* w,
+                                const float* rstd, int64_t R, int64_t C) = 0;
+  // out/x: (B,T,H,D), may alias; cos/sin: (P, D/2) tables in backend memory; positions: (B,T) i32 or null.
+  virtual void rope_forward(float* out, const float* x, const float* cos, const float* sin, const int32_t* positions,
+                            int64_t B, int64_t Tn, int64_t H, int64_t D) = 0;
+  virtual void rope_backward(float* dx, const float* dout, const float* cos, const float* sin,
+                             const int32_t* positions, int64_t B, int64_t Tn, int64_t H, int64_t D) = 0;
+  // out: (N,I) = silu(gate) * up; gu: (N,2I) rows [gate | up]
+  virtual void swiglu_forward(float* out, const float* gu, int64_t N, int64_t I) = 0;
+  virtual void swiglu_backward(float* dgu, const float* dout, const float* gu, int64_t N, int64_t I) = 0;
+  // Causal GQA attention, scale 1/sqrt(D), flash-style contract: out: (B,T,H,D), lse: (B,H,T)
+  // log-sum-exp of each query row's scaled scores (saved for backward, probabilities are not);
+  // q: (B,T,H,D), k, v: (B,T,Hkv,D).
+  virtual void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
+                                 int64_t Tn, int64_t H, int64_t Hkv, int64_t D) = 0;
+  // dq: (B,T,H,D), dk, dv: (B,T,Hkv,D) overwritten; recomputes the probabilities from lse.
+  virtual void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out,
+                                  const float* lse, const float* q, const float* k, const float* v, int64_t B,
+                                  int64_t Tn, int64_t H, int64_t Hkv, int64_t D) = 0;
+  // Softmax cross-entropy with z-loss (nn_ops.h semantics). lse: (N); token_ce: (N) or null;
+  // logits: (N,V); targets: (N) i32 in backend memory (< 0 ignored). Sums come back to the host.
+  virtual CrossEntropySums cross_entropy_forward(float* lse, float* token_ce, const float* logits,
+                                                 const int32_t* targets, int64_t N, int64_t V) = 0;
+  // dlogits (N,V) may alias logits; token_ce required.
+  virtual CrossEntropySums cross_entropy_forward_backward(float* dlogits, float* lse, float* token_ce,
+                                                          const float* logits, const int32_t* targets, int64_t N,
+                                                          int64_t V, double ce_scale, double z_scale) = 0;
+
+  // ---- small utilities ----------------------------------------------------------------------
+  virtual void add_inplace(float* y, const float* x, int64_t n) = 0;         // y += x
+  virtual void add(float* y, const float* a, const float* b, int64_t n) = 0; // y = a + b
+  // dst (rows, cols) ld dst_ld <- src (rows, cols) ld src_ld (QKV split / merge).
+  virtual void copy_2d(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows, int64_t cols) = 0;
+
+  // ---- MoE (backend/cpu/moe.h semantics) -----------------------------------------------------
+  virtual void moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_w, const float* logits,
+                                  const int32_t* forced_idx, int64_t N, int64_t E, int64_t k,
+                                  bool norm_topk_prob) = 0;
+  virtual void moe_router_backward(float* dlogits, const float* dtopk_w, const float* probs, const float* lse,
+                                   const int32_t* topk_idx, const float* topk_w, const float* dprobs_extra,
+                                   double z_scale, int64_t N, int64_t E, int64_t k, bool renormalized) = 0;
+  // expert_offsets_host: (E+1) host array (the model walks experts on the host); row_of_slot,
+  // token_of_row: (N*k) in backend memory.
+  virtual void moe_dispatch_plan(int64_t* expert_offsets_host, int32_t* row_of_slot, int32_t* token_of_row,
+                                 const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) = 0;
+  virtual void moe_gather(float* xe, const float* x, const int32_t* token_of_row, int64_t rows, int64_t C) = 0;
+  virtual void moe_gather_backward(float* dx, const float* dxe, const int32_t* row_of_slot, int64_t N, int64_t k,
+                                   int64_t C) = 0;
+  virtual void moe_combine(float* out, const float* ye, const float* topk_w, const int32_t* row_of_slot, int64_t N,
+                           int64_t k, int64_t C) = 0;
+  virtual void moe_combine_backward(float* dye, float* dtopk_w, const float* dout, const float* ye,
+                                    const float* topk_w, const int32_t* row_of_slot, int64_t N, int64_t k,
+                                    int64_t C) = 0;
+  // Host double sums: count (E) += rows routed to e; prob_sum (E) += sum_n probs[n,e];
+  // returns sum_n lse[n]^2 (router z-loss numerator).
+  virtual double moe_accumulate_load(double* count_host, double* prob_sum_host, const float* probs,
+                                     const float* lse, const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) = 0;
+
+  // ---- optimizer -------------------------------------------------------------------------------
+  // Sum of squares of g (n) * grad_scale^2 in double, in a fixed order (deterministic).
+  virtual double sum_squares(const float* g, int64_t n, float grad_scale) = 0;
+  // AdamW on one flat range: w, m, v (n) updated in place from g (n) (train/optimizer.h order).
+  virtual void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const AdamWStep& s) = 0;
+  virtual void scale(float* x, int64_t n, float s) = 0;  // x *= s
+
+  // ---- format ops the recipes use (bit-exact across backends) --------------------------------------
+  // dst (n) <- round_to_bf16(src (n)) (may alias)
+  virtual void round_to_bf16(float* dst, const float* src, int64_t n) = 0;
+  // dst (n) bf16 bits <- src (n) f32 rounded to nearest even
+  virtual void to_bf16_bits(uint16_t* dst, const float* src, int64_t n) = 0;
+  // dst (rows_p, cols_p) <- bf16(src[r, idx[j]]) for r < rows, j < n_idx (idx null: j), else 0.
+  // src: (rows, src_cols) f32; idx: (n_idx) i64 in backend memory.
+  virtual void gather_columns_bf16(float* dst, const float* src, int64_t rows, int64_t rows_p, int64_t src_cols,
+                                   const int64_t* idx, int64_t n_idx, int64_t cols_p) = 0;
+  // dw[n, idx[j]] += t[n, j] for n < N, j < n_idx; t: (N, ld), dw: (N, K).
+  virtual void scatter_add_columns(float* dw, const float* t, int64_t N, int64_t K, const int64_t* idx,
+                                   int64_t n_idx, int64_t ld) = 0;
+  // dst[n, idx[j]] = t[n, j] (the inverse gather, no rounding); dst: (N, K), t: (N, ld).
+  virtual void scatter_columns(float* dst, const float* t, int64_t N, int64_t K, const int64_t* idx, int64_t n_idx,
+                               int64_t ld) = 0;
+  // dst (cols, rows) <- src (rows, cols)^T (4-byte or 2-byte elements)
+  virtual void transpose(float* dst, const float* src, int64_t rows, int64_t cols) = 0;
+  virtual void transpose(uint16_t* dst, const uint16_t* src, int64_t rows, int64_t cols) = 0;
+  // TetraJet-v2 RHT: y (rows, cols) f32, each 16-group along a row <- rht16_f32(group, sign_mask); y may be x.
+  virtual void rht16_rows(float* y, const float* x, int64_t rows, int64_t cols, uint32_t sign_mask) = 0;
+  // sums (K) += column sums of squares of x (M,K), in double (outlier calibration).
+  virtual void column_sumsq_accumulate(double* sums, const float* x, int64_t M, int64_t K) = 0;
+
+  // out (format, shape, buffers set) <- quantize x (out.rows, out.cols) f32 (or BF16 bits for the
+  // uint16_t overload) with sr (null: RTN). kNvfp4Te / kNvfp4Te2d compute the amax into out.outer.
+  virtual void quantize(QuantizedTensor& out, const float* x, const formats::SrKey* sr = nullptr) = 0;
+  virtual void quantize(QuantizedTensor& out, const uint16_t* x_bf16, const formats::SrKey* sr = nullptr) = 0;
+  // y (q.rows, q.cols) f32 <- exact dequantization of q.
+  virtual void dequantize(float* y, const QuantizedTensor& q) = 0;
+  // TE wgrad operand: out (K, M) kNvfp4Te <- quantize(RHT_TE(x^T)) with y_t scratch (K, M) bf16;
+  // x (M, K) bf16, M % 16 == 0 (formats::nvfp4_te_quantize_rht_t_cpu).
+  virtual void quantize_te_rht_transpose(QuantizedTensor& out, uint16_t* y_t, const uint16_t* x, int64_t M,
+                                         int64_t K, const formats::SrKey* sr = nullptr) = 0;
+  // TetraJet-v2 fused backward operand: out (K, M) 2-level <- quantize(RHT16_along_M(deq(in)^T), sr);
+  // in (M, K) 2-level, M % 128 == 0 (formats::nvfp4_2level_backward_operand_cpu).
+  virtual void backward_operand_two_level(QuantizedTensor& out, const QuantizedTensor& in, uint32_t sign_mask,
+                                          const formats::SrKey& sr) = 0;
+};
+
+// ---- grow-only buffers in backend memory (allocation happens only when a shape grows) ------------
+template <typename T>
+class Buffer {
+ public:
+  Buffer() = default;
+  ~Buffer() { reset(); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& o) noexcept { *this = std::move(o); }
+  Buffer& operator=(Buffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      be_ = o.be_, p_ = o.p_, n_ = o.n_;
+      o.be_ = nullptr, o.p_ = nullptr, o.n_ = 0;
+    }
+    return *this;
+  }
+  // Ensures room for n elements (contents are not kept when it grows). Throws CheckError with the
+  // backend's allocation message on failure (out of memory names `what`).
+  T* ensure(Backend& be, int64_t n, const char* what) {
+    if (p_ != nullptr && be_ == &be && n <= n_) return p_;
+    reset();
+    Result<void*> r = be.allocate(static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T), what);
+    NIB_CHECK_MSG(r.is_ok(), "{}", r.status().message());
+    be_ = &be, p_ = static_cast<T*>(r.value()), n_ = n;
+    return p_;
+  }
+  void reset() {
+    if (p_ != nullptr && be_ != nullptr) be_->deallocate(p_);
+    be_ = nullptr, p_ = nullptr, n_ = 0;
+  }
+  T* data() const { return p_; }
+  int64_t size() const { return n_; }
+
+ private:
+  Backend* be_ = nullptr;
+  T* p_ = nullptr;
+  int64_t n_ = 0;
+};
+
+// Owns the three parts of a QuantizedTensor in backend memory (grow-only).
+struct QuantizedBuffer {
+  Buffer<uint8_t> codes, scales;
+  Buffer<float> outer;
+  // A view of `format` (rows, cols) backed by this buffer (grown as needed).
+  QuantizedTensor view(Backend& be, QuantFormat format, int64_t rows, int64_t cols);
+};
+
+// ---- backend registry: "cpu" always; "cuda" where the CUDA backend is linked and registered ------
+using BackendFactory = Result<std::unique_ptr<Backend>> (*)(int device_index);
+void register_backend(const std::string& kind, BackendFactory factory);
+// kind: "cpu" | "cuda" | "cuda:N". Unknown or unavailable kinds give a Status naming what exists.
+Result<std::unique_ptr<Backend>> make_backend(const std::string& kind);
+std::vector<std::string> registered_backends();
+// The process-wide CPU backend (stateless; the default of models built without one).
+Backend& cpu_backend();
+
+}  // namespace nibble::backend
