@@ -1,0 +1,37 @@
+// CUDA MoE routing ops, the CUDA side of Backend::moe_* (backend.h) with the semantics of
+// backend/cpu/moe.h (transformers' Qwen3MoeSparseMoeBlock: softmax router, top-k with ties to
+// the lower expert id, optional renormalisation, R3 forced sets, dropless stable dispatch).
+// Deterministic: fixed orders, no float atomics. Pointers are device memory unless named _host.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace nibble::cuda {
+
+// probs (N,E), lse (N), topk_idx (N,k) i32, topk_w (N,k); logits (N,E); forced_idx (N,k) or null.
+void moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_w, const float* logits,
+                        const int32_t* forced_idx, int64_t N, int64_t E, int64_t k, bool norm_topk_prob,
+                        cudaStream_t stream);
+// dlogits (N,E) overwritten; dprobs_extra (E) or null.
+void moe_router_backward(float* dlogits, const float* dtopk_w, const float* probs, const float* lse,
+                         const int32_t* topk_idx, const float* topk_w, const float* dprobs_extra, double z_scale,
+                         int64_t N, int64_t E, int64_t k, bool renormalized, cudaStream_t stream);
+// Stable counting sort of the N*k assignments by expert (same order as the CPU's):
+// expert_offsets (E+1) i64 device, row_of_slot (N*k), token_of_row (N*k). workspace: (E) i32 or more.
+void moe_dispatch_plan(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row, const int32_t* topk_idx,
+                       int64_t N, int64_t E, int64_t k, cudaStream_t stream);
+void moe_gather(float* xe, const float* x, const int32_t* token_of_row, int64_t rows, int64_t C, cudaStream_t stream);
+void moe_gather_backward(float* dx, const float* dxe, const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C,
+                         cudaStream_t stream);
+void moe_combine(float* out, const float* ye, const float* topk_w, const int32_t* row_of_slot, int64_t N, int64_t k,
+                 int64_t C, cudaStream_t stream);
+void moe_combine_backward(float* dye, float* dtopk_w, const float* dout, const float* ye, const float* topk_w,
+                          const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C, cudaStream_t stream);
+// Per-expert sums in double on the device: count (E) += rows routed to e, prob_sum (E) +=
+// sum_n probs[n,e]; lse2 (1) += sum_n lse[n]^2. Fixed-order reductions.
+void moe_accumulate_load(double* count, double* prob_sum, double* lse2, const float* probs, const float* lse,
+                         const int32_t* topk_idx, int64_t N, int64_t E, int64_t k, cudaStream_t stream);
+
+}  // namespace nibble::cuda
