@@ -4,7 +4,6 @@
 
 #include <mutex>
 
-#include "backend/cpu/gemm.h"
 #include "core/bits.h"
 #include "core/check.h"
 #include "core/parallel.h"
@@ -202,18 +201,18 @@ Result<std::unique_ptr<LinearRecipe>> make_linear_recipe(const RecipeConfig& con
 }
 
 // ---- fp32 -------------------------------------------------------------------------------------
-void Fp32LinearRecipe::forward(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
-                               const LinearCall& call) {
-  cpu::matmul_nt(y, x, w, M, N, K);
+void Fp32LinearRecipe::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N,
+                               int64_t K, const LinearCall& call) {
+  be.matmul_nt(y, x, w, M, N, K);
   x_ = x;
   w_ = w;
 }
 
-void Fp32LinearRecipe::backward(float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
-                                const LinearCall& call) {
+void Fp32LinearRecipe::backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N,
+                                int64_t K, const LinearCall& call) {
   NIB_CHECK_MSG(x_ && w_, "fp32 linear: backward without a forward");
-  cpu::matmul_nn(dx, dy, w_, M, K, N);                       // dx (M,K) = dy (M,N) . w (N,K)
-  cpu::matmul_tn(dw, dy, x_, N, K, M, /*accumulate=*/true);  // dw (N,K) += dy^T . x
+  be.matmul_nn(dx, dy, w_, M, K, N);                       // dx (M,K) = dy (M,N) . w (N,K)
+  be.matmul_tn(dw, dy, x_, N, K, M, /*accumulate=*/true);  // dw (N,K) += dy^T . x
 }
 
 // ---- bf16 -------------------------------------------------------------------------------------
@@ -223,23 +222,24 @@ void round_to_bf16_array(float* dst, const float* src, int64_t n) {
   });
 }
 
-void Bf16LinearRecipe::forward(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
-                               const LinearCall& call) {
-  if (xq_.size() < static_cast<size_t>(M * K)) xq_.resize(M * K);
-  if (wq_.size() < static_cast<size_t>(N * K)) wq_.resize(N * K);
-  round_to_bf16_array(xq_.data(), x, M * K);
-  round_to_bf16_array(wq_.data(), w, N * K);
-  cpu::matmul_nt(y, xq_.data(), wq_.data(), M, N, K);
+// The GEMMs below pass operands_bf16 = true: each operand was just rounded to BF16.
+void Bf16LinearRecipe::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N,
+                               int64_t K, const LinearCall& call) {
+  float* xq = xq_.ensure(be, M * K, "bf16 linear: saved x");
+  float* wq = wq_.ensure(be, N * K, "bf16 linear: saved w");
+  be.round_to_bf16(xq, x, M * K);
+  be.round_to_bf16(wq, w, N * K);
+  be.matmul_nt(y, xq, wq, M, N, K, /*accumulate=*/false, /*operands_bf16=*/true);
 }
 
-void Bf16LinearRecipe::backward(float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
-                                const LinearCall& call) {
-  NIB_CHECK_MSG(xq_.size() >= static_cast<size_t>(M * K) && wq_.size() >= static_cast<size_t>(N * K),
+void Bf16LinearRecipe::backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N,
+                                int64_t K, const LinearCall& call) {
+  NIB_CHECK_MSG(xq_.data() != nullptr && wq_.data() != nullptr && xq_.size() >= M * K && wq_.size() >= N * K,
                 "bf16 linear: backward without a matching forward");
-  if (dyq_.size() < static_cast<size_t>(M * N)) dyq_.resize(M * N);
-  round_to_bf16_array(dyq_.data(), dy, M * N);
-  cpu::matmul_nn(dx, dyq_.data(), wq_.data(), M, K, N);
-  cpu::matmul_tn(dw, dyq_.data(), xq_.data(), N, K, M, /*accumulate=*/true);
+  float* dyq = dyq_.ensure(be, M * N, "bf16 linear: dy scratch");
+  be.round_to_bf16(dyq, dy, M * N);
+  be.matmul_nn(dx, dyq, wq_.data(), M, K, N, /*accumulate=*/false, /*operands_bf16=*/true);
+  be.matmul_tn(dw, dyq, xq_.data(), N, K, M, /*accumulate=*/true, /*operands_bf16=*/true);
 }
 
 }  // namespace nibble::model

@@ -4,6 +4,8 @@
 // nvfp4-nvidia, tetrajet-v2) are pluggable. Y = X W^T, X: (M,K), W: (N,K), Y: (M,N), FP32 master
 // weights. The router, embedding and lm_head never go through it. Built-in recipes: `fp32`
 // (plain GEMMs, for gradient checks) and `bf16` (BF16-rounded operands in all three GEMMs).
+// Every data operation of a recipe is an op of the backend::Backend the call passes (x, w, y,
+// dx, dw live in that backend's memory); each recipe's policy exists once for every backend.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backend/backend.h"
 #include "core/status.h"
 #include "core/tensor.h"
 
@@ -54,16 +57,28 @@ class LinearRecipe {
  public:
   virtual ~LinearRecipe() = default;
   virtual std::string name() const = 0;
-  // y: (M,N) f32 (overwritten); x: (M,K) f32; w: (N,K) f32 master weight.
-  virtual void forward(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
-                       const LinearCall& call) = 0;
-  // dx: (M,K) f32 (overwritten), dw: (N,K) f32 (accumulated +=), dy: (M,N) f32.
-  virtual void backward(float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
-                        const LinearCall& call) = 0;
-  // Called after each optimizer update with the new master weight w: (N,K) (OsciReset hook;
-  // it may modify w). Default: nothing.
-  virtual void after_optimizer_step(float* w, int64_t N, int64_t K, int64_t step) {}
-  // Recipe state that belongs in checkpoints (e.g. outlier channel ids), by short name.
+  // y: (M,N) f32 (overwritten); x: (M,K) f32; w: (N,K) f32 master weight; all in be's memory.
+  virtual void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N,
+                       int64_t K, const LinearCall& call) = 0;
+  // dx: (M,K) f32 (overwritten), dw: (N,K) f32 (accumulated +=), dy: (M,N) f32; in be's memory.
+  virtual void backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N,
+                        int64_t K, const LinearCall& call) = 0;
+  // Called after each optimizer update with the new master weight w: (N,K) in be's memory
+  // (OsciReset hook; it may modify w). Default: nothing.
+  virtual void after_optimizer_step(backend::Backend& be, float* w, int64_t N, int64_t K, int64_t step) {}
+
+  // The same on host arrays through backend::cpu_backend() (tests, tools).
+  void forward(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K, const LinearCall& call) {
+    forward(backend::cpu_backend(), y, x, w, M, N, K, call);
+  }
+  void backward(float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K, const LinearCall& call) {
+    backward(backend::cpu_backend(), dx, dw, dy, M, N, K, call);
+  }
+  void after_optimizer_step(float* w, int64_t N, int64_t K, int64_t step) {
+    after_optimizer_step(backend::cpu_backend(), w, N, K, step);
+  }
+
+  // Recipe state that belongs in checkpoints (e.g. outlier channel ids), by short name (host tensors).
   virtual std::map<std::string, Tensor> state() const { return {}; }
   virtual Status load_state(const std::map<std::string, Tensor>& state) { return Status::ok(); }
   // The run's total optimizer step count (OsciReset's start_fraction); the trainer calls it once
@@ -73,6 +88,12 @@ class LinearRecipe {
   // Default: none.
   virtual std::map<std::string, double> stats() const { return {}; }
 };
+
+// A derived recipe re-exposes the host overloads its overrides would hide.
+#define NIB_LINEAR_RECIPE_HOST_OVERLOADS   \
+  using LinearRecipe::forward;             \
+  using LinearRecipe::backward;            \
+  using LinearRecipe::after_optimizer_step
 
 // A Philox stream for random draw `purpose` (0..15) of one linear call, a function of
 // (step, layer_id, micro_step) only: each quantizer / RHT sign vector of a call draws from
@@ -139,13 +160,14 @@ bool has_linear_recipe(const std::string& name);
 Result<std::unique_ptr<LinearRecipe>> make_linear_recipe(const RecipeConfig& config, const LinearInfo& info);
 
 // ---- the two reference recipes -------------------------------------------------------------------
-// fp32: y = x w^T; dx = dy w; dw += dy^T x, all binary32 (OpenBLAS).
+// fp32: y = x w^T; dx = dy w; dw += dy^T x, all binary32 (the backend's FP32 GEMMs).
 class Fp32LinearRecipe final : public LinearRecipe {
  public:
+  NIB_LINEAR_RECIPE_HOST_OVERLOADS;
   std::string name() const override { return "fp32"; }
-  void forward(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
+  void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
                const LinearCall& call) override;
-  void backward(float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
+  void backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
                 const LinearCall& call) override;
 
  private:
@@ -153,22 +175,24 @@ class Fp32LinearRecipe final : public LinearRecipe {
   const float* w_ = nullptr;
 };
 
-// bf16: the CPU emulation of BF16 GEMMs with FP32 accumulation: every GEMM operand (x, w in the
+// bf16: the emulation of BF16 GEMMs with FP32 accumulation: every GEMM operand (x, w in the
 // forward; dy, w in dgrad; dy, x in wgrad) is rounded to the nearest bf16 (round_to_bf16), the
-// products and sums are binary32, outputs are binary32.
+// products and sums are binary32, outputs are binary32. The GEMMs get operands_bf16 = true:
+// every operand is exactly a BF16 number, so a backend may use BF16 tensor cores.
 class Bf16LinearRecipe final : public LinearRecipe {
  public:
+  NIB_LINEAR_RECIPE_HOST_OVERLOADS;
   std::string name() const override { return "bf16"; }
-  void forward(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
+  void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
                const LinearCall& call) override;
-  void backward(float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
+  void backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
                 const LinearCall& call) override;
 
  private:
-  std::vector<float> xq_, wq_, dyq_;  // bf16-rounded x (M,K), w (N,K) saved; dy (M,N) scratch
+  backend::Buffer<float> xq_, wq_, dyq_;  // bf16-rounded x (M,K), w (N,K) saved; dy (M,N) scratch
 };
 
-// dst: (n) = round_to_bf16(src: (n))
+// dst: (n) = round_to_bf16(src: (n)), host arrays
 void round_to_bf16_array(float* dst, const float* src, int64_t n);
 
 }  // namespace nibble::model

@@ -1,7 +1,9 @@
 // tetrajet-v2 LinearRecipe and OsciReset (see recipe_tetrajet_v2.h): the six nvfp4-2level
-// quantizers through the formats drivers (quantize_cpu.h, including the fused backward-operand
-// op), MXFP8 outlier channels, OpenBLAS FP32 GEMMs. Every quantizer is one driver call on a
-// zero-padded, BF16-rounded FP32 operand, so tests can recompose each step from the drivers.
+// quantizers as backend ops (quantize / dequantize of QuantizedTensor, the fused backward-operand
+// op), MXFP8 outlier channels, FP32 GEMMs. Every quantizer is one op on a zero-padded,
+// BF16-rounded FP32 operand, so tests can recompose each step from the drivers. No GEMM passes
+// operands_bf16: a 2-level value carries its FP32 outer scale and an MXFP8 value its E8M0 scale,
+// neither exactly a BF16 number in general.
 #include "model/recipe_tetrajet_v2.h"
 
 #include <algorithm>
@@ -9,84 +11,33 @@
 #include <cstring>
 #include <numeric>
 
-#include "backend/cpu/gemm.h"
-#include "core/bits.h"
 #include "core/check.h"
 #include "core/parallel.h"
-#include "formats/quantize_cpu.h"
+#include "formats/nvfp4.h"
+#include "formats/rht.h"
 
 namespace nibble::model {
 
 namespace {
 
+using backend::QuantFormat;
+using backend::QuantizedTensor;
+
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
-int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
 
 template <typename V>
 void ensure(V& v, int64_t n) {
   if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
 }
 
-// dst (rows_p, cols_p) <- bf16(src[r, idx[j]]) for r < rows, j < idx.size() (idx null: j), else 0.
-// src: (rows, K) f32.
-void gather_bf16(float* dst, const float* src, int64_t rows, int64_t rows_p, int64_t K, const int64_t* idx,
-                 int64_t n_idx, int64_t cols_p) {
-  parallel_for(rows_p, grain(cols_p), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* d = dst + r * cols_p;
-      if (r >= rows) {
-        std::fill(d, d + cols_p, 0.0f);
-        continue;
-      }
-      const float* s = src + r * K;
-      for (int64_t j = 0; j < n_idx; ++j) d[j] = round_to_bf16(s[idx ? idx[j] : j]);
-      std::fill(d + n_idx, d + cols_p, 0.0f);
-    }
-  });
-}
-
-// dst (cols, rows) <- src (rows, cols)^T, in 32 x 32 tiles (the 32 source rows of a tile stay in
-// L1 while its 32 destination rows are written; reading whole columns strided missed the cache).
-void transpose(float* dst, const float* src, int64_t rows, int64_t cols) {
-  constexpr int64_t kTile = 32;
-  const int64_t col_tiles = (cols + kTile - 1) / kTile;
-  parallel_for(col_tiles, std::max<int64_t>(1, grain(rows) / kTile), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t c0 = t * kTile, c1 = std::min(cols, c0 + kTile);
-      for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-        const int64_t r1 = std::min(rows, r0 + kTile);
-        for (int64_t c = c0; c < c1; ++c)
-          for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * cols + c];
-      }
-    }
-  });
-}
-
-// deq (rows, cols) <- nvfp4-2level quantize-dequantize of src (rows, cols) along cols (RTN or SR),
-// codes/inner/outer kept in the given buffers (resized).
-void twolevel_fake_quant(float* deq, std::vector<uint8_t>& codes, std::vector<uint8_t>& inner,
-                         std::vector<float>& outer, const float* src, int64_t rows, int64_t cols,
-                         const formats::SrKey* sr) {
-  ensure(codes, rows * cols / 2);
-  ensure(inner, rows * cols / 16);
-  ensure(outer, rows * ((cols + 127) / 128));
-  formats::nvfp4_2level_quantize_cpu(codes.data(), inner.data(), outer.data(), src, rows, cols, sr);
-  formats::nvfp4_2level_dequantize_cpu(deq, codes.data(), inner.data(), outer.data(), rows, cols);
-}
-
-// deq (rows, cols) <- MXFP8 (E4M3, E8M0 rounded up) quantize-dequantize of src along cols (cols % 32 == 0).
-void mxfp8_fake_quant(float* deq, const float* src, int64_t rows, int64_t cols) {
-  std::vector<uint8_t> elems(static_cast<size_t>(rows * cols)), scales(static_cast<size_t>(rows * cols / 32));
-  formats::mxfp8_quantize_cpu(elems.data(), scales.data(), src, rows, cols, formats::MxScaleRule::kRceil);
-  formats::mxfp8_dequantize_cpu(deq, elems.data(), scales.data(), rows, cols);
-}
-
-// dw[n, idx[j]] += t[n, j] for n < N, j < n_idx; t: (N, ld) f32, dw: (N, K).
-void scatter_add(float* dw, const float* t, int64_t N, int64_t K, const int64_t* idx, int64_t n_idx, int64_t ld) {
-  parallel_for(N, grain(n_idx), [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t j = 0; j < n_idx; ++j) dw[n * K + idx[j]] += t[n * ld + j];
-  });
+// deq (rows, cols) <- quantize-dequantize of src (rows, cols) along cols in `format` (RTN or SR),
+// the quantized parts kept in q (returned).
+QuantizedTensor fake_quant(backend::Backend& be, float* deq, backend::QuantizedBuffer& q, QuantFormat format,
+                           const float* src, int64_t rows, int64_t cols, const formats::SrKey* sr) {
+  QuantizedTensor t = q.view(be, format, rows, cols);
+  be.quantize(t, src, sr);
+  be.dequantize(deq, t);
+  return t;
 }
 
 Tensor i64_tensor(const std::vector<int64_t>& v) {
@@ -250,6 +201,10 @@ TetraJetV2LinearRecipe::TetraJetV2LinearRecipe(const RecipeConfig& config, const
   std::iota(main_idx_.begin(), main_idx_.end(), 0);
 }
 
+backend::Backend& TetraJetV2LinearRecipe::backend_or_cpu() const {
+  return be_ != nullptr ? *be_ : backend::cpu_backend();
+}
+
 void TetraJetV2LinearRecipe::set_outliers(std::vector<int64_t> channels) {
   std::sort(channels.begin(), channels.end());
   out_idx_ = std::move(channels);
@@ -263,6 +218,27 @@ void TetraJetV2LinearRecipe::set_outliers(std::vector<int64_t> channels) {
     main_idx_.push_back(k);
   }
   selected_ = true;
+  idx_dirty_ = true;
+}
+
+void TetraJetV2LinearRecipe::upload_channels(backend::Backend& be) const {
+  if (!idx_dirty_ && idx_be_ == &be) return;
+  auto up = [&](backend::Buffer<int64_t>& dst, const std::vector<int64_t>& src) {
+    int64_t* p = dst.ensure(be, static_cast<int64_t>(src.size()), "tetrajet-v2: channel ids");
+    if (!src.empty()) be.copy_to_device(p, src.data(), src.size() * sizeof(int64_t));
+  };
+  up(main_idx_dev_, main_idx_);
+  up(out_idx_dev_, out_idx_);
+  idx_be_ = &be;
+  idx_dirty_ = false;
+}
+
+std::vector<double> TetraJetV2LinearRecipe::calibration_sums_host() const {
+  if (!calib_ready_) return calib_loaded_;
+  // host round trip: the outlier selection and checkpoints read the sums on the host
+  std::vector<double> h(static_cast<size_t>(info_.K));
+  be_->copy_to_host(h.data(), calib_sumsq_.data(), h.size() * sizeof(double));
+  return h;
 }
 
 int64_t TetraJetV2LinearRecipe::select_outliers() {
@@ -271,19 +247,22 @@ int64_t TetraJetV2LinearRecipe::select_outliers() {
     set_outliers({});
     return 0;
   }
+  const std::vector<double> sums = calibration_sums_host();
   const double c = config_.outliers.fraction * static_cast<double>(K);
   int64_t n = static_cast<int64_t>(std::ceil(c - 1e-9 * std::max(1.0, c)));
   n = std::min(K, round_up(n, config_.outliers.round_to));
   std::vector<int64_t> order(static_cast<size_t>(K));
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return calib_sumsq_[a] > calib_sumsq_[b]; });
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sums[a] > sums[b]; });
   order.resize(static_cast<size_t>(n));
   set_outliers(std::move(order));
-  std::vector<double>().swap(calib_sumsq_);
+  calib_sumsq_.reset();
+  calib_ready_ = false;
+  std::vector<double>().swap(calib_loaded_);
   return n;
 }
 
-void TetraJetV2LinearRecipe::calibrate(const float* x, int64_t M, const LinearCall& call) {
+void TetraJetV2LinearRecipe::calibrate(backend::Backend& be, const float* x, int64_t M, const LinearCall& call) {
   const OutlierConfig& oc = config_.outliers;
   if (!oc.enabled || selected_) return;
   if (call.step > oc.calibration_end) {
@@ -292,90 +271,112 @@ void TetraJetV2LinearRecipe::calibrate(const float* x, int64_t M, const LinearCa
   }
   if (call.step < oc.calibration_start || !call.needs_backward) return;
   const int64_t K = info_.K;
-  if (calib_sumsq_.empty()) calib_sumsq_.assign(static_cast<size_t>(K), 0.0);
-  parallel_for(K, 16, [&](int64_t k0, int64_t k1) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = k0; k < k1; ++k) {
-        double v = x[m * K + k];
-        calib_sumsq_[k] += v * v;
-      }
-  });
+  if (!calib_ready_) {
+    double* sums = calib_sumsq_.ensure(be, K, "tetrajet-v2: calibration sums");
+    if (!calib_loaded_.empty()) be.copy_to_device(sums, calib_loaded_.data(), static_cast<size_t>(K) * sizeof(double));
+    else be.fill_zero(sums, static_cast<size_t>(K) * sizeof(double));
+    std::vector<double>().swap(calib_loaded_);
+    calib_ready_ = true;
+  }
+  be.column_sumsq_accumulate(calib_sumsq_.data(), x, M, K);
   ++calib_calls_;
 }
 
 void TetraJetV2LinearRecipe::fake_quantize_weight(float* wq, float* scale, const float* w) const {
+  // host round trip: OsciReset keeps its per-element bookkeeping on the host; w, wq, scale are
+  // host arrays, the quantization runs on the backend.
+  backend::Backend& be = backend_or_cpu();
+  upload_channels(be);
   const int64_t N = info_.N, K = info_.K;
   const int64_t nm = static_cast<int64_t>(main_idx_.size()), Km = round_up(nm, 16);
   const int64_t no = static_cast<int64_t>(out_idx_.size()), No = round_up(no, 32);
-  std::vector<float> src(static_cast<size_t>(N * std::max(Km, No))), deq(src.size());
+  float* wd = fq_w_.ensure(be, N * K, "tetrajet-v2: OsciReset weight");
+  float* src = fq_src_.ensure(be, N * std::max(Km, No), "tetrajet-v2: OsciReset operand");
+  float* deq = fq_deq_.ensure(be, N * std::max(Km, No), "tetrajet-v2: OsciReset Q(w)");
+  be.copy_to_device(wd, w, static_cast<size_t>(N * K) * sizeof(float));
+  std::vector<float> h;
   if (nm > 0) {
-    std::vector<uint8_t> codes, inner;
+    be.gather_columns_bf16(src, wd, N, N, K, main_idx_dev_.data(), nm, Km);
+    QuantizedTensor q = fake_quant(be, deq, fq_q_, QuantFormat::kNvfp4TwoLevel, src, N, Km, nullptr);
+    h.resize(static_cast<size_t>(N * Km));
+    be.copy_to_host(h.data(), deq, h.size() * sizeof(float));
+    std::vector<uint8_t> inner;
     std::vector<float> outer;
-    gather_bf16(src.data(), w, N, N, K, main_idx_.data(), nm, Km);
-    twolevel_fake_quant(deq.data(), codes, inner, outer, src.data(), N, Km, nullptr);
     const int64_t nob = (Km + 127) / 128;
+    if (scale) {
+      inner.resize(static_cast<size_t>(N * (Km / 16)));
+      outer.resize(static_cast<size_t>(N * nob));
+      be.copy_to_host(inner.data(), q.scales, inner.size());
+      be.copy_to_host(outer.data(), q.outer, outer.size() * sizeof(float));
+    }
     for (int64_t n = 0; n < N; ++n)
       for (int64_t j = 0; j < nm; ++j) {
-        wq[n * K + main_idx_[j]] = deq[n * Km + j];
+        wq[n * K + main_idx_[j]] = h[n * Km + j];
         if (scale)
           scale[n * K + main_idx_[j]] =
               formats::nvfp4_2level_block_scale(inner[n * (Km / 16) + j / 16], outer[n * nob + j / 128]);
       }
   }
   if (no > 0) {
-    gather_bf16(src.data(), w, N, N, K, out_idx_.data(), no, No);
-    mxfp8_fake_quant(deq.data(), src.data(), N, No);
+    be.gather_columns_bf16(src, wd, N, N, K, out_idx_dev_.data(), no, No);
+    fake_quant(be, deq, fq_q_, QuantFormat::kMxfp8, src, N, No, nullptr);
+    h.resize(static_cast<size_t>(N * No));
+    be.copy_to_host(h.data(), deq, h.size() * sizeof(float));
     for (int64_t n = 0; n < N; ++n)
       for (int64_t j = 0; j < no; ++j) {
-        wq[n * K + out_idx_[j]] = deq[n * No + j];
+        wq[n * K + out_idx_[j]] = h[n * No + j];
         if (scale) scale[n * K + out_idx_[j]] = 0.0f;
       }
   }
 }
 
-void TetraJetV2LinearRecipe::forward(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
-                                     const LinearCall& call) {
+void TetraJetV2LinearRecipe::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
+                                     int64_t N, int64_t K, const LinearCall& call) {
   NIB_CHECK_MSG(N == info_.N && K == info_.K, "tetrajet-v2: shape ({}, {}) differs from the layer's ({}, {})", N, K,
                 info_.N, info_.K);
-  calibrate(x, M, call);
+  be_ = &be;
+  calibrate(be, x, M, call);
+  upload_channels(be);
   const int64_t Mp = round_up(M, 128), Np = round_up(N, 128);
   const int64_t nm = static_cast<int64_t>(main_idx_.size()), Km = round_up(nm, 16);
   const int64_t no = static_cast<int64_t>(out_idx_.size()), No = round_up(no, 32);
-  const int64_t* midx = no > 0 ? main_idx_.data() : nullptr;  // identity gather without outliers
+  const int64_t* midx = no > 0 ? main_idx_dev_.data() : nullptr;  // identity gather without outliers
   M_ = M, N_ = N, K_ = K;
   w_saved_ = w;
   // Q1, Q2: nvfp4-2level RTN along K of the main channels (zero-padded rows Mp, Np).
-  ensure(xs_, Mp * Km);
-  ensure(ws_, Np * Km);
-  ensure(xq_, Mp * Km);
-  ensure(wq_, Np * Km);
+  float* xs = xs_.ensure(be, Mp * Km, "tetrajet-v2: bf16 X");
+  float* ws = ws_.ensure(be, Np * Km, "tetrajet-v2: bf16 W");
+  float* xq = xq_.ensure(be, Mp * Km, "tetrajet-v2: X^");
+  float* wq = wq_.ensure(be, Np * Km, "tetrajet-v2: W^");
   if (nm > 0) {
-    gather_bf16(xs_.data(), x, M, Mp, K, midx, nm, Km);
-    gather_bf16(ws_.data(), w, N, Np, K, midx, nm, Km);
-    twolevel_fake_quant(xq_.data(), xc_, xi_, xo_, xs_.data(), Mp, Km, nullptr);
-    twolevel_fake_quant(wq_.data(), wc_, wi_, wo_, ws_.data(), Np, Km, nullptr);
-    cpu::matmul_nt(y, xq_.data(), wq_.data(), M, N, Km);
+    be.gather_columns_bf16(xs, x, M, Mp, K, midx, nm, Km);
+    be.gather_columns_bf16(ws, w, N, Np, K, midx, nm, Km);
+    xhat_ = fake_quant(be, xq, xhat_buf_, QuantFormat::kNvfp4TwoLevel, xs, Mp, Km, nullptr);
+    what_ = fake_quant(be, wq, what_buf_, QuantFormat::kNvfp4TwoLevel, ws, Np, Km, nullptr);
+    be.matmul_nt(y, xq, wq, M, N, Km);
   } else {
-    std::fill(y, y + M * N, 0.0f);
+    be.fill_zero(y, static_cast<size_t>(M * N) * sizeof(float));
   }
   if (no > 0) {
     // outlier channels: MXFP8 along the gathered channels, Y += X̂_o Ŵ_o^T
-    ensure(xos_, Mp * No);
-    ensure(xoq_, Mp * No);
-    ensure(woq_, N * No);
-    gather_bf16(xos_.data(), x, M, Mp, K, out_idx_.data(), no, No);
-    mxfp8_fake_quant(xoq_.data(), xos_.data(), Mp, No);
-    std::vector<float> wos(static_cast<size_t>(N * No));
-    gather_bf16(wos.data(), w, N, N, K, out_idx_.data(), no, No);
-    mxfp8_fake_quant(woq_.data(), wos.data(), N, No);
-    cpu::matmul_nt(y, xoq_.data(), woq_.data(), M, N, No, /*accumulate=*/true);
+    float* xos = xos_.ensure(be, Mp * No, "tetrajet-v2: bf16 X outliers");
+    float* wos = wos_.ensure(be, N * No, "tetrajet-v2: bf16 W outliers");
+    float* xoq = xoq_.ensure(be, Mp * No, "tetrajet-v2: X^ outliers");
+    float* woq = woq_.ensure(be, N * No, "tetrajet-v2: W^ outliers");
+    be.gather_columns_bf16(xos, x, M, Mp, K, out_idx_dev_.data(), no, No);
+    fake_quant(be, xoq, qs_, QuantFormat::kMxfp8, xos, Mp, No, nullptr);
+    be.gather_columns_bf16(wos, w, N, N, K, out_idx_dev_.data(), no, No);
+    fake_quant(be, woq, qs_, QuantFormat::kMxfp8, wos, N, No, nullptr);
+    be.matmul_nt(y, xoq, woq, M, N, No, /*accumulate=*/true);
   }
-  round_to_bf16_array(y, y, M * N);  // the GEMM writes BF16
+  be.round_to_bf16(y, y, M * N);  // the GEMM writes BF16
 }
 
-void TetraJetV2LinearRecipe::backward(float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
-                                      const LinearCall& call) {
+void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M,
+                                      int64_t N, int64_t K, const LinearCall& call) {
   NIB_CHECK_MSG(M == M_ && N == N_ && K == K_ && w_saved_ != nullptr, "tetrajet-v2: backward without a matching forward");
+  be_ = &be;
+  upload_channels(be);
   const int64_t Mp = round_up(M, 128), Np = round_up(N, 128);
   const int64_t nm = static_cast<int64_t>(main_idx_.size()), Km = round_up(nm, 16);
   const int64_t no = static_cast<int64_t>(out_idx_.size()), No = round_up(no, 32);
@@ -386,102 +387,101 @@ void TetraJetV2LinearRecipe::backward(float* dx, float* dw, const float* dy, int
   const formats::SrKey k6{call.seed, linear_call_stream(call, kTetraStreamQ6)};
   const uint32_t sign_d = formats::rht_random_sign_mask(call.seed, linear_call_stream(call, kTetraStreamRhtDgrad));
   const uint32_t sign_w = formats::rht_random_sign_mask(call.seed, linear_call_stream(call, kTetraStreamRhtWgrad));
-  std::vector<uint8_t> codes, inner;
-  std::vector<float> outer;
+  const QuantFormat f2 = QuantFormat::kNvfp4TwoLevel;
+  // t_ is the staging operand of every quantizer below: large enough for each.
+  float* t = t_.ensure(be, std::max({M * Np, Np * K, K * Np, Np * Mp, Km * Mp, No * Mp}), "tetrajet-v2: operand");
 
   // dY (Mp, Np), BF16, zero-padded.
-  std::vector<float> dyb(static_cast<size_t>(Mp * Np));
-  gather_bf16(dyb.data(), dy, M, Mp, N, nullptr, N, Np);
+  float* dyb = dyb_.ensure(be, Mp * Np, "tetrajet-v2: bf16 dY");
+  be.gather_columns_bf16(dyb, dy, M, Mp, N, nullptr, N, Np);
 
   // ---- dgrad: dX (M,K) = Q3 (M,Np) · Q4 (K,Np)^T ----
   {
-    std::vector<float> a(static_cast<size_t>(M * Np)), q3(a.size());
-    if (rht) formats::rht16_rows_f32_cpu(a.data(), dyb.data(), M, Np, sign_d);
-    else std::memcpy(a.data(), dyb.data(), a.size() * sizeof(float));
-    twolevel_fake_quant(q3.data(), codes, inner, outer, a.data(), M, Np, sr ? &k3 : nullptr);
-    std::vector<float> q4(static_cast<size_t>(K * Np));
+    float* q3 = q3_.ensure(be, M * Np, "tetrajet-v2: Q3");
+    if (rht) be.rht16_rows(t, dyb, M, Np, sign_d);
+    else be.copy(t, dyb, static_cast<size_t>(M * Np) * sizeof(float));
+    fake_quant(be, q3, qs_, f2, t, M, Np, sr ? &k3 : nullptr);
+    float* q4 = q4_.ensure(be, K * Np, "tetrajet-v2: Q4");
     if (align && sr && rht && no == 0) {
       // fused: dequantize Ŵ (Np,K) -> transpose -> RHT along N -> SR requantize along N
-      ensure(codes, K * Np / 2);
-      ensure(inner, K * Np / 16);
-      ensure(outer, K * (Np / 128));
-      formats::nvfp4_2level_backward_operand_cpu(codes.data(), inner.data(), outer.data(), wc_.data(), wi_.data(),
-                                                 wo_.data(), Np, K, sign_d, k4);
-      formats::nvfp4_2level_dequantize_cpu(q4.data(), codes.data(), inner.data(), outer.data(), K, Np);
+      QuantizedTensor o = qs_.view(be, f2, K, Np);
+      be.backward_operand_two_level(o, what_, sign_d, k4);
+      be.dequantize(q4, o);
     } else {
       // source (Np, K): Ŵ rebuilt from both parts (alignment) or BF16 W (fresh quantization)
-      std::vector<float> s(static_cast<size_t>(Np * K), 0.0f), t(static_cast<size_t>(K * Np));
+      float* src = part_.ensure(be, Np * K, "tetrajet-v2: W source");
       if (align) {
-        for (int64_t n = 0; n < N; ++n) {
-          for (int64_t j = 0; j < nm; ++j) s[n * K + main_idx_[j]] = wq_[n * Km + j];
-          for (int64_t j = 0; j < no; ++j) s[n * K + out_idx_[j]] = woq_[n * No + j];
-        }
+        be.fill_zero(src, static_cast<size_t>(Np * K) * sizeof(float));
+        be.scatter_columns(src, wq_.data(), N, K, main_idx_dev_.data(), nm, Km);
+        if (no > 0) be.scatter_columns(src, woq_.data(), N, K, out_idx_dev_.data(), no, No);
       } else {
-        gather_bf16(s.data(), w_saved_, N, Np, K, nullptr, K, K);
+        be.gather_columns_bf16(src, w_saved_, N, Np, K, nullptr, K, K);
       }
-      transpose(t.data(), s.data(), Np, K);
-      if (rht) formats::rht16_rows_f32_cpu(t.data(), t.data(), K, Np, sign_d);
-      twolevel_fake_quant(q4.data(), codes, inner, outer, t.data(), K, Np, sr ? &k4 : nullptr);
+      be.transpose(t, src, Np, K);
+      if (rht) be.rht16_rows(t, t, K, Np, sign_d);
+      fake_quant(be, q4, qs_, f2, t, K, Np, sr ? &k4 : nullptr);
     }
-    cpu::matmul_nt(dx, q3.data(), q4.data(), M, K, Np);
-    round_to_bf16_array(dx, dx, M * K);
+    be.matmul_nt(dx, q3, q4, M, K, Np);
+    be.round_to_bf16(dx, dx, M * K);
   }
 
   // ---- wgrad: dW (N,K) += Q5 (N,Mp) · Q6 (K,Mp)^T ----
-  std::vector<float> q5(static_cast<size_t>(Np * Mp));
-  {
-    std::vector<float> t(q5.size());
-    transpose(t.data(), dyb.data(), Mp, Np);
-    if (rht) formats::rht16_rows_f32_cpu(t.data(), t.data(), Np, Mp, sign_w);
-    twolevel_fake_quant(q5.data(), codes, inner, outer, t.data(), Np, Mp, sr ? &k5 : nullptr);
-  }
+  float* q5 = q5_.ensure(be, Np * Mp, "tetrajet-v2: Q5");
+  be.transpose(t, dyb, Mp, Np);
+  if (rht) be.rht16_rows(t, t, Np, Mp, sign_w);
+  fake_quant(be, q5, qs_, f2, t, Np, Mp, sr ? &k5 : nullptr);
   if (nm > 0) {
-    std::vector<float> q6(static_cast<size_t>(Km * Mp));
+    float* q6 = q6_.ensure(be, Km * Mp, "tetrajet-v2: Q6");
     if (align && sr && rht) {
-      ensure(codes, Km * Mp / 2);
-      ensure(inner, Km * Mp / 16);
-      ensure(outer, Km * (Mp / 128));
-      formats::nvfp4_2level_backward_operand_cpu(codes.data(), inner.data(), outer.data(), xc_.data(), xi_.data(),
-                                                 xo_.data(), Mp, Km, sign_w, k6);
-      formats::nvfp4_2level_dequantize_cpu(q6.data(), codes.data(), inner.data(), outer.data(), Km, Mp);
+      QuantizedTensor o = qs_.view(be, f2, Km, Mp);
+      be.backward_operand_two_level(o, xhat_, sign_w, k6);
+      be.dequantize(q6, o);
     } else {
-      std::vector<float> t(q6.size());
-      transpose(t.data(), align ? xq_.data() : xs_.data(), Mp, Km);
-      if (rht) formats::rht16_rows_f32_cpu(t.data(), t.data(), Km, Mp, sign_w);
-      twolevel_fake_quant(q6.data(), codes, inner, outer, t.data(), Km, Mp, sr ? &k6 : nullptr);
+      be.transpose(t, align ? xq_.data() : xs_.data(), Mp, Km);
+      if (rht) be.rht16_rows(t, t, Km, Mp, sign_w);
+      fake_quant(be, q6, qs_, f2, t, Km, Mp, sr ? &k6 : nullptr);
     }
     if (no == 0) {
-      cpu::matmul_nt(dw, q5.data(), q6.data(), N, K, Mp, /*accumulate=*/true);
+      be.matmul_nt(dw, q5, q6, N, K, Mp, /*accumulate=*/true);
     } else {
-      std::vector<float> part(static_cast<size_t>(N * Km));
-      cpu::matmul_nt(part.data(), q5.data(), q6.data(), N, Km, Mp);
-      scatter_add(dw, part.data(), N, K, main_idx_.data(), nm, Km);
+      float* part = part_.ensure(be, N * Km, "tetrajet-v2: wgrad part");
+      be.matmul_nt(part, q5, q6, N, Km, Mp);
+      be.scatter_add_columns(dw, part, N, K, main_idx_dev_.data(), nm, Km);
     }
   }
   if (no > 0) {
     // outlier channels: X operand = MXFP8_RTN(RHT_w(X̂_o^T)) along tokens (aligned) or of X_o^T
-    std::vector<float> t(static_cast<size_t>(No * Mp)), q(t.size()), part(static_cast<size_t>(N * No));
-    transpose(t.data(), align ? xoq_.data() : xos_.data(), Mp, No);
-    if (rht) formats::rht16_rows_f32_cpu(t.data(), t.data(), No, Mp, sign_w);
-    mxfp8_fake_quant(q.data(), t.data(), No, Mp);
-    cpu::matmul_nt(part.data(), q5.data(), q.data(), N, No, Mp);
-    scatter_add(dw, part.data(), N, K, out_idx_.data(), no, No);
+    float* q = q6_.ensure(be, std::max(Km, No) * Mp, "tetrajet-v2: Q6");
+    float* part = part_.ensure(be, N * std::max(Km, No), "tetrajet-v2: wgrad part");
+    be.transpose(t, align ? xoq_.data() : xos_.data(), Mp, No);
+    if (rht) be.rht16_rows(t, t, No, Mp, sign_w);
+    fake_quant(be, q, qs_, QuantFormat::kMxfp8, t, No, Mp, nullptr);
+    be.matmul_nt(part, q5, q, N, No, Mp);
+    be.scatter_add_columns(dw, part, N, K, out_idx_dev_.data(), no, No);
   }
 }
 
-void TetraJetV2LinearRecipe::after_optimizer_step(float* w, int64_t N, int64_t K, int64_t step) {
+void TetraJetV2LinearRecipe::after_optimizer_step(backend::Backend& be, float* w, int64_t N, int64_t K,
+                                                  int64_t step) {
   if (!config_.oscireset.enabled) return;
   NIB_CHECK(N == info_.N && K == info_.K);
   const int64_t start = oscireset_.start_step();
   if (!oscireset_.active() && !(start >= 0 && step >= start && step % config_.oscireset.period == 0)) return;
+  be_ = &be;
   std::vector<uint8_t> eligible;  // FP4 elements only: outlier channels are excluded
   if (!out_idx_.empty()) {
     eligible.assign(static_cast<size_t>(N * K), 1);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t c : out_idx_) eligible[n * K + c] = 0;
   }
-  oscireset_.on_step(w, N, K, step, [this](float* wq, float* scale, const float* ww) { fake_quantize_weight(wq, scale, ww); },
-                     eligible);
+  // host round trip: OsciReset's per-element bookkeeping runs on a host copy of w; resets go back.
+  const size_t bytes = static_cast<size_t>(N * K) * sizeof(float);
+  w_host_.resize(static_cast<size_t>(N * K));
+  be.copy_to_host(w_host_.data(), w, bytes);
+  const int64_t resets = oscireset_.on_step(
+      w_host_.data(), N, K, step,
+      [this](float* wq, float* scale, const float* ww) { fake_quantize_weight(wq, scale, ww); }, eligible);
+  if (resets > 0) be.copy_to_device(w, w_host_.data(), bytes);
 }
 
 std::map<std::string, Tensor> TetraJetV2LinearRecipe::state() const {
@@ -490,8 +490,9 @@ std::map<std::string, Tensor> TetraJetV2LinearRecipe::state() const {
     s["outliers.selected"] = i64_tensor({selected_ ? 1 : 0});
     if (selected_) s["outliers.channels"] = i64_tensor(out_idx_);
     if (!selected_ && calib_calls_ > 0) {
+      const std::vector<double> sums = calibration_sums_host();
       Tensor t(DType::kF32, Shape{info_.K});
-      for (int64_t k = 0; k < info_.K; ++k) t.data<float>()[k] = static_cast<float>(calib_sumsq_[k]);
+      for (int64_t k = 0; k < info_.K; ++k) t.data<float>()[k] = static_cast<float>(sums[k]);
       s["outliers.calib_sumsq"] = t;
       s["outliers.calib_calls"] = i64_tensor({calib_calls_});
     }
@@ -520,12 +521,16 @@ Status TetraJetV2LinearRecipe::load_state(const std::map<std::string, Tensor>& s
       out_idx_.clear();
       main_idx_.resize(static_cast<size_t>(info_.K));
       std::iota(main_idx_.begin(), main_idx_.end(), 0);
+      idx_dirty_ = true;
       auto st = state.find("outliers.calib_sumsq");
       auto cc = state.find("outliers.calib_calls");
       if (st != state.end() && cc != state.end()) {
         if (st->second.dtype() != DType::kF32 || st->second.numel() != info_.K || cc->second.dtype() != DType::kI64)
           return invalid_argument("tetrajet-v2 state of '{}': bad calibration tensors", info_.name);
-        calib_sumsq_.assign(st->second.data<float>(), st->second.data<float>() + info_.K);
+        // Uploaded into the running sums at the next calibrated forward.
+        calib_loaded_.assign(st->second.data<float>(), st->second.data<float>() + info_.K);
+        calib_ready_ = false;
+        calib_sumsq_.reset();
         calib_calls_ = cc->second.data<int64_t>()[0];
       }
     }

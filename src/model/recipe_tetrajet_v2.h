@@ -2,8 +2,8 @@
 // (Q1/Q2 RTN forward along K; Q3/Q4 SR(RHT) dgrad along N; Q5/Q6 SR(RHT) wgrad along tokens) with
 // tensor alignment (the backward re-quantizes the forward-quantized X̂, Ŵ), OutControl (RHT +
 // static outlier channels kept in MXFP8) and OsciReset (per-element weight-oscillation reset).
-// CPU emulation: operands are fake-quantized to FP32 exactly and multiplied with FP32 GEMMs.
-// Switches come from RecipeConfig; docs/recipes.md maps every spec line to this file.
+// Emulated through backend ops: operands are fake-quantized to FP32 exactly and multiplied with
+// FP32 GEMMs. Switches come from RecipeConfig; docs/recipes.md maps every spec line to this file.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
 #include "model/linear.h"
 
 namespace nibble::model {
@@ -84,21 +85,23 @@ class OsciReset {
 // Q4 as above. wgrad: dW[:, main] += Q5 Q6_m^T, dW[:, out] += Q5 · MXFP8_RTN(RHT_w(X̂_o^T))^T.
 class TetraJetV2LinearRecipe final : public LinearRecipe {
  public:
+  NIB_LINEAR_RECIPE_HOST_OVERLOADS;
   TetraJetV2LinearRecipe(const RecipeConfig& config, const LinearInfo& info);
   std::string name() const override { return "tetrajet-v2"; }
-  void forward(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
+  void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
                const LinearCall& call) override;
-  void backward(float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
+  void backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
                 const LinearCall& call) override;
-  void after_optimizer_step(float* w, int64_t N, int64_t K, int64_t step) override;
+  void after_optimizer_step(backend::Backend& be, float* w, int64_t N, int64_t K, int64_t step) override;
   std::map<std::string, Tensor> state() const override;
   Status load_state(const std::map<std::string, Tensor>& state) override;
   void set_total_steps(int64_t total_steps) override { oscireset_.set_total_steps(total_steps); }
   std::map<std::string, double> stats() const override;
 
-  // The forward weight quantize-dequantize Q(w) (what OsciReset compares): wq (N,K) <- FP4 main
-  // channels fake-quantized exactly as Q2, outlier channels MXFP8 as in the forward; scale
-  // (N,K) or null <- sp of each FP4 element, 0 on outlier channels.
+  // The forward weight quantize-dequantize Q(w) (what OsciReset compares), on host arrays: wq
+  // (N,K) <- FP4 main channels fake-quantized exactly as Q2, outlier channels MXFP8 as in the
+  // forward; scale (N,K) or null <- sp of each FP4 element, 0 on outlier channels. Runs on the
+  // backend of the last call (the CPU backend before any).
   void fake_quantize_weight(float* wq, float* scale, const float* w) const;
   // Outlier input channels (ascending), empty before/without selection.
   const std::vector<int64_t>& outlier_channels() const { return out_idx_; }
@@ -110,27 +113,47 @@ class TetraJetV2LinearRecipe final : public LinearRecipe {
 
  private:
   void set_outliers(std::vector<int64_t> channels);
-  void calibrate(const float* x, int64_t M, const LinearCall& call);
+  void calibrate(backend::Backend& be, const float* x, int64_t M, const LinearCall& call);
+  // The calibration sums (K) on the host (from the backend, or as loaded from a checkpoint).
+  std::vector<double> calibration_sums_host() const;
+  // Copies the channel lists to be's memory when they changed (or the backend did).
+  void upload_channels(backend::Backend& be) const;
+  backend::Backend& backend_or_cpu() const;
 
   RecipeConfig config_;
   LinearInfo info_;
+  backend::Backend* be_ = nullptr;     // backend of the last call
   // outliers
-  std::vector<double> calib_sumsq_;   // (K) sum over calibration tokens of x^2 per input channel
+  backend::Buffer<double> calib_sumsq_;  // (K) sum over calibration tokens of x^2 per input channel
+  bool calib_ready_ = false;             // calib_sumsq_ holds the running sums
+  std::vector<double> calib_loaded_;     // (K) sums from a checkpoint, uploaded at the next calibration
   int64_t calib_calls_ = 0;
   bool selected_ = false;
-  std::vector<int64_t> out_idx_, main_idx_;  // ascending channel ids
+  std::vector<int64_t> out_idx_, main_idx_;  // ascending channel ids (host)
+  // the same lists in backend memory (op inputs), refreshed by upload_channels
+  mutable backend::Buffer<int64_t> out_idx_dev_, main_idx_dev_;
+  mutable const backend::Backend* idx_be_ = nullptr;
+  mutable bool idx_dirty_ = true;
   // OsciReset
   OsciReset oscireset_;
-  // saved forward state
+  std::vector<float> w_host_;          // (N,K) host copy of w while OsciReset works
+  // saved forward state (backend memory, grow-only)
   int64_t M_ = 0, N_ = 0, K_ = 0;
   const float* w_saved_ = nullptr;     // (N,K) w of the last forward (alignment off: fresh W^T)
-  std::vector<float> xs_;              // (Mp, Km) bf16-rounded main-channel X (alignment off)
-  std::vector<float> ws_;              // (Np, Km) bf16-rounded main-channel W (alignment off)
-  std::vector<uint8_t> xc_, xi_, wc_, wi_;  // X̂_m (Mp,Km) / Ŵ_m (Np,Km) codes + inner scales
-  std::vector<float> xo_, wo_;              // outer scales
-  std::vector<float> xq_, wq_;              // dequantized X̂_m (Mp,Km), Ŵ_m (Np,Km)
-  std::vector<float> xoq_, woq_;            // dequantized MXFP8 X̂_o (Mp,No), Ŵ_o (N,No); No = n_o padded to 32
-  std::vector<float> xos_;                  // (Mp,No) bf16 X_o (alignment off)
+  backend::Buffer<float> xs_;          // (Mp, Km) bf16-rounded main-channel X
+  backend::Buffer<float> ws_;          // (Np, Km) bf16-rounded main-channel W
+  backend::QuantizedBuffer xhat_buf_, what_buf_;  // X̂_m (Mp,Km) / Ŵ_m (Np,Km) 2-level
+  backend::QuantizedTensor xhat_, what_;
+  backend::Buffer<float> xq_, wq_;     // dequantized X̂_m (Mp,Km), Ŵ_m (Np,Km)
+  backend::Buffer<float> xoq_, woq_;   // dequantized MXFP8 X̂_o (Mp,No), Ŵ_o (N,No); No = n_o padded to 32
+  backend::Buffer<float> xos_, wos_;   // (Mp,No) bf16 X_o (alignment off), (N,No) bf16 W_o
+  // backward scratch
+  backend::QuantizedBuffer qs_;        // every backward quantization in turn
+  backend::Buffer<float> dyb_;         // (Mp,Np) bf16 dY, zero-padded
+  backend::Buffer<float> t_, q3_, q4_, q5_, q6_, part_;
+  // fake_quantize_weight scratch
+  mutable backend::Buffer<float> fq_w_, fq_src_, fq_deq_;
+  mutable backend::QuantizedBuffer fq_q_;
 };
 
 Result<std::unique_ptr<LinearRecipe>> make_tetrajet_v2_recipe(const RecipeConfig& config, const LinearInfo& info);

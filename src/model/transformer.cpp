@@ -1,7 +1,8 @@
 // Forward and backward of the OLMo-2 and Qwen3-MoE transformers (see transformer.h), written
-// out layer by layer over backend/cpu ops like llm.c's gpt2_forward/gpt2_backward. Activations
-// live in one arena sized for (B,T) and reused across calls; backward scratch is shared by all
-// layers. Shapes: N = B*T rows, C hidden, H/Hkv heads, D head dim, Nq = H*D, Nkv = Hkv*D,
+// out once, layer by layer, over the ops of backend::Backend like llm.c's gpt2_forward /
+// gpt2_backward (the double model runs the same code over CpuOpsF64, the same method names on
+// the templated cpu:: functions). Activations live in one backend-memory arena sized for (B,T)
+// and reused across calls (grow-only); backward scratch is shared by all layers. Shapes: N = B*T rows, C hidden, H/Hkv heads, D head dim, Nq = H*D, Nkv = Hkv*D,
 // I dense MLP hidden, E experts, k top-k, Im expert hidden, Is shared-expert hidden, V vocab.
 #include "model/transformer.h"
 
@@ -21,6 +22,108 @@ namespace nibble::model {
 
 namespace {
 
+// The double model's ops: the Backend's method names (those the layer code calls) forwarding to
+// the templated cpu:: functions, non-virtual. Memory of the double model is host memory from
+// backend::cpu_backend(). Gradient checks only.
+struct CpuOpsF64 {
+  using T = double;
+  void matmul_nt(T* y, const T* x, const T* w, int64_t M, int64_t N, int64_t K, bool acc = false, bool = false) {
+    cpu::matmul_nt(y, x, w, M, N, K, acc);
+  }
+  void matmul_nn(T* y, const T* a, const T* b, int64_t M, int64_t N, int64_t K, bool acc = false, bool = false) {
+    cpu::matmul_nn(y, a, b, M, N, K, acc);
+  }
+  void matmul_tn(T* y, const T* a, const T* b, int64_t M, int64_t N, int64_t K, bool acc = false, bool = false) {
+    cpu::matmul_tn(y, a, b, M, N, K, acc);
+  }
+  void embedding_forward(T* out, const int32_t* tokens, const T* wte, int64_t N, int64_t V, int64_t C) {
+    cpu::embedding_forward(out, tokens, wte, N, V, C);
+  }
+  void embedding_backward(T* dwte, const T* dout, const int32_t* tokens, int64_t N, int64_t V, int64_t C) {
+    cpu::embedding_backward(dwte, dout, tokens, N, V, C);
+  }
+  void rmsnorm_forward(T* out, T* rstd, const T* x, const T* w, int64_t R, int64_t C, double eps) {
+    cpu::rmsnorm_forward(out, rstd, x, w, R, C, eps);
+  }
+  void rmsnorm_backward(T* dx, T* dw, const T* dout, const T* x, const T* w, const T* rstd, int64_t R, int64_t C) {
+    cpu::rmsnorm_backward(dx, dw, dout, x, w, rstd, R, C);
+  }
+  void rope_forward(T* out, const T* x, const T* cos, const T* sin, const int32_t* pos, int64_t B, int64_t Tn,
+                    int64_t H, int64_t D) {
+    cpu::rope_forward(out, x, cos, sin, pos, B, Tn, H, D);
+  }
+  void rope_backward(T* dx, const T* dout, const T* cos, const T* sin, const int32_t* pos, int64_t B, int64_t Tn,
+                     int64_t H, int64_t D) {
+    cpu::rope_backward(dx, dout, cos, sin, pos, B, Tn, H, D);
+  }
+  void swiglu_forward(T* out, const T* gu, int64_t N, int64_t I) { cpu::swiglu_forward(out, gu, N, I); }
+  void swiglu_backward(T* dgu, const T* dout, const T* gu, int64_t N, int64_t I) {
+    cpu::swiglu_backward(dgu, dout, gu, N, I);
+  }
+  void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v, int64_t B, int64_t Tn, int64_t H,
+                         int64_t Hkv, int64_t D) {
+    cpu::attention_forward(out, lse, q, k, v, B, Tn, H, Hkv, D);
+  }
+  void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* out, const T* lse, const T* q, const T* k,
+                          const T* v, int64_t B, int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
+    cpu::attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D);
+  }
+  static backend::CrossEntropySums sums(const cpu::CrossEntropySums& s) { return {s.ce_sum, s.z_sum, s.n_valid}; }
+  backend::CrossEntropySums cross_entropy_forward(T* lse, T* token_ce, const T* logits, const int32_t* targets,
+                                                  int64_t N, int64_t V) {
+    return sums(cpu::cross_entropy_forward(lse, token_ce, logits, targets, N, V));
+  }
+  backend::CrossEntropySums cross_entropy_forward_backward(T* dlogits, T* lse, T* token_ce, const T* logits,
+                                                           const int32_t* targets, int64_t N, int64_t V,
+                                                           double ce_scale, double z_scale) {
+    return sums(cpu::cross_entropy_forward_backward(dlogits, lse, token_ce, logits, targets, N, V, ce_scale, z_scale));
+  }
+  void add_inplace(T* y, const T* x, int64_t n) { cpu::add_inplace(y, x, n); }
+  void add(T* y, const T* a, const T* b, int64_t n) { cpu::add(y, a, b, n); }
+  void copy_2d(T* dst, int64_t dst_ld, const T* src, int64_t src_ld, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * dst_ld, src + r * src_ld, sizeof(T) * cols);
+  }
+  void moe_router_forward(T* probs, T* lse, int32_t* topk_idx, T* topk_w, const T* logits, const int32_t* forced,
+                          int64_t N, int64_t E, int64_t k, bool norm_topk_prob) {
+    cpu::moe_router_forward(probs, lse, topk_idx, topk_w, logits, forced, N, E, k, norm_topk_prob);
+  }
+  void moe_router_backward(T* dlogits, const T* dtopk_w, const T* probs, const T* lse, const int32_t* topk_idx,
+                           const T* topk_w, const T* dprobs_extra, double z_scale, int64_t N, int64_t E, int64_t k,
+                           bool renormalized) {
+    cpu::moe_router_backward(dlogits, dtopk_w, probs, lse, topk_idx, topk_w, dprobs_extra, z_scale, N, E, k,
+                             renormalized);
+  }
+  void moe_dispatch_plan(int64_t* offsets_host, int32_t* row_of_slot, int32_t* token_of_row, const int32_t* topk_idx,
+                         int64_t N, int64_t E, int64_t k) {
+    cpu::moe_dispatch_plan(offsets_host, row_of_slot, token_of_row, topk_idx, N, E, k);
+  }
+  void moe_gather(T* xe, const T* x, const int32_t* token_of_row, int64_t rows, int64_t C) {
+    cpu::moe_gather(xe, x, token_of_row, rows, C);
+  }
+  void moe_gather_backward(T* dx, const T* dxe, const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C) {
+    cpu::moe_gather_backward(dx, dxe, row_of_slot, N, k, C);
+  }
+  void moe_combine(T* out, const T* ye, const T* topk_w, const int32_t* row_of_slot, int64_t N, int64_t k,
+                   int64_t C) {
+    cpu::moe_combine(out, ye, topk_w, row_of_slot, N, k, C);
+  }
+  void moe_combine_backward(T* dye, T* dtopk_w, const T* dout, const T* ye, const T* topk_w,
+                            const int32_t* row_of_slot, int64_t N, int64_t k, int64_t C) {
+    cpu::moe_combine_backward(dye, dtopk_w, dout, ye, topk_w, row_of_slot, N, k, C);
+  }
+  double moe_accumulate_load(double* count_host, double* prob_sum_host, const T* probs, const T* lse,
+                             const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) {
+    cpu::moe_accumulate_load(count_host, prob_sum_host, probs, topk_idx, N, E, k);
+    double lse2 = 0;
+    for (int64_t n = 0; n < N; ++n) lse2 += lse[n] * lse[n];
+    return lse2;
+  }
+};
+
+// The ops of a T model: the Backend for float, CpuOpsF64 for double.
+template <typename T>
+using OpsOf = std::conditional_t<std::is_same_v<T, float>, backend::Backend, CpuOpsF64>;
+
 // One linear layer: a LinearRecipe for float models, plain GEMMs for the double model.
 template <typename T>
 struct LinearSlot {
@@ -31,22 +134,22 @@ struct LinearSlot {
   const T* w = nullptr;
 
   // y: (M,N); x: (M,K); w: (N,K)
-  void forward(T* y, const T* xx, const T* ww, int64_t M, const LinearCall& call) {
+  void forward(OpsOf<T>& ops, T* y, const T* xx, const T* ww, int64_t M, const LinearCall& call) {
     if constexpr (std::is_same_v<T, float>) {
-      recipe->forward(y, xx, ww, M, info.N, info.K, call);
+      recipe->forward(ops, y, xx, ww, M, info.N, info.K, call);
     } else {
-      cpu::matmul_nt(y, xx, ww, M, info.N, info.K);
+      ops.matmul_nt(y, xx, ww, M, info.N, info.K);
       x = xx;
       w = ww;
     }
   }
   // dx: (M,K) overwritten; dw: (N,K) +=; dy: (M,N)
-  void backward(T* dx, T* dw, const T* dy, int64_t M, const LinearCall& call) {
+  void backward(OpsOf<T>& ops, T* dx, T* dw, const T* dy, int64_t M, const LinearCall& call) {
     if constexpr (std::is_same_v<T, float>) {
-      recipe->backward(dx, dw, dy, M, info.N, info.K, call);
+      recipe->backward(ops, dx, dw, dy, M, info.N, info.K, call);
     } else {
-      cpu::matmul_nn(dx, dy, w, M, info.K, info.N);
-      cpu::matmul_tn(dw, dy, x, info.N, info.K, M, true);
+      ops.matmul_nn(dx, dy, w, M, info.K, info.N);
+      ops.matmul_tn(dw, dy, x, info.N, info.K, M, true);
     }
   }
 };
@@ -72,7 +175,7 @@ struct BlockActs {
   T *q_raw = nullptr, *k_raw = nullptr, *v = nullptr;  // (N,Nq), (N,Nkv), (N,Nkv)
   T *q_rstd = nullptr, *k_rstd = nullptr;          // olmo (N); qwen (N*H), (N*Hkv)
   T *q_rot = nullptr, *k_rot = nullptr;            // (N,Nq), (N,Nkv)
-  T *att = nullptr;                                // (B,H,T,T)
+  T *lse = nullptr;                                // (B,H,T) attention log-sum-exp
   T *att_out = nullptr;                            // (N,Nq)
   T *o = nullptr, *o_rstd = nullptr;               // olmo (N,C), (N)
   T *h = nullptr;                                  // (N,C)
@@ -90,16 +193,22 @@ struct BlockActs {
 
 template <typename T>
 struct TransformerT<T>::Impl {
+  backend::Backend* mem = nullptr;  // owns the model's memory (the CPU backend for double)
+  OpsOf<T>* ops = nullptr;          // runs the ops (== mem for float)
+  CpuOpsF64 ops_f64;
   std::vector<LinearSlot<T>> linears;
   std::vector<BlockParams> blocks;
   int64_t embed = -1, final_norm = -1, lm_head = -1;
-  std::vector<T> rope_cos, rope_sin;  // (P, D/2)
+  std::shared_ptr<backend::Buffer<T>> values, grads;  // (num_params) each, backend memory
+  backend::Buffer<T> rope_cos, rope_sin;              // (P, D/2)
 
-  // arena state
+  // arena state (backend memory except larena, the host expert offsets)
   int64_t B = 0, Tn = 0;
-  std::vector<T> arena;
-  std::vector<int32_t> iarena;
+  backend::Buffer<T> arena;
+  backend::Buffer<int32_t> iarena;
   std::vector<int64_t> larena;
+  int32_t *tokens = nullptr, *targets = nullptr, *forced = nullptr;  // (N), (N), (Lm,N,k) copies of the host inputs
+  T* aux_extra = nullptr;                                             // (E) aux-loss dL/dprobs
   std::vector<BlockActs<T>> acts;
   std::vector<T*> res;  // L+1 residual streams (N,C)
   T *qkv = nullptr, *mtmp = nullptr, *sy = nullptr, *xf = nullptr, *xf_rstd = nullptr, *logits = nullptr, *lse = nullptr,
@@ -110,6 +219,7 @@ struct TransformerT<T>::Impl {
   // MoE statistics of the current forward (double sums over MoE layers)
   std::vector<double> load_count, load_prob;
   double router_lse2 = 0;
+  std::vector<T> aux_host, logits_host;  // (E); (N,V) for a custom loss on the host
 };
 
 // ---- construction -------------------------------------------------------------------------------
@@ -120,9 +230,19 @@ template <typename T>
 TransformerT<T>::~TransformerT() = default;
 
 template <typename T>
-Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConfig& cfg, const RecipeConfig& recipe) {
+Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConfig& cfg, const RecipeConfig& recipe,
+                                                                  backend::Backend* be) {
   std::unique_ptr<TransformerT<T>> m(new TransformerT<T>(cfg));
   Impl& im = *m->impl_;
+  if constexpr (std::is_same_v<T, float>) {
+    NIB_CHECK_MSG(be != nullptr, "model: no backend");
+    im.mem = be;
+    im.ops = be;
+  } else {
+    im.mem = &backend::cpu_backend();  // the double model runs on the CPU whatever `be` is
+    im.ops = &im.ops_f64;
+  }
+  m->be_ = im.mem;
   const bool olmo = cfg.arch == Architecture::kOlmo2;
   const int64_t C = cfg.hidden_size, V = cfg.vocab_size, D = cfg.head_dim;
   const int64_t Nq = cfg.q_width(), Nkv = cfg.kv_width(), L = cfg.num_hidden_layers;
@@ -196,10 +316,17 @@ Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConf
   im.lm_head = add("lm_head.weight", {V, C}, true);
 
   m->num_params_ = offset;
-  m->value_storage_ = std::make_shared<Storage>(static_cast<size_t>(offset) * sizeof(T), Device::kCPU);
-  m->grad_storage_ = std::make_shared<Storage>(static_cast<size_t>(offset) * sizeof(T), Device::kCPU);
-  m->values_ = static_cast<T*>(m->value_storage_->data());
-  m->grads_ = static_cast<T*>(m->grad_storage_->data());
+  backend::Backend& mem = *im.mem;
+  const size_t bytes = static_cast<size_t>(offset) * sizeof(T);
+  im.values = std::make_shared<backend::Buffer<T>>();
+  im.grads = std::make_shared<backend::Buffer<T>>();
+  m->values_ = im.values->ensure(mem, offset, "model parameters");
+  m->grads_ = im.grads->ensure(mem, offset, "model gradients");
+  mem.fill_zero(m->values_, bytes);
+  mem.fill_zero(m->grads_, bytes);
+  // Tensor views of backend memory; the storages keep the buffers alive.
+  m->value_storage_ = std::make_shared<Storage>(m->values_, bytes, mem.device(), im.values);
+  m->grad_storage_ = std::make_shared<Storage>(m->grads_, bytes, mem.device(), im.grads);
   int64_t at = 0;
   for (auto& pr : m->params_) {
     pr.value = m->values_ + at;
@@ -213,19 +340,23 @@ Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConf
       NIB_CHECK(s.recipe != nullptr);
     }
   }
-  im.rope_cos.resize(cfg.max_position_embeddings * (D / 2));
-  im.rope_sin.resize(cfg.max_position_embeddings * (D / 2));
-  cpu::rope_table(im.rope_cos.data(), im.rope_sin.data(), cfg.max_position_embeddings, D, cfg.rope_theta);
+  const int64_t rope_n = cfg.max_position_embeddings * (D / 2);
+  std::vector<T> cos_h(static_cast<size_t>(rope_n)), sin_h(static_cast<size_t>(rope_n));
+  cpu::rope_table(cos_h.data(), sin_h.data(), cfg.max_position_embeddings, D, cfg.rope_theta);
+  mem.copy_to_device(im.rope_cos.ensure(mem, rope_n, "RoPE table"), cos_h.data(), cos_h.size() * sizeof(T));
+  mem.copy_to_device(im.rope_sin.ensure(mem, rope_n, "RoPE table"), sin_h.data(), sin_h.size() * sizeof(T));
   return m;
 }
 
 template <typename T>
 void TransformerT<T>::init_weights(uint64_t seed) {
   const double std = config_.initializer_range;
+  std::vector<T> host(static_cast<size_t>(num_params_));
   for (size_t i = 0; i < params_.size(); ++i) {
     ParamRef<T>& p = params_[i];
+    T* v = host.data() + (p.value - values_);
     if (p.shape.size() == 1) {
-      for (int64_t j = 0; j < p.numel; ++j) p.value[j] = T(1);
+      for (int64_t j = 0; j < p.numel; ++j) v[j] = T(1);
       continue;
     }
     PhiloxStream rng(seed, i);
@@ -233,14 +364,35 @@ void TransformerT<T>::init_weights(uint64_t seed) {
       double z;
       do z = rng.next_normal();
       while (std::fabs(z) > 3.0);
-      p.value[j] = static_cast<T>(z * std);
+      v[j] = static_cast<T>(z * std);
     }
   }
+  upload_parameters(host.data());
 }
 
 template <typename T>
 void TransformerT<T>::zero_grad() {
-  std::memset(grads_, 0, static_cast<size_t>(num_params_) * sizeof(T));
+  be_->fill_zero(grads_, static_cast<size_t>(num_params_) * sizeof(T));
+}
+
+template <typename T>
+void TransformerT<T>::download_parameters(T* host) const {
+  be_->copy_to_host(host, values_, static_cast<size_t>(num_params_) * sizeof(T));
+}
+
+template <typename T>
+void TransformerT<T>::upload_parameters(const T* host) {
+  be_->copy_to_device(values_, host, static_cast<size_t>(num_params_) * sizeof(T));
+}
+
+template <typename T>
+void TransformerT<T>::download_gradients(T* host) const {
+  be_->copy_to_host(host, grads_, static_cast<size_t>(num_params_) * sizeof(T));
+}
+
+template <typename T>
+void TransformerT<T>::upload_gradients(const T* host) {
+  be_->copy_to_device(grads_, host, static_cast<size_t>(num_params_) * sizeof(T));
 }
 
 template <typename T>
@@ -324,6 +476,9 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
                 cfg.max_position_embeddings);
   auto W = [&](int64_t off) { return values_ + off; };
   auto G = [&](int64_t off) { return grads_ + off; };
+  backend::Backend& mem = *im.mem;
+  OpsOf<T>& ops = *im.ops;
+  const int64_t Lm = num_moe_layers_;
 
   // ---- arena for (B,T) ----
   if (im.B != B || im.Tn != Tn) {
@@ -343,7 +498,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
       need(a.q_raw, N * Nq); need(a.k_raw, N * Nkv); need(a.v, N * Nkv);
       need(a.q_rstd, olmo ? N : N * H); need(a.k_rstd, olmo ? N : N * Hkv);
       need(a.q_rot, N * Nq); need(a.k_rot, N * Nkv);
-      need(a.att, B * H * Tn * Tn); need(a.att_out, N * Nq);
+      need(a.lse, B * H * Tn); need(a.att_out, N * Nq);
       if (olmo) { need(a.o, N * C); need(a.o_rstd, N); }
       need(a.h, N * C);
       if (!olmo) { need(a.ln2, N * C); need(a.ln2_rstd, N); }
@@ -352,7 +507,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
         any_moe = true;
         need(a.rlogits, N * E); need(a.probs, N * E); need(a.rlse, N); need(a.topk_w, N * K);
         ireq.push_back({&a.topk_idx, N * K}); ireq.push_back({&a.row_of_slot, Nk}); ireq.push_back({&a.token_of_row, Nk});
-        lreq.push_back({&a.offsets, E + 1});
+        lreq.push_back({&a.offsets, E + 1});  // host
         need(a.xe, Nk * C); need(a.gue, Nk * 2 * Im); need(a.acte, Nk * Im); need(a.ye, Nk * C);
         if (Is > 0) { need(a.sgu, N * 2 * Is); need(a.sact, N * Is); max_hidden = std::max(max_hidden, Is); }
       } else {
@@ -368,8 +523,11 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     need(im.dgu, N * 2 * max_hidden); need(im.dact, N * max_hidden);
     if (any_moe) {
       need(im.dye, Nk * C); need(im.dxe, Nk * C); need(im.dgue, Nk * 2 * Im); need(im.dacte, Nk * Im);
-      need(im.dtopk, N * K); need(im.drl, N * E);
+      need(im.dtopk, N * K); need(im.drl, N * E); need(im.aux_extra, E);
     }
+    ireq.push_back({&im.tokens, N});
+    ireq.push_back({&im.targets, N});
+    ireq.push_back({&im.forced, Lm * Nk});
     auto round16 = [](int64_t n) { return (n + 15) / 16 * 16; };
     int64_t total = 0, itotal = 0, ltotal = 0;
     for (auto& r : req) total += round16(r.second);
@@ -377,8 +535,8 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     for (auto& r : lreq) ltotal += r.second;
     // Grow only: a smaller (B,T) (eval, generation) reuses the memory of a larger one. Every
     // buffer is fully written before it is read, so stale contents never leak into results.
-    if (im.arena.size() < static_cast<size_t>(total)) im.arena.resize(static_cast<size_t>(total));
-    if (im.iarena.size() < static_cast<size_t>(itotal)) im.iarena.resize(static_cast<size_t>(itotal));
+    im.arena.ensure(mem, total, "model activations");
+    im.iarena.ensure(mem, itotal, "model token and routing ids");
     if (im.larena.size() < static_cast<size_t>(ltotal)) im.larena.resize(static_cast<size_t>(ltotal));
     int64_t at = 0;
     for (auto& r : req) { *r.first = im.arena.data() + at; at += round16(r.second); }
@@ -396,7 +554,11 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   };
   const T* cosp = im.rope_cos.data();
   const T* sinp = im.rope_sin.data();
-  const int64_t Lm = num_moe_layers_;
+  // the host inputs in backend memory
+  mem.copy_to_device(im.tokens, tokens, static_cast<size_t>(N) * sizeof(int32_t));
+  if (targets) mem.copy_to_device(im.targets, targets, static_cast<size_t>(N) * sizeof(int32_t));
+  if (routing.forced && Lm > 0)
+    mem.copy_to_device(im.forced, routing.forced, static_cast<size_t>(Lm * Nk) * sizeof(int32_t));
   im.load_count.assign(E > 0 ? E : 0, 0.0);
   im.load_prob.assign(E > 0 ? E : 0, 0.0);
   im.router_lse2 = 0;
@@ -408,41 +570,42 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     if (!bp.moe) {
       auto& gu = im.linears[bp.lin_gate_up];
       auto& dn = im.linears[bp.lin_down];
-      gu.forward(a.gu, x, W(gu.w_offset), N, call(gu));
-      cpu::swiglu_forward(a.act, a.gu, N, I);
-      dn.forward(m, a.act, W(dn.w_offset), N, call(dn));
+      gu.forward(ops, a.gu, x, W(gu.w_offset), N, call(gu));
+      ops.swiglu_forward(a.act, a.gu, N, I);
+      dn.forward(ops, m, a.act, W(dn.w_offset), N, call(dn));
       return;
     }
-    cpu::matmul_nt(a.rlogits, x, W(bp.router), N, E, C);  // router in full precision
-    const int32_t* forced = routing.forced ? routing.forced + bp.moe_index * Nk : nullptr;
-    cpu::moe_router_forward(a.probs, a.rlse, a.topk_idx, a.topk_w, a.rlogits, forced, N, E, K, cfg.norm_topk_prob);
-    if (routing.record) std::memcpy(routing.record + bp.moe_index * Nk, a.topk_idx, sizeof(int32_t) * Nk);
-    cpu::moe_accumulate_load(im.load_count.data(), im.load_prob.data(), a.probs, a.topk_idx, N, E, K);
-    for (int64_t n = 0; n < N; ++n) im.router_lse2 += static_cast<double>(a.rlse[n]) * a.rlse[n];
-    cpu::moe_dispatch_plan(a.offsets, a.row_of_slot, a.token_of_row, a.topk_idx, N, E, K);
-    cpu::moe_gather(a.xe, x, a.token_of_row, Nk, C);
+    ops.matmul_nt(a.rlogits, x, W(bp.router), N, E, C);  // router in full precision
+    const int32_t* forced = routing.forced ? im.forced + bp.moe_index * Nk : nullptr;
+    ops.moe_router_forward(a.probs, a.rlse, a.topk_idx, a.topk_w, a.rlogits, forced, N, E, K, cfg.norm_topk_prob);
+    if (routing.record)
+      mem.copy_to_host(routing.record + bp.moe_index * Nk, a.topk_idx, sizeof(int32_t) * static_cast<size_t>(Nk));
+    im.router_lse2 +=
+        ops.moe_accumulate_load(im.load_count.data(), im.load_prob.data(), a.probs, a.rlse, a.topk_idx, N, E, K);
+    ops.moe_dispatch_plan(a.offsets, a.row_of_slot, a.token_of_row, a.topk_idx, N, E, K);
+    ops.moe_gather(a.xe, x, a.token_of_row, Nk, C);
     for (int64_t e = 0; e < E; ++e) {
       int64_t r0 = a.offsets[e], rows = a.offsets[e + 1] - r0;
       if (rows == 0) continue;  // no call: quantized recipes never see empty GEMMs
       auto& gu = im.linears[bp.lin_expert0 + 2 * e];
       auto& dn = im.linears[bp.lin_expert0 + 2 * e + 1];
-      gu.forward(a.gue + r0 * 2 * Im, a.xe + r0 * C, W(gu.w_offset), rows, call(gu));
-      cpu::swiglu_forward(a.acte + r0 * Im, a.gue + r0 * 2 * Im, rows, Im);
-      dn.forward(a.ye + r0 * C, a.acte + r0 * Im, W(dn.w_offset), rows, call(dn));
+      gu.forward(ops, a.gue + r0 * 2 * Im, a.xe + r0 * C, W(gu.w_offset), rows, call(gu));
+      ops.swiglu_forward(a.acte + r0 * Im, a.gue + r0 * 2 * Im, rows, Im);
+      dn.forward(ops, a.ye + r0 * C, a.acte + r0 * Im, W(dn.w_offset), rows, call(dn));
     }
-    cpu::moe_combine(m, a.ye, a.topk_w, a.row_of_slot, N, K, C);
+    ops.moe_combine(m, a.ye, a.topk_w, a.row_of_slot, N, K, C);
     if (Is > 0) {
       auto& gu = im.linears[bp.lin_shared_gate_up];
       auto& dn = im.linears[bp.lin_shared_down];
-      gu.forward(a.sgu, x, W(gu.w_offset), N, call(gu));
-      cpu::swiglu_forward(a.sact, a.sgu, N, Is);
-      dn.forward(im.sy, a.sact, W(dn.w_offset), N, call(dn));
-      cpu::add_inplace(m, im.sy, N * C);
+      gu.forward(ops, a.sgu, x, W(gu.w_offset), N, call(gu));
+      ops.swiglu_forward(a.sact, a.sgu, N, Is);
+      dn.forward(ops, im.sy, a.sact, W(dn.w_offset), N, call(dn));
+      ops.add_inplace(m, im.sy, N * C);
     }
   };
 
   // ---- forward ----
-  cpu::embedding_forward(im.res[0], tokens, W(im.embed), N, V, C);
+  ops.embedding_forward(im.res[0], im.tokens, W(im.embed), N, V, C);
   for (int64_t l = 0; l < L; ++l) {
     BlockActs<T>& a = im.acts[l];
     const BlockParams& bp = im.blocks[l];
@@ -450,66 +613,71 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     T* out = im.res[l + 1];
     const T* attn_in = x;
     if (!olmo) {
-      cpu::rmsnorm_forward(a.ln1, a.ln1_rstd, x, W(bp.input_ln), N, C, eps);
+      ops.rmsnorm_forward(a.ln1, a.ln1_rstd, x, W(bp.input_ln), N, C, eps);
       attn_in = a.ln1;
     }
     auto& lq = im.linears[bp.lin_qkv];
-    lq.forward(im.qkv, attn_in, W(lq.w_offset), N, call(lq));
-    for (int64_t n = 0; n < N; ++n) {  // split the fused (N, Nq|Nkv|Nkv) rows
-      std::memcpy(a.q_raw + n * Nq, im.qkv + n * Nqkv, sizeof(T) * Nq);
-      std::memcpy(a.k_raw + n * Nkv, im.qkv + n * Nqkv + Nq, sizeof(T) * Nkv);
-      std::memcpy(a.v + n * Nkv, im.qkv + n * Nqkv + Nq + Nkv, sizeof(T) * Nkv);
-    }
+    lq.forward(ops, im.qkv, attn_in, W(lq.w_offset), N, call(lq));
+    // split the fused (N, Nq|Nkv|Nkv) rows
+    ops.copy_2d(a.q_raw, Nq, im.qkv, Nqkv, N, Nq);
+    ops.copy_2d(a.k_raw, Nkv, im.qkv + Nq, Nqkv, N, Nkv);
+    ops.copy_2d(a.v, Nkv, im.qkv + Nq + Nkv, Nqkv, N, Nkv);
     // QK-norm: OLMo-2 over the full width (rows N), Qwen3 per head (rows N*H of width D)
     if (olmo) {
-      cpu::rmsnorm_forward(a.q_rot, a.q_rstd, a.q_raw, W(bp.q_norm), N, Nq, eps);
-      cpu::rmsnorm_forward(a.k_rot, a.k_rstd, a.k_raw, W(bp.k_norm), N, Nkv, eps);
+      ops.rmsnorm_forward(a.q_rot, a.q_rstd, a.q_raw, W(bp.q_norm), N, Nq, eps);
+      ops.rmsnorm_forward(a.k_rot, a.k_rstd, a.k_raw, W(bp.k_norm), N, Nkv, eps);
     } else {
-      cpu::rmsnorm_forward(a.q_rot, a.q_rstd, a.q_raw, W(bp.q_norm), N * H, D, eps);
-      cpu::rmsnorm_forward(a.k_rot, a.k_rstd, a.k_raw, W(bp.k_norm), N * Hkv, D, eps);
+      ops.rmsnorm_forward(a.q_rot, a.q_rstd, a.q_raw, W(bp.q_norm), N * H, D, eps);
+      ops.rmsnorm_forward(a.k_rot, a.k_rstd, a.k_raw, W(bp.k_norm), N * Hkv, D, eps);
     }
-    cpu::rope_forward(a.q_rot, a.q_rot, cosp, sinp, nullptr, B, Tn, H, D);
-    cpu::rope_forward(a.k_rot, a.k_rot, cosp, sinp, nullptr, B, Tn, Hkv, D);
-    cpu::attention_forward(a.att_out, a.att, a.q_rot, a.k_rot, a.v, B, Tn, H, Hkv, D);
+    ops.rope_forward(a.q_rot, a.q_rot, cosp, sinp, nullptr, B, Tn, H, D);
+    ops.rope_forward(a.k_rot, a.k_rot, cosp, sinp, nullptr, B, Tn, Hkv, D);
+    ops.attention_forward(a.att_out, a.lse, a.q_rot, a.k_rot, a.v, B, Tn, H, Hkv, D);
     auto& lo = im.linears[bp.lin_o];
     if (olmo) {
-      lo.forward(a.o, a.att_out, W(lo.w_offset), N, call(lo));
-      cpu::rmsnorm_forward(a.h, a.o_rstd, a.o, W(bp.post_attn_ln), N, C, eps);
-      cpu::add_inplace(a.h, x, N * C);                      // h = x + RMSNorm(Attn(x))
+      lo.forward(ops, a.o, a.att_out, W(lo.w_offset), N, call(lo));
+      ops.rmsnorm_forward(a.h, a.o_rstd, a.o, W(bp.post_attn_ln), N, C, eps);
+      ops.add_inplace(a.h, x, N * C);                      // h = x + RMSNorm(Attn(x))
       mlp_forward(a.m, a.h, l);
-      cpu::rmsnorm_forward(out, a.m_rstd, a.m, W(bp.post_ff_ln), N, C, eps);
-      cpu::add_inplace(out, a.h, N * C);                    // out = h + RMSNorm(MLP(h))
+      ops.rmsnorm_forward(out, a.m_rstd, a.m, W(bp.post_ff_ln), N, C, eps);
+      ops.add_inplace(out, a.h, N * C);                    // out = h + RMSNorm(MLP(h))
     } else {
-      lo.forward(im.mtmp, a.att_out, W(lo.w_offset), N, call(lo));
-      cpu::add(a.h, x, im.mtmp, N * C);                     // h = x + Attn(RMSNorm(x))
-      cpu::rmsnorm_forward(a.ln2, a.ln2_rstd, a.h, W(bp.post_attn_ln), N, C, eps);
+      lo.forward(ops, im.mtmp, a.att_out, W(lo.w_offset), N, call(lo));
+      ops.add(a.h, x, im.mtmp, N * C);                     // h = x + Attn(RMSNorm(x))
+      ops.rmsnorm_forward(a.ln2, a.ln2_rstd, a.h, W(bp.post_attn_ln), N, C, eps);
       mlp_forward(im.mtmp, a.ln2, l);
-      cpu::add(out, a.h, im.mtmp, N * C);                   // out = h + MLP(RMSNorm(h))
+      ops.add(out, a.h, im.mtmp, N * C);                   // out = h + MLP(RMSNorm(h))
     }
   }
-  cpu::rmsnorm_forward(im.xf, im.xf_rstd, im.res[L], W(im.final_norm), N, C, eps);
+  ops.rmsnorm_forward(im.xf, im.xf_rstd, im.res[L], W(im.final_norm), N, C, eps);
+  ops.matmul_nt(im.logits, im.xf, W(im.lm_head), N, V, C);
   if (logits_out) {
-    cpu::matmul_nt(logits_out, im.xf, W(im.lm_head), N, V, C);
+    mem.copy_to_host(logits_out, im.logits, static_cast<size_t>(N * V) * sizeof(T));
     return LossParts{};
   }
-  cpu::matmul_nt(im.logits, im.xf, W(im.lm_head), N, V, C);
 
   // ---- loss ----
   // After this block im.logits holds dL/dlogits when backward is set (the fused CE op and the
   // custom loss both work in place).
   LossParts lp;
   if (custom_loss) {
-    lp.ce = (*custom_loss)(im.logits, N, V);
+    // host round trip: the custom objective is host code; it gets the logits and returns dL/dlogits
+    const size_t bytes = static_cast<size_t>(N * V) * sizeof(T);
+    im.logits_host.resize(static_cast<size_t>(N * V));
+    mem.copy_to_host(im.logits_host.data(), im.logits, bytes);
+    lp.ce = (*custom_loss)(im.logits_host.data(), N, V);
+    mem.copy_to_device(im.logits, im.logits_host.data(), bytes);
   } else {
-    cpu::CrossEntropySums sums;
+    backend::CrossEntropySums sums;
     if (backward) {
       int64_t n_valid = 0;
       for (int64_t n = 0; n < N; ++n) n_valid += targets[n] >= 0;
       const double inv = n_valid > 0 ? 1.0 / static_cast<double>(n_valid) : 0.0;
-      sums = cpu::cross_entropy_forward_backward(im.logits, im.lse, token_ce ? token_ce : im.tok_ce, im.logits,
-                                                 targets, N, V, inv, options.z_loss_coef * inv);
+      sums = ops.cross_entropy_forward_backward(im.logits, im.lse, im.tok_ce, im.logits, im.targets, N, V, inv,
+                                                options.z_loss_coef * inv);
     } else {
-      sums = cpu::cross_entropy_forward(im.lse, token_ce, im.logits, targets, N, V);
+      sums = ops.cross_entropy_forward(im.lse, token_ce ? im.tok_ce : nullptr, im.logits, im.targets, N, V);
+      if (token_ce) mem.copy_to_host(token_ce, im.tok_ce, static_cast<size_t>(N) * sizeof(T));
     }
     lp.n_tokens = sums.n_valid;
     const double inv_n = sums.n_valid > 0 ? 1.0 / static_cast<double>(sums.n_valid) : 0.0;
@@ -532,17 +700,18 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   if (!backward) return lp;
 
   // ---- backward ----
-  std::vector<T> aux_extra(E > 0 ? E : 0, T(0));
   double router_z_scale = 0;
   if (Lm > 0) {
     const double denom = static_cast<double>(Lm) * static_cast<double>(N);
-    for (int64_t e = 0; e < E; ++e) aux_extra[e] = static_cast<T>(aux_coef * static_cast<double>(E) * f[e] / denom);
+    im.aux_host.assign(static_cast<size_t>(E), T(0));
+    for (int64_t e = 0; e < E; ++e) im.aux_host[e] = static_cast<T>(aux_coef * static_cast<double>(E) * f[e] / denom);
+    mem.copy_to_device(im.aux_extra, im.aux_host.data(), static_cast<size_t>(E) * sizeof(T));
     router_z_scale = rz_coef / denom;
   }
   T* dlogits = im.logits;  // written in place by the loss above
-  cpu::matmul_nn(im.dt1, dlogits, W(im.lm_head), N, C, V);               // dxf (N,C)
-  cpu::matmul_tn(G(im.lm_head), dlogits, im.xf, V, C, N, true);          // dW_lm (V,C)
-  cpu::rmsnorm_backward(im.dres, G(im.final_norm), im.dt1, im.res[L], W(im.final_norm), im.xf_rstd, N, C);
+  ops.matmul_nn(im.dt1, dlogits, W(im.lm_head), N, C, V);               // dxf (N,C)
+  ops.matmul_tn(G(im.lm_head), dlogits, im.xf, V, C, N, true);          // dW_lm (V,C)
+  ops.rmsnorm_backward(im.dres, G(im.final_norm), im.dt1, im.res[L], W(im.final_norm), im.xf_rstd, N, C);
 
   // dx (N,C) = d MLP(x) / dx applied to dm (N,C)
   auto mlp_backward = [&](T* dx, const T* dm, const T* x, int64_t l) {
@@ -551,34 +720,34 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     if (!bp.moe) {
       auto& gu = im.linears[bp.lin_gate_up];
       auto& dn = im.linears[bp.lin_down];
-      dn.backward(im.dact, G(dn.w_offset), dm, N, call(dn));
-      cpu::swiglu_backward(im.dgu, im.dact, a.gu, N, I);
-      gu.backward(dx, G(gu.w_offset), im.dgu, N, call(gu));
+      dn.backward(ops, im.dact, G(dn.w_offset), dm, N, call(dn));
+      ops.swiglu_backward(im.dgu, im.dact, a.gu, N, I);
+      gu.backward(ops, dx, G(gu.w_offset), im.dgu, N, call(gu));
       return;
     }
-    cpu::moe_combine_backward(im.dye, im.dtopk, dm, a.ye, a.topk_w, a.row_of_slot, N, K, C);
+    ops.moe_combine_backward(im.dye, im.dtopk, dm, a.ye, a.topk_w, a.row_of_slot, N, K, C);
     for (int64_t e = 0; e < E; ++e) {
       int64_t r0 = a.offsets[e], rows = a.offsets[e + 1] - r0;
       if (rows == 0) continue;
       auto& gu = im.linears[bp.lin_expert0 + 2 * e];
       auto& dn = im.linears[bp.lin_expert0 + 2 * e + 1];
-      dn.backward(im.dacte + r0 * Im, G(dn.w_offset), im.dye + r0 * C, rows, call(dn));
-      cpu::swiglu_backward(im.dgue + r0 * 2 * Im, im.dacte + r0 * Im, a.gue + r0 * 2 * Im, rows, Im);
-      gu.backward(im.dxe + r0 * C, G(gu.w_offset), im.dgue + r0 * 2 * Im, rows, call(gu));
+      dn.backward(ops, im.dacte + r0 * Im, G(dn.w_offset), im.dye + r0 * C, rows, call(dn));
+      ops.swiglu_backward(im.dgue + r0 * 2 * Im, im.dacte + r0 * Im, a.gue + r0 * 2 * Im, rows, Im);
+      gu.backward(ops, im.dxe + r0 * C, G(gu.w_offset), im.dgue + r0 * 2 * Im, rows, call(gu));
     }
-    cpu::moe_gather_backward(dx, im.dxe, a.row_of_slot, N, K, C);
+    ops.moe_gather_backward(dx, im.dxe, a.row_of_slot, N, K, C);
     const bool renorm = cfg.norm_topk_prob || routing.forced != nullptr;
-    cpu::moe_router_backward(im.drl, im.dtopk, a.probs, a.rlse, a.topk_idx, a.topk_w, aux_extra.data(),
+    ops.moe_router_backward(im.drl, im.dtopk, a.probs, a.rlse, a.topk_idx, a.topk_w, im.aux_extra,
                              router_z_scale, N, E, K, renorm);
-    cpu::matmul_nn(dx, im.drl, W(bp.router), N, C, E, /*accumulate=*/true);  // dx += drl (N,E) . Wg (E,C)
-    cpu::matmul_tn(G(bp.router), im.drl, x, E, C, N, true);                 // dWg += drl^T . x
+    ops.matmul_nn(dx, im.drl, W(bp.router), N, C, E, /*accumulate=*/true);  // dx += drl (N,E) . Wg (E,C)
+    ops.matmul_tn(G(bp.router), im.drl, x, E, C, N, true);                 // dWg += drl^T . x
     if (Is > 0) {
       auto& gu = im.linears[bp.lin_shared_gate_up];
       auto& dn = im.linears[bp.lin_shared_down];
-      dn.backward(im.dact, G(dn.w_offset), dm, N, call(dn));
-      cpu::swiglu_backward(im.dgu, im.dact, a.sgu, N, Is);
-      gu.backward(im.dt3, G(gu.w_offset), im.dgu, N, call(gu));
-      cpu::add_inplace(dx, im.dt3, N * C);
+      dn.backward(ops, im.dact, G(dn.w_offset), dm, N, call(dn));
+      ops.swiglu_backward(im.dgu, im.dact, a.sgu, N, Is);
+      gu.backward(ops, im.dt3, G(gu.w_offset), im.dgu, N, call(gu));
+      ops.add_inplace(dx, im.dt3, N * C);
     }
   };
 
@@ -586,22 +755,20 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   auto attention_block_backward = [&](int64_t l) {
     BlockActs<T>& a = im.acts[l];
     const BlockParams& bp = im.blocks[l];
-    cpu::attention_backward(im.dq, im.dk, im.dv, im.datt, a.att, a.q_rot, a.k_rot, a.v, B, Tn, H, Hkv, D);
-    cpu::rope_backward(im.dq, im.dq, cosp, sinp, nullptr, B, Tn, H, D);
-    cpu::rope_backward(im.dk, im.dk, cosp, sinp, nullptr, B, Tn, Hkv, D);
+    ops.attention_backward(im.dq, im.dk, im.dv, im.datt, a.att_out, a.lse, a.q_rot, a.k_rot, a.v, B, Tn, H, Hkv, D);
+    ops.rope_backward(im.dq, im.dq, cosp, sinp, nullptr, B, Tn, H, D);
+    ops.rope_backward(im.dk, im.dk, cosp, sinp, nullptr, B, Tn, Hkv, D);
     T* dq_raw = im.datt;  // datt is dead now: reuse it
     if (olmo) {
-      cpu::rmsnorm_backward(dq_raw, G(bp.q_norm), im.dq, a.q_raw, W(bp.q_norm), a.q_rstd, N, Nq);
-      cpu::rmsnorm_backward(im.dk2, G(bp.k_norm), im.dk, a.k_raw, W(bp.k_norm), a.k_rstd, N, Nkv);
+      ops.rmsnorm_backward(dq_raw, G(bp.q_norm), im.dq, a.q_raw, W(bp.q_norm), a.q_rstd, N, Nq);
+      ops.rmsnorm_backward(im.dk2, G(bp.k_norm), im.dk, a.k_raw, W(bp.k_norm), a.k_rstd, N, Nkv);
     } else {
-      cpu::rmsnorm_backward(dq_raw, G(bp.q_norm), im.dq, a.q_raw, W(bp.q_norm), a.q_rstd, N * H, D);
-      cpu::rmsnorm_backward(im.dk2, G(bp.k_norm), im.dk, a.k_raw, W(bp.k_norm), a.k_rstd, N * Hkv, D);
+      ops.rmsnorm_backward(dq_raw, G(bp.q_norm), im.dq, a.q_raw, W(bp.q_norm), a.q_rstd, N * H, D);
+      ops.rmsnorm_backward(im.dk2, G(bp.k_norm), im.dk, a.k_raw, W(bp.k_norm), a.k_rstd, N * Hkv, D);
     }
-    for (int64_t n = 0; n < N; ++n) {
-      std::memcpy(im.dqkv + n * Nqkv, dq_raw + n * Nq, sizeof(T) * Nq);
-      std::memcpy(im.dqkv + n * Nqkv + Nq, im.dk2 + n * Nkv, sizeof(T) * Nkv);
-      std::memcpy(im.dqkv + n * Nqkv + Nq + Nkv, im.dv + n * Nkv, sizeof(T) * Nkv);
-    }
+    ops.copy_2d(im.dqkv, Nqkv, dq_raw, Nq, N, Nq);
+    ops.copy_2d(im.dqkv + Nq, Nqkv, im.dk2, Nkv, N, Nkv);
+    ops.copy_2d(im.dqkv + Nq + Nkv, Nqkv, im.dv, Nkv, N, Nkv);
   };
 
   for (int64_t l = L - 1; l >= 0; --l) {
@@ -611,26 +778,26 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     auto& lo = im.linears[bp.lin_o];
     // im.dres holds dL/d(out of block l)
     if (olmo) {
-      cpu::rmsnorm_backward(im.dt1, G(bp.post_ff_ln), im.dres, a.m, W(bp.post_ff_ln), a.m_rstd, N, C);  // dm
+      ops.rmsnorm_backward(im.dt1, G(bp.post_ff_ln), im.dres, a.m, W(bp.post_ff_ln), a.m_rstd, N, C);  // dm
       mlp_backward(im.dt2, im.dt1, a.h, l);
-      cpu::add_inplace(im.dres, im.dt2, N * C);                                                            // dh
-      cpu::rmsnorm_backward(im.dt1, G(bp.post_attn_ln), im.dres, a.o, W(bp.post_attn_ln), a.o_rstd, N, C);  // do
-      lo.backward(im.datt, G(lo.w_offset), im.dt1, N, call(lo));
+      ops.add_inplace(im.dres, im.dt2, N * C);                                                            // dh
+      ops.rmsnorm_backward(im.dt1, G(bp.post_attn_ln), im.dres, a.o, W(bp.post_attn_ln), a.o_rstd, N, C);  // do
+      lo.backward(ops, im.datt, G(lo.w_offset), im.dt1, N, call(lo));
       attention_block_backward(l);
-      lq.backward(im.dt1, G(lq.w_offset), im.dqkv, N, call(lq));
-      cpu::add_inplace(im.dres, im.dt1, N * C);                                                            // dx
+      lq.backward(ops, im.dt1, G(lq.w_offset), im.dqkv, N, call(lq));
+      ops.add_inplace(im.dres, im.dt1, N * C);                                                            // dx
     } else {
       mlp_backward(im.dt1, im.dres, a.ln2, l);                                                             // dln2
-      cpu::rmsnorm_backward(im.dt2, G(bp.post_attn_ln), im.dt1, a.h, W(bp.post_attn_ln), a.ln2_rstd, N, C);
-      cpu::add_inplace(im.dres, im.dt2, N * C);                                                            // dh
-      lo.backward(im.datt, G(lo.w_offset), im.dres, N, call(lo));
+      ops.rmsnorm_backward(im.dt2, G(bp.post_attn_ln), im.dt1, a.h, W(bp.post_attn_ln), a.ln2_rstd, N, C);
+      ops.add_inplace(im.dres, im.dt2, N * C);                                                            // dh
+      lo.backward(ops, im.datt, G(lo.w_offset), im.dres, N, call(lo));
       attention_block_backward(l);
-      lq.backward(im.dt1, G(lq.w_offset), im.dqkv, N, call(lq));                                           // dln1
-      cpu::rmsnorm_backward(im.dt2, G(bp.input_ln), im.dt1, im.res[l], W(bp.input_ln), a.ln1_rstd, N, C);
-      cpu::add_inplace(im.dres, im.dt2, N * C);                                                            // dx
+      lq.backward(ops, im.dt1, G(lq.w_offset), im.dqkv, N, call(lq));                                           // dln1
+      ops.rmsnorm_backward(im.dt2, G(bp.input_ln), im.dt1, im.res[l], W(bp.input_ln), a.ln1_rstd, N, C);
+      ops.add_inplace(im.dres, im.dt2, N * C);                                                            // dx
     }
   }
-  cpu::embedding_backward(G(im.embed), im.dres, tokens, N, V, C);
+  ops.embedding_backward(G(im.embed), im.dres, im.tokens, N, V, C);
   return lp;
 }
 

@@ -2,9 +2,10 @@
 // out = h + RMSNorm(MLP(h)); QK-norm over the full q/k width before RoPE) and Qwen3-MoE (pre-norm;
 // per-head QK-norm; sparse MoE MLPs with top-k routing), each faithful to its transformers class
 // so checkpoints with HF tensor names give the same logits. Forward and backward are written out
-// over the CPU ops of backend/cpu (llm.c style); block linears go through LinearRecipe instances.
-// TransformerT<double> (plain double GEMMs, no recipes) exists to check gradients by finite
-// differences; training uses Model = TransformerT<float>.
+// once over the ops of a backend::Backend (llm.c style); block linears go through LinearRecipe
+// instances. Parameters, gradients and activations live in the backend's memory; the API takes
+// host token/target arrays. TransformerT<double> (plain double GEMMs, no recipes, always on the
+// CPU) exists to check gradients by finite differences; training uses Model = TransformerT<float>.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
 #include "core/status.h"
 #include "core/tensor.h"
 #include "model/config.h"
@@ -20,7 +22,8 @@
 
 namespace nibble::model {
 
-// One trainable tensor, HF-named, viewing the model's flat parameter / gradient buffers.
+// One trainable tensor, HF-named, viewing the model's flat parameter / gradient buffers (in the
+// backend's memory: Tensor::device() says where).
 struct Parameter {
   std::string name;     // e.g. "model.layers.0.self_attn.q_proj.weight"
   Tensor value;         // F32, HF shape (out, in) for matrices
@@ -28,7 +31,8 @@ struct Parameter {
   bool weight_decay;    // false only for model.embed_tokens.weight (OLMo-2), see docs/model.md
 };
 
-// The same for any float type (the double model's gradient checks use it).
+// The same for any float type (the double model's gradient checks use it); value and grad point
+// into backend memory.
 template <typename T>
 struct ParamRef {
   std::string name;
@@ -65,9 +69,11 @@ struct RoutingIO {
 template <typename T>
 class TransformerT {
  public:
-  // Builds the model (zero weights; call init_weights). For T = double the recipe is ignored and
-  // every linear is a plain double GEMM. Errors: unknown recipe, recipe factory errors.
-  static Result<std::unique_ptr<TransformerT>> create(const ModelConfig& config, const RecipeConfig& recipe);
+  // Builds the model (zero weights; call init_weights) on backend `be` (memory and ops; it must
+  // outlive the model). For T = double the recipe and `be` are ignored: every linear is a plain
+  // double GEMM on the CPU. Errors: unknown recipe, recipe factory errors.
+  static Result<std::unique_ptr<TransformerT>> create(const ModelConfig& config, const RecipeConfig& recipe,
+                                                      backend::Backend* be = &backend::cpu_backend());
   ~TransformerT();
   TransformerT(const TransformerT&) = delete;
   TransformerT& operator=(const TransformerT&) = delete;
@@ -77,20 +83,21 @@ class TransformerT {
   // Parameter i draws from PhiloxStream(seed, stream = i): independent of threads and of T.
   void init_weights(uint64_t seed);
 
-  // tokens, targets: (B,T) i32 (targets < 0 ignored, e.g. -100). Runs forward and backward,
+  // tokens, targets: (B,T) i32 host arrays (targets < 0 ignored, e.g. -100). Runs forward and backward,
   // ACCUMULATES parameter gradients (call zero_grad between optimizer steps) and returns the loss.
   LossParts forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t Tn,
                              const LossOptions& options = {}, const RoutingIO& routing = {});
   // A custom objective on the logits (e.g. RL policy-gradient losses): loss_fn receives the logits
-  // (N,V) = (B*T,V), must overwrite them in place with dL/dlogits and return L. The MoE aux and
+  // (N,V) = (B*T,V) as a host array, must overwrite them in place with dL/dlogits and return L. The MoE aux and
   // router z-losses are added as usual; LossParts::ce holds loss_fn's value, n_tokens = 0.
   using LogitsLossFn = std::function<double(T* logits_to_dlogits, int64_t N, int64_t V)>;
   LossParts forward_backward_custom(const int32_t* tokens, int64_t B, int64_t Tn, const LogitsLossFn& loss_fn,
                                     const LossOptions& options = {}, const RoutingIO& routing = {});
-  // Forward only (eval). token_ce: (B,T) or nullptr: per-token cross-entropy (-log p(target)), 0 if ignored.
+  // Forward only (eval). token_ce: (B,T) host array or nullptr: per-token cross-entropy
+  // (-log p(target)), 0 if ignored.
   LossParts forward_loss(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t Tn,
                          const LossOptions& options = {}, const RoutingIO& routing = {}, T* token_ce = nullptr);
-  // logits: (B,T,V) caller-allocated.
+  // logits: (B,T,V) caller-allocated host array.
   void forward_logits(T* logits, const int32_t* tokens, int64_t B, int64_t Tn, const RoutingIO& routing = {});
 
   void zero_grad();
@@ -103,17 +110,26 @@ class TransformerT {
   int64_t micro_step() const { return micro_step_; }
 
   // All parameters in a stable order (embed, layer 0 .. L-1 in HF order, final norm, lm_head).
-  // Values and grads are each one contiguous buffer in this order (flat_values / flat_grads).
+  // Values and grads are each one contiguous buffer in this order (flat_values / flat_grads), in
+  // backend memory (host memory on the CPU backend). Host code reads and writes them through
+  // the copies below.
   const std::vector<ParamRef<T>>& param_refs() const { return params_; }
   T* flat_values() { return values_; }
   T* flat_grads() { return grads_; }
   int64_t num_params() const { return num_params_; }
+  // host: (num_params) in param_refs() order.
+  void download_parameters(T* host) const;
+  void upload_parameters(const T* host);
+  void download_gradients(T* host) const;
+  void upload_gradients(const T* host);
+  // The backend holding this model's memory and running its ops (the CPU backend for double).
+  backend::Backend& backend() const { return *be_; }
   ParamRef<T>* find_param(const std::string& name);
 
   // Linear instances in model order; recipes are null for T = double.
   const std::vector<LinearInfo>& linear_infos() const { return linear_infos_; }
   LinearRecipe* linear_recipe(int id);
-  // Index of each linear's weight view (N,K): q|k|v and gate|up are adjacent parameters.
+  // Index of each linear's weight view (N,K) in backend memory: q|k|v and gate|up are adjacent parameters.
   T* linear_weight(int id);
 
   int64_t num_moe_layers() const { return num_moe_layers_; }
@@ -129,6 +145,7 @@ class TransformerT {
                 const LogitsLossFn* custom_loss = nullptr);
 
   ModelConfig config_;
+  backend::Backend* be_ = nullptr;
   std::vector<ParamRef<T>> params_;
   std::shared_ptr<Storage> value_storage_, grad_storage_;
   T* values_ = nullptr;
