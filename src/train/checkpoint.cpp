@@ -78,8 +78,16 @@ std::string checkpoint_dir_name(int64_t step) {
 }
 
 std::vector<io::NamedTensor> model_named_tensors(const model::Model& model) {
+  // Host tensors viewing one host copy of the parameters (the model's memory may be a GPU's).
+  const size_t bytes = static_cast<size_t>(model.num_params()) * sizeof(float);
+  auto host = std::make_shared<Storage>(bytes, Device::kCPU);
+  model.download_parameters(static_cast<float*>(host->data()));
+  auto& m = const_cast<model::Model&>(model);
   std::vector<io::NamedTensor> out;
-  for (auto& p : const_cast<model::Model&>(model).parameters()) out.push_back({p.name, p.value});
+  for (const auto& p : model.param_refs()) {
+    const size_t off = static_cast<size_t>(p.value - m.flat_values()) * sizeof(float);
+    out.push_back({p.name, Tensor(host, off, DType::kF32, p.shape)});
+  }
   return out;
 }
 
@@ -186,16 +194,19 @@ Status load_model_state(model::Model* model, const std::string& dir) {
   auto file = io::SafetensorsFile::open(path);
   if (!file) return data_loss("corrupt checkpoint file '{}': {}", path, file.status().message());
   size_t used = 0;
+  // Read into one host copy of the parameters, then upload (the model's memory may be a GPU's).
+  std::vector<float> host(static_cast<size_t>(model->num_params()));
   for (const auto& p : model->param_refs()) {
     if (!file->contains(p.name)) return data_loss("checkpoint '{}' lacks tensor '{}'", path, p.name);
     NIB_ASSIGN_OR_RETURN(Tensor t, file->get(p.name));
     if (t.shape() != p.shape)
       return data_loss("checkpoint '{}': tensor '{}' has the wrong shape for this model config", path, p.name);
+    float* dst = host.data() + (p.value - model->flat_values());
     if (t.dtype() == DType::kF32) {
-      std::memcpy(p.value, t.raw(), sizeof(float) * p.numel);
+      std::memcpy(dst, t.raw(), sizeof(float) * p.numel);
     } else if (t.dtype() == DType::kBF16) {
       const uint16_t* b = t.data<uint16_t>();
-      for (int64_t i = 0; i < p.numel; ++i) p.value[i] = bf16_bits_to_f32(b[i]);
+      for (int64_t i = 0; i < p.numel; ++i) dst[i] = bf16_bits_to_f32(b[i]);
     } else {
       return data_loss("checkpoint '{}': tensor '{}' must be F32 or BF16", path, p.name);
     }
@@ -203,6 +214,7 @@ Status load_model_state(model::Model* model, const std::string& dir) {
   }
   if (used != file->names().size())
     return data_loss("checkpoint '{}' holds {} tensors, the model has {}", path, file->names().size(), used);
+  model->upload_parameters(host.data());
 
   const std::string rpath = (fs::path(dir) / "recipe_state.safetensors").string();
   if (!fs::exists(rpath)) return Status::ok();

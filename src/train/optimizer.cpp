@@ -22,24 +22,13 @@ Status validate(const AdamWConfig& c) {
   return Status::ok();
 }
 
-GradNorm global_grad_norm(const std::vector<ParamView>& params, double max_norm, float grad_scale) {
+GradNorm global_grad_norm(const std::vector<ParamView>& params, double max_norm, float grad_scale,
+                          backend::Backend& be) {
   double total = 0;
   for (const ParamView& p : params) {
     NIB_CHECK_MSG(p.numel >= 0 && (p.numel == 0 || p.grad), "param {}", p.name);
-    const int64_t chunks = (p.numel + kChunk - 1) / kChunk;
-    std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
-    parallel_for(chunks, 1, [&](int64_t cb, int64_t ce) {
-      for (int64_t c = cb; c < ce; ++c) {
-        const int64_t b = c * kChunk, e = std::min(p.numel, b + kChunk);
-        double s = 0;
-        for (int64_t i = b; i < e; ++i) {
-          const double g = static_cast<double>(p.grad[i] * grad_scale);
-          s += g * g;
-        }
-        partial[c] = s;
-      }
-    });
-    for (double s : partial) total += s;
+    // One sum per fixed chunk, added here in order: the same total on every backend and thread count.
+    for (int64_t b = 0; b < p.numel; b += kChunk) total += be.sum_squares(p.grad + b, std::min(kChunk, p.numel - b), grad_scale);
   }
   GradNorm r;
   r.norm = std::sqrt(total);
@@ -72,55 +61,44 @@ Status AdamW::step(const std::vector<ParamView>& params, double lr, float grad_s
     if (p.numel < 0 || (p.numel > 0 && (!p.value || !p.grad)))
       return invalid_argument("adamw: parameter {} has no data", p.name);
     auto it = state_.find(p.name);
-    if (it != state_.end() && static_cast<int64_t>(it->second.m.size()) != p.numel)
+    if (it != state_.end() && it->second.numel != p.numel)
       return invalid_argument("adamw: parameter {} has {} elements, its optimizer state {}", p.name, p.numel,
-                              it->second.m.size());
+                              it->second.numel);
   }
-  const int64_t t = ++step_;
-  // Scalars as PyTorch computes them (Python doubles), then used in f32 element arithmetic.
-  const float decay = static_cast<float>(1.0 - lr * config_.weight_decay);
-  const float one_minus_b1 = static_cast<float>(1.0 - config_.beta1);
-  const float b2 = static_cast<float>(config_.beta2);
-  const float one_minus_b2 = static_cast<float>(1.0 - config_.beta2);
-  const double bc1 = 1.0 - std::pow(config_.beta1, static_cast<double>(t));
-  const double bc2 = 1.0 - std::pow(config_.beta2, static_cast<double>(t));
-  const float step_size = static_cast<float>(lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  const float eps = static_cast<float>(config_.eps);
+  backend::AdamWStep hp;  // the backend computes PyTorch's scalars from these (see AdamWStep)
+  hp.lr = lr;
+  hp.beta1 = config_.beta1;
+  hp.beta2 = config_.beta2;
+  hp.eps = config_.eps;
+  hp.step = ++step_;
+  hp.grad_scale = grad_scale;
   for (const ParamView& p : params) {
-    Moments& st = state_[p.name];
-    if (st.m.empty() && p.numel > 0) {
-      st.m.assign(static_cast<size_t>(p.numel), 0.0f);
-      st.v.assign(static_cast<size_t>(p.numel), 0.0f);
+    auto [it, fresh] = state_.try_emplace(p.name);
+    Moments& st = it->second;
+    if (fresh) {
+      st.numel = p.numel;
+      const size_t bytes = static_cast<size_t>(p.numel) * sizeof(float);
+      be_->fill_zero(st.m.ensure(*be_, p.numel, "AdamW exp_avg"), bytes);
+      be_->fill_zero(st.v.ensure(*be_, p.numel, "AdamW exp_avg_sq"), bytes);
     }
-    float* w = p.value;
-    const float* grad = p.grad;
-    float* m = st.m.data();
-    float* v = st.v.data();
-    const bool wd = p.weight_decay && config_.weight_decay != 0.0;
-    parallel_for(p.numel, kChunk, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const float g = grad[i] * grad_scale;
-        float wi = w[i];
-        if (wd) wi = wi * decay;                         // param.mul_(1 - lr*wd)
-        m[i] = m[i] + one_minus_b1 * (g - m[i]);         // exp_avg.lerp_(grad, 1-beta1)
-        v[i] = v[i] * b2 + one_minus_b2 * (g * g);       // exp_avg_sq.mul_(b2).addcmul_(g, g, 1-b2)
-        const float denom = std::sqrt(v[i]) / bc2_sqrt + eps;
-        w[i] = wi + (-step_size) * (m[i] / denom);       // param.addcdiv_(m, denom, -step_size)
-      }
-    });
+    if (p.numel == 0) continue;
+    hp.weight_decay = p.weight_decay ? config_.weight_decay : 0.0;
+    be_->adamw_update(p.value, st.m.data(), st.v.data(), p.grad, p.numel, hp);
   }
   return Status::ok();
 }
 
-const std::vector<float>* AdamW::exp_avg(const std::string& name) const {
+const std::vector<float>* AdamW::host_copy(const std::string& name, bool second) const {
   auto it = state_.find(name);
-  return it == state_.end() ? nullptr : &it->second.m;
+  if (it == state_.end()) return nullptr;
+  std::vector<float>& h = (second ? host_v_ : host_m_)[name];
+  h.resize(static_cast<size_t>(it->second.numel));
+  const backend::Buffer<float>& b = second ? it->second.v : it->second.m;
+  if (!h.empty()) be_->copy_to_host(h.data(), b.data(), h.size() * sizeof(float));
+  return &h;
 }
-const std::vector<float>* AdamW::exp_avg_sq(const std::string& name) const {
-  auto it = state_.find(name);
-  return it == state_.end() ? nullptr : &it->second.v;
-}
+const std::vector<float>* AdamW::exp_avg(const std::string& name) const { return host_copy(name, false); }
+const std::vector<float>* AdamW::exp_avg_sq(const std::string& name) const { return host_copy(name, true); }
 
 std::vector<io::NamedTensor> AdamW::export_state() const {
   std::vector<io::NamedTensor> out;
@@ -128,11 +106,11 @@ std::vector<io::NamedTensor> AdamW::export_state() const {
   step.data<int64_t>()[0] = step_;
   out.push_back({"optimizer.step", step});
   for (const auto& [name, st] : state_) {
-    const int64_t n = static_cast<int64_t>(st.m.size());
+    const int64_t n = st.numel;
     Tensor m(DType::kF32, {n}), v(DType::kF32, {n});
     if (n > 0) {
-      std::memcpy(m.data<float>(), st.m.data(), n * sizeof(float));
-      std::memcpy(v.data<float>(), st.v.data(), n * sizeof(float));
+      be_->copy_to_host(m.data<float>(), st.m.data(), n * sizeof(float));
+      be_->copy_to_host(v.data<float>(), st.v.data(), n * sizeof(float));
     }
     out.push_back({"optimizer." + name + ".exp_avg", m});
     out.push_back({"optimizer." + name + ".exp_avg_sq", v});
@@ -158,6 +136,7 @@ Status AdamW::import_state(const std::vector<io::NamedTensor>& tensors, const st
   std::set<std::string> used = {"optimizer.step"};
   for (const ParamView& p : params) {
     Moments mo;
+    mo.numel = p.numel;
     for (int which = 0; which < 2; ++which) {
       const std::string key = "optimizer." + p.name + (which == 0 ? ".exp_avg" : ".exp_avg_sq");
       auto it = by_name.find(key);
@@ -168,9 +147,9 @@ Status AdamW::import_state(const std::vector<io::NamedTensor>& tensors, const st
       if (t.numel() != p.numel)
         return invalid_argument("optimizer state: {} has {} elements, parameter {} has {}", key, t.numel(), p.name,
                                 p.numel);
-      std::vector<float>& dst = which == 0 ? mo.m : mo.v;
-      dst.resize(static_cast<size_t>(p.numel));
-      if (p.numel > 0) std::memcpy(dst.data(), t.data<float>(), p.numel * sizeof(float));
+      backend::Buffer<float>& dst = which == 0 ? mo.m : mo.v;
+      float* d = dst.ensure(*be_, p.numel, which == 0 ? "AdamW exp_avg" : "AdamW exp_avg_sq");
+      if (p.numel > 0) be_->copy_to_device(d, t.data<float>(), p.numel * sizeof(float));
       used.insert(key);
     }
     state[p.name] = std::move(mo);

@@ -2,8 +2,9 @@
 // operation order of PyTorch's torch.optim.AdamW (single-tensor path): decoupled weight decay
 // w *= 1 - lr*wd, m = lerp(m, g, 1-b1), v = b2*v + (1-b2)*g*g, then
 // w -= (lr / (1-b1^t)) * m / (sqrt(v) / sqrt(1-b2^t) + eps). Also the global gradient-norm
-// clip of torch.nn.utils.clip_grad_norm_ and gradient-accumulation helpers. Threaded over
-// elements; results do not depend on the thread count.
+// clip of torch.nn.utils.clip_grad_norm_ and gradient-accumulation helpers. Parameters, gradients
+// and moments live in a backend::Backend's memory; the update is the backend's adamw_update per
+// parameter, the norm its sum_squares over fixed chunks. Results do not depend on the thread count.
 #pragma once
 
 #include <cstdint>
@@ -11,13 +12,15 @@
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
 #include "core/status.h"
 #include "io/safetensors.h"
 
 namespace nibble::train {
 
-// One trainable tensor as the optimizer sees it. value: (numel) f32 master weights, updated in
-// place; grad: (numel) f32 gradient of the step (unscaled: the step multiplies by grad_scale).
+// One trainable tensor as the optimizer sees it, in the backend's memory. value: (numel) f32
+// master weights, updated in place; grad: (numel) f32 gradient of the step (unscaled: the step
+// multiplies by grad_scale).
 struct ParamView {
   std::string name;
   float* value = nullptr;
@@ -37,18 +40,22 @@ struct GradNorm {
   float clip_scale = 1; // min(1, max_norm / (norm + 1e-6)) as torch's clip_grad_norm_; 1 if max_norm <= 0
 };
 
-// The global gradient norm of `params` (grads multiplied by grad_scale) and the clip factor
-// for `max_norm`. Sums squares in double over fixed 64K-element chunks, added in order.
-GradNorm global_grad_norm(const std::vector<ParamView>& params, double max_norm, float grad_scale = 1.0f);
+// The global gradient norm of `params` (grads in be's memory, multiplied by grad_scale) and the
+// clip factor for `max_norm`. be.sum_squares of each fixed 64K-element chunk, added in order on
+// the host in double.
+GradNorm global_grad_norm(const std::vector<ParamView>& params, double max_norm, float grad_scale = 1.0f,
+                          backend::Backend& be = backend::cpu_backend());
 
 // Gradient accumulation over micro-batches: acc += g, then scale once by 1/n (or pass 1/n as
-// the step's grad_scale instead). acc, g: (n) f32.
+// the step's grad_scale instead). acc, g: (n) f32 host arrays.
 void accumulate_grad(float* acc, const float* g, int64_t n);
 void scale_grad(float* g, int64_t n, float s);
 
 class AdamW {
  public:
-  explicit AdamW(AdamWConfig config = {}) : config_(config) {}
+  // Moments live in be's memory (be must outlive the optimizer); params given to step() too.
+  explicit AdamW(AdamWConfig config = {}, backend::Backend* be = &backend::cpu_backend())
+      : config_(config), be_(be) {}
 
   // One update of every param with learning rate `lr`, using grad[i] * grad_scale (fold
   // 1/accumulation-steps and the clip factor in here). Moments are created (zero) the first
@@ -57,7 +64,8 @@ class AdamW {
 
   int64_t step_count() const { return step_; }
   const AdamWConfig& config() const { return config_; }
-  // m or v of a param (nullptr if unknown): (numel) f32.
+  // A host copy of m or v of a param (nullptr if unknown): (numel) f32, valid until the next
+  // call of the same accessor for the same name.
   const std::vector<float>* exp_avg(const std::string& name) const;
   const std::vector<float>* exp_avg_sq(const std::string& name) const;
 
@@ -70,11 +78,16 @@ class AdamW {
 
  private:
   struct Moments {
-    std::vector<float> m, v;
+    backend::Buffer<float> m, v;  // (numel) each, backend memory
+    int64_t numel = 0;
   };
+  const std::vector<float>* host_copy(const std::string& name, bool second) const;
+
   AdamWConfig config_;
+  backend::Backend* be_;
   int64_t step_ = 0;
   std::map<std::string, Moments> state_;
+  mutable std::map<std::string, std::vector<float>> host_m_, host_v_;  // exp_avg / exp_avg_sq copies
 };
 
 }  // namespace nibble::train

@@ -14,7 +14,7 @@ int64_t recipe_after_optimizer_step(model::Model& m, int64_t step) {
   for (const auto& info : m.linear_infos()) {
     model::LinearRecipe* r = m.linear_recipe(info.id);
     auto before = r->stats();
-    r->after_optimizer_step(m.linear_weight(info.id), info.N, info.K, step);
+    r->after_optimizer_step(m.backend(), m.linear_weight(info.id), info.N, info.K, step);
     auto after = r->stats();
     auto a = after.find("oscireset.resets_total");
     if (a != after.end()) resets += static_cast<int64_t>(a->second - before["oscireset.resets_total"]);

@@ -86,7 +86,7 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
   NIB_ASSIGN_OR_RETURN(auto model, model::Model::create(cfg.model, cfg.recipe));
   model->init_weights(cfg.seed);
   set_recipe_total_steps(*model, cfg.steps);
-  AdamW adamw(cfg.adamw);
+  AdamW adamw(cfg.adamw, &model->backend());
   const int64_t B = cfg.batch_size, T = cfg.seq_len;
   auto loader_or = TrainLoader::open({ds.train_path}, B, T, cfg.seed);
   if (!loader_or) return Status(loader_or.status().code(), "data: " + loader_or.status().message());
@@ -189,6 +189,7 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
   if (opt.progress) bar.emplace(cfg.steps, start, cfg.log_interval);
   const auto t0 = std::chrono::steady_clock::now();
   Batch batch;
+  std::vector<float> hook_grads;
   const int64_t end = opt.stop_after_step > 0 ? std::min(cfg.steps, opt.stop_after_step) : cfg.steps;
   for (int64_t s = start; s < end; ++s) {
     model->set_step(s, cfg.seed);
@@ -206,9 +207,15 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
     loss /= cfg.grad_accum;
     ce /= cfg.grad_accum;
     zl /= cfg.grad_accum;
-    if (opt.grad_hook) opt.grad_hook(s, model->flat_grads(), model->num_params());
+    if (opt.grad_hook) {
+      // host round trip: the hook is host code (tests inject non-finite gradients through it)
+      hook_grads.resize(static_cast<size_t>(model->num_params()));
+      model->download_gradients(hook_grads.data());
+      opt.grad_hook(s, hook_grads.data(), model->num_params());
+      model->upload_gradients(hook_grads.data());
+    }
     const float grad_scale = static_cast<float>(1.0 / static_cast<double>(cfg.grad_accum));
-    GradNorm gn = global_grad_norm(views, cfg.grad_clip, grad_scale);
+    GradNorm gn = global_grad_norm(views, cfg.grad_clip, grad_scale, model->backend());
     const double lr = schedule.lr(s);
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double tps = elapsed > 0 ? tokens_per_step * static_cast<double>(s + 1 - start) / elapsed : 0;
