@@ -217,7 +217,7 @@ struct TransformerT<T>::Impl {
     *dv = nullptr, *datt = nullptr, *dk2 = nullptr, *dgu = nullptr, *dact = nullptr, *dye = nullptr, *dxe = nullptr,
     *dgue = nullptr, *dacte = nullptr, *dtopk = nullptr, *drl = nullptr;
   // MoE statistics of the current forward (double sums over MoE layers)
-  std::vector<double> load_count, load_prob;
+  std::vector<double> load_count, load_prob, load_frac;  // (E) host
   double router_lse2 = 0;
   std::vector<T> aux_host, logits_host;  // (E); (N,V) for a custom loss on the host
 };
@@ -686,7 +686,8 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   }
   const double aux_coef = options.router_aux_loss_coef >= 0 ? options.router_aux_loss_coef : cfg.router_aux_loss_coef;
   const double rz_coef = options.router_z_loss_coef >= 0 ? options.router_z_loss_coef : cfg.router_z_loss_coef;
-  std::vector<double> f(E > 0 ? E : 0, 0.0);
+  std::vector<double>& f = im.load_frac;
+  f.assign(E > 0 ? E : 0, 0.0);
   if (Lm > 0) {
     const double denom = static_cast<double>(Lm) * static_cast<double>(N);
     for (int64_t e = 0; e < E; ++e) {
