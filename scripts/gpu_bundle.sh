@@ -16,10 +16,11 @@ rm -rf "$OUTDIR"
 mkdir -p "$OUTDIR/lib"
 cp build/cuda/bin/nibble "$OUTDIR/"
 for t in "${TARGETS[@]:1}"; do [ -x "build/cuda/tests/$t" ] && cp "build/cuda/tests/$t" "$OUTDIR/"; done
-# Shared libraries outside glibc and the CUDA driver (the GPU machine has its own driver).
+# Shared libraries outside glibc, the CUDA driver and the CUDA toolkit (the GPU machine has its
+# own driver and toolkit under /usr/local/cuda, and cuBLASLt alone is larger than a carry).
 for bin in "$OUTDIR"/nibble*; do
   ldd "$bin" | awk '/=> \// {print $3}'
-done | sort -u | grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda)\.so' | while read -r lib; do
+done | sort -u | grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda|libcudart|libcublas|libcublasLt|libnccl|libcudnn)\.so' | while read -r lib; do
   cp -L "$lib" "$OUTDIR/lib/"
 done
 git rev-parse --short HEAD >"$OUTDIR/COMMIT"
