@@ -42,9 +42,17 @@ struct CudaBackend::HostResults {
                 fmt::format("CUDA error {} ({})", cudaGetErrorName(nib_e_), cudaGetErrorString(nib_e_)), #expr, \
                 __FILE__, __LINE__);                                                                         \
   } while (0)
-#define NIB_OP_STATUS(expr, op, ...)                                                              \
-  do {                                                                                            \
-    ::nibble::Status nib_s_ = (expr);                                                             \
+// A launcher of quantize.h: a bad shape comes back as a Status, a failed CUDA call inside it as
+// a CheckError; both are reported with the op's context.
+#define NIB_OP_STATUS(expr, op, ...)                                                                      \
+  do {                                                                                                    \
+    const ::nibble::Status nib_s_ = [&]() -> ::nibble::Status {                                           \
+      try {                                                                                               \
+        return (expr);                                                                                    \
+      } catch (const CheckError& nib_err_) {                                                              \
+        op_failed(op, fmt::format(__VA_ARGS__), nib_err_.what(), #expr, __FILE__, __LINE__);              \
+      }                                                                                                   \
+    }();                                                                                                  \
     if (!nib_s_.is_ok()) op_failed(op, fmt::format(__VA_ARGS__), nib_s_.message(), #expr, __FILE__, __LINE__); \
   } while (0)
 // A precondition of op `op` on its arguments.
