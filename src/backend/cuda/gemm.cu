@@ -50,6 +50,7 @@ struct GemmEngine::Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;  // cuBLAS's A (our b), B (our a), C = D
   cublasLtMatmulAlgo_t algo{};
+  bool found = false;  // false: cuBLASLt has no algorithm for this shape and alignment
   ~Plan() {
     if (c) cublasLtMatrixLayoutDestroy(c);
     if (b) cublasLtMatrixLayoutDestroy(b);
@@ -148,11 +149,12 @@ GemmEngine::Plan& GemmEngine::plan_for(const Key& key, GemmLayout layout, int64_
     st = cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle_), plan->op, plan->a, plan->b, plan->c,
                                         plan->c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED) st = CUBLAS_STATUS_SUCCESS, found = 0;  // no algorithm: found says so
   NIB_GEMM_CHECK_LT(st);
-  NIB_CHECK_MSG(found > 0, "{} (M={}, N={}, K={}, {}) on {}: cuBLASLt found no algorithm (alignments y {} a {} b {})",
-                gemm_layout_op_name(layout), M, N, K, bf16 ? "bf16 operands" : "fp32", device_name_, align_y, align_a,
-                align_b);
-  plan->algo = result.algo;
+  NIB_CHECK_MSG(found > 0 || bf16, "{} (M={}, N={}, K={}, fp32) on {}: cuBLASLt found no algorithm (alignments y {} a {} b {})",
+                gemm_layout_op_name(layout), M, N, K, device_name_, align_y, align_a, align_b);
+  plan->found = found > 0;
+  if (plan->found) plan->algo = result.algo;
   return *plans_.emplace(key, std::move(plan)).first->second;
 }
 
@@ -164,6 +166,16 @@ void GemmEngine::run(GemmLayout layout, float* y, const float* a, const float* b
   if (K == 0) {  // an empty sum: y = 0, or y unchanged when accumulating
     if (!accumulate) NIB_GEMM_CHECK_CUDA(cudaMemsetAsync(y, 0, size_t(M) * N * sizeof(float), stream_));
     return;
+  }
+  if (bf16) {
+    // cuBLASLt may lack a BF16 algorithm for an odd leading dimension: the operands are exact BF16
+    // values (the caller's promise), so the FP32 product below has the same products and FP32
+    // accumulation. The BF16 plan of this shape is looked up with the workspaces' alignment (256).
+    const Key key16{static_cast<int>(layout), M, N, K, true, alignment_of(y), 16, 16};
+    if (!plan_for(key16, layout, M, N, K, true).found) {
+      run(layout, y, a, b, M, N, K, accumulate, /*operands_bf16=*/false);
+      return;
+    }
   }
   const void* a_op = a;
   const void* b_op = b;

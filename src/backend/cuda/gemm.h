@@ -2,7 +2,8 @@
 // y (M,N) [+]= products of FP32 operands in the three layouts a linear layer needs (nt, nn, tn).
 // operands_bf16 = false: FP32 inputs, CUBLAS_COMPUTE_32F (true FP32, never TF32).
 // operands_bf16 = true: both operands converted to BF16 in a workspace (exact by the caller's
-// promise) and multiplied on BF16 tensor cores with FP32 accumulation and FP32 output.
+// promise) and multiplied on BF16 tensor cores with FP32 accumulation and FP32 output (where
+// cuBLASLt has no BF16 algorithm for a shape, the FP32 product of the same exact values).
 // Matmul descriptors and the heuristic's algorithm are cached per shape and alignment, so the
 // steady state allocates nothing. Errors name the op, its shapes and the device.
 #pragma once
