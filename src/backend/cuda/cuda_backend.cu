@@ -107,7 +107,8 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
               device_);
   NIB_OP_CUDA(cudaMalloc(&small_dev_, 8 * sizeof(double)), "create backend", "device {}", device_);
   NIB_OP_CUDA(cudaMalloc(&flags_dev_, sizeof(uint32_t)), "create backend", "device {}", device_);
-  NIB_OP_CUDA(cudaMemset(flags_dev_, 0, sizeof(uint32_t)), "create backend", "device {}", device_);
+  // On this backend's stream: a plain cudaMemset runs on the legacy stream, unordered with ours.
+  NIB_OP_CUDA(cudaMemsetAsync(flags_dev_, 0, sizeof(uint32_t), stream_), "create backend", "device {}", device_);
   void* pinned = nullptr;
   NIB_OP_CUDA(cudaMallocHost(&pinned, sizeof(HostResults)), "create backend", "device {}", device_);
   host_ = static_cast<HostResults*>(pinned);
@@ -163,7 +164,8 @@ Result<void*> CudaBackend::allocate(size_t bytes, const std::string& what) {
                                 : fmt::format("CUDA error {} ({})", cudaGetErrorName(e), cudaGetErrorString(e));
   return Status{StatusCode::kInternal,
                 fmt::format("{} on {} allocating {}: {} bytes ({:.3f} GiB) requested, {:.3f} GiB free of {:.3f} GiB; "
-                            "lower training.batch_size or training.seq_len, or choose a smaller model",
+                            "lower batch_size or seq_len in the run config (raise grad_accum to keep the tokens per step), "
+                            "or choose a smaller model",
                             cause, name_, what, bytes, gib(bytes), gib(free_b), gib(total_b))};
 }
 
@@ -202,7 +204,7 @@ void CudaBackend::sync_and_check_flags(const char* op) {
     std::string what;
     if (flags & kErrorTokenId) what += "embedding_forward/backward met a token id outside [0, V); ";
     if (flags & kErrorTargetId) what += "cross_entropy met a target id >= V; ";
-    op_failed(op, "reported at this synchronisation", what + "check the tokenizer's vocabulary against model.vocab_size",
+    op_failed(op, "reported at this synchronisation", what + "check the tokenizer's vocabulary against the model's vocab_size (data.vocab_size)",
               "error flags", __FILE__, __LINE__);
   }
 }
