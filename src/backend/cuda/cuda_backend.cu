@@ -440,7 +440,8 @@ double CudaBackend::moe_accumulate_load(double* count_host, double* prob_sum_hos
   NIB_OP_CUDA(cudaMemsetAsync(sums, 0, n * sizeof(double), stream_), "moe_accumulate_load", "N={} E={} k={}", N, E, k);
   NIB_OP_CALL(cuda::moe_accumulate_load(sums, sums + E, sums + 2 * E, probs, lse, topk_idx, N, E, k, stream_),
               "moe_accumulate_load", "N={} E={} k={}", N, E, k);
-  std::vector<double> host(n);
+  if (moe_load_host_.size() < n) moe_load_host_.resize(n);
+  std::vector<double>& host = moe_load_host_;
   NIB_OP_CUDA(cudaMemcpyAsync(host.data(), sums, n * sizeof(double), cudaMemcpyDeviceToHost, stream_),
               "moe_accumulate_load", "N={} E={} k={}", N, E, k);
   sync_and_check_flags("moe_accumulate_load");

@@ -11,6 +11,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 
@@ -152,6 +153,7 @@ class CudaBackend final : public backend::Backend {
   double* small_dev_ = nullptr;     // (8) f64 device results (sums)
   uint32_t* flags_dev_ = nullptr;   // (1) u32 error flags (nn_ops.h)
   HostResults* host_ = nullptr;     // pinned
+  std::vector<double> moe_load_host_;  // (2E+1) moe_accumulate_load's sums on the host (grow-only)
 };
 
 }  // namespace nibble::cuda
