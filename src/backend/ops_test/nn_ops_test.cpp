@@ -6,6 +6,7 @@
 // C library's exp by up to 3 ulp between backends: CUDA's expf is within 2 ulp, glibc's within 1).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "backend/cpu/nn_ops.h"
@@ -265,6 +266,42 @@ TEST_P(NnOpsTest, Copy2dStridedBlock) {
   float* d = upload(dst);
   be().copy_2d(d + 2, dst_ld, upload(src) + 3, src_ld, rows, cols);
   EXPECT_TRUE(bits_equal(download(d, rows * dst_ld), ref));
+}
+
+// The reductions' orders are fixed by the shapes: a second run gives the same bits (the step is
+// deterministic, so a resume reproduces the losses).
+TEST_P(NnOpsTest, ReductionsRepeatBitForBit) {
+  const int64_t R = 300, C = 130, V = 777;
+  std::vector<float> x = normal_vector(R * C, 90, 2.0), w = normal_vector(C, 91), dout = normal_vector(R * C, 92);
+  std::vector<float> logits = normal_vector(R * V, 93, 3.0);
+  std::vector<int32_t> tgt = ids(R, 0, V, 94);
+  const float* xd = upload(x);
+  const float* wd = upload(w);
+  const float* dd = upload(dout);
+  const float* ld = upload(logits);
+  const int32_t* td = upload(tgt);
+  std::vector<float> first[4];
+  double first_ce = 0;
+  for (int run = 0; run < 2; ++run) {
+    float* y = zeros<float>(R * C);
+    float* rstd = zeros<float>(R);
+    float* dx = zeros<float>(R * C);
+    float* dw = zeros<float>(C);
+    float* dl = zeros<float>(R * V);
+    float* lse = zeros<float>(R);
+    float* ce = zeros<float>(R);
+    be().rmsnorm_forward(y, rstd, xd, wd, R, C, 1e-6);
+    be().rmsnorm_backward(dx, dw, dd, xd, wd, rstd, R, C);
+    const CrossEntropySums s = be().cross_entropy_forward_backward(dl, lse, ce, ld, td, R, V, 1.0 / R, 1e-4 / R);
+    std::vector<float> got[4] = {download(y, R * C), download(dx, R * C), download(dw, C), download(dl, R * V)};
+    if (run == 0) {
+      for (int i = 0; i < 4; ++i) first[i] = got[i];
+      first_ce = s.ce_sum;
+      continue;
+    }
+    for (int i = 0; i < 4; ++i) EXPECT_TRUE(bits_equal(got[i], first[i])) << "output " << i;
+    EXPECT_EQ(std::memcmp(&s.ce_sum, &first_ce, sizeof first_ce), 0);
+  }
 }
 
 NIB_INSTANTIATE_OPS_TEST(NnOpsTest);
