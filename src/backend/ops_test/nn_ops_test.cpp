@@ -165,7 +165,8 @@ TEST_P(NnOpsTest, SwigluForwardBackward) {
 
 // Cross-entropy bounds (per row, ls = lse, lt = target logit): the exps differ by <= 6u relative,
 // so sum and log(sum) differ by <= 6u (absolute, for the log); ls = mx + f32(log) adds a rounding
-// of |ls| and one of |log| per side: |dlse| <= 8u + 4u |ls| =: e_ls. ce = ls - lt: e_ls + 2u |ce|.
+// of |log| = |ls - mx| and one of |ls| per side: |dlse| <= 8u + 4u (|ls| + |ls - mx|) =: e_ls.
+// ce = ls - lt: e_ls + 2u |ce|.
 // dlogits = (cs + 2 zs ls) / sum * exp(l - mx) - cs [v == t]: relative errors 6u (exp) + 6u (sum)
 // + 4 roundings on each side, and 2 zs e_ls from ls: |dd| <= 32u (|cs| + 2|zs||ls|) p_v
 // + 2|zs| e_ls p_v + 2u |ref|. The sums: |dce_sum| <= sum of the ce bounds, |dz_sum| <= sum of
@@ -199,7 +200,8 @@ class CrossEntropyOpsTest : public OpsTest {
     std::vector<double> b_lse(N), b_ce(N), b_d(static_cast<size_t>(N * V));
     double b_ce_sum = 0, b_z_sum = 0;
     for (int64_t n = 0; n < N; ++n) {
-      const double ls = r.lse[n], e_ls = 8 * u + 4 * u * std::fabs(ls);
+      const double mx = *std::max_element(logits.begin() + n * V, logits.begin() + (n + 1) * V);
+      const double ls = r.lse[n], e_ls = 8 * u + 4 * u * (std::fabs(ls) + std::fabs(ls - mx));
       b_lse[n] = e_ls;
       b_ce[n] = e_ls + 2 * u * std::fabs(double(r.ce[n]));
       if (tgt[n] >= 0) b_ce_sum += b_ce[n], b_z_sum += (2 * std::fabs(ls) + e_ls) * e_ls;
