@@ -40,9 +40,10 @@ TEST_P(NnOpsTest, EmbeddingForwardIsAGather) {
 }
 
 // Both backends add each vocab row's dout rows in token order n: the same bits. Many repeats
-// (V = 7) and a vocab row no token uses (id 6 excluded) that must stay unchanged.
+// (V = 7) and a vocab row no token uses (id 6 excluded) that must stay unchanged; a GPT-2 sized
+// vocabulary (16-bit keys: several radix passes) with 5000 tokens.
 TEST_P(NnOpsTest, EmbeddingBackwardSumsInTokenOrder) {
-  for (auto [N, V, C] : {std::tuple<int64_t, int64_t, int64_t>{300, 7, 33}, {1, 5, 1}, {64, 1000, 70}}) {
+  for (auto [N, V, C] : {std::tuple<int64_t, int64_t, int64_t>{300, 7, 33}, {1, 5, 1}, {64, 1000, 70}, {5000, 50257, 8}}) {
     std::vector<int32_t> tok = ids(N, 0, V == 7 ? 6 : V, 3 + N);
     std::vector<float> dwte = normal_vector(V * C, 4), dout = normal_vector(N * C, 5, 10.0);
     std::vector<float> ref = dwte;
