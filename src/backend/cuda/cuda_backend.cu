@@ -142,8 +142,11 @@ void CudaBackend::op_failed(const char* op, const std::string& shapes, const std
 }
 
 // ---- memory ------------------------------------------------------------------------------------
+size_t CudaBackend::gemm_plan_count() const { return gemm_->cached_plans(); }
+
 Result<void*> CudaBackend::allocate(size_t bytes, const std::string& what) {
   activate();
+  ++allocation_count_;
   void* p = nullptr;
   cudaError_t e = cudaMallocAsync(&p, std::max<size_t>(bytes, 1), stream_);
   if (e == cudaErrorMemoryAllocation) {

@@ -38,6 +38,10 @@ class CudaBackend final : public backend::Backend {
   bool supports(backend::Op op) const override;
   cudaStream_t stream() const { return stream_; }
   int device_index() const { return device_; }
+  // Device allocations made so far (allocate() calls, workspaces included) and the GEMM plans
+  // cached: a repeated step leaves both unchanged (tests of the steady state).
+  int64_t allocation_count() const { return allocation_count_; }
+  size_t gemm_plan_count() const;
 
   // ---- memory ------------------------------------------------------------------------------
   Result<void*> allocate(size_t bytes, const std::string& what) override;
@@ -153,6 +157,7 @@ class CudaBackend final : public backend::Backend {
   double* small_dev_ = nullptr;     // (8) f64 device results (sums)
   uint32_t* flags_dev_ = nullptr;   // (1) u32 error flags (nn_ops.h)
   HostResults* host_ = nullptr;     // pinned
+  int64_t allocation_count_ = 0;
   std::vector<double> moe_load_host_;  // (2E+1) moe_accumulate_load's sums on the host (grow-only)
 };
 
