@@ -406,6 +406,12 @@ void CudaBackend::moe_dispatch_plan(int64_t* expert_offsets_host, int32_t* row_o
                               cudaMemcpyDeviceToHost, stream_),
               "moe_dispatch_plan", "N={} E={} k={}", N, E, k);
   sync_and_check_flags("moe_dispatch_plan");
+  // The kernels route no assignment whose expert id is outside [0, E) (moe.h): fewer than N*k
+  // rows planned means such ids were met (the CPU throws for them too).
+  if (expert_offsets_host[E] != N * k)
+    op_failed("moe_dispatch_plan", fmt::format("N={} E={} k={}", N, E, k),
+              fmt::format("{} of {} top-k expert ids are outside [0, {})", N * k - expert_offsets_host[E], N * k, E),
+              "expert_offsets[E] == N * k", __FILE__, __LINE__);
 }
 
 void CudaBackend::moe_gather(float* xe, const float* x, const int32_t* token_of_row, int64_t rows, int64_t C) {
