@@ -1,13 +1,10 @@
-// Op tests of the backend GEMMs (matmul_nt / nn / tn, overwrite and accumulate, FP32 and BF16
-// operands) against cpu::matmul_* on host vectors, with odd shapes. Tolerance: both results are
-// FP32 sums of the same K products (rounded, or exact in an FMA / a BF16 MMA) in different
-// orders. With round-to-nearest each addition errs by <= u relative, so a result lies within
-// (K+1) u sum(|terms|) of the exact sum (Higham, Thm 3.5; the accumulated y0 is one more term);
-// tensor cores may truncate in their FP32 accumulation (Fasi et al. 2021: <= 2u per addition),
-// so the GPU side is within 2 (K+1) u sum(|terms|). The bound on the difference is
-// (3K + 6) u (sum_k |a_ik b_kj| + |y0_ij|). A wrong layout exceeds it by orders of magnitude;
-// TF32 products (operands rounded to 2^-11 relative: errors ~ 2^-11 sqrt(K) |ab|) exceed it
-// about tenfold at K = 53 and 96 (the FP32 path must be true FP32).
+// Op tests of the GEMMs (matmul_nt / nn / tn, overwrite and accumulate, FP32 and BF16 operands)
+// against cpu::matmul_* with odd shapes. Bound: round-to-nearest sums of K products are within
+// (K+1) u sum|terms| of the exact sum (Higham, Thm 3.5; the accumulated y0 is one more term);
+// tensor cores may truncate in FP32 accumulation (Fasi et al. 2021: <= 2u per addition), so
+// the GPU is within 2 (K+1) u sum|terms|: |y - ref| <= (3K + 6) u (sum_k |a b| + |y0|). A wrong
+// layout exceeds it by orders of magnitude; TF32 products (operands rounded to 2^-11: errors
+// ~ 2^-11 sqrt(K) |ab|) about tenfold at K = 53 and 96 (the FP32 path must be true FP32).
 #include <cmath>
 #include <vector>
 
