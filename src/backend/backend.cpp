@@ -1,0 +1,64 @@
+// The device-neutral parts of the backend seam (backend.h): op and format names, require(),
+// the byte counts of quantized operands and QuantizedBuffer views. The registry and the CPU
+// backend live in backend/cpu/cpu_backend.cpp (a layer above), so that linking the registry
+// always links the CPU backend too.
+#include "backend/backend.h"
+
+namespace nibble::backend {
+
+const char* quant_format_name(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::kNvfp4Te: return "nvfp4-te";
+    case QuantFormat::kNvfp4Te2d: return "nvfp4-te-2d";
+    case QuantFormat::kNvfp4TwoLevel: return "nvfp4-2level";
+    case QuantFormat::kMxfp8: return "mxfp8";
+  }
+  return "?";
+}
+
+const char* op_name(Op op) {
+  static const char* const names[] = {"gemm",          "embedding",       "rmsnorm",
+                                      "rope",          "swiglu",          "attention",
+                                      "cross_entropy", "elementwise",     "moe_routing",
+                                      "adamw",         "quantize_nvfp4_te", "quantize_nvfp4_2level",
+                                      "quantize_mxfp8", "rht16",          "backward_operand_2level"};
+  static_assert(sizeof(names) / sizeof(names[0]) == static_cast<size_t>(Op::kCount));
+  const auto i = static_cast<size_t>(op);
+  return i < static_cast<size_t>(Op::kCount) ? names[i] : "?";
+}
+
+void Backend::require(Op op) const {
+  NIB_CHECK_MSG(supports(op), "backend '{}' does not support op '{}'", name(), op_name(op));
+}
+
+int64_t QuantizedTensor::code_bytes(QuantFormat f, int64_t rows, int64_t cols) {
+  return f == QuantFormat::kMxfp8 ? rows * cols : rows * cols / 2;
+}
+
+int64_t QuantizedTensor::scale_bytes(QuantFormat f, int64_t rows, int64_t cols) {
+  return f == QuantFormat::kMxfp8 ? rows * cols / 32 : rows * cols / 16;
+}
+
+int64_t QuantizedTensor::outer_count(QuantFormat f, int64_t rows, int64_t cols) {
+  switch (f) {
+    case QuantFormat::kNvfp4TwoLevel: return rows * ((cols + 127) / 128);
+    case QuantFormat::kNvfp4Te:
+    case QuantFormat::kNvfp4Te2d: return 1;
+    case QuantFormat::kMxfp8: return 0;
+  }
+  return 0;
+}
+
+QuantizedTensor QuantizedBuffer::view(Backend& be, QuantFormat format, int64_t rows, int64_t cols) {
+  QuantizedTensor q;
+  q.format = format;
+  q.rows = rows;
+  q.cols = cols;
+  q.codes = codes.ensure(be, QuantizedTensor::code_bytes(format, rows, cols), "quantized codes");
+  q.scales = scales.ensure(be, QuantizedTensor::scale_bytes(format, rows, cols), "quantized block scales");
+  const int64_t n_outer = QuantizedTensor::outer_count(format, rows, cols);
+  q.outer = n_outer > 0 ? outer.ensure(be, n_outer, "quantized outer scales") : nullptr;
+  return q;
+}
+
+}  // namespace nibble::backend

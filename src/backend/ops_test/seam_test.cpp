@@ -1,0 +1,62 @@
+// The seam itself on every backend: the registry, memory round trips, grow-only buffers and the
+// byte layout of quantized operands (QuantizedBuffer views).
+#include <gtest/gtest.h>
+
+#include "backend/ops_test/ops_test_util.h"
+
+namespace nibble::backend::testing {
+namespace {
+
+class SeamTest : public OpsTest {};
+
+TEST_P(SeamTest, CopiesRoundTripExactly) {
+  std::vector<float> host = normal_vector(1001, 7);
+  float* d = upload(host);
+  std::vector<float> back = download(d, 1001);
+  EXPECT_TRUE(bits_equal(back, host));
+  float* z = zeros<float>(33);
+  be().copy(z, d + 5, 33 * sizeof(float));
+  EXPECT_TRUE(bits_equal(download(z, 33), std::vector<float>(host.begin() + 5, host.begin() + 38)));
+}
+
+TEST_P(SeamTest, BufferGrowsOnlyWhenAskedForMore) {
+  Buffer<float> b;
+  float* p1 = b.ensure(be(), 100, "test buffer");
+  float* p2 = b.ensure(be(), 50, "test buffer");
+  EXPECT_EQ(p1, p2);  // no reallocation for a smaller request
+  EXPECT_EQ(b.size(), 100);
+  b.ensure(be(), 1000, "test buffer");
+  EXPECT_EQ(b.size(), 1000);
+}
+
+TEST_P(SeamTest, QuantizedBufferViewSizes) {
+  QuantizedBuffer qb;
+  QuantizedTensor q = qb.view(be(), QuantFormat::kNvfp4TwoLevel, 4, 272);  // 272 = 2*128 + 16
+  EXPECT_EQ(qb.codes.size(), 4 * 272 / 2);
+  EXPECT_EQ(qb.scales.size(), 4 * 272 / 16);
+  EXPECT_EQ(qb.outer.size(), 4 * 3);  // ceil(272/128) = 3 outer scales per row
+  EXPECT_NE(q.outer, nullptr);
+  QuantizedTensor m = qb.view(be(), QuantFormat::kMxfp8, 2, 64);
+  EXPECT_EQ(m.outer, nullptr);
+  EXPECT_EQ(QuantizedTensor::code_bytes(QuantFormat::kMxfp8, 2, 64), 128);
+  EXPECT_EQ(QuantizedTensor::scale_bytes(QuantFormat::kMxfp8, 2, 64), 4);
+  EXPECT_EQ(QuantizedTensor::outer_count(QuantFormat::kNvfp4Te, 2, 64), 1);
+}
+
+NIB_INSTANTIATE_OPS_TEST(SeamTest);
+
+TEST(BackendRegistry, UnknownDeviceNamesWhatExists) {
+  auto r = make_backend("tpu");
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("available: cpu"), std::string::npos) << r.status().message();
+  auto bad = make_backend("cuda:x");
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("cuda:N"), std::string::npos) << bad.status().message();
+  auto cpu = make_backend("cpu");
+  ASSERT_TRUE(cpu.is_ok());
+  EXPECT_EQ(cpu.value()->device(), Device::kCPU);
+  EXPECT_TRUE(cpu.value()->supports(Op::kAttention));
+}
+
+}  // namespace
+}  // namespace nibble::backend::testing
