@@ -18,17 +18,30 @@
 namespace nibble::backend {
 
 // 2^(i/32) as double bits, minus i << 47 (glibc's __exp2f_data.tab, EXP2F_TABLE_BITS = 5).
+#define NIB_GLIBC_EXP2F_TABLE                                                                        \
+  {                                                                                                 \
+    0x3ff0000000000000ull, 0x3fefd9b0d3158574ull, 0x3fefb5586cf9890full, 0x3fef9301d0125b51ull,     \
+        0x3fef72b83c7d517bull, 0x3fef54873168b9aaull, 0x3fef387a6e756238ull, 0x3fef1e9df51fdee1ull, \
+        0x3fef06fe0a31b715ull, 0x3feef1a7373aa9cbull, 0x3feedea64c123422ull, 0x3feece086061892dull, \
+        0x3feebfdad5362a27ull, 0x3feeb42b569d4f82ull, 0x3feeab07dd485429ull, 0x3feea47eb03a5585ull, \
+        0x3feea09e667f3bcdull, 0x3fee9f75e8ec5f74ull, 0x3feea11473eb0187ull, 0x3feea589994cce13ull, \
+        0x3feeace5422aa0dbull, 0x3feeb737b0cdc5e5ull, 0x3feec49182a3f090ull, 0x3feed503b23e255dull, \
+        0x3feee89f995ad3adull, 0x3feeff76f2fb5e47ull, 0x3fef199bdd85529cull, 0x3fef3720dcef9069ull, \
+        0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull  \
+  }
+inline constexpr uint64_t kGlibcExp2fTable[32] = NIB_GLIBC_EXP2F_TABLE;
+#if defined(__CUDACC__)
+// The kernels' copy in constant memory (a table local to the function would be rebuilt in each
+// thread's stack frame).
+static __constant__ const uint64_t kGlibcExp2fTableDevice[32] = NIB_GLIBC_EXP2F_TABLE;
+#endif
+
 NIB_HOST_DEVICE uint64_t glibc_exp2f_table(uint32_t i) {
-  constexpr uint64_t kTable[32] = {
-      0x3ff0000000000000ull, 0x3fefd9b0d3158574ull, 0x3fefb5586cf9890full, 0x3fef9301d0125b51ull,
-      0x3fef72b83c7d517bull, 0x3fef54873168b9aaull, 0x3fef387a6e756238ull, 0x3fef1e9df51fdee1ull,
-      0x3fef06fe0a31b715ull, 0x3feef1a7373aa9cbull, 0x3feedea64c123422ull, 0x3feece086061892dull,
-      0x3feebfdad5362a27ull, 0x3feeb42b569d4f82ull, 0x3feeab07dd485429ull, 0x3feea47eb03a5585ull,
-      0x3feea09e667f3bcdull, 0x3fee9f75e8ec5f74ull, 0x3feea11473eb0187ull, 0x3feea589994cce13ull,
-      0x3feeace5422aa0dbull, 0x3feeb737b0cdc5e5ull, 0x3feec49182a3f090ull, 0x3feed503b23e255dull,
-      0x3feee89f995ad3adull, 0x3feeff76f2fb5e47ull, 0x3fef199bdd85529cull, 0x3fef3720dcef9069ull,
-      0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull};
-  return kTable[i & 31u];
+#if NIB_ON_DEVICE
+  return kGlibcExp2fTableDevice[i & 31u];
+#else
+  return kGlibcExp2fTable[i & 31u];
+#endif
 }
 
 NIB_HOST_DEVICE uint64_t double_as_u64(double d) {
