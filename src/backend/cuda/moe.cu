@@ -50,6 +50,21 @@ int router_warps(int64_t floats_per_warp) {
   return w;
 }
 
+// hist[topk_idx[s]] += 1 for slots s in [s0, s1) with an id in [0,E), the block's warps taking 32
+// consecutive slots at a time; lanes with the same expert add once (__match_any_sync), so a
+// popular expert costs one shared atomic per warp instead of 32. Integer counts: order-free.
+__device__ __forceinline__ void histogram_slots(int* hist, const int32_t* topk_idx, int64_t s0, int64_t s1, int E) {
+  const int lane = threadIdx.x & 31;
+  const int64_t stride = static_cast<int64_t>(blockDim.x);
+  for (int64_t base = s0 + (threadIdx.x & ~31); base < s1; base += stride) {
+    const int64_t s = base + lane;
+    int e = s < s1 ? topk_idx[s] : -1;
+    if (e < 0 || e >= E) e = -1;
+    const unsigned same = __match_any_sync(kFullMask, e);
+    if (e >= 0 && lane == __ffs(same) - 1) atomicAdd(&hist[e], __popc(same));
+  }
+}
+
 __device__ __forceinline__ float warp_sum_butterfly(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
@@ -207,10 +222,7 @@ __global__ void moe_dispatch_count_kernel(int32_t* counts, const int32_t* topk_i
   __syncthreads();
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * slots_per_chunk;
   const int64_t s1 = min(s0 + slots_per_chunk, slots);
-  for (int64_t s = s0 + threadIdx.x; s < s1; s += blockDim.x) {
-    const int32_t e = topk_idx[s];
-    if (e >= 0 && e < E) atomicAdd(&hist[e], 1);  // integer counts: order-free
-  }
+  histogram_slots(hist, topk_idx, s0, s1, E);
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) counts[static_cast<int64_t>(blockIdx.x) * E + e] = hist[e];
 }
@@ -429,10 +441,7 @@ __global__ void moe_load_count_kernel(double* count, double* lse2, const float* 
   __shared__ double red[kLoadThreads];
   for (int e = threadIdx.x; e < E; e += blockDim.x) load_hist[e] = 0;
   __syncthreads();
-  for (int64_t s = threadIdx.x; s < N * k; s += blockDim.x) {
-    const int32_t e = topk_idx[s];
-    if (e >= 0 && e < E) atomicAdd(&load_hist[e], 1);
-  }
+  histogram_slots(load_hist, topk_idx, 0, N * k, E);
   double acc = 0.0;
   for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
     const double v = static_cast<double>(lse[n]);
