@@ -172,6 +172,20 @@ Result<void*> CudaBackend::allocate(size_t bytes, const std::string& what) {
                             cause, name_, what, bytes, gib(bytes), gib(free_b), gib(total_b))};
 }
 
+backend::Backend::MemoryStats CudaBackend::memory_stats() {
+  activate();
+  uint64_t used = 0, high = 0;  // cuuint64_t
+  NIB_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemCurrent, &used));
+  NIB_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemHigh, &high));
+  return {static_cast<int64_t>(used), static_cast<int64_t>(high)};
+}
+
+void CudaBackend::reset_peak_memory() {
+  activate();
+  uint64_t zero = 0;  // resets the high watermark to the current use
+  NIB_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrUsedMemHigh, &zero));
+}
+
 void CudaBackend::deallocate(void* p) {
   if (p == nullptr) return;
   (void)cudaSetDevice(device_);

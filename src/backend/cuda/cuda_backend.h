@@ -45,6 +45,9 @@ class CudaBackend final : public backend::Backend {
 
   // ---- memory ------------------------------------------------------------------------------
   Result<void*> allocate(size_t bytes, const std::string& what) override;
+  // From the device pool's used-memory counters (cudaMemPoolAttrUsedMemCurrent / High).
+  MemoryStats memory_stats() override;
+  void reset_peak_memory() override;
   void deallocate(void* p) override;
   void copy_to_device(void* dst, const void* host_src, size_t bytes) override;
   void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
