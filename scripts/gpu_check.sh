@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (one call does everything): build the CUDA backend's GPU tests,
-# run them (golden files + CPU-vs-GPU bit-exactness), then the bandwidth benchmark of the format
-# kernels against a device-to-device copy; logs go to $OUT (default ./gpu_out), a short table last.
+# run them (golden files + CPU-vs-GPU bit-exactness), the op-test suite over every backend
+# (nibble_backend_ops_tests: each op on "cpu" and "cuda" against the CPU reference; needs the
+# prebuilt bundle or the CMake build: the direct nvcc build has no CPU backend), then the
+# bandwidth benchmark of the format kernels against a device-to-device copy; logs go to $OUT
+# (default ./gpu_out), a short table last.
 # Build strategies, first that works: (1) NIBBLE_GPU_PREBUILT=<dir> holding nibble_backend_cuda_tests
 # (+ lib/ with its shared libraries) built elsewhere from this tree; (2) the project's CMake build
 # (-DNIBBLE_CUDA=ON -DNIBBLE_CUDA_ARCH=90a -DNIBBLE_BENCH=OFF), target nibble_backend_cuda_tests only;
@@ -10,7 +13,7 @@
 # Test data: $NIBBLE_TESTDATA_DIR, else ./.testdata (a copy of ../shared/testdata). Options:
 # NIBBLE_GPU_NCU=1 (ncu counters of five kernels: TE and 2-level BF16 RTN quantize, fused SR, TE wgrad RHT,
 # the fused op's arithmetic floor), NIBBLE_GPU_SANITIZE=1 (compute-sanitizer).
-# Files under $OUT: steps.log, tests.log, bench.log, and with the options ncu.txt, sanitizer.log,
+# Files under $OUT: steps.log, tests.log, ops_tests.log, bench.log, and with the options ncu.txt, sanitizer.log,
 # sass_counts.txt (instructions per kernel), and with NIBBLE_GPU_SASS_KERNELS=<regex> sass_kernels.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,12 +33,15 @@ COMMIT=""
 echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" | tee -a "$OUT/steps.log"
 
 BIN=""
+OPS_BIN=""  # the op-test suite, where the build strategy provides it
 try_prebuilt() {
   local dir=${NIBBLE_GPU_PREBUILT:-}
   [ -n "$dir" ] && [ -x "$dir/nibble_backend_cuda_tests" ] || return 1
   export LD_LIBRARY_PATH="$ROOT/$dir/lib:${LD_LIBRARY_PATH:-}"
   if "$dir/nibble_backend_cuda_tests" --gtest_list_tests >/dev/null 2>"$OUT/prebuilt_check.err"; then
-    rm -f "$OUT/prebuilt_check.err"; BIN="$ROOT/$dir/nibble_backend_cuda_tests"; return 0
+    rm -f "$OUT/prebuilt_check.err"; BIN="$ROOT/$dir/nibble_backend_cuda_tests"
+    [ -x "$dir/nibble_backend_ops_tests" ] && OPS_BIN="$ROOT/$dir/nibble_backend_ops_tests"
+    return 0
   fi
   head -5 "$OUT/prebuilt_check.err" | tee -a "$OUT/steps.log"; rm -f "$OUT/prebuilt_check.err"
   return 1
@@ -47,6 +53,8 @@ try_cmake() {
   cmake --build build-gpu -j "$JOBS" --target nibble_backend_cuda_tests >"$OUT/cmake_build.log" 2>&1 \
     || { tail -20 "$OUT/cmake_build.log"; return 1; }
   BIN="$ROOT/build-gpu/tests/nibble_backend_cuda_tests"
+  cmake --build build-gpu -j "$JOBS" --target nibble_backend_ops_tests >>"$OUT/cmake_build.log" 2>&1 \
+    && OPS_BIN="$ROOT/build-gpu/tests/nibble_backend_ops_tests"
 }
 try_direct() {
   local D=$ROOT/.gpudeps O=$ROOT/build-gpu-direct
@@ -92,6 +100,17 @@ TEST_RC=$?
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|differ|cuda tests" "$OUT/tests.log" | head -60
 stamp "GPU tests exit code $TEST_RC"
 
+OPS_RC=0
+if [ -n "$OPS_BIN" ]; then
+  stamp "op-test suite (every op on cpu and cuda against the CPU reference)"
+  "$OPS_BIN" --gtest_brief=0 >"$OUT/ops_tests.log" 2>&1
+  OPS_RC=$?
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|unavailable" "$OUT/ops_tests.log" | head -60
+  stamp "op-test suite exit code $OPS_RC"
+else
+  stamp "op-test suite not built by this strategy (needs the bundle or the CMake build)"
+fi
+
 stamp "bandwidth benchmark"
 BENCH_RC=0
 for run in $(seq "${NIBBLE_GPU_BENCH_RUNS:-1}"); do  # repeat to see the run-to-run spread
@@ -108,6 +127,13 @@ if [ "${NIBBLE_GPU_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/nul
   timeout 120 compute-sanitizer --tool racecheck "$BIN" \
     --gtest_filter='CudaVsCpu.FusedBackwardOperand:CudaVsCpu.Absmax:CudaVsCpu.RhtAndTranspose' >>"$OUT/sanitizer.log" 2>&1
   echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)" | tee -a "$OUT/steps.log"
+  if [ -n "$OPS_BIN" ]; then  # the op suite's CUDA cases
+    timeout 300 compute-sanitizer --tool memcheck --leak-check no "$OPS_BIN" --gtest_filter='*/cuda' \
+      >"$OUT/sanitizer_ops.log" 2>&1
+    echo "ops memcheck rc=$? $(grep 'ERROR SUMMARY' "$OUT/sanitizer_ops.log" | tail -1)" | tee -a "$OUT/steps.log"
+    timeout 300 compute-sanitizer --tool racecheck "$OPS_BIN" --gtest_filter='*/cuda' >>"$OUT/sanitizer_ops.log" 2>&1
+    echo "ops racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/sanitizer_ops.log" | tail -1)" | tee -a "$OUT/steps.log"
+  fi
 fi
 
 if command -v cuobjdump >/dev/null; then
@@ -136,5 +162,6 @@ fi
 
 echo
 echo "tests rc=$TEST_RC bench rc=$BENCH_RC ($(grep -c '^\[       OK \]' "$OUT/tests.log") tests OK, $(grep -c '^\[  FAILED  \]' "$OUT/tests.log") failed lines)"
+[ -n "$OPS_BIN" ] && echo "ops rc=$OPS_RC ($(grep -c '^\[       OK \]' "$OUT/ops_tests.log") op tests OK, $(grep -c '^\[  FAILED  \]' "$OUT/ops_tests.log") failed lines)"
 grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |floor|te rht)' "$OUT/bench.log" || tail -20 "$OUT/bench.log"
-[ $TEST_RC = 0 ] && [ $BENCH_RC = 0 ]
+[ $TEST_RC = 0 ] && [ $BENCH_RC = 0 ] && [ $OPS_RC = 0 ]

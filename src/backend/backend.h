@@ -85,6 +85,14 @@ class Backend {
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;              // device to device
   virtual void fill_zero(void* dst, size_t bytes) = 0;
   virtual void synchronize() = 0;
+  // Bytes held through allocate() now and at most since the last reset_peak_memory() (-1 where a
+  // backend does not track them).
+  struct MemoryStats {
+    int64_t in_use_bytes = -1;
+    int64_t peak_bytes = -1;
+  };
+  virtual MemoryStats memory_stats() { return {}; }
+  virtual void reset_peak_memory() {}
 
   // ---- GEMMs, FP32 semantics: C (M,N) [+]= products with FP32 accumulation ----------------------
   // operands_bf16: the caller promises every operand value is exactly a BF16 number (bf16-rounded

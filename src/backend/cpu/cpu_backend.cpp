@@ -83,9 +83,32 @@ Result<void*> CpuBackend::allocate(size_t bytes, const std::string& what) {
                               "training.seq_len or the model size",
                               what, bytes));
   std::memset(p, 0, rounded);
+  std::lock_guard<std::mutex> lock(memory_mutex_);
+  sizes_[p] = rounded;
+  in_use_ += static_cast<int64_t>(rounded);
+  peak_ = std::max(peak_, in_use_);
   return p;
 }
-void CpuBackend::deallocate(void* p) { std::free(p); }
+void CpuBackend::deallocate(void* p) {
+  if (p == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(memory_mutex_);
+    auto it = sizes_.find(p);
+    if (it != sizes_.end()) {
+      in_use_ -= static_cast<int64_t>(it->second);
+      sizes_.erase(it);
+    }
+  }
+  std::free(p);
+}
+Backend::MemoryStats CpuBackend::memory_stats() {
+  std::lock_guard<std::mutex> lock(memory_mutex_);
+  return {in_use_, peak_};
+}
+void CpuBackend::reset_peak_memory() {
+  std::lock_guard<std::mutex> lock(memory_mutex_);
+  peak_ = in_use_;
+}
 void CpuBackend::copy_to_device(void* dst, const void* host_src, size_t bytes) {
   if (bytes > 0) std::memcpy(dst, host_src, bytes);
 }

@@ -1,9 +1,12 @@
 // The CPU backend: backend::Backend over host memory, wrapping the CPU ops of this folder
 // (OpenBLAS GEMMs, nn_ops, attention, moe) and the whole-tensor format drivers of
 // formats/quantize_cpu.h, so the model on the seam keeps today's CPU results to the bit. It is
-// the oracle the CUDA backend is tested against. Stateless: one instance serves any number of
-// models (backend::cpu_backend()).
+// the oracle the CUDA backend is tested against. One instance serves any number of models
+// (backend::cpu_backend()); its only state is the allocation count behind memory_stats().
 #pragma once
+
+#include <mutex>
+#include <unordered_map>
 
 #include "backend/backend.h"
 
@@ -22,6 +25,8 @@ class CpuBackend final : public Backend {
   void copy(void* dst, const void* src, size_t bytes) override;
   void fill_zero(void* dst, size_t bytes) override;
   void synchronize() override {}
+  MemoryStats memory_stats() override;
+  void reset_peak_memory() override;
 
   void matmul_nt(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K, bool accumulate,
                  bool operands_bf16) override;
@@ -100,6 +105,11 @@ class CpuBackend final : public Backend {
                                  const formats::SrKey* sr) override;
   void backward_operand_two_level(QuantizedTensor& out, const QuantizedTensor& in, uint32_t sign_mask,
                                   const formats::SrKey& sr) override;
+
+ private:
+  std::mutex memory_mutex_;
+  std::unordered_map<void*, size_t> sizes_;  // live allocations (for memory_stats)
+  int64_t in_use_ = 0, peak_ = 0;
 };
 
 }  // namespace nibble::backend

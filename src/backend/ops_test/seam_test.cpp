@@ -43,6 +43,22 @@ TEST_P(SeamTest, QuantizedBufferViewSizes) {
   EXPECT_EQ(QuantizedTensor::outer_count(QuantFormat::kNvfp4Te, 2, 64), 1);
 }
 
+TEST_P(SeamTest, MemoryStatsCountLiveAndPeakBytes) {
+  Backend::MemoryStats before = be().memory_stats();
+  ASSERT_GE(before.in_use_bytes, 0) << be().name() << " tracks no memory";
+  be().reset_peak_memory();
+  {
+    Buffer<float> big;
+    big.ensure(be(), 1 << 20, "stats test");  // 4 MiB
+    Backend::MemoryStats during = be().memory_stats();
+    EXPECT_GE(during.in_use_bytes - before.in_use_bytes, 4 << 20);
+  }
+  be().synchronize();
+  Backend::MemoryStats after = be().memory_stats();
+  EXPECT_EQ(after.in_use_bytes, before.in_use_bytes);  // freed again
+  EXPECT_GE(after.peak_bytes - before.in_use_bytes, 4 << 20);  // the peak remembers it
+}
+
 NIB_INSTANTIATE_OPS_TEST(SeamTest);
 
 TEST(BackendRegistry, UnknownDeviceNamesWhatExists) {

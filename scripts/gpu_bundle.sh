@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Builds, on this (GPU-less) machine, the self-contained bundle the GPU machine runs: the CUDA
+# build's binaries (the `nibble` CLI, the CUDA backend's tests, the op-test suite over every
+# backend, the train tests with their CPU-vs-CUDA step comparisons) plus every shared library
+# they load that a bare CUDA image lacks (OpenBLAS, sentencepiece, fmt, spdlog, libpng, ...), in
+# .gpubin/ (git-ignored; name it in the device call's `carry`). Then on the GPU machine:
+#   NIBBLE_GPU_PREBUILT=.gpubin bash scripts/gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${1:-.gpubin}
+TARGETS=(nibble nibble_backend_cuda_tests nibble_backend_ops_tests nibble_train_tests nibble_model_tests)
+cmake -S . -B build/cuda -G Ninja -DNIBBLE_CUDA=ON -DNIBBLE_BENCH=OFF -DCMAKE_BUILD_TYPE=Release \
+  ${NIBBLE_CCACHE:+-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache} >/dev/null
+cmake --build build/cuda -j "${JOBS:-$(nproc)}" --target "${TARGETS[@]}"
+rm -rf "$OUTDIR"
+mkdir -p "$OUTDIR/lib"
+cp build/cuda/bin/nibble "$OUTDIR/"
+for t in "${TARGETS[@]:1}"; do [ -x "build/cuda/tests/$t" ] && cp "build/cuda/tests/$t" "$OUTDIR/"; done
+# Shared libraries outside glibc, the CUDA driver and the CUDA toolkit (the GPU machine has its
+# own driver and toolkit under /usr/local/cuda, and cuBLASLt alone is larger than a carry).
+for bin in "$OUTDIR"/nibble*; do
+  ldd "$bin" | awk '/=> \// {print $3}'
+done | sort -u | grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda|libcudart|libcublas|libcublasLt|libnccl|libcudnn)\.so' | while read -r lib; do
+  cp -L "$lib" "$OUTDIR/lib/"
+done
+git rev-parse --short HEAD >"$OUTDIR/COMMIT"
+du -sh "$OUTDIR"

@@ -1,0 +1,663 @@
+// The CUDA backend (cuda_backend.h): memory, the stream, error reporting, and each op of
+// backend.h as a call of its launcher (nn_ops, optimizer_ops, format_ops, quantize, attention,
+// moe, gemm) on this backend's stream, checked at once with the op's name, shapes and device.
+// Results the interface returns to the host (loss sums, norms, MoE offsets) travel through a
+// small pinned buffer after one stream synchronisation. Ids out of range (tokens, targets) are
+// flagged by the kernels and reported at the next synchronisation (copy_to_host, synchronize).
+#include "backend/cuda/cuda_backend.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <limits>
+#include <mutex>
+
+#include "backend/cuda/attention.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.h"
+#include "backend/cuda/format_ops.h"
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/moe.h"
+#include "backend/cuda/nn_ops.h"
+#include "backend/cuda/optimizer_ops.h"
+#include "backend/cuda/quantize.h"
+
+namespace nibble::cuda {
+
+using backend::QuantFormat;
+using backend::QuantizedTensor;
+
+struct CudaBackend::HostResults {
+  double values[8];
+  uint32_t flags;
+};
+
+// A failed CUDA call inside op `op`: throws naming the op, the shapes (formatted only on failure)
+// and the device.
+#define NIB_OP_CUDA(expr, op, ...)                                                                           \
+  do {                                                                                                       \
+    cudaError_t nib_e_ = (expr);                                                                             \
+    if (nib_e_ != cudaSuccess)                                                                               \
+      op_failed(op, fmt::format(__VA_ARGS__),                                                                \
+                fmt::format("CUDA error {} ({})", cudaGetErrorName(nib_e_), cudaGetErrorString(nib_e_)), #expr, \
+                __FILE__, __LINE__);                                                                         \
+  } while (0)
+// A launcher of quantize.h: a bad shape comes back as a Status, a failed CUDA call inside it as
+// a CheckError; both are reported with the op's context.
+#define NIB_OP_STATUS(expr, op, ...)                                                                      \
+  do {                                                                                                    \
+    const ::nibble::Status nib_s_ = [&]() -> ::nibble::Status {                                           \
+      try {                                                                                               \
+        return (expr);                                                                                    \
+      } catch (const CheckError& nib_err_) {                                                              \
+        op_failed(op, fmt::format(__VA_ARGS__), nib_err_.what(), #expr, __FILE__, __LINE__);              \
+      }                                                                                                   \
+    }();                                                                                                  \
+    if (!nib_s_.is_ok()) op_failed(op, fmt::format(__VA_ARGS__), nib_s_.message(), #expr, __FILE__, __LINE__); \
+  } while (0)
+// A precondition of op `op` on its arguments.
+#define NIB_OP_REQUIRE(cond, op, ...)                                                                   \
+  do {                                                                                                  \
+    if (!(cond)) op_failed(op, fmt::format(__VA_ARGS__), "precondition failed", #cond, __FILE__, __LINE__); \
+  } while (0)
+// Runs a launcher of another file that throws CheckError itself; adds the op's context.
+#define NIB_OP_CALL(call, op, ...)                                                              \
+  do {                                                                                          \
+    try {                                                                                       \
+      call;                                                                                     \
+    } catch (const CheckError& nib_err_) {                                                      \
+      op_failed(op, fmt::format(__VA_ARGS__), nib_err_.what(), #call, __FILE__, __LINE__);      \
+    }                                                                                           \
+    NIB_OP_CUDA(cudaGetLastError(), op, __VA_ARGS__);                                          \
+  } while (0)
+
+namespace {
+
+Result<std::unique_ptr<backend::Backend>> cuda_factory(int device_index) { return CudaBackend::create(device_index); }
+
+double gib(size_t bytes) { return static_cast<double>(bytes) / double(1 << 30); }
+
+}  // namespace
+
+void register_cuda_backend() {
+  static std::once_flag once;
+  std::call_once(once, [] { backend::register_backend("cuda", &cuda_factory); });
+}
+
+Result<std::unique_ptr<backend::Backend>> CudaBackend::create(int device_index) {
+  Status s = init(device_index);
+  if (!s.is_ok()) return s;
+  try {
+    return std::unique_ptr<backend::Backend>(new CudaBackend(device_index));
+  } catch (const CheckError& e) {
+    return Status{StatusCode::kInternal, e.what()};
+  }
+}
+
+CudaBackend::CudaBackend(int device_index) : device_(device_index) {
+  NIB_CUDA_CHECK(cudaSetDevice(device_));
+  cudaDeviceProp prop{};
+  NIB_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+  name_ = fmt::format("cuda:{} ({})", device_, prop.name);
+  NIB_OP_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "create backend", "device {}", device_);
+  NIB_OP_CUDA(cudaDeviceGetDefaultMemPool(&pool_, device_), "create backend", "device {}", device_);
+  // Keep freed blocks in the pool (grow-only buffers come and go at shape changes only).
+  uint64_t keep = std::numeric_limits<uint64_t>::max();
+  NIB_OP_CUDA(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep), "create backend", "device {}",
+              device_);
+  NIB_OP_CUDA(cudaMalloc(&small_dev_, 8 * sizeof(double)), "create backend", "device {}", device_);
+  NIB_OP_CUDA(cudaMalloc(&flags_dev_, sizeof(uint32_t)), "create backend", "device {}", device_);
+  // On this backend's stream: a plain cudaMemset runs on the legacy stream, unordered with ours.
+  NIB_OP_CUDA(cudaMemsetAsync(flags_dev_, 0, sizeof(uint32_t), stream_), "create backend", "device {}", device_);
+  void* pinned = nullptr;
+  NIB_OP_CUDA(cudaMallocHost(&pinned, sizeof(HostResults)), "create backend", "device {}", device_);
+  host_ = static_cast<HostResults*>(pinned);
+  gemm_ = std::make_unique<GemmEngine>(*this, stream_, name_);
+}
+
+CudaBackend::~CudaBackend() {
+  // Destructors never throw: errors here (e.g. a context already torn down) are dropped.
+  (void)cudaSetDevice(device_);
+  gemm_.reset();
+  if (scratch_) (void)cudaFreeAsync(scratch_, stream_);
+  if (stream_) (void)cudaStreamSynchronize(stream_);
+  if (small_dev_) (void)cudaFree(small_dev_);
+  if (flags_dev_) (void)cudaFree(flags_dev_);
+  if (host_) (void)cudaFreeHost(host_);
+  if (stream_) (void)cudaStreamDestroy(stream_);
+  (void)cudaGetLastError();
+}
+
+bool CudaBackend::supports(backend::Op op) const { return op != backend::Op::kCount; }
+
+void CudaBackend::activate() const {
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || current != device_)
+    NIB_OP_CUDA(cudaSetDevice(device_), "select device", "device {}", device_);
+}
+
+void CudaBackend::op_failed(const char* op, const std::string& shapes, const std::string& error, const char* expr,
+                            const char* file, int line) const {
+  check_failed(expr, file, line, fmt::format("{} ({}) on {}: {}", op, shapes, name_, error));
+}
+
+// ---- memory ------------------------------------------------------------------------------------
+size_t CudaBackend::gemm_plan_count() const { return gemm_->cached_plans(); }
+
+Result<void*> CudaBackend::allocate(size_t bytes, const std::string& what) {
+  activate();
+  ++allocation_count_;
+  void* p = nullptr;
+  cudaError_t e = cudaMallocAsync(&p, std::max<size_t>(bytes, 1), stream_);
+  if (e == cudaErrorMemoryAllocation) {
+    // Blocks cached in the pool are free to the allocator but not to another process: hand
+    // them back and try once more before giving up.
+    (void)cudaGetLastError();
+    (void)cudaStreamSynchronize(stream_);
+    (void)cudaMemPoolTrimTo(pool_, 0);
+    e = cudaMallocAsync(&p, std::max<size_t>(bytes, 1), stream_);
+  }
+  if (e == cudaSuccess) return p;
+  (void)cudaGetLastError();
+  size_t free_b = 0, total_b = 0;
+  (void)cudaMemGetInfo(&free_b, &total_b);
+  (void)cudaGetLastError();
+  const std::string cause = e == cudaErrorMemoryAllocation
+                                ? "out of GPU memory"
+                                : fmt::format("CUDA error {} ({})", cudaGetErrorName(e), cudaGetErrorString(e));
+  return Status{StatusCode::kInternal,
+                fmt::format("{} on {} allocating {}: {} bytes ({:.3f} GiB) requested, {:.3f} GiB free of {:.3f} GiB; "
+                            "lower batch_size or seq_len in the run config (raise grad_accum to keep the tokens per step), "
+                            "or choose a smaller model",
+                            cause, name_, what, bytes, gib(bytes), gib(free_b), gib(total_b))};
+}
+
+backend::Backend::MemoryStats CudaBackend::memory_stats() {
+  activate();
+  uint64_t used = 0, high = 0;  // cuuint64_t
+  NIB_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemCurrent, &used));
+  NIB_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemHigh, &high));
+  return {static_cast<int64_t>(used), static_cast<int64_t>(high)};
+}
+
+void CudaBackend::reset_peak_memory() {
+  activate();
+  uint64_t zero = 0;  // resets the high watermark to the current use
+  NIB_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrUsedMemHigh, &zero));
+}
+
+void CudaBackend::deallocate(void* p) {
+  if (p == nullptr) return;
+  (void)cudaSetDevice(device_);
+  cudaError_t e = cudaFreeAsync(p, stream_);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // called from destructors: never throw
+}
+
+void* CudaBackend::scratch(size_t bytes, const char* op) {
+  if (scratch_ != nullptr && scratch_bytes_ >= bytes) return scratch_;
+  if (scratch_ != nullptr) deallocate(scratch_);
+  scratch_ = nullptr, scratch_bytes_ = 0;
+  const size_t want = std::max<size_t>(bytes, size_t{1} << 20);
+  Result<void*> r = allocate(want, fmt::format("the scratch workspace of {}", op));
+  NIB_CHECK_MSG(r.is_ok(), "{}", r.status().message());
+  scratch_ = r.value(), scratch_bytes_ = want;
+  return scratch_;
+}
+
+void CudaBackend::copy_to_device(void* dst, const void* host_src, size_t bytes) {
+  if (bytes == 0) return;
+  activate();
+  NIB_OP_CUDA(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_), "copy_to_device", "{} bytes",
+              bytes);
+}
+
+void CudaBackend::sync_and_check_flags(const char* op) {
+  NIB_OP_CUDA(cudaMemcpyAsync(&host_->flags, flags_dev_, sizeof(uint32_t), cudaMemcpyDeviceToHost, stream_), op,
+              "error flags");
+  NIB_OP_CUDA(cudaStreamSynchronize(stream_), op, "synchronising the stream (an earlier kernel may have failed)");
+  const uint32_t flags = host_->flags;
+  if (flags != 0) {
+    NIB_OP_CUDA(cudaMemsetAsync(flags_dev_, 0, sizeof(uint32_t), stream_), op, "error flags");
+    std::string what;
+    if (flags & kErrorTokenId) what += "embedding_forward/backward met a token id outside [0, V); ";
+    if (flags & kErrorTargetId) what += "cross_entropy met a target id >= V; ";
+    op_failed(op, "reported at this synchronisation", what + "check the tokenizer's vocabulary against the model's vocab_size (data.vocab_size)",
+              "error flags", __FILE__, __LINE__);
+  }
+}
+
+void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
+  activate();
+  if (bytes > 0)
+    NIB_OP_CUDA(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "copy_to_host", "{} bytes",
+                bytes);
+  sync_and_check_flags("copy_to_host");
+}
+
+void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  activate();
+  NIB_OP_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "copy", "{} bytes", bytes);
+}
+
+void CudaBackend::fill_zero(void* dst, size_t bytes) {
+  if (bytes == 0) return;
+  activate();
+  NIB_OP_CUDA(cudaMemsetAsync(dst, 0, bytes, stream_), "fill_zero", "{} bytes", bytes);
+}
+
+void CudaBackend::synchronize() {
+  activate();
+  sync_and_check_flags("synchronize");
+}
+
+// ---- GEMMs -------------------------------------------------------------------------------------
+void CudaBackend::matmul_nt(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K, bool accumulate,
+                            bool operands_bf16) {
+  activate();
+  gemm_->run(GemmLayout::kNT, y, x, w, M, N, K, accumulate, operands_bf16);
+}
+void CudaBackend::matmul_nn(float* y, const float* a, const float* b, int64_t M, int64_t N, int64_t K, bool accumulate,
+                            bool operands_bf16) {
+  activate();
+  gemm_->run(GemmLayout::kNN, y, a, b, M, N, K, accumulate, operands_bf16);
+}
+void CudaBackend::matmul_tn(float* y, const float* a, const float* b, int64_t M, int64_t N, int64_t K, bool accumulate,
+                            bool operands_bf16) {
+  activate();
+  gemm_->run(GemmLayout::kTN, y, a, b, M, N, K, accumulate, operands_bf16);
+}
+
+// ---- per-token layers --------------------------------------------------------------------------
+void CudaBackend::embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t V,
+                                    int64_t C) {
+  activate();
+  NIB_OP_CUDA(cuda::embedding_forward(out, tokens, wte, N, V, C, flags_dev_, stream_), "embedding_forward",
+              "N={} V={} C={}", N, V, C);
+}
+
+void CudaBackend::embedding_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t V,
+                                     int64_t C) {
+  activate();
+  NIB_OP_REQUIRE(N < (int64_t{1} << 31) && V < (int64_t{1} << 30), "embedding_backward", "N={} V={} C={}", N, V, C);
+  void* ws = scratch(embedding_backward_workspace_bytes(N), "embedding_backward");
+  NIB_OP_CUDA(cuda::embedding_backward(dwte, dout, tokens, N, V, C, ws, flags_dev_, stream_), "embedding_backward",
+              "N={} V={} C={}", N, V, C);
+}
+
+void CudaBackend::rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t R, int64_t C,
+                                  double eps) {
+  activate();
+  NIB_OP_CUDA(cuda::rmsnorm_forward(out, rstd, x, w, R, C, eps, stream_), "rmsnorm_forward", "R={} C={}", R, C);
+}
+
+void CudaBackend::rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* w,
+                                   const float* rstd, int64_t R, int64_t C) {
+  activate();
+  NIB_OP_REQUIRE(R < int64_t{65535} * 64, "rmsnorm_backward", "R={} C={}", R, C);
+  void* ws = scratch(rmsnorm_backward_workspace_bytes(R, C), "rmsnorm_backward");
+  NIB_OP_CUDA(cuda::rmsnorm_backward(dx, dw, dout, x, w, rstd, R, C, ws, stream_), "rmsnorm_backward", "R={} C={}", R,
+              C);
+}
+
+void CudaBackend::rope_forward(float* out, const float* x, const float* cos, const float* sin,
+                               const int32_t* positions, int64_t B, int64_t Tn, int64_t H, int64_t D) {
+  activate();
+  NIB_OP_REQUIRE(D % 2 == 0, "rope_forward", "B={} T={} H={} D={}", B, Tn, H, D);
+  NIB_OP_CUDA(rope_apply(out, x, cos, sin, positions, B, Tn, H, D, 1.0f, stream_), "rope_forward",
+              "B={} T={} H={} D={}", B, Tn, H, D);
+}
+
+void CudaBackend::rope_backward(float* dx, const float* dout, const float* cos, const float* sin,
+                                const int32_t* positions, int64_t B, int64_t Tn, int64_t H, int64_t D) {
+  activate();
+  NIB_OP_REQUIRE(D % 2 == 0, "rope_backward", "B={} T={} H={} D={}", B, Tn, H, D);
+  NIB_OP_CUDA(rope_apply(dx, dout, cos, sin, positions, B, Tn, H, D, -1.0f, stream_), "rope_backward",
+              "B={} T={} H={} D={}", B, Tn, H, D);
+}
+
+void CudaBackend::swiglu_forward(float* out, const float* gu, int64_t N, int64_t I) {
+  activate();
+  NIB_OP_CUDA(cuda::swiglu_forward(out, gu, N, I, stream_), "swiglu_forward", "N={} I={}", N, I);
+}
+
+void CudaBackend::swiglu_backward(float* dgu, const float* dout, const float* gu, int64_t N, int64_t I) {
+  activate();
+  NIB_OP_CUDA(cuda::swiglu_backward(dgu, dout, gu, N, I, stream_), "swiglu_backward", "N={} I={}", N, I);
+}
+
+void CudaBackend::attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
+                                    int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
+  activate();
+  NIB_OP_REQUIRE(Hkv > 0 && H % Hkv == 0 && D <= 256, "attention_forward", "B={} T={} H={} Hkv={} D={}", B, Tn, H,
+                 Hkv, D);
+  NIB_OP_CALL(cuda::attention_forward(out, lse, q, k, v, B, Tn, H, Hkv, D, stream_), "attention_forward",
+              "B={} T={} H={} Hkv={} D={}", B, Tn, H, Hkv, D);
+}
+
+void CudaBackend::attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out,
+                                     const float* lse, const float* q, const float* k, const float* v, int64_t B,
+                                     int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
+  activate();
+  NIB_OP_REQUIRE(Hkv > 0 && H % Hkv == 0 && D <= 256, "attention_backward", "B={} T={} H={} Hkv={} D={}", B, Tn, H,
+                 Hkv, D);
+  const size_t ws_bytes = cuda::attention_backward_workspace_bytes(B, Tn, H, Hkv, D);
+  void* ws = ws_bytes > 0 ? scratch(ws_bytes, "attention_backward") : nullptr;
+  NIB_OP_CALL(cuda::attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D, ws, stream_),
+              "attention_backward", "B={} T={} H={} Hkv={} D={}", B, Tn, H, Hkv, D);
+}
+
+backend::CrossEntropySums CudaBackend::cross_entropy_forward(float* lse, float* token_ce, const float* logits,
+                                                             const int32_t* targets, int64_t N, int64_t V) {
+  activate();
+  NIB_OP_CUDA(cuda::cross_entropy_forward(small_dev_, lse, token_ce, logits, targets, N, V, flags_dev_, stream_),
+              "cross_entropy_forward", "N={} V={}", N, V);
+  NIB_OP_CUDA(cudaMemcpyAsync(host_->values, small_dev_, 3 * sizeof(double), cudaMemcpyDeviceToHost, stream_),
+              "cross_entropy_forward", "N={} V={}", N, V);
+  sync_and_check_flags("cross_entropy_forward");
+  return {host_->values[0], host_->values[1], static_cast<int64_t>(host_->values[2])};
+}
+
+backend::CrossEntropySums CudaBackend::cross_entropy_forward_backward(float* dlogits, float* lse, float* token_ce,
+                                                                      const float* logits, const int32_t* targets,
+                                                                      int64_t N, int64_t V, double ce_scale,
+                                                                      double z_scale) {
+  activate();
+  NIB_OP_REQUIRE(token_ce != nullptr, "cross_entropy_forward_backward", "N={} V={}", N, V);
+  NIB_OP_CUDA(cuda::cross_entropy_forward_backward(small_dev_, dlogits, lse, token_ce, logits, targets, N, V, ce_scale,
+                                                   z_scale, flags_dev_, stream_),
+              "cross_entropy_forward_backward", "N={} V={}", N, V);
+  NIB_OP_CUDA(cudaMemcpyAsync(host_->values, small_dev_, 3 * sizeof(double), cudaMemcpyDeviceToHost, stream_),
+              "cross_entropy_forward_backward", "N={} V={}", N, V);
+  sync_and_check_flags("cross_entropy_forward_backward");
+  return {host_->values[0], host_->values[1], static_cast<int64_t>(host_->values[2])};
+}
+
+// ---- small utilities ---------------------------------------------------------------------------
+void CudaBackend::add_inplace(float* y, const float* x, int64_t n) {
+  activate();
+  NIB_OP_CUDA(cuda::add_inplace(y, x, n, stream_), "add_inplace", "n={}", n);
+}
+
+void CudaBackend::add(float* y, const float* a, const float* b, int64_t n) {
+  activate();
+  NIB_OP_CUDA(cuda::add(y, a, b, n, stream_), "add", "n={}", n);
+}
+
+void CudaBackend::copy_2d(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows, int64_t cols) {
+  activate();
+  NIB_OP_REQUIRE(dst_ld >= cols && src_ld >= cols, "copy_2d", "rows={} cols={} dst_ld={} src_ld={}", rows, cols, dst_ld,
+                 src_ld);
+  NIB_OP_CUDA(cuda::copy_2d(dst, dst_ld, src, src_ld, rows, cols, stream_), "copy_2d",
+              "rows={} cols={} dst_ld={} src_ld={}", rows, cols, dst_ld, src_ld);
+}
+
+// ---- MoE ---------------------------------------------------------------------------------------
+void CudaBackend::moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_w, const float* logits,
+                                     const int32_t* forced_idx, int64_t N, int64_t E, int64_t k, bool norm_topk_prob) {
+  activate();
+  NIB_OP_CALL(cuda::moe_router_forward(probs, lse, topk_idx, topk_w, logits, forced_idx, N, E, k, norm_topk_prob,
+                                       stream_),
+              "moe_router_forward", "N={} E={} k={}", N, E, k);
+}
+
+void CudaBackend::moe_router_backward(float* dlogits, const float* dtopk_w, const float* probs, const float* lse,
+                                      const int32_t* topk_idx, const float* topk_w, const float* dprobs_extra,
+                                      double z_scale, int64_t N, int64_t E, int64_t k, bool renormalized) {
+  activate();
+  NIB_OP_CALL(cuda::moe_router_backward(dlogits, dtopk_w, probs, lse, topk_idx, topk_w, dprobs_extra, z_scale, N, E, k,
+                                        renormalized, stream_),
+              "moe_router_backward", "N={} E={} k={}", N, E, k);
+}
+
+void CudaBackend::moe_dispatch_plan(int64_t* expert_offsets_host, int32_t* row_of_slot, int32_t* token_of_row,
+                                    const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) {
+  activate();
+  auto* offsets = static_cast<int64_t*>(scratch(static_cast<size_t>(E + 1) * sizeof(int64_t), "moe_dispatch_plan"));
+  NIB_OP_CALL(cuda::moe_dispatch_plan(offsets, row_of_slot, token_of_row, topk_idx, N, E, k, stream_),
+              "moe_dispatch_plan", "N={} E={} k={}", N, E, k);
+  NIB_OP_CUDA(cudaMemcpyAsync(expert_offsets_host, offsets, static_cast<size_t>(E + 1) * sizeof(int64_t),
+                              cudaMemcpyDeviceToHost, stream_),
+              "moe_dispatch_plan", "N={} E={} k={}", N, E, k);
+  sync_and_check_flags("moe_dispatch_plan");
+  // The kernels route no assignment whose expert id is outside [0, E) (moe.h): fewer than N*k
+  // rows planned means such ids were met (the CPU throws for them too).
+  if (expert_offsets_host[E] != N * k)
+    op_failed("moe_dispatch_plan", fmt::format("N={} E={} k={}", N, E, k),
+              fmt::format("{} of {} top-k expert ids are outside [0, {})", N * k - expert_offsets_host[E], N * k, E),
+              "expert_offsets[E] == N * k", __FILE__, __LINE__);
+}
+
+void CudaBackend::moe_gather(float* xe, const float* x, const int32_t* token_of_row, int64_t rows, int64_t C) {
+  activate();
+  NIB_OP_CALL(cuda::moe_gather(xe, x, token_of_row, rows, C, stream_), "moe_gather", "rows={} C={}", rows, C);
+}
+
+void CudaBackend::moe_gather_backward(float* dx, const float* dxe, const int32_t* row_of_slot, int64_t N, int64_t k,
+                                      int64_t C) {
+  activate();
+  NIB_OP_CALL(cuda::moe_gather_backward(dx, dxe, row_of_slot, N, k, C, stream_), "moe_gather_backward",
+              "N={} k={} C={}", N, k, C);
+}
+
+void CudaBackend::moe_combine(float* out, const float* ye, const float* topk_w, const int32_t* row_of_slot, int64_t N,
+                              int64_t k, int64_t C) {
+  activate();
+  NIB_OP_CALL(cuda::moe_combine(out, ye, topk_w, row_of_slot, N, k, C, stream_), "moe_combine", "N={} k={} C={}", N, k,
+              C);
+}
+
+void CudaBackend::moe_combine_backward(float* dye, float* dtopk_w, const float* dout, const float* ye,
+                                       const float* topk_w, const int32_t* row_of_slot, int64_t N, int64_t k,
+                                       int64_t C) {
+  activate();
+  NIB_OP_CALL(cuda::moe_combine_backward(dye, dtopk_w, dout, ye, topk_w, row_of_slot, N, k, C, stream_),
+              "moe_combine_backward", "N={} k={} C={}", N, k, C);
+}
+
+double CudaBackend::moe_accumulate_load(double* count_host, double* prob_sum_host, const float* probs,
+                                        const float* lse, const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) {
+  activate();
+  const size_t n = static_cast<size_t>(2 * E + 1);
+  auto* sums = static_cast<double*>(scratch(n * sizeof(double), "moe_accumulate_load"));
+  NIB_OP_CUDA(cudaMemsetAsync(sums, 0, n * sizeof(double), stream_), "moe_accumulate_load", "N={} E={} k={}", N, E, k);
+  NIB_OP_CALL(cuda::moe_accumulate_load(sums, sums + E, sums + 2 * E, probs, lse, topk_idx, N, E, k, stream_),
+              "moe_accumulate_load", "N={} E={} k={}", N, E, k);
+  if (moe_load_host_.size() < n) moe_load_host_.resize(n);
+  std::vector<double>& host = moe_load_host_;
+  NIB_OP_CUDA(cudaMemcpyAsync(host.data(), sums, n * sizeof(double), cudaMemcpyDeviceToHost, stream_),
+              "moe_accumulate_load", "N={} E={} k={}", N, E, k);
+  sync_and_check_flags("moe_accumulate_load");
+  for (int64_t e = 0; e < E; ++e) {
+    count_host[e] += host[static_cast<size_t>(e)];
+    prob_sum_host[e] += host[static_cast<size_t>(E + e)];
+  }
+  return host[static_cast<size_t>(2 * E)];
+}
+
+// ---- optimizer ---------------------------------------------------------------------------------
+double CudaBackend::sum_squares(const float* g, int64_t n, float grad_scale) {
+  activate();
+  void* ws = scratch(sum_squares_workspace_bytes(n), "sum_squares");
+  NIB_OP_CUDA(cuda::sum_squares(small_dev_, g, n, grad_scale, ws, stream_), "sum_squares", "n={}", n);
+  NIB_OP_CUDA(cudaMemcpyAsync(host_->values, small_dev_, sizeof(double), cudaMemcpyDeviceToHost, stream_),
+              "sum_squares", "n={}", n);
+  sync_and_check_flags("sum_squares");
+  return host_->values[0];
+}
+
+void CudaBackend::adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const backend::AdamWStep& s) {
+  activate();
+  // The scalars exactly as train/optimizer.cpp computes them (Python doubles, then f32).
+  AdamWScalars a;
+  a.decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
+  a.weight_decay = s.weight_decay != 0.0;
+  a.one_minus_b1 = static_cast<float>(1.0 - s.beta1);
+  a.b2 = static_cast<float>(s.beta2);
+  a.one_minus_b2 = static_cast<float>(1.0 - s.beta2);
+  const double bc1 = 1.0 - std::pow(s.beta1, static_cast<double>(s.step));
+  const double bc2 = 1.0 - std::pow(s.beta2, static_cast<double>(s.step));
+  a.step_size = static_cast<float>(s.lr / bc1);
+  a.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  a.eps = static_cast<float>(s.eps);
+  a.grad_scale = s.grad_scale;
+  NIB_OP_CUDA(cuda::adamw_update(w, m, v, g, n, a, stream_), "adamw_update", "n={} step={}", n, s.step);
+}
+
+void CudaBackend::scale(float* x, int64_t n, float s) {
+  activate();
+  NIB_OP_CUDA(cuda::scale(x, n, s, stream_), "scale", "n={}", n);
+}
+
+// ---- format ops --------------------------------------------------------------------------------
+void CudaBackend::round_to_bf16(float* dst, const float* src, int64_t n) {
+  activate();
+  NIB_OP_CUDA(cuda::round_to_bf16(dst, src, n, stream_), "round_to_bf16", "n={}", n);
+}
+
+void CudaBackend::to_bf16_bits(uint16_t* dst, const float* src, int64_t n) {
+  activate();
+  NIB_OP_CUDA(cuda::to_bf16_bits(dst, src, n, stream_), "to_bf16_bits", "n={}", n);
+}
+
+void CudaBackend::gather_columns_bf16(float* dst, const float* src, int64_t rows, int64_t rows_p, int64_t src_cols,
+                                      const int64_t* idx, int64_t n_idx, int64_t cols_p) {
+  activate();
+  NIB_OP_REQUIRE(rows <= rows_p && n_idx <= cols_p && (idx != nullptr || n_idx <= src_cols), "gather_columns_bf16",
+                 "rows={} rows_p={} src_cols={} n_idx={} cols_p={}", rows, rows_p, src_cols, n_idx, cols_p);
+  NIB_OP_CUDA(cuda::gather_columns_bf16(dst, src, rows, rows_p, src_cols, idx, n_idx, cols_p, stream_),
+              "gather_columns_bf16", "rows={} rows_p={} src_cols={} n_idx={} cols_p={}", rows, rows_p, src_cols, n_idx,
+              cols_p);
+}
+
+void CudaBackend::scatter_add_columns(float* dw, const float* t, int64_t N, int64_t K, const int64_t* idx,
+                                      int64_t n_idx, int64_t ld) {
+  activate();
+  NIB_OP_REQUIRE(n_idx <= ld && n_idx <= K, "scatter_add_columns", "N={} K={} n_idx={} ld={}", N, K, n_idx, ld);
+  NIB_OP_CUDA(cuda::scatter_columns(dw, t, N, K, idx, n_idx, ld, true, stream_), "scatter_add_columns",
+              "N={} K={} n_idx={} ld={}", N, K, n_idx, ld);
+}
+
+void CudaBackend::scatter_columns(float* dst, const float* t, int64_t N, int64_t K, const int64_t* idx, int64_t n_idx,
+                                  int64_t ld) {
+  activate();
+  NIB_OP_REQUIRE(n_idx <= ld && n_idx <= K, "scatter_columns", "N={} K={} n_idx={} ld={}", N, K, n_idx, ld);
+  NIB_OP_CUDA(cuda::scatter_columns(dst, t, N, K, idx, n_idx, ld, false, stream_), "scatter_columns",
+              "N={} K={} n_idx={} ld={}", N, K, n_idx, ld);
+}
+
+void CudaBackend::transpose(float* dst, const float* src, int64_t rows, int64_t cols) {
+  activate();
+  NIB_OP_STATUS(cuda::transpose<float>(dst, src, rows, cols, stream_), "transpose (f32)", "rows={} cols={}", rows, cols);
+  NIB_OP_CUDA(cudaGetLastError(), "transpose (f32)", "rows={} cols={}", rows, cols);
+}
+
+void CudaBackend::transpose(uint16_t* dst, const uint16_t* src, int64_t rows, int64_t cols) {
+  activate();
+  NIB_OP_STATUS(cuda::transpose<uint16_t>(dst, src, rows, cols, stream_), "transpose (u16)", "rows={} cols={}", rows,
+                cols);
+  NIB_OP_CUDA(cudaGetLastError(), "transpose (u16)", "rows={} cols={}", rows, cols);
+}
+
+void CudaBackend::rht16_rows(float* y, const float* x, int64_t rows, int64_t cols, uint32_t sign_mask) {
+  activate();
+  NIB_OP_STATUS(rht16_rows_f32(y, x, rows, cols, sign_mask, stream_), "rht16_rows", "rows={} cols={}", rows, cols);
+  NIB_OP_CUDA(cudaGetLastError(), "rht16_rows", "rows={} cols={}", rows, cols);
+}
+
+void CudaBackend::column_sumsq_accumulate(double* sums, const float* x, int64_t M, int64_t K) {
+  activate();
+  NIB_OP_CUDA(cuda::column_sumsq_accumulate(sums, x, M, K, stream_), "column_sumsq_accumulate", "M={} K={}", M, K);
+}
+
+template <typename In>
+void CudaBackend::quantize_impl(QuantizedTensor& out, const In* x, const formats::SrKey* sr) {
+  activate();
+  const char* op = std::is_same_v<In, float> ? "quantize (f32)" : "quantize (bf16)";
+  const int64_t M = out.rows, K = out.cols;
+  const char* fmt_name = backend::quant_format_name(out.format);
+  NIB_OP_REQUIRE(out.codes != nullptr && out.scales != nullptr, op, "{} {}x{}", fmt_name, M, K);
+  switch (out.format) {
+    case QuantFormat::kNvfp4Te:
+      NIB_OP_REQUIRE(out.outer != nullptr, op, "{} {}x{} (amax buffer)", fmt_name, M, K);
+      NIB_OP_STATUS(quantize_nvfp4_te<In>(out.codes, out.scales, out.outer, x, M, K, sr, AmaxMode::kCompute,
+                                          ScaleLayout::kLinear, stream_),
+                    op, "{} {}x{}", fmt_name, M, K);
+      break;
+    case QuantFormat::kNvfp4Te2d:
+      NIB_OP_REQUIRE(out.outer != nullptr, op, "{} {}x{} (amax buffer)", fmt_name, M, K);
+      NIB_OP_REQUIRE(sr == nullptr, op, "{} {}x{}: 2-D tile scaling is round-to-nearest only", fmt_name, M, K);
+      NIB_OP_STATUS(quantize_nvfp4_te_2d<In>(out.codes, out.scales, nullptr, nullptr, out.outer, x, M, K,
+                                             AmaxMode::kCompute, ScaleLayout::kLinear, stream_),
+                    op, "{} {}x{}", fmt_name, M, K);
+      break;
+    case QuantFormat::kNvfp4TwoLevel:
+      NIB_OP_REQUIRE(out.outer != nullptr, op, "{} {}x{} (outer scales)", fmt_name, M, K);
+      NIB_OP_STATUS(quantize_nvfp4_2level<In>(out.codes, out.scales, out.outer, x, M, K, sr, ScaleLayout::kLinear,
+                                              stream_),
+                    op, "{} {}x{}", fmt_name, M, K);
+      break;
+    case QuantFormat::kMxfp8:
+      NIB_OP_REQUIRE(sr == nullptr, op, "{} {}x{}: MXFP8 is round-to-nearest only", fmt_name, M, K);
+      NIB_OP_STATUS(quantize_mxfp8<In>(out.codes, out.scales, x, M, K, MxScaleRule::kRceil, ScaleLayout::kLinear,
+                                       stream_),
+                    op, "{} {}x{}", fmt_name, M, K);
+      break;
+  }
+  NIB_OP_CUDA(cudaGetLastError(), op, "{} {}x{}", fmt_name, M, K);
+}
+
+void CudaBackend::quantize(QuantizedTensor& out, const float* x, const formats::SrKey* sr) { quantize_impl(out, x, sr); }
+
+void CudaBackend::quantize(QuantizedTensor& out, const uint16_t* x_bf16, const formats::SrKey* sr) {
+  quantize_impl(out, x_bf16, sr);
+}
+
+void CudaBackend::dequantize(float* y, const QuantizedTensor& q) {
+  activate();
+  const int64_t M = q.rows, K = q.cols;
+  const char* fmt_name = backend::quant_format_name(q.format);
+  switch (q.format) {
+    case QuantFormat::kNvfp4Te:
+    case QuantFormat::kNvfp4Te2d:
+      NIB_OP_STATUS(dequantize_nvfp4_te<float>(y, q.codes, q.scales, q.outer, M, K, stream_), "dequantize", "{} {}x{}",
+                    fmt_name, M, K);
+      break;
+    case QuantFormat::kNvfp4TwoLevel:
+      NIB_OP_STATUS(dequantize_nvfp4_2level<float>(y, q.codes, q.scales, q.outer, M, K, stream_), "dequantize",
+                    "{} {}x{}", fmt_name, M, K);
+      break;
+    case QuantFormat::kMxfp8:
+      NIB_OP_STATUS(dequantize_mxfp8<float>(y, q.codes, q.scales, M, K, stream_), "dequantize", "{} {}x{}", fmt_name, M,
+                    K);
+      break;
+  }
+  NIB_OP_CUDA(cudaGetLastError(), "dequantize", "{} {}x{}", fmt_name, M, K);
+}
+
+void CudaBackend::quantize_te_rht_transpose(QuantizedTensor& out, uint16_t* y_t, const uint16_t* x, int64_t M,
+                                            int64_t K, const formats::SrKey* sr) {
+  activate();
+  NIB_OP_REQUIRE(out.format == QuantFormat::kNvfp4Te && out.rows == K && out.cols == M && M % 16 == 0,
+                 "quantize_te_rht_transpose", "x {}x{} -> {} {}x{}", M, K, backend::quant_format_name(out.format),
+                 out.rows, out.cols);
+  NIB_OP_STATUS(quantize_nvfp4_te_rht_t(out.codes, out.scales, out.outer, y_t, x, M, K, sr, stream_),
+                "quantize_te_rht_transpose", "x {}x{}", M, K);
+  NIB_OP_CUDA(cudaGetLastError(), "quantize_te_rht_transpose", "x {}x{}", M, K);
+}
+
+void CudaBackend::backward_operand_two_level(QuantizedTensor& out, const QuantizedTensor& in, uint32_t sign_mask,
+                                             const formats::SrKey& sr) {
+  activate();
+  const int64_t M = in.rows, K = in.cols;
+  NIB_OP_REQUIRE(in.format == QuantFormat::kNvfp4TwoLevel && out.format == QuantFormat::kNvfp4TwoLevel &&
+                     out.rows == K && out.cols == M && M % 128 == 0,
+                 "backward_operand_two_level", "in {} {}x{} -> out {} {}x{}", backend::quant_format_name(in.format), M,
+                 K, backend::quant_format_name(out.format), out.rows, out.cols);
+  NIB_OP_STATUS(nvfp4_2level_transpose_rht_requantize(out.codes, out.scales, out.outer, in.codes, in.scales, in.outer,
+                                                      M, K, sign_mask, &sr, stream_),
+                "backward_operand_two_level", "in {}x{}", M, K);
+  NIB_OP_CUDA(cudaGetLastError(), "backward_operand_two_level", "in {}x{}", M, K);
+}
+
+}  // namespace nibble::cuda

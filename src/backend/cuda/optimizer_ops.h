@@ -1,0 +1,34 @@
+// Launchers of the CUDA backend's optimizer ops: the fixed-order sum of squares behind the
+// global gradient norm, and AdamW on one flat range in exactly the FP32 operation order of
+// train/optimizer.cpp (PyTorch's single-tensor AdamW), so the update has the CPU's bits.
+// Pointers are device memory; each launcher enqueues on `stream` and returns the launch error.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace nibble::cuda {
+
+// out: (1) f64 device <- sum_i double(g[i] * grad_scale)^2, in an order fixed by n alone
+// (per-block partials over fixed ranges, then one block sums them). workspace: bytes below.
+size_t sum_squares_workspace_bytes(int64_t n);
+cudaError_t sum_squares(double* out, const float* g, int64_t n, float grad_scale, void* workspace,
+                        cudaStream_t stream);
+
+// The step's scalars, computed on the host as train/optimizer.cpp does (from doubles, then f32).
+struct AdamWScalars {
+  float decay = 1;         // 1 - lr * weight_decay
+  bool weight_decay = false;
+  float one_minus_b1 = 0, b2 = 0, one_minus_b2 = 0;
+  float step_size = 0;     // lr / (1 - beta1^t)
+  float bc2_sqrt = 1;      // sqrt(1 - beta2^t)
+  float eps = 0;
+  float grad_scale = 1;
+};
+// w, m, v: (n) updated in place from g: (n).
+cudaError_t adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const AdamWScalars& s,
+                         cudaStream_t stream);
+
+}  // namespace nibble::cuda

@@ -1,0 +1,121 @@
+// Op tests of the GEMMs (matmul_nt / nn / tn, overwrite and accumulate, FP32 and BF16 operands)
+// against cpu::matmul_* with odd shapes. Bound: round-to-nearest sums of K products are within
+// (K+1) u sum|terms| of the exact sum (Higham, Thm 3.5; the accumulated y0 is one more term);
+// tensor cores may truncate in FP32 accumulation (Fasi et al. 2021: <= 2u per addition), so
+// the GPU is within 2 (K+1) u sum|terms|: |y - ref| <= (3K + 6) u (sum_k |a b| + |y0|). A wrong
+// layout exceeds it by orders of magnitude; TF32 products (operands rounded to 2^-11) by 24x,
+// 10x and 2x at K = 53, 96, 257 (simulated, largest element): the FP32 path must be true FP32.
+#include <cmath>
+#include <vector>
+
+#include "backend/cpu/gemm.h"
+#include "backend/ops_test/ops_test_util.h"
+#include "backend/ops_test/tolerance_util.h"
+#include "core/bits.h"
+
+namespace nibble::backend::testing {
+namespace {
+
+enum class Layout { kNT, kNN, kTN };
+
+struct GemmCase {
+  int64_t M, N, K;
+};
+
+class GemmOpsTest : public OpsTest {
+ protected:
+  // One product on the backend under test against the CPU reference. bf16: operands rounded to
+  // BF16 first (the caller's promise) and multiplied with operands_bf16 = true.
+  void check(Layout layout, GemmCase c, bool accumulate, bool bf16, uint64_t seed) {
+    const int64_t M = c.M, N = c.N, K = c.K;
+    std::vector<float> a = normal_vector(M * K, seed), b = normal_vector(N * K, seed + 1);
+    std::vector<float> y0 = normal_vector(M * N, seed + 2);
+    if (bf16) {
+      for (float& v : a) v = round_to_bf16(v);
+      for (float& v : b) v = round_to_bf16(v);
+    }
+    std::vector<float> ref = accumulate ? y0 : std::vector<float>(static_cast<size_t>(M * N), 0.0f);
+    std::vector<double> abs_a(a.size()), abs_b(b.size());
+    for (size_t i = 0; i < a.size(); ++i) abs_a[i] = std::fabs(double(a[i]));
+    for (size_t i = 0; i < b.size(); ++i) abs_b[i] = std::fabs(double(b[i]));
+    std::vector<double> mag(static_cast<size_t>(M * N), 0.0);  // sum_k |a_ik b_kj|
+    float* y = upload(accumulate ? y0 : std::vector<float>(static_cast<size_t>(M * N), 7.0f));
+    const float* ad = upload(a);
+    const float* bd = upload(b);
+    switch (layout) {
+      case Layout::kNT:
+        cpu::matmul_nt(ref.data(), a.data(), b.data(), M, N, K, accumulate);
+        cpu::matmul_nt(mag.data(), abs_a.data(), abs_b.data(), M, N, K, false);
+        be().matmul_nt(y, ad, bd, M, N, K, accumulate, bf16);
+        break;
+      case Layout::kNN:
+        cpu::matmul_nn(ref.data(), a.data(), b.data(), M, N, K, accumulate);
+        cpu::matmul_nn(mag.data(), abs_a.data(), abs_b.data(), M, N, K, false);
+        be().matmul_nn(y, ad, bd, M, N, K, accumulate, bf16);
+        break;
+      case Layout::kTN:
+        cpu::matmul_tn(ref.data(), a.data(), b.data(), M, N, K, accumulate);
+        cpu::matmul_tn(mag.data(), abs_a.data(), abs_b.data(), M, N, K, false);
+        be().matmul_tn(y, ad, bd, M, N, K, accumulate, bf16);
+        break;
+    }
+    std::vector<double> bound(mag.size());
+    for (size_t i = 0; i < mag.size(); ++i)
+      bound[i] = double(3 * K + 6) * kUnitRoundoff * (mag[i] + (accumulate ? std::fabs(double(y0[i])) : 0.0));
+    EXPECT_TRUE(within_bound(download(y, M * N), ref, bound))
+        << "layout " << int(layout) << " M=" << M << " N=" << N << " K=" << K << " accumulate=" << accumulate
+        << " bf16=" << bf16;
+  }
+};
+
+const GemmCase kCases[] = {{1, 1, 1}, {37, 29, 53}, {64, 48, 96}, {130, 70, 257}, {3, 200, 17}};
+
+TEST_P(GemmOpsTest, Fp32AllLayoutsOverwriteAndAccumulate) {
+  uint64_t seed = 100;
+  for (Layout l : {Layout::kNT, Layout::kNN, Layout::kTN})
+    for (const GemmCase& c : kCases)
+      for (bool acc : {false, true}) check(l, c, acc, /*bf16=*/false, seed += 3);
+}
+
+TEST_P(GemmOpsTest, Bf16OperandsAllLayoutsOverwriteAndAccumulate) {
+  uint64_t seed = 900;
+  for (Layout l : {Layout::kNT, Layout::kNN, Layout::kTN})
+    for (const GemmCase& c : kCases)
+      for (bool acc : {false, true}) check(l, c, acc, /*bf16=*/true, seed += 3);
+}
+
+// The same shape twice (the CUDA backend's cached plan) and at an offset pointer (another
+// alignment: a second plan) gives the reference both times, and the same bits the second time
+// (cuBLASLt is run-to-run reproducible on one GPU: the step's determinism relies on it).
+TEST_P(GemmOpsTest, RepeatedShapeAndUnalignedOutput) {
+  const int64_t M = 9, N = 11, K = 33;
+  std::vector<float> a = normal_vector(M * K, 5), b = normal_vector(N * K, 6);
+  std::vector<float> ref(static_cast<size_t>(M * N));
+  cpu::matmul_nt(ref.data(), a.data(), b.data(), M, N, K, false);
+  std::vector<double> mag(ref.size());
+  std::vector<double> aa(a.begin(), a.end()), bb(b.begin(), b.end());
+  for (double& v : aa) v = std::fabs(v);
+  for (double& v : bb) v = std::fabs(v);
+  cpu::matmul_nt(mag.data(), aa.data(), bb.data(), M, N, K, false);
+  std::vector<double> bound(mag.size());
+  for (size_t i = 0; i < mag.size(); ++i) bound[i] = double(3 * K + 6) * kUnitRoundoff * mag[i];
+  const float* ad = upload(a);
+  const float* bd = upload(b);
+  float* y = zeros<float>(M * N + 1);
+  std::vector<float> first;
+  for (int rep = 0; rep < 2; ++rep) {
+    be().matmul_nt(y, ad, bd, M, N, K);
+    std::vector<float> got = download(y, M * N);
+    EXPECT_TRUE(within_bound(got, ref, bound)) << "repeat " << rep;
+    if (rep == 0) first = got;
+    else EXPECT_TRUE(bits_equal(got, first));
+    be().matmul_nt(y + 1, ad, bd, M, N, K);
+    std::vector<float> shifted = download(y, M * N + 1);
+    EXPECT_TRUE(within_bound(std::vector<float>(shifted.begin() + 1, shifted.end()), ref, bound)) << "offset " << rep;
+  }
+}
+
+NIB_INSTANTIATE_OPS_TEST(GemmOpsTest);
+
+}  // namespace
+}  // namespace nibble::backend::testing
