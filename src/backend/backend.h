@@ -181,6 +181,13 @@ class Backend {
   // ---- optimizer -------------------------------------------------------------------------------
   // Sum of squares of g (n) * grad_scale^2 in double, in a fixed order (deterministic).
   virtual double sum_squares(const float* g, int64_t n, float grad_scale) = 0;
+  // partials_host (ceil(n / chunk)) <- sum_squares of each consecutive `chunk`-element piece of
+  // g (n), the last one shorter; one round trip for all pieces (the global-norm clip sums them
+  // on the host in order). Default: one sum_squares call per piece.
+  virtual void sum_squares_chunks(double* partials_host, const float* g, int64_t n, int64_t chunk, float grad_scale) {
+    for (int64_t c = 0, b = 0; b < n; ++c, b += chunk)
+      partials_host[c] = sum_squares(g + b, std::min(chunk, n - b), grad_scale);
+  }
   // AdamW on one flat range: w, m, v (n) updated in place from g (n) (train/optimizer.h order).
   virtual void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const AdamWStep& s) = 0;
   virtual void scale(float* x, int64_t n, float s) = 0;  // x *= s
