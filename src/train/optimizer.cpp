@@ -25,10 +25,13 @@ Status validate(const AdamWConfig& c) {
 GradNorm global_grad_norm(const std::vector<ParamView>& params, double max_norm, float grad_scale,
                           backend::Backend& be) {
   double total = 0;
+  std::vector<double> partial;
   for (const ParamView& p : params) {
     NIB_CHECK_MSG(p.numel >= 0 && (p.numel == 0 || p.grad), "param {}", p.name);
     // One sum per fixed chunk, added here in order: the same total on every backend and thread count.
-    for (int64_t b = 0; b < p.numel; b += kChunk) total += be.sum_squares(p.grad + b, std::min(kChunk, p.numel - b), grad_scale);
+    partial.resize(static_cast<size_t>((p.numel + kChunk - 1) / kChunk));
+    if (p.numel > 0) be.sum_squares_chunks(partial.data(), p.grad, p.numel, kChunk, grad_scale);
+    for (double s : partial) total += s;
   }
   GradNorm r;
   r.norm = std::sqrt(total);
