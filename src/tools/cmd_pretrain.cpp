@@ -1,11 +1,14 @@
 // `nibble pretrain`: trains a model from a run config (train/run_config.h) with `--set`
 // overrides, writing metrics.jsonl, loss.png and checkpoints into --out; `--resume` continues
-// the run from its latest checkpoint bit-identically. The loop itself is train/trainer.h.
+// the run from its latest checkpoint bit-identically. The loop itself is train/trainer.h. The run
+// folder is locked while it works (train/run_lock.h); SIGINT/SIGTERM stop it after the current
+// step with a checkpoint, and the one error line says how to resume (exit 130/143).
 #include <cstdio>
 #include <memory>
 
 #include <nlohmann/json.hpp>
 
+#include "core/interrupt.h"
 #include "core/log.h"
 #include "tools/command.h"
 #include "train/trainer.h"
@@ -40,7 +43,16 @@ int run_pretrain(const PretrainArgs& a) {
   opt.progress = !a.no_progress;
   NIB_LOG_INFO("pretrain: {} recipe, {} steps of {}x{}x{} tokens, out {}", cfg->recipe.name, cfg->steps,
                cfg->batch_size, cfg->grad_accum, cfg->seq_len, a.out);
+  install_interrupt_handlers();
   auto r = train::run_pretraining(*cfg, opt);
+  if (!r && interrupt_signal() != 0 && train::latest_checkpoint_dir(a.out).is_ok()) {
+    std::string quoted = "'";
+    for (char c : a.out) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    quoted += "'";
+    return report_error("pretrain", Status(r.status().code(), r.status().message() +
+                                                                  "; resume with: nibble pretrain --out " + quoted +
+                                                                  " --resume"));
+  }
   if (!r) return report_error("pretrain", r.status());
   std::printf("pretrain: %s step %lld/%lld  val loss %.4f  val ppl %.3f  skipped %lld  %.1f s (%.0f tok/s)  checkpoint %s\n",
               cfg->recipe.name.c_str(), static_cast<long long>(r->end_step), static_cast<long long>(cfg->steps),

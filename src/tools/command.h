@@ -30,7 +30,7 @@ struct CommandRegistrar {
 };
 
 // Prints "nibble <command>: <message>" on stderr and returns the exit code for it (1, or 2
-// for invalid arguments).
+// for invalid arguments; 128 + signal once SIGINT/SIGTERM was received, core/interrupt.h).
 int report_error(const std::string& command, const Status& status);
 
 }  // namespace nibble::tools

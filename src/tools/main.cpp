@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <exception>
 
+#include "core/interrupt.h"
 #include "core/log.h"
 #include "tools/command.h"
 
@@ -17,6 +18,7 @@ std::vector<Command>& command_registry() {
 
 int report_error(const std::string& command, const Status& status) {
   std::fprintf(stderr, "nibble %s: %s\n", command.c_str(), status.message().c_str());
+  if (interrupt_signal() != 0) return interrupt_exit_code();  // stopped by SIGINT/SIGTERM: 130/143
   return status.code() == StatusCode::kInvalidArgument ? 2 : 1;
 }
 

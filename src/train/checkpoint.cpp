@@ -55,16 +55,17 @@ std::vector<std::pair<int64_t, std::string>> list_step_dirs(const std::string& c
   return out;
 }
 
-// Removes leftovers of crashed writes of other processes (step_N.tmp.<pid>, step_N.old.<pid>).
+// Removes leftovers of crashed writes of other processes (step_N.tmp.<pid>, step_N.old.<pid>,
+// latest.tmp.<pid>): the writer holds the run lock (run_lock.h), so no other process is writing.
 void remove_stale_temporaries(const std::string& ckpt_root) {
   std::error_code ec;
-  static const std::regex re("step_[0-9]+\\.(tmp|old)\\.([0-9]+)");
+  static const std::regex re("(step_[0-9]+\\.(tmp|old)|latest\\.tmp)\\.([0-9]+)");
   const std::string mine = std::to_string(::getpid());
   std::vector<fs::path> stale;
   for (auto& e : fs::directory_iterator(ckpt_root, ec)) {
     std::smatch m;
     std::string name = e.path().filename().string();
-    if (std::regex_match(name, m, re) && m[2].str() != mine) stale.push_back(e.path());
+    if (std::regex_match(name, m, re) && m[3].str() != mine) stale.push_back(e.path());
   }
   for (auto& p : stale) fs::remove_all(p, ec);
 }

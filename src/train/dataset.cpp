@@ -11,6 +11,8 @@
 #include <span>
 #include <sstream>
 
+#include "core/interrupt.h"
+#include "io/output_guard.h"
 #include "train/atomic_dir.h"
 #include "train/corpus.h"
 
@@ -101,9 +103,30 @@ Result<Dataset> open_dataset(const std::string& dir) {
   return dataset_from_json(dir, j);
 }
 
+// The data folder is rebuilt by replacing it whole: refuse one that holds what nibble did not
+// write (anything but an empty folder or a data folder with its data.json).
+static Status check_data_folder_is_ours(const std::string& dir) {
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(dir, ec);
+  if (!fs::exists(st)) return Status::ok();
+  if (!fs::is_directory(st)) return invalid_argument("data folder '{}' exists and is not a folder (data.dir)", dir);
+  if (fs::is_empty(dir, ec)) return Status::ok();
+  std::ifstream f(fs::path(dir) / "data.json");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
+  if (!f || j.is_discarded() || !j.is_object() || !j.contains("fingerprint"))
+    return invalid_argument("data folder '{}' holds files nibble did not write (no data.json): set data.dir to "
+                            "another folder (it is replaced when rebuilt)",
+                            dir);
+  return Status::ok();
+}
+
 Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o) {
   if (!(o.val_fraction >= 0 && o.val_fraction <= 0.5))
     return invalid_argument("val_fraction {} must be in [0, 0.5]", o.val_fraction);
+  io::remove_stale_temporaries(dir);  // `DATA.tmp.<pid>` / `DATA.old.<pid>` of killed preparations
+  NIB_RETURN_IF_ERROR(check_data_folder_is_ours(dir));
   // Inputs: text files or token shards, never both in one run.
   std::vector<std::string> shard_files, plain_files;
   for (const std::string& p : o.text_files) (is_token_shard_file(p) ? shard_files : plain_files).push_back(p);
@@ -179,6 +202,8 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
     return existing;
   }
 
+  const std::string interrupted_what = "while preparing the data folder " + dir;
+  if (interrupt_signal() != 0) return cancelled_status(interrupted_what);
   NIB_ASSIGN_OR_RETURN(AtomicDir out, AtomicDir::create(dir));
   const fs::path tmp = out.temp_path();
   auto t0 = std::chrono::steady_clock::now();
@@ -245,6 +270,7 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
     }
     t1 = std::chrono::steady_clock::now();
     texts.clear();
+    if (interrupt_signal() != 0) return cancelled_status(interrupted_what);  // `out` removes its folder
     NIB_ASSIGN_OR_RETURN(sum, build_token_shards((tmp / "train.bin").string(), (tmp / "val.bin").string(),
                                                  loaded ? *loaded : *trained, corpus_files,
                                                  SplitOptions{o.val_fraction}));
@@ -276,6 +302,7 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
       {"shard_format", "NIBTOK v1 (docs/data.md)"},
   };
   NIB_RETURN_IF_ERROR(write_file_atomic((tmp / "data.json").string(), j.dump(2) + "\n"));
+  if (interrupt_signal() != 0) return cancelled_status(interrupted_what);
   NIB_RETURN_IF_ERROR(out.commit());
   NIB_ASSIGN_OR_RETURN(Dataset d, open_dataset(dir));
   d.tokenizer_seconds = trained ? std::chrono::duration<double>(t1 - t0).count() : 0.0;

@@ -5,17 +5,22 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <optional>
+#include <regex>
 
+#include "core/interrupt.h"
 #include "core/log.h"
 #include "core/parallel.h"
+#include "io/output_guard.h"
 #include "train/atomic_dir.h"
 #include "train/dataset.h"
 #include "train/metrics.h"
 #include "train/oscireset.h"
 #include "train/plot.h"
 #include "train/progress.h"
+#include "train/run_lock.h"
 #include "train/schedule.h"
 
 namespace nibble::train {
@@ -23,6 +28,57 @@ namespace nibble::train {
 namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
+
+// The folders of `path` that do not exist yet (what make_dirs would create), deepest first.
+std::vector<fs::path> missing_folders(const fs::path& path) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  for (fs::path p = fs::absolute(path, ec).lexically_normal(); !p.empty() && !fs::exists(fs::symlink_status(p, ec));
+       p = p.parent_path()) {
+    if (p.filename().empty()) {  // "a/b/" normalises to "a/b/": its folder is the parent
+      if (p == p.parent_path()) break;
+      continue;
+    }
+    out.push_back(p);
+    if (p == p.parent_path()) break;
+  }
+  return out;
+}
+
+// A fresh run writes metrics.jsonl, loss.png, checkpoints/ (and data/) into the run folder:
+// refuse a folder where those names hold something nibble did not write (it would be replaced).
+Status check_fresh_run_folder(const fs::path& run) {
+  std::error_code ec;
+  bool nibble_metrics = false;
+  const fs::path metrics = run / "metrics.jsonl";
+  if (fs::exists(fs::symlink_status(metrics, ec))) {
+    std::ifstream f(metrics);
+    std::string first;
+    std::getline(f, first);
+    const json j = json::parse(first, nullptr, false);
+    nibble_metrics = fs::is_regular_file(fs::symlink_status(metrics, ec)) &&
+                     (first.empty() || (j.is_object() && (j.contains("event") || j.contains("step"))));
+    if (!nibble_metrics)
+      return invalid_argument("--out '{}' holds a metrics.jsonl that nibble did not write: choose another --out",
+                              run.string());
+  }
+  if (fs::exists(fs::symlink_status(run / "loss.png", ec)) && !nibble_metrics)
+    return invalid_argument("--out '{}' holds a loss.png but no nibble metrics.jsonl: choose another --out", run.string());
+  const fs::path ckpts = run / "checkpoints";
+  if (fs::exists(fs::symlink_status(ckpts, ec))) {
+    if (!fs::is_directory(fs::symlink_status(ckpts, ec)))
+      return invalid_argument("--out '{}': 'checkpoints' is not a folder: choose another --out", run.string());
+    static const std::regex ours(R"((step_[0-9]+|latest)(\.(tmp|old)\.[0-9]+)?)");
+    for (const auto& e : fs::directory_iterator(ckpts, ec))
+      if (!std::regex_match(e.path().filename().string(), ours))
+        return invalid_argument("--out '{}': checkpoints/ holds '{}', which nibble did not write: choose another --out",
+                                run.string(), e.path().filename().string());
+  }
+  return Status::ok();
+}
+
+Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOptions& opt);
+
 }  // namespace
 
 Result<EvalResult> evaluate(model::Model* model, const ValLoader& val) {
@@ -50,9 +106,28 @@ Result<RunConfig> resume_run_config(const std::string& run_dir, const std::vecto
 
 Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& opt) {
   if (opt.run_dir.empty()) return invalid_argument("pretrain: no output folder (--out)");
+  const fs::path run(opt.run_dir);
+  const std::vector<fs::path> created = missing_folders(run);
+  NIB_RETURN_IF_ERROR(make_dirs(run.string()));
+  Result<TrainResult> result = Status::ok();
+  {
+    auto lock = RunLock::acquire(run.string());
+    result = lock ? run_pretraining_locked(cfg, opt) : Result<TrainResult>(lock.status());
+  }  // the lock (and its file) is released here
+  if (!result) {
+    // A failed run removes the folders it created, if they are still empty; nothing else.
+    std::error_code ec;
+    for (const fs::path& p : created)
+      if (!fs::is_directory(p, ec) || !fs::is_empty(p, ec) || !fs::remove(p, ec)) break;
+  }
+  return result;
+}
+
+namespace {
+
+Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOptions& opt) {
   if (cfg.threads > 0) set_num_threads(cfg.threads);
   const fs::path run(opt.run_dir);
-  NIB_RETURN_IF_ERROR(make_dirs(run.string()));
 
   Checkpoint ck;
   if (opt.resume) {
@@ -61,7 +136,11 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
   } else if (fs::exists(run / "checkpoints" / "latest")) {
     return invalid_argument("'{}' already holds checkpoints: pass --resume to continue it, or choose another --out",
                             run.string());
+  } else {
+    NIB_RETURN_IF_ERROR(check_fresh_run_folder(run));
   }
+  // Under the run lock every temporary of the run's own files is stale, whatever its pid.
+  for (const char* name : {"metrics.jsonl", "loss.png", "data"}) io::remove_stale_temporaries((run / name).string(), true);
 
   // ---- data ----
   DatasetOptions dopt;
@@ -142,6 +221,7 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
   }
 
   TrainResult res;
+  int64_t saved_step = -1;  // the step of the last checkpoint this call wrote
   res.start_step = start;
   res.end_step = start;
   const std::string tokenizer_path = ds.tokenizer_path;
@@ -167,6 +247,7 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
     auto d = write_checkpoint(run.string(), step_done, w);
     if (!d) return Status(d.status().code(), "checkpoint at step " + std::to_string(step_done) + ": " + d.status().message());
     res.checkpoint_dir = *d;
+    saved_step = step_done;
     return Status::ok();
   };
   auto run_eval = [&](int64_t step_done) -> Status {
@@ -190,6 +271,9 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
   const auto t0 = std::chrono::steady_clock::now();
   Batch batch;
   const int64_t end = opt.stop_after_step > 0 ? std::min(cfg.steps, opt.stop_after_step) : cfg.steps;
+  if (interrupt_signal() != 0)
+    return cancelled_status(start > 0 ? fmt::format("before step {}: checkpoint {}", start + 1, ck.dir)
+                                      : std::string("before the first step"));
   for (int64_t s = start; s < end; ++s) {
     model->set_step(s, cfg.seed);
     model->zero_grad();
@@ -243,6 +327,11 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
     if (last || (cfg.eval_interval > 0 && (s + 1) % cfg.eval_interval == 0)) NIB_RETURN_IF_ERROR(run_eval(s + 1));
     if (last || s + 1 == end || (cfg.checkpoint_interval > 0 && (s + 1) % cfg.checkpoint_interval == 0))
       NIB_RETURN_IF_ERROR(save(s + 1));
+    if (interrupt_signal() != 0) {  // a safe point: the step is done; keep it in a checkpoint
+      if (bar) bar->finish();
+      if (saved_step != s + 1) NIB_RETURN_IF_ERROR(save(s + 1));
+      return cancelled_status(fmt::format("after step {}/{}: checkpoint {}", s + 1, cfg.steps, res.checkpoint_dir));
+    }
   }
   if (bar) bar->finish();
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -257,5 +346,7 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
                                          {"skipped_steps", res.skipped_steps}}));
   return res;
 }
+
+}  // namespace
 
 }  // namespace nibble::train
