@@ -1,11 +1,14 @@
 // `nibble generate`: samples text from a checkpoint (train/generate.h: temperature, top-p,
 // Philox per seed); `--dump-logits FILE` also writes the prompt's logits (T, V) F32 and ids
-// (T) I32 as safetensors, to compare with transformers after `nibble export --to hf`.
+// (T) I32 as safetensors, to compare with transformers after `nibble export --to hf`; never into
+// the checkpoint's folders, nor over a file that is not an earlier logits dump.
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 
 #include <nlohmann/json.hpp>
 
+#include "io/output_guard.h"
 #include "io/safetensors.h"
 #include "tools/command.h"
 #include "train/checkpoint.h"
@@ -21,9 +24,30 @@ struct GenerateArgs {
   bool no_stop = false;
 };
 
+// Where --dump-logits may write: outside the checkpoint's step and run folders, and over an
+// existing file only when it is an earlier dump (a safetensors file of input_ids and logits).
+Status check_dump_target(const train::Checkpoint& ck, const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path step(io::resolved_path(ck.dir));
+  std::vector<std::string> folders{step.string()};
+  if (step.parent_path().filename() == "checkpoints") folders.push_back(step.parent_path().parent_path().string());
+  for (const std::string& f : folders)
+    if (io::path_within(path, f))
+      return invalid_argument("--dump-logits '{}' is inside the checkpoint being read ('{}'): choose a path outside it",
+                              path, f);
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(path, ec))) return Status::ok();
+  auto f = io::SafetensorsFile::open(path);
+  if (!f || f->names().size() != 2 || !f->contains("input_ids") || !f->contains("logits"))
+    return invalid_argument("--dump-logits '{}' exists and is not an earlier logits dump: choose a new path", path);
+  return Status::ok();
+}
+
 int run_generate(GenerateArgs a) {
   auto ck = train::open_checkpoint(a.checkpoint);
   if (!ck) return report_error("generate", ck.status());
+  if (!a.dump_logits.empty())
+    if (Status s = check_dump_target(*ck, a.dump_logits); !s) return report_error("generate", s);
   model::RecipeConfig rc;
   const model::RecipeConfig* rcp = nullptr;
   if (!a.recipe.empty()) {
