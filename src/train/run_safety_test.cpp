@@ -2,8 +2,8 @@
 // interruptions: the run lock (a second writer is refused with one clear error, released on
 // exit), a damaged metrics.jsonl never blocks a resume, a data folder holding foreign files is
 // never replaced, the temporaries of killed writes are removed by the next write, SIGINT stops
-// pretraining at a safe point with a checkpoint to resume from, and a failed run leaves no empty
-// folder it created. Each case failed (or lost data) before the hardening of issue 12.
+// pretraining at a safe point with a checkpoint to resume from (and an export before its rename,
+// leaving no temporary), and a failed run leaves no empty folder it created. Each case failed (or lost data) before the hardening of issue 12.
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -19,6 +19,7 @@
 #include "train/atomic_dir.h"
 #include "train/checkpoint.h"
 #include "train/dataset.h"
+#include "train/export.h"
 #include "train/metrics.h"
 #include "train/run_config.h"
 #include "train/run_lock.h"
@@ -217,6 +218,26 @@ TEST_F(RunSafetyTest, SigintStopsPretrainingWithACheckpointToResumeFrom) {
   ASSERT_TRUE(done) << done.status().message();
   EXPECT_EQ(done->start_step, 2);
   EXPECT_EQ(done->end_step, 6);
+}
+
+TEST_F(RunSafetyTest, AnInterruptedExportLeavesNoFolderAndNoTemporary) {
+  TrainOptions o = options("run");
+  ASSERT_TRUE(run_pretraining(config(2, o.run_dir + "/data"), o));
+  auto ck = open_checkpoint(o.run_dir);
+  ASSERT_TRUE(ck) << ck.status().message();
+  install_interrupt_handlers();
+  ::raise(SIGINT);
+  Status hf = export_hf(*ck, (root_ / "hf").string(), DType::kBF16);
+  Status nv = export_nvfp4(*ck, (root_ / "nvfp4").string());
+  clear_interrupt();
+  for (const Status& s : {hf, nv}) {
+    ASSERT_FALSE(s);
+    EXPECT_NE(s.message().find("interrupted by SIGINT"), std::string::npos) << s.message();
+  }
+  for (const auto& e : fs::directory_iterator(root_)) {
+    const std::string name = e.path().filename().string();
+    EXPECT_TRUE(name.rfind("hf", 0) != 0 && name.rfind("nvfp4", 0) != 0) << name;
+  }
 }
 
 TEST_F(RunSafetyTest, StaleCheckpointTemporariesAreRemovedUnderTheLock) {
