@@ -11,6 +11,8 @@
 #include <cstring>
 #include <filesystem>
 
+#include "core/log.h"
+
 namespace nibble::train {
 
 namespace {
@@ -38,6 +40,12 @@ Result<RunLock> RunLock::acquire(const std::string& run_dir) {
         return io_error("run folder '{}' is in use by another nibble process (pid {}, lock {}): wait for it to end or "
                         "choose another --out",
                         run_dir, owner, path);
+      if (err == ENOLCK || err == EOPNOTSUPP) {  // a file system without locks (some network mounts)
+        NIB_LOG_WARN("cannot lock {} ({}): running without the run lock; start one writer at a time", path,
+                     std::strerror(err));
+        ::unlink(path.c_str());
+        return RunLock("", -1);
+      }
       return io_error("cannot lock {}: {}", path, std::strerror(err));
     }
     struct stat held {}, now {};

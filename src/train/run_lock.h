@@ -4,6 +4,7 @@
 // checkpoints and metrics. The kernel drops a flock when its process exits however it exits, so a
 // crash never leaves a stale lock; the file (holding the owner's pid, for the message) is removed
 // when released. Readers (eval, generate, export) take no lock: they read complete checkpoints.
+// On a file system without flock (ENOLCK, EOPNOTSUPP) the run goes on unlocked, with a warning.
 #pragma once
 
 #include <string>
@@ -16,7 +17,8 @@ inline constexpr const char* kRunLockName = "nibble.lock";
 
 class RunLock {
  public:
-  // Locks the existing folder `run_dir`. Held by another process: kIoError naming its pid.
+  // Locks the existing folder `run_dir`. Held by another process: kIoError naming its pid. No
+  // flock on this file system: a warning and a lock that holds nothing (path() empty).
   static Result<RunLock> acquire(const std::string& run_dir);
   RunLock(RunLock&& o) noexcept;
   RunLock& operator=(RunLock&&) = delete;
