@@ -2,9 +2,13 @@
 // token shards -> train/val shards (copied, tail held out), cached by fingerprint.
 #include "train/dataset.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -13,6 +17,7 @@
 
 #include "core/interrupt.h"
 #include "io/output_guard.h"
+#include "io/regular_file.h"
 #include "train/atomic_dir.h"
 #include "train/corpus.h"
 
@@ -33,12 +38,15 @@ uint64_t fnv1a(uint64_t h, std::string_view s) {
 
 // FNV-1a 64 of the file's bytes, streamed in 1 MiB chunks (shards may be large).
 Result<uint64_t> fnv1a_file(uint64_t h, const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return not_found("cannot open '{}'", path);
+  auto file = io::open_regular_file(path, "data file");
+  if (!file) return file.status();
   std::string buf(1 << 20, '\0');
-  while (f) {
-    f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    h = fnv1a(h, std::string_view(buf.data(), static_cast<size_t>(f.gcount())));
+  for (;;) {
+    ssize_t n = ::read(file->fd(), buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return io_error("data file '{}': read error: {}", path, std::strerror(errno));
+    if (n == 0) break;
+    h = fnv1a(h, std::string_view(buf.data(), static_cast<size_t>(n)));
   }
   return h;
 }
@@ -86,19 +94,19 @@ Result<Dataset> dataset_from_json(const std::string& dir, const nlohmann::json& 
 }  // namespace
 
 bool is_token_shard_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
+  auto file = io::open_regular_file(path);  // never blocks on a FIFO: not a shard
+  if (!file) return false;
   char magic[sizeof(kShardMagic)] = {};
-  if (!f.read(magic, sizeof(magic))) return false;
+  if (::pread(file->fd(), magic, sizeof(magic), 0) != static_cast<ssize_t>(sizeof(magic))) return false;
   return std::equal(magic, magic + sizeof(magic), kShardMagic);
 }
 
 Result<Dataset> open_dataset(const std::string& dir) {
   const std::string meta = (fs::path(dir) / "data.json").string();
-  std::ifstream f(meta);
-  if (!f) return not_found("data folder {}: no data.json", dir);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
+  auto text = io::read_regular_file(meta, "data folder file");
+  if (!text && text.status().code() == StatusCode::kNotFound) return not_found("data folder {}: no data.json", dir);
+  if (!text) return text.status();
+  nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return data_loss("data folder {}: data.json is not a JSON object", dir);
   return dataset_from_json(dir, j);
 }
@@ -146,11 +154,11 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
   std::string tokenizer_bytes;
   std::optional<Tokenizer> loaded;
   if (!o.tokenizer_file.empty()) {
-    std::ifstream f(o.tokenizer_file, std::ios::binary);
-    if (!f) return not_found("data.tokenizer: cannot open '{}'", o.tokenizer_file);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    tokenizer_bytes = ss.str();
+    auto bytes = io::read_regular_file(o.tokenizer_file, "data.tokenizer");
+    if (!bytes && bytes.status().code() == StatusCode::kNotFound)
+      return not_found("data.tokenizer: cannot open '{}'", o.tokenizer_file);
+    if (!bytes) return bytes.status();
+    tokenizer_bytes = std::move(bytes).value();
     auto t = Tokenizer::from_serialized(tokenizer_bytes);
     if (!t) return invalid_argument("data.tokenizer: '{}' is not a sentencepiece model ({})", o.tokenizer_file,
                                     t.status().message());

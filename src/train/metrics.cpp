@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "core/log.h"
+#include "io/regular_file.h"
 #include "train/atomic_dir.h"
 
 namespace nibble::train {
@@ -35,11 +36,10 @@ Status MetricsWriter::write(const nlohmann::json& event) {
 
 Result<std::vector<nlohmann::json>> read_metrics(const std::string& path, int64_t* damaged) {
   if (damaged) *damaged = 0;
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return not_found("metrics file not found: {}", path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string text = ss.str();
+  auto read = io::read_regular_file(path, "metrics file");
+  if (!read && read.status().code() == StatusCode::kNotFound) return not_found("metrics file not found: {}", path);
+  if (!read) return read.status();
+  const std::string text = std::move(read).value();
   std::vector<nlohmann::json> out;
   size_t pos = 0;
   int64_t line_no = 0;

@@ -8,6 +8,7 @@
 #include <set>
 #include <sstream>
 
+#include "io/regular_file.h"
 #include "train/corpus.h"
 
 namespace nibble::train {
@@ -63,11 +64,10 @@ Status merge_into(json* dst, const json& src, const std::string& prefix) {
 }
 
 Result<json> read_json_file(const std::string& path, const std::string& what) {
-  std::ifstream in(path);
-  if (!in) return not_found("{}: cannot open '{}'", what, path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json j = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  auto text = io::read_regular_file(path, what);
+  if (!text && text.status().code() == StatusCode::kNotFound) return not_found("{}: cannot open '{}'", what, path);
+  if (!text) return text.status();
+  json j = json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return invalid_argument("{}: '{}' is not valid JSON", what, path);
   return j;
 }

@@ -8,6 +8,7 @@
 
 #include <mutex>
 
+#include "io/regular_file.h"
 #include "train/atomic_dir.h"
 
 namespace nibble::train {
@@ -88,8 +89,11 @@ Result<Tokenizer> Tokenizer::train(const std::vector<std::string>& texts, const 
 }
 
 Result<Tokenizer> Tokenizer::load(const std::string& path) {
+  // Read here, not by sentencepiece: a FIFO or device must not block (io/regular_file.h).
+  auto bytes = io::read_regular_file(path, "tokenizer");
+  if (!bytes) return bytes.status();
   Tokenizer t;
-  auto s = t.sp_->Load(path);
+  auto s = t.sp_->LoadFromSerializedProto(*bytes);
   if (!s.ok()) return invalid_argument("cannot load tokenizer {}: {}", path, s.ToString());
   return t;
 }
