@@ -68,6 +68,12 @@ std::string json_kind(const json& j) {
 // Parses JSON text into `out`, rejecting duplicate object keys (the HF library rejects them too;
 // nlohmann would silently keep the last). Never throws.
 Status parse_json(const char* begin, const char* end, const std::string& label, const char* what, json* out) {
+  // nlohmann stops at a NUL byte as at the end of input, so "{...}\0junk" would parse; the
+  // reference parser (the Rust crate: from_utf8, then serde_json::from_str) rejects any byte
+  // after the value but JSON whitespace. A NUL is never valid in JSON text, so refuse it here.
+  if (const void* nul = std::memchr(begin, '\0', static_cast<size_t>(end - begin)))
+    return invalid_argument("{}: {} has a NUL byte at offset {} (only JSON text, padded with spaces, is allowed)", label,
+                            what, static_cast<const char*>(nul) - begin);
   std::vector<std::unordered_set<std::string>> keys;  // one set per open object
   std::string duplicate;
   int duplicate_depth = 0;
