@@ -9,6 +9,7 @@
 #include "core/parallel.h"
 #include "formats/cpu_bench.h"
 #include "tools/command.h"
+#include "tools/option_check.h"
 #ifdef NIBBLE_HAVE_CUDA
 #include "backend/cuda/bench.h"
 #include "backend/cuda/device.h"
@@ -17,10 +18,12 @@
 namespace nibble::tools {
 namespace {
 
+constexpr int64_t kMaxRepeats = 100000, kMaxThreads = 4096;
+
 struct BenchArgs {
   std::string size;  // "MxK"; empty: CPU 2048x4096, GPU the bench's default shapes
-  int repeats = 0;   // 0: CPU 5, GPU the bench's default
-  int threads = 0;   // 0: all of OpenMP's
+  int repeats = 0;   // not given: CPU 5, GPU the bench's default (given: 1..kMaxRepeats)
+  int threads = 0;   // not given: all of OpenMP's (given: 1..kMaxThreads)
   std::string filter;
   bool cpu_only = false;
   CLI::App* quantize = nullptr;
@@ -44,7 +47,6 @@ int run_bench_quantize(const BenchArgs& a) {
     if (M % 128 != 0 || K % 128 != 0)
       return report_error("bench", invalid_argument("--size {}: M and K must be multiples of 128", a.size));
   }
-  if (a.repeats < 0 || a.threads < 0) return report_error("bench", invalid_argument("--repeats/--threads must be >= 0"));
   if (a.threads > 0) set_num_threads(a.threads);
   const int cpu_repeats = a.repeats > 0 ? a.repeats : 5;
 
@@ -86,8 +88,9 @@ CommandRun setup_bench(CLI::App& app) {
   app.require_subcommand(1);
   a->quantize = app.add_subcommand("quantize", "Bandwidth of the format quantizers vs memcpy / device copy");
   a->quantize->add_option("--size", a->size, "MxK (multiples of 128); default CPU 2048x4096, GPU the bench's shapes");
-  a->quantize->add_option("--repeats", a->repeats, "Timed runs per row (best on CPU, median on GPU)");
-  a->quantize->add_option("--threads", a->threads, "CPU threads (default: all)");
+  a->quantize->add_option("--repeats", a->repeats, "Timed runs per row (best on CPU, median on GPU; default CPU 5)")
+      ->check(IntegerIn(1, kMaxRepeats));
+  a->quantize->add_option("--threads", a->threads, "CPU threads (default: all)")->check(IntegerIn(1, kMaxThreads));
   a->quantize->add_option("--filter", a->filter, "CPU rows whose name contains this");
   a->quantize->add_flag("--cpu-only", a->cpu_only, "Skip the GPU table");
   return [a]() -> int {

@@ -4,16 +4,18 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
+#include <limits>
 #include <memory>
 
 #include <nlohmann/json.hpp>
 
+#include "io/regular_file.h"
 #include "tools/command.h"
+#include "tools/option_check.h"
 #include "train/checkpoint.h"
 #include "train/corpus.h"
+#include "train/dataset.h"
 #include "train/loader.h"
 #include "train/shards.h"
 #include "train/tokenizer.h"
@@ -24,18 +26,15 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// --batch-size at most this: one batch's logits are batch x seq_len x vocab floats.
+constexpr int64_t kMaxEvalBatchSize = 65536;
+
 struct EvalArgs {
   std::string checkpoint, recipe;
   std::vector<std::string> data;
   bool json = false;
   int64_t batch_size = 0, seq_len = 0, batches = 0;
 };
-
-bool is_token_shard(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  char magic[8] = {};
-  return in.read(magic, 8) && std::memcmp(magic, "NIBTOK\0\0", 8) == 0;
-}
 
 // Removes a temporary folder when the command ends.
 struct TempDir {
@@ -63,12 +62,17 @@ int run_eval(const EvalArgs& a) {
   const nlohmann::json& rj = ck->run_config;
   const int64_t B = a.batch_size > 0 ? a.batch_size : rj.value("batch_size", int64_t{8});
   const int64_t T = a.seq_len > 0 ? a.seq_len : rj.value("seq_len", int64_t{128});
+  // The window cannot be longer than the positions the model has (RoPE tables, attention).
+  const int64_t positions = (*m)->config().max_position_embeddings;
+  if (T > positions)
+    return report_error("eval", invalid_argument("--seq-len {} exceeds the model's max_position_embeddings {}", T, positions));
 
   TempDir tmp;
   std::vector<std::string> shards;
   for (const auto& path : a.data) {
-    if (!fs::exists(path)) return report_error("eval", not_found("data file '{}' does not exist", path));
-    if (is_token_shard(path)) {
+    // A FIFO or device is refused here, before anything reads it (io/regular_file.h).
+    if (Status st = io::check_regular_file(path, "data file"); !st) return report_error("eval", st);
+    if (train::is_token_shard_file(path)) {
       shards.push_back(path);
       continue;
     }
@@ -114,9 +118,13 @@ NIBBLE_REGISTER_COMMAND(kEvalCommand, "eval", "Validation loss and perplexity of
                               ->required();
                           app.add_option("--data", a->data, "Text files or NIBTOK shards (e.g. RUN/data/val.bin)")->required();
                           app.add_flag("--json", a->json, "Print one JSON object");
-                          app.add_option("--batch-size", a->batch_size, "Sequences per batch (default: the run's)");
-                          app.add_option("--seq-len", a->seq_len, "Window length (default: the run's)");
-                          app.add_option("--batches", a->batches, "At most this many batches (default 0: all)");
+                          app.add_option("--batch-size", a->batch_size, "Sequences per batch (default: the run's)")
+                              ->check(IntegerIn(1, kMaxEvalBatchSize));
+                          app.add_option("--seq-len", a->seq_len,
+                                         "Window length, at most the model's max_position_embeddings (default: the run's)")
+                              ->check(IntegerIn(1, std::numeric_limits<int32_t>::max()));
+                          app.add_option("--batches", a->batches, "At most this many batches (default 0: all)")
+                              ->check(IntegerIn(0, std::numeric_limits<int64_t>::max()));
                           app.add_option("--recipe", a->recipe, "Evaluate with this linear recipe (default: the run's)");
                           return [a] { return run_eval(*a); };
                         });

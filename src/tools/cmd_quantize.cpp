@@ -8,6 +8,7 @@
 
 #include "core/interrupt.h"
 #include "tools/command.h"
+#include "tools/option_check.h"
 #include "tools/quantize_io.h"
 
 namespace nibble::tools {
@@ -74,7 +75,8 @@ CommandRun setup_quantize(CLI::App& app) {
   a->rule_opt = app.add_option("--scale-rule", a->scale_rule,
                                "MX scale exponent rule: ocp (default mxfp4) | ceil (mxfp4 only) | rceil (default mxfp8)");
   app.add_option("--rounding", a->rounding, "rtn (default) | sr (stochastic; not mxfp8, not 16x16)");
-  a->seed_opt = app.add_option("--seed", a->seed, "SR seed (needs --rounding sr; default 0); stream = tensor index");
+  a->seed_opt = app.add_option("--seed", a->seed, "SR seed (needs --rounding sr; default 0); stream = tensor index")
+                    ->check(Unsigned64());
   app.add_option("--layout", a->layout, "raw (default) | modelopt | compressed-tensors (the last two: nvfp4 only)");
   app.add_option("--skip", a->skip, "Copy tensors whose name matches this regular expression (ECMAScript, search)");
   app.add_flag("--force", a->force, "Replace an existing OUT (or hf_quant_config.json) that nibble did not write");
