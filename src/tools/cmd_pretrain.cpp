@@ -4,6 +4,7 @@
 // folder is locked while it works (train/run_lock.h); SIGINT/SIGTERM stop it after the current
 // step with a checkpoint, and the one error line says how to resume (exit 130/143).
 #include <cstdio>
+#include <limits>
 #include <memory>
 
 #include <nlohmann/json.hpp>
@@ -11,6 +12,7 @@
 #include "core/interrupt.h"
 #include "core/log.h"
 #include "tools/command.h"
+#include "tools/option_check.h"
 #include "train/trainer.h"
 
 namespace nibble::tools {
@@ -54,10 +56,16 @@ int run_pretrain(const PretrainArgs& a) {
                                                                   " --resume"));
   }
   if (!r) return report_error("pretrain", r.status());
+  if (r->already_finished) {  // a plain --resume of a finished run: nothing done, exit 0
+    std::printf("pretrain: '%s' is already finished at step %lld/%lld; checkpoint %s (to train further: --resume --set "
+                "steps=N with N > %lld)\n", a.out.c_str(), static_cast<long long>(r->end_step),
+                static_cast<long long>(cfg->steps), r->checkpoint_dir.c_str(), static_cast<long long>(r->end_step));
+    return 0;
+  }
   std::printf("pretrain: %s step %lld/%lld  val loss %.4f  val ppl %.3f  skipped %lld  %.1f s (%.0f tok/s)  checkpoint %s\n",
               cfg->recipe.name.c_str(), static_cast<long long>(r->end_step), static_cast<long long>(cfg->steps),
               r->val_loss, r->val_ppl, static_cast<long long>(r->skipped_steps), r->seconds, r->tokens_per_second,
-              r->checkpoint_dir.c_str());
+              r->checkpoint_dir.empty() ? "none (no step was trained)" : r->checkpoint_dir.c_str());
   return 0;
 }
 
@@ -75,7 +83,8 @@ NIBBLE_REGISTER_COMMAND(kPretrainCommand, "pretrain",
                           app.add_option("--out", a->out, "Run folder (checkpoints/, metrics.jsonl, loss.png)")->required();
                           app.add_flag("--resume", a->resume, "Continue from the run folder's latest checkpoint");
                           app.add_option("--stop-after", a->stop_after,
-                                         "Stop after this step with a checkpoint, as if interrupted (for testing --resume)");
+                                         "Stop after this step with a checkpoint, as if interrupted (for testing --resume)")
+                              ->check(IntegerIn(1, std::numeric_limits<int64_t>::max()));
                           app.add_flag("--no-progress", a->no_progress, "No progress bar");
                           return [a] { return run_pretrain(*a); };
                         });

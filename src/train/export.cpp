@@ -39,20 +39,6 @@ Tensor scalar_f32(float v) {
   return t;
 }
 
-// The model tensors of a checkpoint (F32), in file order.
-Result<std::vector<io::NamedTensor>> read_model_tensors(const Checkpoint& ckpt) {
-  const std::string path = (fs::path(ckpt.dir) / "model.safetensors").string();
-  auto f = io::SafetensorsFile::open(path);
-  if (!f) return data_loss("corrupt checkpoint file '{}': {}", path, f.status().message());
-  std::vector<io::NamedTensor> out;
-  for (const auto& n : f->names()) {
-    NIB_ASSIGN_OR_RETURN(Tensor t, f->get(n));
-    if (t.dtype() != DType::kF32) return data_loss("checkpoint '{}': tensor '{}' is not F32", path, n);
-    out.push_back({n, t});
-  }
-  return out;
-}
-
 // config.json, generation_config.json and the tokenizer files into `dir`.
 Status write_common_files(const Checkpoint& ckpt, const fs::path& dir, const json& config) {
   NIB_RETURN_IF_ERROR(write_file_atomic((dir / "config.json").string(), config.dump(2) + "\n"));
@@ -165,7 +151,8 @@ std::string fused_linear_of(const std::string& name) {
 Status export_hf(const Checkpoint& ckpt, const std::string& out_dir, DType dtype, bool replace) {
   if (dtype != DType::kF32 && dtype != DType::kBF16) return invalid_argument("export: --dtype must be f32 or bf16");
   NIB_RETURN_IF_ERROR(check_export_destination(ckpt, out_dir, /*nvfp4=*/false, replace));
-  NIB_ASSIGN_OR_RETURN(auto tensors, read_model_tensors(ckpt));
+  // Loaded and checked against the config as eval/generate/resume do (checkpoint.h).
+  NIB_ASSIGN_OR_RETURN(auto tensors, load_checkpoint_tensors(ckpt));
   if (dtype == DType::kBF16)
     for (auto& t : tensors) t.tensor = to_bf16(t.tensor);
   NIB_RETURN_IF_ERROR(check_interrupt(out_dir));
@@ -180,7 +167,7 @@ Status export_hf(const Checkpoint& ckpt, const std::string& out_dir, DType dtype
 
 Status export_nvfp4(const Checkpoint& ckpt, const std::string& out_dir, const Nvfp4ExportOptions& options) {
   NIB_RETURN_IF_ERROR(check_export_destination(ckpt, out_dir, /*nvfp4=*/true, options.replace));
-  NIB_ASSIGN_OR_RETURN(auto tensors, read_model_tensors(ckpt));
+  NIB_ASSIGN_OR_RETURN(auto tensors, load_checkpoint_tensors(ckpt));
   // The fused linears and their shared weight amax (max over the q/k/v or gate/up parts).
   std::map<std::string, float> group_amax;
   for (const auto& t : tensors) {

@@ -133,6 +133,20 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   if (opt.resume) {
     NIB_ASSIGN_OR_RETURN(std::string dir, latest_checkpoint_dir(run.string()));
     NIB_ASSIGN_OR_RETURN(ck, open_checkpoint(dir));
+    // A resume with nothing left to do: say so before touching data, metrics or checkpoints.
+    if (ck.step > cfg.steps)
+      return invalid_argument("steps={} is below the step the run is at: its latest checkpoint '{}' is at step {} "
+                              "(to continue it, --set steps=N with N > {})", cfg.steps, ck.dir, ck.step, ck.step);
+    if (opt.stop_after_step > 0 && opt.stop_after_step <= ck.step && ck.step < cfg.steps)
+      return invalid_argument("--stop-after {} is not after the step the run is at: its latest checkpoint '{}' is at "
+                              "step {}", opt.stop_after_step, ck.dir, ck.step);
+    if (ck.step == cfg.steps) {
+      TrainResult done;
+      done.start_step = done.end_step = ck.step;
+      done.checkpoint_dir = ck.dir;
+      done.already_finished = true;
+      return done;
+    }
   } else if (fs::exists(run / "checkpoints" / "latest")) {
     return invalid_argument("'{}' already holds checkpoints: pass --resume to continue it, or choose another --out",
                             run.string());
@@ -179,9 +193,20 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   for (auto& p : model->param_refs()) views.push_back({p.name, p.value, p.grad, p.numel, p.weight_decay});
 
   int64_t start = 0, bad_in_row = 0, skipped_total = 0;
+  // The newest checkpoint whose weights are trained (at least one optimizer update) and finite:
+  // what the non-finite abort names.
+  std::string last_good_checkpoint;
+  auto weights_finite = [&] {
+    for (const auto& v : views)
+      for (int64_t i = 0; i < v.numel; ++i)
+        if (!std::isfinite(v.value[i])) return false;
+    return true;
+  };
   if (opt.resume) {
     NIB_RETURN_IF_ERROR(load_model_state(model.get(), ck.dir));
     const std::string opath = (fs::path(ck.dir) / "optimizer.safetensors").string();
+    if (!fs::exists(opath))
+      return not_found("incomplete checkpoint '{}': missing optimizer.safetensors (needed to resume)", ck.dir);
     auto of = io::SafetensorsFile::open(opath);
     if (!of) return data_loss("corrupt checkpoint file '{}': {}", opath, of.status().message());
     std::vector<io::NamedTensor> ostate;
@@ -196,6 +221,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     start = ck.step;
     bad_in_row = ck.trainer.value("bad_steps_in_row", int64_t{0});
     skipped_total = ck.trainer.value("skipped_steps", int64_t{0});
+    if (adamw.step_count() > 0 && weights_finite()) last_good_checkpoint = ck.dir;
     NIB_LOG_INFO("resumed from {} (step {})", ck.dir, start);
   }
   NIB_ASSIGN_OR_RETURN(LrSchedule schedule, LrSchedule::create(cfg.schedule, cfg.lr, cfg.steps));
@@ -224,9 +250,15 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   int64_t saved_step = -1;  // the step of the last checkpoint this call wrote
   res.start_step = start;
   res.end_step = start;
+  if (opt.resume) res.checkpoint_dir = ck.dir;
   const std::string tokenizer_path = ds.tokenizer_path;
   json run_config_json = cfg.json;
   auto save = [&](int64_t step_done) -> Status {
+    if (adamw.step_count() == 0) {  // the weights are still the initial ones: nothing to save
+      NIB_LOG_WARN("step {}: no checkpoint written: no update has been applied yet (every step so far was skipped)",
+                   step_done);
+      return Status::ok();
+    }
     CheckpointWrite w;
     w.model = model.get();
     w.optimizer = &adamw;
@@ -248,6 +280,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     if (!d) return Status(d.status().code(), "checkpoint at step " + std::to_string(step_done) + ": " + d.status().message());
     res.checkpoint_dir = *d;
     saved_step = step_done;
+    if (weights_finite()) last_good_checkpoint = *d;
     return Status::ok();
   };
   auto run_eval = [&](int64_t step_done) -> Status {
@@ -310,7 +343,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
         return Status(StatusCode::kInternal,
                       fmt::format("aborting at step {}: {} consecutive steps with non-finite loss or gradients "
                                   "(max_bad_steps); last good checkpoint: {}",
-                                  s + 1, bad_in_row, res.checkpoint_dir.empty() ? "none" : res.checkpoint_dir));
+                                  s + 1, bad_in_row, last_good_checkpoint.empty() ? "none" : last_good_checkpoint));
     } else {
       bad_in_row = 0;
       NIB_RETURN_IF_ERROR(adamw.step(views, lr, grad_scale * gn.clip_scale));
@@ -336,11 +369,6 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   if (bar) bar->finish();
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   res.tokens_per_second = res.seconds > 0 ? tokens_per_step * static_cast<double>(res.end_step - start) / res.seconds : 0;
-  if (res.end_step == start && start >= cfg.steps) {
-    NIB_ASSIGN_OR_RETURN(EvalResult e, evaluate(model.get(), val));  // nothing left to train: report
-    res.val_loss = e.loss;
-    res.val_ppl = e.ppl;
-  }
   NIB_RETURN_IF_ERROR(metrics.write(json{{"event", "end"}, {"step", res.end_step}, {"val_loss", res.val_loss},
                                          {"val_ppl", res.val_ppl}, {"seconds", res.seconds},
                                          {"skipped_steps", res.skipped_steps}}));
