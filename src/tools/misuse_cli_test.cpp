@@ -198,6 +198,40 @@ TEST_F(MisuseCli, FifoInsideACheckpointIsRefused) {
   expect_refused_in_time({"generate", "--checkpoint", ck2, "--prompt", "And"}, kind);
 }
 
+// Files nibble reads to decide whether an output path is its own: a FIFO there is refused
+// without being opened for reading (and never written into).
+TEST_F(MisuseCli, FifoWhereAnOutputGoesIsNotRead) {
+  fs::create_directories(at("out_fifo_metrics"));
+  ASSERT_EQ(::mkfifo(at("out_fifo_metrics/metrics.jsonl").c_str(), 0600), 0);
+  BoundedRun r = run_bounded({"pretrain", "--config", at("run.json"), "--data", at("corpus.txt"), "--out",
+                              at("out_fifo_metrics"), "--no-progress"},
+                             60);
+  ASSERT_FALSE(r.timed_out) << "pretrain hung on a FIFO named metrics.jsonl";
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("metrics.jsonl"), std::string::npos) << r.err;
+
+  fs::create_directories(at("data_fifo"));
+  ASSERT_EQ(::mkfifo(at("data_fifo/data.json").c_str(), 0600), 0);
+  r = run_bounded({"pretrain", "--config", at("run.json"), "--data", at("corpus.txt"), "--set",
+                   "data.dir=" + at("data_fifo"), "--out", at("out_data_fifo"), "--no-progress"},
+                  60);
+  ASSERT_FALSE(r.timed_out) << "pretrain hung on a FIFO named data.json";
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("data_fifo"), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::is_fifo(at("data_fifo/data.json")));
+
+  std::vector<io::NamedTensor> t = test_checkpoint();
+  fs::create_directories(at("q_fifo"));
+  ASSERT_TRUE(io::write_safetensors(at("q_fifo_in.safetensors"), t).is_ok());
+  ASSERT_EQ(::mkfifo(at("q_fifo/hf_quant_config.json").c_str(), 0600), 0);
+  r = run_bounded({"quantize", at("q_fifo_in.safetensors"), at("q_fifo/q.safetensors"), "--format", "nvfp4",
+                   "--layout", "modelopt"},
+                  60);
+  ASSERT_FALSE(r.timed_out) << "quantize hung on a FIFO named hf_quant_config.json";
+  EXPECT_NE(r.code, 0);
+  EXPECT_TRUE(fs::is_fifo(at("q_fifo/hf_quant_config.json")));
+}
+
 TEST_F(MisuseCli, DevicesAndDirectoriesAreRefusedAsData) {
   expect_refused_in_time({"eval", "--checkpoint", run_dir(), "--data", "/dev/null"}, "character device");
   expect_refused_in_time({"eval", "--checkpoint", run_dir(), "--data", at("run")}, "directory");

@@ -18,6 +18,7 @@
 #include "formats/quantize_cpu.h"
 #include "io/atomic_file.h"
 #include "io/output_guard.h"
+#include "io/regular_file.h"
 
 namespace nibble::tools {
 namespace {
@@ -273,11 +274,10 @@ bool is_nibble_quantized_file(const std::string& path) {
 
 // True when `path` is an hf_quant_config.json that nibble wrote (producer.name == "nibble").
 bool is_nibble_hf_quant_config(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const json j = json::parse(ss.str(), nullptr, false);
-  return f && j.is_object() && j.contains("producer") && j["producer"].is_object() &&
+  auto text = io::read_regular_file(path);  // a FIFO or device is not ours, and never blocks
+  if (!text) return false;
+  const json j = json::parse(*text, nullptr, false);
+  return j.is_object() && j.contains("producer") && j["producer"].is_object() &&
          j["producer"].value("name", "") == "nibble";
 }
 

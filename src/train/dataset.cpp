@@ -119,11 +119,9 @@ static Status check_data_folder_is_ours(const std::string& dir) {
   if (!fs::exists(st)) return Status::ok();
   if (!fs::is_directory(st)) return invalid_argument("data folder '{}' exists and is not a folder (data.dir)", dir);
   if (fs::is_empty(dir, ec)) return Status::ok();
-  std::ifstream f(fs::path(dir) / "data.json");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
-  if (!f || j.is_discarded() || !j.is_object() || !j.contains("fingerprint"))
+  auto text = io::read_regular_file((fs::path(dir) / "data.json").string(), "data folder file");  // never blocks
+  const nlohmann::json j = text ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
+  if (!text || j.is_discarded() || !j.is_object() || !j.contains("fingerprint"))
     return invalid_argument("data folder '{}' holds files nibble did not write (no data.json): set data.dir to "
                             "another folder (it is replaced when rebuilt)",
                             dir);

@@ -14,6 +14,7 @@
 #include "core/log.h"
 #include "core/parallel.h"
 #include "io/output_guard.h"
+#include "io/regular_file.h"
 #include "train/atomic_dir.h"
 #include "train/dataset.h"
 #include "train/metrics.h"
@@ -52,11 +53,10 @@ Status check_fresh_run_folder(const fs::path& run) {
   bool nibble_metrics = false;
   const fs::path metrics = run / "metrics.jsonl";
   if (fs::exists(fs::symlink_status(metrics, ec))) {
-    std::ifstream f(metrics);
-    std::string first;
-    std::getline(f, first);
+    auto text = io::read_regular_file(metrics.string(), "metrics file");  // a FIFO is refused, never read
+    const std::string first = text ? text->substr(0, text->find('\n')) : std::string();
     const json j = json::parse(first, nullptr, false);
-    nibble_metrics = fs::is_regular_file(fs::symlink_status(metrics, ec)) &&
+    nibble_metrics = text && fs::is_regular_file(fs::symlink_status(metrics, ec)) &&
                      (first.empty() || (j.is_object() && (j.contains("event") || j.contains("step"))));
     if (!nibble_metrics)
       return invalid_argument("--out '{}' holds a metrics.jsonl that nibble did not write: choose another --out",
