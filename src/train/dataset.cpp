@@ -71,7 +71,7 @@ Result<Dataset> dataset_from_json(const std::string& dir, const nlohmann::json& 
   d.val_path = (fs::path(dir) / "val.bin").string();
   try {
     if (j.at("format_version").get<int>() != kDataFormatVersion)
-      return invalid_argument("data folder {}: data.json format_version {} (this build reads {})", dir,
+      return data_loss("data folder {}: data.json format_version {} (this build reads {})", dir,
                               j.at("format_version").get<int>(), kDataFormatVersion);
     d.fingerprint = std::stoull(j.at("fingerprint").get<std::string>(), nullptr, 16);
     d.vocab_size = j.at("vocab_size").get<int32_t>();
@@ -146,7 +146,7 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
   if (!o.val_shard_files.empty() && !from_shards)
     return invalid_argument("data.val_files is only for token shard input (data.files holds text)");
   for (const std::string& p : o.val_shard_files)
-    if (!is_token_shard_file(p)) return invalid_argument("data.val_files: '{}' is not a NIBTOK token shard", p);
+    if (!is_token_shard_file(p)) return data_loss("data.val_files: '{}' is not a NIBTOK token shard", p);
 
   // The loaded tokenizer (its bytes are copied into the folder as they are).
   std::string tokenizer_bytes;
@@ -158,10 +158,10 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
     if (!bytes) return bytes.status();
     tokenizer_bytes = std::move(bytes).value();
     auto t = Tokenizer::from_serialized(tokenizer_bytes);
-    if (!t) return invalid_argument("data.tokenizer: '{}' is not a sentencepiece model ({})", o.tokenizer_file,
+    if (!t) return data_loss("data.tokenizer: '{}' is not a sentencepiece model ({})", o.tokenizer_file,
                                     t.status().message());
     if (t->vocab_size() > o.vocab_size)
-      return invalid_argument("data.tokenizer: '{}' has {} pieces, more than the model's vocab_size {}",
+      return data_loss("data.tokenizer: '{}' has {} pieces, more than the model's vocab_size {}",
                               o.tokenizer_file, t->vocab_size(), o.vocab_size);
     loaded.emplace(std::move(t).value());
   }
@@ -228,7 +228,7 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
       for (const std::string& p : paths) {
         NIB_ASSIGN_OR_RETURN(TokenShard sh, TokenShard::open(p));
         if (sh.vocab_size() > tok.vocab_size())
-          return invalid_argument("{}: token shard '{}' has vocab_size {}, more than data.tokenizer's {}", key, p,
+          return data_loss("{}: token shard '{}' has vocab_size {}, more than data.tokenizer's {}", key, p,
                                   sh.vocab_size(), tok.vocab_size());
         shards->push_back(std::move(sh));
       }
@@ -270,6 +270,7 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
       to.vocab_size = o.vocab_size;
       to.seed = o.tokenizer_seed;
       to.max_sentences = o.tokenizer_max_sentences;
+      to.vocab_size_name = o.vocab_size_name;
       NIB_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::train(texts, to));
       NIB_RETURN_IF_ERROR(tok.save((tmp / "tokenizer.model").string()));
       trained.emplace(std::move(tok));
