@@ -604,5 +604,61 @@ TEST(RunConfigTest, DefaultsOverridesAndErrors) {
   }
 }
 
+// A too-small vocabulary is blamed on the key that set it: model.vocab_size when data.vocab_size
+// is 0 (it then takes the model's), data.vocab_size when it was given.
+TEST(RunConfigTest, SmallVocabularyNamesTheKeyThatSetIt) {
+  auto m = resolve_run_config(json::object(), {"model.vocab_size=100"});
+  ASSERT_FALSE(m);
+  EXPECT_NE(m.status().message().find("'model.vocab_size': 100 < 261"), std::string::npos) << m.status().message();
+  EXPECT_EQ(m.status().message().find("data.vocab_size"), std::string::npos) << m.status().message();
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+  auto d = resolve_run_config(json::object(), {"data.vocab_size=100"});
+  ASSERT_FALSE(d);
+  EXPECT_NE(d.status().message().find("'data.vocab_size': 100 < 261"), std::string::npos) << d.status().message();
+}
+
+// Relative data paths inside a config file name files next to the config (not in whatever
+// folder nibble runs from); --set values stay relative to the current folder; absolute paths
+// and an empty data.dir (= RUN_DIR/data) are left alone.
+TEST(RunConfigTest, RelativePathsInAConfigFileAreRelativeToIt) {
+  const fs::path dir = fs::temp_directory_path() / ("nibble_run_config_paths_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "cfg");
+  const std::string cfg = (dir / "cfg" / "run.json").string();
+  std::ofstream(cfg) << json{{"data", {{"files", {"text/a.txt", "/abs/b.txt"}},
+                                       {"dir", "../shared-data"},
+                                       {"tokenizer", "tok.model"},
+                                       {"val_files", {"val.bin"}}}}}.dump();
+  auto c = load_run_config(cfg, {});
+  ASSERT_TRUE(c) << c.status().message();
+  const std::string d = (dir / "cfg").string();
+  EXPECT_EQ(c->data_files, (std::vector<std::string>{d + "/text/a.txt", "/abs/b.txt"}));
+  EXPECT_EQ(c->data_dir, (dir / "shared-data").string());
+  EXPECT_EQ(c->tokenizer_file, d + "/tok.model");
+  EXPECT_EQ(c->val_files, std::vector<std::string>{d + "/val.bin"});
+  // The resolved paths are what a checkpoint's run_config.json keeps (resume needs no config).
+  EXPECT_EQ(c->json["data"]["dir"], (dir / "shared-data").string());
+
+  auto o = load_run_config(cfg, {"data.dir=here", "data.files=[\"x.txt\"]"});
+  ASSERT_TRUE(o) << o.status().message();
+  EXPECT_EQ(o->data_dir, "here");
+  EXPECT_EQ(o->data_files, std::vector<std::string>{"x.txt"});
+
+  std::ofstream(cfg) << json{{"steps", 300}}.dump();
+  auto e = load_run_config(cfg, {});
+  ASSERT_TRUE(e) << e.status().message();
+  EXPECT_EQ(e->data_dir, "");
+  fs::remove_all(dir);
+}
+
+// The shipped configs keep their data in the run folder: no data.dir that would land relative
+// to wherever the user starts nibble (it was "runs/main/data").
+TEST(RunConfigTest, ShippedConfigsWriteDataIntoTheRunFolder) {
+  for (const char* name : {"pretrain-tiny.json", "pretrain-tiny-tetrajet-v2.json"}) {
+    auto c = load_run_config(std::string(NIBBLE_SOURCE_DIR) + "/configs/" + name, {});
+    ASSERT_TRUE(c) << name << ": " << c.status().message();
+    EXPECT_EQ(c->data_dir, "") << name;
+  }
+}
+
 }  // namespace
 }  // namespace nibble::train
