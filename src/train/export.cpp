@@ -59,9 +59,12 @@ Status write_common_files(const Checkpoint& ckpt, const fs::path& dir, const jso
   tc["sp_model_kwargs"] = json::object();
   NIB_RETURN_IF_ERROR(write_file_atomic((dir / "tokenizer_config.json").string(), tc.dump(2) + "\n"));
   NIB_RETURN_IF_ERROR(write_file_atomic((dir / "special_tokens_map.json").string(), specials.dump(2) + "\n"));
+  // No "transformers_version": that key records the transformers release that wrote the file,
+  // and none did (transformers fills in its own when loading; the export is checked with 5.17,
+  // docs/training.md).
   const json gen{{"bos_token_id", tok.bos_id()}, {"eos_token_id", tok.eos_id()}, {"pad_token_id", tok.pad_id()},
                  {"do_sample", true},           {"temperature", 0.8},           {"top_p", 0.95},
-                 {"max_new_tokens", 64},        {"transformers_version", "4.46.0"}};
+                 {"max_new_tokens", 64}};
   return write_file_atomic((dir / "generation_config.json").string(), gen.dump(2) + "\n");
 }
 
@@ -174,8 +177,8 @@ Status export_nvfp4(const Checkpoint& ckpt, const std::string& out_dir, const Nv
     const std::string g = fused_linear_of(t.name);
     if (g.empty()) continue;
     if (t.tensor.rank() != 2 || t.tensor.shape()[1] % 16 != 0)
-      return invalid_argument("export nvfp4: '{}' has K = {} (must be a multiple of 16)", t.name,
-                              t.tensor.rank() == 2 ? t.tensor.shape()[1] : -1);
+      return data_loss("export nvfp4: '{}' has K = {} (must be a multiple of 16)", t.name,
+                       t.tensor.rank() == 2 ? t.tensor.shape()[1] : -1);
     float a = formats::amax_cpu(t.tensor.data<float>(), t.tensor.numel());
     group_amax[g] = std::max(group_amax[g], a);
   }

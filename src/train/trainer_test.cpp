@@ -498,6 +498,15 @@ TEST_F(TrainerTest, ExportsRoundTrip) {
   }
   for (const char* f : {"tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"})
     EXPECT_TRUE(fs::exists(hf + "/" + f)) << f;
+  {
+    // generation_config.json claims no transformers release: none wrote it (it said 4.46.0,
+    // a version nibble was never checked with).
+    std::ifstream in(hf + "/generation_config.json");
+    json gen = json::parse(in, nullptr, false);
+    ASSERT_TRUE(gen.is_object());
+    EXPECT_EQ(gen["eos_token_id"], 2);
+    EXPECT_FALSE(gen.contains("transformers_version")) << gen.dump();
+  }
   auto out = io::SafetensorsFile::open(hf + "/model.safetensors");
   ASSERT_TRUE(out);
   EXPECT_EQ(out->names(), src->names());
