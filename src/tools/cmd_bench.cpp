@@ -2,6 +2,8 @@
 // same bytes measured in the same run (05-performance-anchors.md: speed is a ratio to a baseline
 // measured alongside). CPU table from formats/cpu_bench.h (vs threaded memcpy); GPU table from
 // backend/cuda/bench.h (vs device-to-device copy) when built with CUDA and a device is present.
+#include <unistd.h>
+
 #include <cstdio>
 
 #include <fmt/format.h>
@@ -29,6 +31,12 @@ struct BenchArgs {
   CLI::App* quantize = nullptr;
 };
 
+// The machine's physical memory in bytes (0 if unknown).
+double physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0.0;
+}
+
 Status parse_size(const std::string& s, int64_t* M, int64_t* K) {
   long long m = 0, k = 0;
   char x = 0, extra = 0;
@@ -46,6 +54,12 @@ int run_bench_quantize(const BenchArgs& a) {
     if (!st) return report_error("bench", st);
     if (M % 128 != 0 || K % 128 != 0)
       return report_error("bench", invalid_argument("--size {}: M and K must be multiples of 128", a.size));
+    // Refuse up front what cannot be allocated (it ended in "std::bad_alloc").
+    const double need = formats::bench_quantize_cpu_memory_bytes(M, K), have = physical_memory_bytes();
+    if (have > 0 && need > have)
+      return report_error("bench", invalid_argument("--size {}: the CPU bench needs {:.1f} GiB of memory at this size, "
+                                                    "more than this machine's {:.1f} GiB",
+                                                    a.size, need / double(1ull << 30), have / double(1ull << 30)));
   }
   if (a.threads > 0) set_num_threads(a.threads);
   const int cpu_repeats = a.repeats > 0 ? a.repeats : 5;
