@@ -67,7 +67,12 @@ int run_inspect(const InspectArgs& a) {
   auto groups = find_quant_groups(*file);
   if (!groups) return report_error("inspect", groups.status());
 
-  std::printf("%s\n", a.file.c_str());
+  auto resolved = resolve_input_path(a.file);
+  if (resolved && *resolved != a.file) {
+    std::printf("%s (latest checkpoint: %s)\n", a.file.c_str(), resolved->c_str());
+  } else {
+    std::printf("%s\n", a.file.c_str());
+  }
   if (!file->metadata().empty()) {
     std::printf("metadata:\n");
     for (const auto& [k, v] : file->metadata()) std::printf("  %s = %s\n", k.c_str(), truncated(v, 200).c_str());
@@ -146,7 +151,10 @@ int run_inspect(const InspectArgs& a) {
 
 CommandRun setup_inspect(CLI::App& app) {
   auto a = std::make_shared<InspectArgs>();
-  app.add_option("FILE", a->file, "A .safetensors file (or sharded checkpoint folder / index .json)")->required();
+  app.add_option("FILE", a->file,
+                 "A .safetensors file, a sharded checkpoint folder / index .json, or a nibble run folder (its latest "
+                 "checkpoint's model)")
+      ->required();
   app.add_option("--against", a->against, "Source checkpoint: dequantize each quantized group and print its error");
   return [a] { return run_inspect(*a); };
 }

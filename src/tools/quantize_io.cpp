@@ -19,6 +19,7 @@
 #include "io/atomic_file.h"
 #include "io/output_guard.h"
 #include "io/regular_file.h"
+#include "train/checkpoint.h"
 
 namespace nibble::tools {
 namespace {
@@ -257,7 +258,17 @@ Result<QuantizeOptions> make_quantize_options(const std::string& format, const s
   return o;
 }
 
-Result<io::SafetensorsFile> open_input(const std::string& path) {
+Result<std::string> resolve_input_path(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path, ec) ||
+      !std::filesystem::exists(std::filesystem::path(path) / "checkpoints" / "latest", ec))
+    return path;
+  NIB_ASSIGN_OR_RETURN(std::string step_dir, train::latest_checkpoint_dir(path));
+  return (std::filesystem::path(step_dir) / "model.safetensors").string();
+}
+
+Result<io::SafetensorsFile> open_input(const std::string& given) {
+  NIB_ASSIGN_OR_RETURN(std::string path, resolve_input_path(given));
   auto file = io::SafetensorsFile::open(path);
   if (!file && file.status().code() == StatusCode::kInvalidArgument)
     return Status(StatusCode::kDataLoss, file.status().message());

@@ -63,8 +63,14 @@ struct QuantizeReport {
   std::string hf_quant_config_path;  // written next to OUT for --layout modelopt, else empty
 };
 
-// Opens a checkpoint for reading. A malformed file is an input error (exit code 1), not an
-// invalid argument, so the reader's kInvalidArgument statuses are returned as kDataLoss.
+// The safetensors file or folder that `path` names for reading: a nibble run folder (it holds
+// checkpoints/latest, as every other command accepts) stands for its latest checkpoint's
+// model.safetensors; anything else is returned as given.
+Result<std::string> resolve_input_path(const std::string& path);
+
+// Opens a checkpoint for reading (resolve_input_path, then io::SafetensorsFile::open). A
+// malformed file is an input error (exit code 1), not an invalid argument, so the reader's
+// kInvalidArgument statuses are returned as kDataLoss.
 Result<io::SafetensorsFile> open_input(const std::string& path);
 
 // Reads `in` (a .safetensors file or sharded checkpoint), quantizes every eligible tensor and
