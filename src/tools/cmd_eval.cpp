@@ -8,6 +8,7 @@
 #include <limits>
 #include <memory>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "io/regular_file.h"
@@ -17,6 +18,7 @@
 #include "train/corpus.h"
 #include "train/dataset.h"
 #include "train/loader.h"
+#include "train/progress.h"
 #include "train/shards.h"
 #include "train/tokenizer.h"
 #include "train/trainer.h"
@@ -69,10 +71,16 @@ int run_eval(const EvalArgs& a) {
 
   TempDir tmp;
   std::vector<std::string> shards;
+  // Per --data file: its token count, so a too-short input is named as the user gave it (text
+  // files become temporary shards, whose names mean nothing to the user).
+  std::vector<std::pair<std::string, int64_t>> sizes;
   for (const auto& path : a.data) {
     // A FIFO or device is refused here, before anything reads it (io/regular_file.h).
     if (Status st = io::check_regular_file(path, "data file"); !st) return report_error("eval", st);
     if (train::is_token_shard_file(path)) {
+      auto shard = train::TokenShard::open(path);
+      if (!shard) return report_error("eval", Status(shard.status().code(), "data: " + shard.status().message()));
+      sizes.emplace_back(path, shard->size());
       shards.push_back(path);
       continue;
     }
@@ -83,6 +91,7 @@ int run_eval(const EvalArgs& a) {
     auto ids = tok->encode(*text);
     if (!ids) return report_error("eval", ids.status());
     ids->push_back(tok->eos_id());
+    sizes.emplace_back(path, static_cast<int64_t>(ids->size()));
     if (tmp.path.empty()) {
       char tmpl[] = "/tmp/nibble-eval-XXXXXX";
       if (!mkdtemp(tmpl)) return report_error("eval", io_error("cannot create a temporary folder in /tmp"));
@@ -93,6 +102,15 @@ int run_eval(const EvalArgs& a) {
     if (!s) return report_error("eval", s);
     shards.push_back(shard);
   }
+  int64_t windows = 0;  // as ValLoader counts them: (n - 1) / T per input of n >= T + 1 tokens
+  for (const auto& [path, n] : sizes) windows += n >= T + 1 ? (n - 1) / T : 0;
+  if (windows == 0) {
+    std::string which;
+    for (const auto& [path, n] : sizes) which += fmt::format("{}'{}' ({} tokens)", which.empty() ? "" : ", ", path, n);
+    return report_error("eval", data_loss("data: too short: {} {} no window of seq_len + 1 = {} tokens (give more "
+                                          "text or a smaller --seq-len)",
+                                          which, sizes.size() == 1 ? "holds" : "hold", T + 1));
+  }
   auto val = train::ValLoader::open(shards, B, T, a.batches);
   if (!val) return report_error("eval", Status(val.status().code(), "data: " + val.status().message()));
   auto e = train::evaluate(m->get(), *val);
@@ -102,8 +120,9 @@ int run_eval(const EvalArgs& a) {
                      {"batches", e->batches}, {"checkpoint", ck->dir}, {"step", ck->step}};
     std::printf("%s\n", j.dump().c_str());
   } else {
-    std::printf("eval: loss %.4f  ppl %.3f  (%lld tokens in %lld batches of %lldx%lld; checkpoint %s, step %lld)\n",
-                e->loss, e->ppl, static_cast<long long>(e->tokens), static_cast<long long>(e->batches),
+    std::printf("eval: loss %.4f  ppl %s  (%lld tokens in %lld batches of %lldx%lld; checkpoint %s, step %lld)\n",
+                e->loss, train::ProgressBar::format_perplexity(e->ppl).c_str(), static_cast<long long>(e->tokens),
+                static_cast<long long>(e->batches),
                 static_cast<long long>(B), static_cast<long long>(T), ck->dir.c_str(), static_cast<long long>(ck->step));
   }
   return 0;

@@ -7,12 +7,14 @@
 #include <limits>
 #include <memory>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/interrupt.h"
 #include "core/log.h"
 #include "tools/command.h"
 #include "tools/option_check.h"
+#include "train/progress.h"
 #include "train/trainer.h"
 
 namespace nibble::tools {
@@ -62,9 +64,13 @@ int run_pretrain(const PretrainArgs& a) {
                 static_cast<long long>(cfg->steps), r->checkpoint_dir.c_str(), static_cast<long long>(r->end_step));
     return 0;
   }
-  std::printf("pretrain: %s step %lld/%lld  val loss %.4f  val ppl %.3f  skipped %lld  %.1f s (%.0f tok/s)  checkpoint %s\n",
+  // --stop-after before the first validation: say so rather than print a loss of 0.
+  const std::string val = r->validated ? fmt::format("val loss {:.4f}  val ppl {}", r->val_loss,
+                                                     train::ProgressBar::format_perplexity(r->val_ppl))
+                                       : std::string("no validation ran");
+  std::printf("pretrain: %s step %lld/%lld  %s  skipped %lld  %.1f s (%.0f tok/s)  checkpoint %s\n",
               cfg->recipe.name.c_str(), static_cast<long long>(r->end_step), static_cast<long long>(cfg->steps),
-              r->val_loss, r->val_ppl, static_cast<long long>(r->skipped_steps), r->seconds, r->tokens_per_second,
+              val.c_str(), static_cast<long long>(r->skipped_steps), r->seconds, r->tokens_per_second,
               r->checkpoint_dir.empty() ? "none (no step was trained)" : r->checkpoint_dir.c_str());
   return 0;
 }
@@ -75,8 +81,8 @@ NIBBLE_REGISTER_COMMAND(kPretrainCommand, "pretrain",
                         "Pretrain a model: run config + --set overrides; checkpoints, metrics.jsonl, loss.png",
                         [](CLI::App& app) -> CommandRun {
                           auto a = std::make_shared<PretrainArgs>();
-                          app.add_option("--config", a->config, "Run config JSON (see docs/training.md); defaults if omitted")
-                              ->check(CLI::ExistingFile);
+                          // A missing file is reported by load_run_config (bad input: exit 1), not by CLI11 (exit 2).
+                          app.add_option("--config", a->config, "Run config JSON (see docs/training.md); defaults if omitted");
                           app.add_option("--set", a->sets, "Override a config key, e.g. --set optimizer.lr=1e-3 (repeatable)")
                               ->allow_extra_args(false);
                           app.add_option("--data", a->data, "Training text files, or NIBTOK token shards with data.tokenizer set (default: the KJV corpus)");

@@ -90,7 +90,7 @@ Result<std::string> read_text_file(const std::string& path) {
       blank = false;
       break;
     }
-  if (blank) return invalid_argument("text file {} is empty", path);
+  if (blank) return data_loss("text file {} is empty", path);
   return text;
 }
 

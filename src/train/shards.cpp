@@ -209,7 +209,7 @@ Result<ShardSummary> build_token_shards(const std::string& train_path, const std
   }
   sum.train_tokens = static_cast<int64_t>(train.size());
   sum.val_tokens = static_cast<int64_t>(val.size());
-  if (train.empty()) return invalid_argument("no training tokens: the text files hold no non-blank lines");
+  if (train.empty()) return data_loss("no training tokens: the text files hold no non-blank lines");
   NIB_RETURN_IF_ERROR(write_token_shard(train_path, train, tokenizer.vocab_size()));
   NIB_RETURN_IF_ERROR(write_token_shard(val_path, val, tokenizer.vocab_size()));
   return sum;

@@ -92,7 +92,7 @@ Result<EvalResult> evaluate(model::Model* model, const ValLoader& val) {
     r.tokens += lp.n_tokens;
     ++r.batches;
   }
-  if (r.tokens == 0) return invalid_argument("evaluation: no validation tokens");
+  if (r.tokens == 0) return data_loss("evaluation: no validation tokens");
   r.loss = ce_sum / static_cast<double>(r.tokens);
   r.ppl = std::exp(r.loss);
   return r;
@@ -162,6 +162,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   dopt.vocab_size = static_cast<int>(cfg.vocab_size);
   dopt.tokenizer_file = cfg.tokenizer_file;
   dopt.val_shard_files = cfg.val_files;
+  dopt.vocab_size_name = "data.vocab_size";
   // A loaded tokenizer may have any size up to the model's vocabulary.
   if (!cfg.tokenizer_file.empty()) dopt.vocab_size = static_cast<int>(cfg.model.vocab_size);
   dopt.val_fraction = cfg.val_fraction;
@@ -170,7 +171,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   if (!ds_or) return Status(ds_or.status().code(), "data: " + ds_or.status().message());
   Dataset ds = std::move(ds_or).value();
   if (ds.vocab_size > cfg.model.vocab_size)
-    return invalid_argument("data: tokenizer vocabulary {} exceeds the model's vocab_size {}", ds.vocab_size,
+    return data_loss("data: tokenizer vocabulary {} exceeds the model's vocab_size {}", ds.vocab_size,
                             cfg.model.vocab_size);
   NIB_LOG_INFO("data: {} ({} train / {} val tokens, vocab {}{})", ds.dir, ds.summary.train_tokens,
                ds.summary.val_tokens, ds.vocab_size, ds.reused ? ", reused" : "");
@@ -187,7 +188,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   auto val_or = ValLoader::open({ds.val_path}, B, T, cfg.eval_batches);
   if (!val_or) return Status(val_or.status().code(), "data: validation split: " + val_or.status().message());
   ValLoader val = std::move(val_or).value();
-  if (val.num_batches() == 0) return invalid_argument("data: the validation split has no full batch of {}x{}", B, T + 1);
+  if (val.num_batches() == 0) return data_loss("data: the validation split has no full batch of {}x{}", B, T + 1);
 
   std::vector<ParamView> views;
   for (auto& p : model->param_refs()) views.push_back({p.name, p.value, p.grad, p.numel, p.weight_decay});
@@ -217,7 +218,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     Status s = adamw.import_state(ostate, views);
     if (!s) return data_loss("checkpoint '{}': optimizer state: {}", opath, s.message());
     s = loader.restore_json(ck.trainer.value("loader", json::object()));
-    if (!s) return invalid_argument("checkpoint '{}': data loader state: {}", ck.dir, s.message());
+    if (!s) return data_loss("checkpoint '{}': data loader state: {}", ck.dir, s.message());
     start = ck.step;
     bad_in_row = ck.trainer.value("bad_steps_in_row", int64_t{0});
     skipped_total = ck.trainer.value("skipped_steps", int64_t{0});
@@ -285,13 +286,15 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   };
   auto run_eval = [&](int64_t step_done) -> Status {
     NIB_ASSIGN_OR_RETURN(EvalResult e, evaluate(model.get(), val));
+    res.validated = true;
     res.val_loss = e.loss;
     res.val_ppl = e.ppl;
     val_pts.push_back({static_cast<double>(step_done), e.loss});
     json ev{{"step", step_done}, {"val_loss", e.loss}, {"val_ppl", e.ppl}, {"val_tokens", e.tokens}};
     for (const auto& [k, v] : recipe_stats(*model)) ev["recipe." + k] = v;
     NIB_RETURN_IF_ERROR(metrics.write(ev));
-    if (!opt.progress) NIB_LOG_DEBUG("step {}: val loss {:.4f} ppl {:.2f}", step_done, e.loss, e.ppl);
+    if (!opt.progress)
+      NIB_LOG_DEBUG("step {}: val loss {:.4f} ppl {}", step_done, e.loss, ProgressBar::format_perplexity(e.ppl));
     Status s = write_loss_plot((run / "loss.png").string(), train_pts, val_pts);
     if (!s) NIB_LOG_WARN("loss plot not written: {}", s.message());
     return Status::ok();
@@ -369,9 +372,10 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   if (bar) bar->finish();
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   res.tokens_per_second = res.seconds > 0 ? tokens_per_step * static_cast<double>(res.end_step - start) / res.seconds : 0;
-  NIB_RETURN_IF_ERROR(metrics.write(json{{"event", "end"}, {"step", res.end_step}, {"val_loss", res.val_loss},
-                                         {"val_ppl", res.val_ppl}, {"seconds", res.seconds},
-                                         {"skipped_steps", res.skipped_steps}}));
+  json end_event{{"event", "end"}, {"step", res.end_step}, {"seconds", res.seconds},
+                 {"skipped_steps", res.skipped_steps}};
+  if (res.validated) end_event.update({{"val_loss", res.val_loss}, {"val_ppl", res.val_ppl}});
+  NIB_RETURN_IF_ERROR(metrics.write(end_event));
   return res;
 }
 

@@ -35,6 +35,7 @@ struct TrainResult {
   int64_t end_step = 0;            // steps done at return
   std::vector<double> losses;      // training loss (CE + z-loss) of each step of this call; NaN if skipped
   int64_t skipped_steps = 0;
+  bool validated = false;            // a validation ran (else val_loss/val_ppl mean nothing)
   double val_loss = 0, val_ppl = 0;  // last validation
   double seconds = 0, tokens_per_second = 0;
   std::string checkpoint_dir;      // the last checkpoint written (on resume: the one resumed from)
