@@ -81,8 +81,10 @@ NIBBLE_REGISTER_COMMAND(kPretrainCommand, "pretrain",
                         "Pretrain a model: run config + --set overrides; checkpoints, metrics.jsonl, loss.png",
                         [](CLI::App& app) -> CommandRun {
                           auto a = std::make_shared<PretrainArgs>();
-                          // A missing file is reported by load_run_config (bad input: exit 1), not by CLI11 (exit 2).
-                          app.add_option("--config", a->config, "Run config JSON (see docs/training.md); defaults if omitted");
+                          // A missing file is reported by load_run_config (bad input: exit 1), not by
+                          // CLI11 (exit 2).
+                          app.add_option("--config", a->config,
+                                         "Run config JSON (see docs/training.md); defaults if omitted");
                           app.add_option("--set", a->sets, "Override a config key, e.g. --set optimizer.lr=1e-3 (repeatable)")
                               ->allow_extra_args(false);
                           app.add_option("--data", a->data, "Training text files, or NIBTOK token shards with data.tokenizer set (default: the KJV corpus)");

@@ -125,7 +125,8 @@ TEST_F(ExitCodesTest, EveryCommandBadFlagBadValueMissingFileCorruptFile) {
       // export
       {"export: bad flag", "export --checkpoint " + run + " --to hf " + q("e1") + " --bogus", 2, "--bogus"},
       {"export: bad value", "export --checkpoint " + run + " --to onnx " + q("e2"), 2, "--to"},
-      {"export: missing checkpoint", "export --checkpoint " + q("nothing") + " --to hf " + q("e3"), 1, "does not exist"},
+      {"export: missing checkpoint", "export --checkpoint " + q("nothing") + " --to hf " + q("e3"), 1,
+       "does not exist"},
       {"export: corrupt tokenizer", "export --checkpoint " + q("badtok") + " --to hf " + q("e4"), 1, "tokenizer"},
       {"export: corrupt model", "export --checkpoint " + q("badmodel") + " --to hf " + q("e5"), 1,
        "model.safetensors"},
@@ -205,7 +206,8 @@ TEST_F(ExitCodesTest, BenchSizeBeyondMemoryIsRefusedNamingTheOption) {
 TEST_F(ExitCodesTest, TokenizerTrainingErrorsNameNibblesKeys) {
   const std::string pre = "pretrain --config " + q("run.json") + " --no-progress ";
   for (const char* corpus : {"tiny.txt", "varied.txt"}) {
-    RunResult r = run_nibble(dir_->path, "-q " + pre + "--data " + q(corpus) + " --out " + q(std::string("sp_") + corpus));
+    const std::string out = q(std::string("sp_") + corpus);
+    RunResult r = run_nibble(dir_->path, "-q " + pre + "--data " + q(corpus) + " --out " + out);
     EXPECT_EQ(r.code, 1) << corpus << ": " << r.err;
     EXPECT_EQ(r.err_lines(), 1) << r.err;
     EXPECT_NE(r.err.find("data.vocab_size = 300"), std::string::npos) << r.err;

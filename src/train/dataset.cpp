@@ -72,7 +72,7 @@ Result<Dataset> dataset_from_json(const std::string& dir, const nlohmann::json& 
   try {
     if (j.at("format_version").get<int>() != kDataFormatVersion)
       return data_loss("data folder {}: data.json format_version {} (this build reads {})", dir,
-                              j.at("format_version").get<int>(), kDataFormatVersion);
+                       j.at("format_version").get<int>(), kDataFormatVersion);
     d.fingerprint = std::stoull(j.at("fingerprint").get<std::string>(), nullptr, 16);
     d.vocab_size = j.at("vocab_size").get<int32_t>();
     const auto& s = j.at("summary");
@@ -159,10 +159,10 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
     tokenizer_bytes = std::move(bytes).value();
     auto t = Tokenizer::from_serialized(tokenizer_bytes);
     if (!t) return data_loss("data.tokenizer: '{}' is not a sentencepiece model ({})", o.tokenizer_file,
-                                    t.status().message());
+                             t.status().message());
     if (t->vocab_size() > o.vocab_size)
       return data_loss("data.tokenizer: '{}' has {} pieces, more than the model's vocab_size {}",
-                              o.tokenizer_file, t->vocab_size(), o.vocab_size);
+                       o.tokenizer_file, t->vocab_size(), o.vocab_size);
     loaded.emplace(std::move(t).value());
   }
 
@@ -229,7 +229,7 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
         NIB_ASSIGN_OR_RETURN(TokenShard sh, TokenShard::open(p));
         if (sh.vocab_size() > tok.vocab_size())
           return data_loss("{}: token shard '{}' has vocab_size {}, more than data.tokenizer's {}", key, p,
-                                  sh.vocab_size(), tok.vocab_size());
+                           sh.vocab_size(), tok.vocab_size());
         shards->push_back(std::move(sh));
       }
       return Status::ok();

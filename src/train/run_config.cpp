@@ -284,8 +284,8 @@ Result<RunConfig> resolve_run_config(const json& user, const std::vector<std::st
   const char* vocab_key = c.vocab_size == 0 ? "model.vocab_size" : "data.vocab_size";
   if (c.vocab_size == 0) c.vocab_size = c.model.vocab_size;
   if (c.vocab_size < 261)
-    return invalid_argument("run config: bad value for '{}': {} < 261 (the trained tokenizer needs 4 specials + 256 byte "
-                            "pieces + 1)",
+    return invalid_argument("run config: bad value for '{}': {} < 261 (the trained tokenizer needs 4 specials + 256 "
+                            "byte pieces + 1)",
                             vocab_key, c.vocab_size);
   if (c.vocab_size > c.model.vocab_size)
     return invalid_argument("run config: bad value for 'data.vocab_size': {} exceeds the model's vocab_size {}",

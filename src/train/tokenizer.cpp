@@ -80,8 +80,8 @@ Status from_sp_training(const sentencepiece::util::Status& s, const TokenizerTra
   static const std::regex too_high(R"(Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+))");
   static const std::regex too_many_chars(R"(Vocabulary size is smaller than required_chars\. (\d+) vs (\d+))");
   if (std::regex_search(msg, m, too_high))
-    return data_loss("the training text is too small for a tokenizer of {} = {} pieces: it yields at most {}; give more "
-                     "text or set {} to at most {}",
+    return data_loss("the training text is too small for a tokenizer of {} = {} pieces: it yields at most {}; give "
+                     "more text or set {} to at most {}",
                      o.vocab_size_name, m[1].str(), m[2].str(), o.vocab_size_name, m[2].str());
   if (std::regex_search(msg, m, too_many_chars))
     return data_loss("the training text has too many distinct characters for a tokenizer of {} = {} pieces: with the "
@@ -133,8 +133,10 @@ Result<Tokenizer> Tokenizer::load(const std::string& path) {
   if (!bytes) return bytes.status();
   Tokenizer t;
   auto s = t.sp_->LoadFromSerializedProto(*bytes);
-  if (!s.ok())
-    return data_loss("cannot load tokenizer {}: {}", path, sp_message(s, "not a SentencePiece model (corrupt or truncated)"));
+  if (!s.ok()) {
+    return data_loss("cannot load tokenizer {}: {}", path,
+                     sp_message(s, "not a SentencePiece model (corrupt or truncated)"));
+  }
   return t;
 }
 

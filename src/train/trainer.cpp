@@ -172,7 +172,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   Dataset ds = std::move(ds_or).value();
   if (ds.vocab_size > cfg.model.vocab_size)
     return data_loss("data: tokenizer vocabulary {} exceeds the model's vocab_size {}", ds.vocab_size,
-                            cfg.model.vocab_size);
+                     cfg.model.vocab_size);
   NIB_LOG_INFO("data: {} ({} train / {} val tokens, vocab {}{})", ds.dir, ds.summary.train_tokens,
                ds.summary.val_tokens, ds.vocab_size, ds.reused ? ", reused" : "");
 
