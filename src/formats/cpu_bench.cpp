@@ -53,6 +53,14 @@ double bench_memcpy_seconds(int64_t bytes, int repeats) {
   return time_best([&] { job(); }, repeats);
 }
 
+double bench_quantize_cpu_memory_bytes(int64_t M, int64_t K) {
+  const double n = static_cast<double>(M) * static_cast<double>(K);
+  // xb, xf, elems, y, yt; codes(_t), scales(_t), outer(_t) (as allocated below).
+  const double buffers = n * (2 + 4 + 1 + 4 + 2) + 2 * (n / 2) + 2 * (n / 16) + 2 * (4 * n / 128);
+  const double largest_copy = 2 * 4 * n + n / 2 + n / 16 + 4;  // nvfp4_te_f32_rtn's bytes moved
+  return buffers + largest_copy;
+}
+
 std::vector<QuantizeBenchRow> bench_quantize_cpu(int64_t M, int64_t K, int repeats, const std::string& filter) {
   NIB_CHECK_MSG(M % 128 == 0 && K % 128 == 0, "bench: M={} K={} must be multiples of 128", M, K);
   const int64_t n = M * K;

@@ -23,6 +23,10 @@ struct QuantizeBenchRow {
 // best of `repeats` runs each. `filter`: only rows whose name contains it ("" = all).
 std::vector<QuantizeBenchRow> bench_quantize_cpu(int64_t M, int64_t K, int repeats, const std::string& filter = "");
 
+// The host memory bench_quantize_cpu(M, K, ...) allocates at its peak, in bytes (its input,
+// output and scratch buffers plus the largest row's memcpy job): about 23 bytes per element.
+double bench_quantize_cpu_memory_bytes(int64_t M, int64_t K);
+
 // Times a threaded memcpy (parallel_for over 1 MiB chunks) moving `bytes` bytes; best of repeats.
 double bench_memcpy_seconds(int64_t bytes, int repeats);
 

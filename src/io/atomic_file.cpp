@@ -1,6 +1,9 @@
 // AtomicFileWriter (see atomic_file.h): POSIX open(O_EXCL)/write/fsync/rename/fsync(dir).
 #include "io/atomic_file.h"
 
+#include "core/interrupt.h"
+#include "io/output_guard.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -36,6 +39,7 @@ Status fsync_dir(const std::string& dir) {
 
 Result<AtomicFileWriter> AtomicFileWriter::create(const std::string& path) {
   if (path.empty()) return invalid_argument("empty output path");
+  remove_stale_temporaries(path);
   std::string temp = fmt::format("{}.tmp.{}.{}", path, static_cast<long>(::getpid()), g_temp_counter.fetch_add(1));
   int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return io_error("{}: cannot create temporary file {}: {}", path, temp, std::strerror(errno));
@@ -43,7 +47,8 @@ Result<AtomicFileWriter> AtomicFileWriter::create(const std::string& path) {
 }
 
 AtomicFileWriter::AtomicFileWriter(AtomicFileWriter&& o) noexcept
-    : path_(std::move(o.path_)), temp_path_(std::move(o.temp_path_)), fd_(o.fd_), done_(o.done_), written_(o.written_) {
+    : path_(std::move(o.path_)), temp_path_(std::move(o.temp_path_)), fd_(o.fd_), done_(o.done_),
+      stop_on_interrupt_(o.stop_on_interrupt_), written_(o.written_) {
   o.fd_ = -1;
   o.done_ = true;
 }
@@ -61,6 +66,10 @@ void AtomicFileWriter::abandon() {
 
 Status AtomicFileWriter::append(const void* data, size_t bytes) {
   if (done_ || fd_ < 0) return io_error("{}: write after the file was closed", path_);
+  if (stop_on_interrupt_ && interrupt_signal() != 0) {
+    abandon();
+    return cancelled_status(fmt::format("while writing {}", path_));
+  }
   const char* p = static_cast<const char*>(data);
   while (bytes > 0) {
     // Linux writes at most ~2 GiB per call; ask for 1 GiB pieces.

@@ -1,7 +1,9 @@
 // Atomic file replacement: bytes go to `<path>.tmp.<pid>.<n>` in the same folder; commit()
 // fsyncs it, renames it over `path` and fsyncs the folder, so a reader sees either the old file
 // or the complete new one, also after a crash. Any failure (or destruction without commit)
-// removes the temporary file and leaves whatever was at `path` untouched.
+// removes the temporary file and leaves whatever was at `path` untouched. Creating one first
+// removes the temporaries of `path` that killed writers left (io/output_guard.h); a writer asked
+// to stop_on_interrupt() abandons its file when SIGINT/SIGTERM arrives (core/interrupt.h).
 #pragma once
 
 #include <cstddef>
@@ -21,8 +23,10 @@ class AtomicFileWriter {
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   ~AtomicFileWriter();  // abandons (unlinks the temporary) unless commit() succeeded
 
-  // data: (bytes) bytes appended to the file.
+  // data: (bytes) bytes appended to the file. After stop_on_interrupt(), a received SIGINT/SIGTERM
+  // abandons the file (the temporary is removed) and returns an "interrupted by ..." status.
   Status append(const void* data, size_t bytes);
+  void stop_on_interrupt() { stop_on_interrupt_ = true; }
   // fsync, close, rename over the target, fsync the folder. After a failure the temporary is gone.
   Status commit();
   const std::string& path() const { return path_; }
@@ -36,6 +40,7 @@ class AtomicFileWriter {
   std::string path_, temp_path_;
   int fd_ = -1;
   bool done_ = false;
+  bool stop_on_interrupt_ = false;
   uint64_t written_ = 0;
 };
 

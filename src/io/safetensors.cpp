@@ -68,6 +68,12 @@ std::string json_kind(const json& j) {
 // Parses JSON text into `out`, rejecting duplicate object keys (the HF library rejects them too;
 // nlohmann would silently keep the last). Never throws.
 Status parse_json(const char* begin, const char* end, const std::string& label, const char* what, json* out) {
+  // nlohmann stops at a NUL byte as at the end of input, so "{...}\0junk" would parse; the
+  // reference parser (the Rust crate: from_utf8, then serde_json::from_str) rejects any byte
+  // after the value but JSON whitespace. A NUL is never valid in JSON text, so refuse it here.
+  if (const void* nul = std::memchr(begin, '\0', static_cast<size_t>(end - begin)))
+    return invalid_argument("{}: {} has a NUL byte at offset {} (only JSON text, padded with spaces, is allowed)", label,
+                            what, static_cast<const char*>(nul) - begin);
   std::vector<std::unordered_set<std::string>> keys;  // one set per open object
   std::string duplicate;
   int duplicate_depth = 0;
@@ -385,6 +391,7 @@ Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   }
 
   SafetensorsFile out;
+  out.index_path_ = target;
   auto im = index.find("metadata");
   if (im != index.end() && !im->is_null()) {
     if (!im->is_object()) return invalid_argument("{}: 'metadata' is a JSON {}, not an object", target, json_kind(*im));
@@ -419,6 +426,13 @@ Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
 }
 
 std::vector<std::string> SafetensorsFile::names() const { return order_; }
+
+std::vector<std::string> SafetensorsFile::files() const {
+  std::vector<std::string> out;
+  if (!index_path_.empty()) out.push_back(index_path_);
+  for (const auto& shard : shards_) out.push_back(shard->label);
+  return out;
+}
 
 bool SafetensorsFile::contains(const std::string& name) const { return index_.count(name) != 0; }
 
@@ -456,7 +470,7 @@ Result<Tensor> SafetensorsFile::get(const std::string& name) const {
 // ---- writing ------------------------------------------------------------------------------
 
 Status write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
-                         const std::map<std::string, std::string>& metadata) {
+                         const std::map<std::string, std::string>& metadata, bool stop_on_interrupt) {
   NIB_RETURN_IF_ERROR(check_named_tensors(tensors));
   // Dtype, shape and size come from the tensors as they are; CUDA tensors are copied to the host
   // one at a time while the data is written, so the host never holds more than one copy.
@@ -501,6 +515,7 @@ Status write_safetensors(const std::string& path, const std::vector<NamedTensor>
   for (int i = 0; i < 8; ++i) len_le[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
 
   NIB_ASSIGN_OR_RETURN(AtomicFileWriter w, AtomicFileWriter::create(path));
+  if (stop_on_interrupt) w.stop_on_interrupt();
   NIB_RETURN_IF_ERROR(w.append(len_le, 8));
   NIB_RETURN_IF_ERROR(w.append(text.data(), text.size()));
   for (size_t i : placement) {

@@ -42,6 +42,8 @@ class SafetensorsFile {
   Result<TensorInfo> info(const std::string& name) const;
   Result<Tensor> get(const std::string& name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // The files read: the index (sharded sets) and every shard, as opened.
+  std::vector<std::string> files() const;
 
  private:
   struct Shard;
@@ -52,6 +54,7 @@ class SafetensorsFile {
   std::map<std::string, std::pair<size_t, TensorInfo>> index_;  // name -> (shard, info)
   std::vector<std::string> order_;
   std::map<std::string, std::string> metadata_;
+  std::string index_path_;  // sharded sets: the index file read
 };
 
 // Tensors to write, in the order given. CUDA tensors are copied to the host first.
@@ -62,8 +65,9 @@ struct NamedTensor {
 
 // Writes `tensors` (+ optional string metadata) to `path` atomically. Names must be unique and
 // non-empty; "__metadata__" is reserved.
+// stop_on_interrupt: a SIGINT/SIGTERM received while writing abandons the file ("interrupted by ...").
 Status write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
-                         const std::map<std::string, std::string>& metadata = {});
+                         const std::map<std::string, std::string>& metadata = {}, bool stop_on_interrupt = false);
 
 // Writes a sharded checkpoint into `dir`: files model-0000i-of-0000n.safetensors of at most
 // `max_shard_bytes` each, plus model.safetensors.index.json; a single model.safetensors when it

@@ -391,6 +391,31 @@ TEST(SafetensorsMalformed, Json) {
   expect_parse_error(image("{\"a\\nb\": 1}"), "tensor 'a\\x0ab': entry is a JSON integer, not an object");
 }
 
+// The reference parser (the Rust crate) takes the header as UTF-8 and hands it to
+// serde_json::from_str: only JSON whitespace may pad the object. nlohmann alone would stop at a
+// NUL byte as if the input ended there and accept whatever follows it.
+TEST(SafetensorsMalformed, HeaderPaddingIsJsonWhitespaceOnly) {
+  const std::string entry = std::string("{") + kGoodEntry + "}";
+  const std::string data(8, 'x');
+  const std::string nul(1, '\0');
+  for (const std::string& pad : {nul, std::string(7, '\0'), "  " + nul + "  ", nul + "garbage", std::string(" }")}) {
+    SCOPED_TRACE(::testing::PrintToString(pad));
+    auto r = parse_string(image(entry + pad, data));
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(r.status().message().find('\n'), std::string::npos) << r.status().message();
+  }
+  expect_parse_error(image(entry + nul + " junk", data), "header has a NUL byte at offset " + std::to_string(entry.size()));
+  expect_parse_error(image(nul + entry, data), "header has a NUL byte at offset 0");
+  // What the reference accepts still parses: space padding (what every writer emits) and JSON
+  // whitespace on either side.
+  for (const std::string& header : {entry + "       ", entry + "\n", "\t\r\n " + entry + " \t"}) {
+    auto r = parse_string(image(header, data));
+    ASSERT_TRUE(r.is_ok()) << ::testing::PrintToString(header) << ": " << r.status().message();
+    EXPECT_EQ(r->names(), std::vector<std::string>{"w"});
+  }
+}
+
 TEST(SafetensorsMalformed, MissingOrWrongFields) {
   expect_parse_error(image(R"({"w":{"shape":[2],"data_offsets":[0,8]}})"), "tensor 'w': missing 'dtype'");
   expect_parse_error(image(R"({"w":{"dtype":"F32","data_offsets":[0,8]}})"), "tensor 'w': missing 'shape'");

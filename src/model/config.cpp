@@ -6,6 +6,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "io/regular_file.h"
+
 namespace nibble::model {
 
 bool ModelConfig::is_moe_layer(int64_t layer) const {
@@ -188,11 +190,9 @@ Result<ModelConfig> parse_model_config_text(const std::string& text) {
 }
 
 Result<ModelConfig> load_model_config(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) return io_error("model config: cannot open '{}'", path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  auto r = parse_model_config_text(ss.str());
+  auto text = io::read_regular_file(path, "model config");
+  if (!text) return text.status();
+  auto r = parse_model_config_text(*text);
   if (!r.is_ok()) return Status(r.status().code(), r.status().message() + " (in " + path + ")");
   return r;
 }

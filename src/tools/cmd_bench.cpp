@@ -2,6 +2,8 @@
 // same bytes measured in the same run (05-performance-anchors.md: speed is a ratio to a baseline
 // measured alongside). CPU table from formats/cpu_bench.h (vs threaded memcpy); GPU table from
 // backend/cuda/bench.h (vs device-to-device copy) when built with CUDA and a device is present.
+#include <unistd.h>
+
 #include <cstdio>
 
 #include <fmt/format.h>
@@ -9,6 +11,7 @@
 #include "core/parallel.h"
 #include "formats/cpu_bench.h"
 #include "tools/command.h"
+#include "tools/option_check.h"
 #ifdef NIBBLE_HAVE_CUDA
 #include "backend/cuda/bench.h"
 #include "backend/cuda/device.h"
@@ -17,14 +20,22 @@
 namespace nibble::tools {
 namespace {
 
+constexpr int64_t kMaxRepeats = 100000, kMaxThreads = 4096;
+
 struct BenchArgs {
   std::string size;  // "MxK"; empty: CPU 2048x4096, GPU the bench's default shapes
-  int repeats = 0;   // 0: CPU 5, GPU the bench's default
-  int threads = 0;   // 0: all of OpenMP's
+  int repeats = 0;   // not given: CPU 5, GPU the bench's default (given: 1..kMaxRepeats)
+  int threads = 0;   // not given: all of OpenMP's (given: 1..kMaxThreads)
   std::string filter;
   bool cpu_only = false;
   CLI::App* quantize = nullptr;
 };
+
+// The machine's physical memory in bytes (0 if unknown).
+double physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0.0;
+}
 
 Status parse_size(const std::string& s, int64_t* M, int64_t* K) {
   long long m = 0, k = 0;
@@ -43,8 +54,13 @@ int run_bench_quantize(const BenchArgs& a) {
     if (!st) return report_error("bench", st);
     if (M % 128 != 0 || K % 128 != 0)
       return report_error("bench", invalid_argument("--size {}: M and K must be multiples of 128", a.size));
+    // Refuse up front what cannot be allocated (it ended in "std::bad_alloc").
+    const double need = formats::bench_quantize_cpu_memory_bytes(M, K), have = physical_memory_bytes();
+    if (have > 0 && need > have)
+      return report_error("bench", invalid_argument("--size {}: the CPU bench needs {:.1f} GiB of memory at this size, "
+                                                    "more than this machine's {:.1f} GiB",
+                                                    a.size, need / double(1ull << 30), have / double(1ull << 30)));
   }
-  if (a.repeats < 0 || a.threads < 0) return report_error("bench", invalid_argument("--repeats/--threads must be >= 0"));
   if (a.threads > 0) set_num_threads(a.threads);
   const int cpu_repeats = a.repeats > 0 ? a.repeats : 5;
 
@@ -86,8 +102,9 @@ CommandRun setup_bench(CLI::App& app) {
   app.require_subcommand(1);
   a->quantize = app.add_subcommand("quantize", "Bandwidth of the format quantizers vs memcpy / device copy");
   a->quantize->add_option("--size", a->size, "MxK (multiples of 128); default CPU 2048x4096, GPU the bench's shapes");
-  a->quantize->add_option("--repeats", a->repeats, "Timed runs per row (best on CPU, median on GPU)");
-  a->quantize->add_option("--threads", a->threads, "CPU threads (default: all)");
+  a->quantize->add_option("--repeats", a->repeats, "Timed runs per row (best on CPU, median on GPU; default CPU 5)")
+      ->check(IntegerIn(1, kMaxRepeats));
+  a->quantize->add_option("--threads", a->threads, "CPU threads (default: all)")->check(IntegerIn(1, kMaxThreads));
   a->quantize->add_option("--filter", a->filter, "CPU rows whose name contains this");
   a->quantize->add_flag("--cpu-only", a->cpu_only, "Skip the GPU table");
   return [a]() -> int {

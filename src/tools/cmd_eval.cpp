@@ -4,17 +4,21 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
+#include <limits>
 #include <memory>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "io/regular_file.h"
 #include "tools/command.h"
+#include "tools/option_check.h"
 #include "train/checkpoint.h"
 #include "train/corpus.h"
+#include "train/dataset.h"
 #include "train/loader.h"
+#include "train/progress.h"
 #include "train/shards.h"
 #include "train/tokenizer.h"
 #include "train/trainer.h"
@@ -24,18 +28,15 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// --batch-size at most this: one batch's logits are batch x seq_len x vocab floats.
+constexpr int64_t kMaxEvalBatchSize = 65536;
+
 struct EvalArgs {
   std::string checkpoint, recipe;
   std::vector<std::string> data;
   bool json = false;
   int64_t batch_size = 0, seq_len = 0, batches = 0;
 };
-
-bool is_token_shard(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  char magic[8] = {};
-  return in.read(magic, 8) && std::memcmp(magic, "NIBTOK\0\0", 8) == 0;
-}
 
 // Removes a temporary folder when the command ends.
 struct TempDir {
@@ -63,12 +64,23 @@ int run_eval(const EvalArgs& a) {
   const nlohmann::json& rj = ck->run_config;
   const int64_t B = a.batch_size > 0 ? a.batch_size : rj.value("batch_size", int64_t{8});
   const int64_t T = a.seq_len > 0 ? a.seq_len : rj.value("seq_len", int64_t{128});
+  // The window cannot be longer than the positions the model has (RoPE tables, attention).
+  const int64_t positions = (*m)->config().max_position_embeddings;
+  if (T > positions)
+    return report_error("eval", invalid_argument("--seq-len {} exceeds the model's max_position_embeddings {}", T, positions));
 
   TempDir tmp;
   std::vector<std::string> shards;
+  // Per --data file: its token count, so a too-short input is named as the user gave it (text
+  // files become temporary shards, whose names mean nothing to the user).
+  std::vector<std::pair<std::string, int64_t>> sizes;
   for (const auto& path : a.data) {
-    if (!fs::exists(path)) return report_error("eval", not_found("data file '{}' does not exist", path));
-    if (is_token_shard(path)) {
+    // A FIFO or device is refused here, before anything reads it (io/regular_file.h).
+    if (Status st = io::check_regular_file(path, "data file"); !st) return report_error("eval", st);
+    if (train::is_token_shard_file(path)) {
+      auto shard = train::TokenShard::open(path);
+      if (!shard) return report_error("eval", Status(shard.status().code(), "data: " + shard.status().message()));
+      sizes.emplace_back(path, shard->size());
       shards.push_back(path);
       continue;
     }
@@ -79,6 +91,7 @@ int run_eval(const EvalArgs& a) {
     auto ids = tok->encode(*text);
     if (!ids) return report_error("eval", ids.status());
     ids->push_back(tok->eos_id());
+    sizes.emplace_back(path, static_cast<int64_t>(ids->size()));
     if (tmp.path.empty()) {
       char tmpl[] = "/tmp/nibble-eval-XXXXXX";
       if (!mkdtemp(tmpl)) return report_error("eval", io_error("cannot create a temporary folder in /tmp"));
@@ -89,6 +102,15 @@ int run_eval(const EvalArgs& a) {
     if (!s) return report_error("eval", s);
     shards.push_back(shard);
   }
+  int64_t windows = 0;  // as ValLoader counts them: (n - 1) / T per input of n >= T + 1 tokens
+  for (const auto& [path, n] : sizes) windows += n >= T + 1 ? (n - 1) / T : 0;
+  if (windows == 0) {
+    std::string which;
+    for (const auto& [path, n] : sizes) which += fmt::format("{}'{}' ({} tokens)", which.empty() ? "" : ", ", path, n);
+    return report_error("eval", data_loss("data: too short: {} {} no window of seq_len + 1 = {} tokens (give more "
+                                          "text or a smaller --seq-len)",
+                                          which, sizes.size() == 1 ? "holds" : "hold", T + 1));
+  }
   auto val = train::ValLoader::open(shards, B, T, a.batches);
   if (!val) return report_error("eval", Status(val.status().code(), "data: " + val.status().message()));
   auto e = train::evaluate(m->get(), *val);
@@ -98,8 +120,9 @@ int run_eval(const EvalArgs& a) {
                      {"batches", e->batches}, {"checkpoint", ck->dir}, {"step", ck->step}};
     std::printf("%s\n", j.dump().c_str());
   } else {
-    std::printf("eval: loss %.4f  ppl %.3f  (%lld tokens in %lld batches of %lldx%lld; checkpoint %s, step %lld)\n",
-                e->loss, e->ppl, static_cast<long long>(e->tokens), static_cast<long long>(e->batches),
+    std::printf("eval: loss %.4f  ppl %s  (%lld tokens in %lld batches of %lldx%lld; checkpoint %s, step %lld)\n",
+                e->loss, train::ProgressBar::format_perplexity(e->ppl).c_str(), static_cast<long long>(e->tokens),
+                static_cast<long long>(e->batches),
                 static_cast<long long>(B), static_cast<long long>(T), ck->dir.c_str(), static_cast<long long>(ck->step));
   }
   return 0;
@@ -114,9 +137,13 @@ NIBBLE_REGISTER_COMMAND(kEvalCommand, "eval", "Validation loss and perplexity of
                               ->required();
                           app.add_option("--data", a->data, "Text files or NIBTOK shards (e.g. RUN/data/val.bin)")->required();
                           app.add_flag("--json", a->json, "Print one JSON object");
-                          app.add_option("--batch-size", a->batch_size, "Sequences per batch (default: the run's)");
-                          app.add_option("--seq-len", a->seq_len, "Window length (default: the run's)");
-                          app.add_option("--batches", a->batches, "At most this many batches (default 0: all)");
+                          app.add_option("--batch-size", a->batch_size, "Sequences per batch (default: the run's)")
+                              ->check(IntegerIn(1, kMaxEvalBatchSize));
+                          app.add_option("--seq-len", a->seq_len,
+                                         "Window length, at most the model's max_position_embeddings (default: the run's)")
+                              ->check(IntegerIn(1, std::numeric_limits<int32_t>::max()));
+                          app.add_option("--batches", a->batches, "At most this many batches (default 0: all)")
+                              ->check(IntegerIn(0, std::numeric_limits<int64_t>::max()));
                           app.add_option("--recipe", a->recipe, "Evaluate with this linear recipe (default: the run's)");
                           return [a] { return run_eval(*a); };
                         });

@@ -1,13 +1,20 @@
 // `nibble pretrain`: trains a model from a run config (train/run_config.h) with `--set`
 // overrides, writing metrics.jsonl, loss.png and checkpoints into --out; `--resume` continues
-// the run from its latest checkpoint bit-identically. The loop itself is train/trainer.h.
+// the run from its latest checkpoint bit-identically. The loop itself is train/trainer.h. The run
+// folder is locked while it works (train/run_lock.h); SIGINT/SIGTERM stop it after the current
+// step with a checkpoint, and the one error line says how to resume (exit 130/143).
 #include <cstdio>
+#include <limits>
 #include <memory>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/interrupt.h"
 #include "core/log.h"
 #include "tools/command.h"
+#include "tools/option_check.h"
+#include "train/progress.h"
 #include "train/trainer.h"
 
 namespace nibble::tools {
@@ -40,12 +47,31 @@ int run_pretrain(const PretrainArgs& a) {
   opt.progress = !a.no_progress;
   NIB_LOG_INFO("pretrain: {} recipe, {} steps of {}x{}x{} tokens, out {}", cfg->recipe.name, cfg->steps,
                cfg->batch_size, cfg->grad_accum, cfg->seq_len, a.out);
+  install_interrupt_handlers();
   auto r = train::run_pretraining(*cfg, opt);
+  if (!r && interrupt_signal() != 0 && train::latest_checkpoint_dir(a.out).is_ok()) {
+    std::string quoted = "'";
+    for (char c : a.out) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    quoted += "'";
+    return report_error("pretrain", Status(r.status().code(), r.status().message() +
+                                                                  "; resume with: nibble pretrain --out " + quoted +
+                                                                  " --resume"));
+  }
   if (!r) return report_error("pretrain", r.status());
-  std::printf("pretrain: %s step %lld/%lld  val loss %.4f  val ppl %.3f  skipped %lld  %.1f s (%.0f tok/s)  checkpoint %s\n",
+  if (r->already_finished) {  // a plain --resume of a finished run: nothing done, exit 0
+    std::printf("pretrain: '%s' is already finished at step %lld/%lld; checkpoint %s (to train further: --resume --set "
+                "steps=N with N > %lld)\n", a.out.c_str(), static_cast<long long>(r->end_step),
+                static_cast<long long>(cfg->steps), r->checkpoint_dir.c_str(), static_cast<long long>(r->end_step));
+    return 0;
+  }
+  // --stop-after before the first validation: say so rather than print a loss of 0.
+  const std::string val = r->validated ? fmt::format("val loss {:.4f}  val ppl {}", r->val_loss,
+                                                     train::ProgressBar::format_perplexity(r->val_ppl))
+                                       : std::string("no validation ran");
+  std::printf("pretrain: %s step %lld/%lld  %s  skipped %lld  %.1f s (%.0f tok/s)  checkpoint %s\n",
               cfg->recipe.name.c_str(), static_cast<long long>(r->end_step), static_cast<long long>(cfg->steps),
-              r->val_loss, r->val_ppl, static_cast<long long>(r->skipped_steps), r->seconds, r->tokens_per_second,
-              r->checkpoint_dir.c_str());
+              val.c_str(), static_cast<long long>(r->skipped_steps), r->seconds, r->tokens_per_second,
+              r->checkpoint_dir.empty() ? "none (no step was trained)" : r->checkpoint_dir.c_str());
   return 0;
 }
 
@@ -55,15 +81,18 @@ NIBBLE_REGISTER_COMMAND(kPretrainCommand, "pretrain",
                         "Pretrain a model: run config + --set overrides; checkpoints, metrics.jsonl, loss.png",
                         [](CLI::App& app) -> CommandRun {
                           auto a = std::make_shared<PretrainArgs>();
-                          app.add_option("--config", a->config, "Run config JSON (see docs/training.md); defaults if omitted")
-                              ->check(CLI::ExistingFile);
+                          // A missing file is reported by load_run_config (bad input: exit 1), not by
+                          // CLI11 (exit 2).
+                          app.add_option("--config", a->config,
+                                         "Run config JSON (see docs/training.md); defaults if omitted");
                           app.add_option("--set", a->sets, "Override a config key, e.g. --set optimizer.lr=1e-3 (repeatable)")
                               ->allow_extra_args(false);
                           app.add_option("--data", a->data, "Training text files, or NIBTOK token shards with data.tokenizer set (default: the KJV corpus)");
                           app.add_option("--out", a->out, "Run folder (checkpoints/, metrics.jsonl, loss.png)")->required();
                           app.add_flag("--resume", a->resume, "Continue from the run folder's latest checkpoint");
                           app.add_option("--stop-after", a->stop_after,
-                                         "Stop after this step with a checkpoint, as if interrupted (for testing --resume)");
+                                         "Stop after this step with a checkpoint, as if interrupted (for testing --resume)")
+                              ->check(IntegerIn(1, std::numeric_limits<int64_t>::max()));
                           app.add_flag("--no-progress", a->no_progress, "No progress bar");
                           return [a] { return run_pretrain(*a); };
                         });

@@ -6,7 +6,9 @@
 
 #include <fmt/format.h>
 
+#include "core/interrupt.h"
 #include "tools/command.h"
+#include "tools/option_check.h"
 #include "tools/quantize_io.h"
 
 namespace nibble::tools {
@@ -22,6 +24,7 @@ std::string human_bytes(uint64_t b) {
 struct QuantizeArgs {
   std::string in, out, format, rounding = "rtn", layout = "raw", skip, block, scale_rule;
   uint64_t seed = 0;
+  bool force = false;
   CLI::Option *block_opt = nullptr, *rule_opt = nullptr, *seed_opt = nullptr;
 };
 
@@ -33,6 +36,8 @@ int run_quantize(const QuantizeArgs& a) {
                                        a.seed_opt->count() > 0 ? std::optional<uint64_t>(a.seed) : std::nullopt,
                                        a.layout, a.skip);
   if (!options) return report_error("quantize", options.status());
+  options->force = a.force;
+  install_interrupt_handlers();
   auto report = quantize_checkpoint(a.in, a.out, *options);
   if (!report) return report_error("quantize", report.status());
 
@@ -64,15 +69,17 @@ int run_quantize(const QuantizeArgs& a) {
 CommandRun setup_quantize(CLI::App& app) {
   auto a = std::make_shared<QuantizeArgs>();
   app.add_option("IN", a->in, "Input .safetensors file (or sharded checkpoint folder / index .json)")->required();
-  app.add_option("OUT", a->out, "Output .safetensors file (written atomically)")->required();
+  app.add_option("OUT", a->out, "Output .safetensors file (written atomically; never an input file)")->required();
   app.add_option("--format", a->format, "nvfp4 | nvfp4-2level | mxfp4 | mxfp8")->required();
   a->block_opt = app.add_option("--block", a->block, "nvfp4 scale block: 1x16 (default) | 16x16 (TE 2-D weight tiles)");
   a->rule_opt = app.add_option("--scale-rule", a->scale_rule,
                                "MX scale exponent rule: ocp (default mxfp4) | ceil (mxfp4 only) | rceil (default mxfp8)");
   app.add_option("--rounding", a->rounding, "rtn (default) | sr (stochastic; not mxfp8, not 16x16)");
-  a->seed_opt = app.add_option("--seed", a->seed, "SR seed (needs --rounding sr; default 0); stream = tensor index");
+  a->seed_opt = app.add_option("--seed", a->seed, "SR seed (needs --rounding sr; default 0); stream = tensor index")
+                    ->check(Unsigned64());
   app.add_option("--layout", a->layout, "raw (default) | modelopt | compressed-tensors (the last two: nvfp4 only)");
   app.add_option("--skip", a->skip, "Copy tensors whose name matches this regular expression (ECMAScript, search)");
+  app.add_flag("--force", a->force, "Replace an existing OUT (or hf_quant_config.json) that nibble did not write");
   return [a] { return run_quantize(*a); };
 }
 

@@ -29,8 +29,10 @@ struct CommandRegistrar {
   explicit CommandRegistrar(Command c) { command_registry().push_back(std::move(c)); }
 };
 
-// Prints "nibble <command>: <message>" on stderr and returns the exit code for it (1, or 2
-// for invalid arguments).
+// Prints "nibble <command>: <message>" on stderr and returns the exit code for it: 2 for
+// kInvalidArgument (a bad command line or config value), 1 for every other code (a missing,
+// unreadable or malformed input, a failed write; docs/cli.md "Exit codes"); 128 + signal once
+// SIGINT/SIGTERM was received (core/interrupt.h).
 int report_error(const std::string& command, const Status& status);
 
 }  // namespace nibble::tools

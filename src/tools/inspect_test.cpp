@@ -3,6 +3,7 @@
 // nibble.format metadata and, with the metadata removed, from names/dtypes/shapes alone), and
 // the --against error statistics on Gaussian data against bounds derived below.
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 
 #include <gtest/gtest.h>
@@ -134,6 +135,67 @@ TEST_F(InspectCli, RecognisesEngineLayoutsWithoutMetadata) {
     EXPECT_GT(g.rel_rmse, 0.05);
     EXPECT_LT(g.rel_rmse, 0.2);
   }
+}
+
+// The whitespace-separated fields of the `--against` line of `name` (strtod reads "nan"/"inf",
+// which operator>> does not).
+std::vector<std::string> against_fields(const std::string& out, const std::string& name) {
+  std::istringstream lines(out.substr(std::min(out.size(), out.find("error against"))));
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream f(line);
+    std::vector<std::string> fields;
+    for (std::string w; f >> w;) fields.push_back(w);
+    if (!fields.empty() && fields[0] == name) return fields;
+  }
+  ADD_FAILURE() << "no --against row for " << name << " in:\n" << out;
+  return {};
+}
+
+TEST_F(InspectCli, AgainstSourceWithNanOrInfIsNeverExact) {
+  // q holds the NVFP4 form of a finite g.weight; the source it is compared with has a NaN and an
+  // Inf in that tensor. The old statistics summed the NaN into both sums and printed
+  // rel_rmse 0 and SNR inf: a perfect result.
+  std::string q = quantize("q.safetensors", "--format nvfp4");
+  auto src = io::SafetensorsFile::open(dir / "in.safetensors");
+  ASSERT_TRUE(src.is_ok());
+  std::vector<io::NamedTensor> t;
+  for (const auto& n : src->names()) t.push_back({n, src->get(n)->clone()});
+  for (auto& nt : t)
+    if (nt.name == "g.weight") {
+      nt.tensor.data<float>()[3] = NAN;
+      nt.tensor.data<float>()[700] = -INFINITY;
+    }
+  ASSERT_TRUE(io::write_safetensors(dir / "nan.safetensors", t).is_ok());
+  RunResult r = run_nibble(dir.path, "inspect '" + q + "' --against '" + dir / "nan.safetensors" + "'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::vector<std::string> g = against_fields(r.out, "g.weight");
+  ASSERT_GE(g.size(), 8u) << r.out;
+  EXPECT_EQ(g[7], "2") << r.out;  // the nonfinite column
+  // The other 65534 values are compared as usual: the ordinary NVFP4 error, not zero.
+  const double rel = std::strtod(g[3].c_str(), nullptr), snr = std::strtod(g[5].c_str(), nullptr);
+  EXPECT_GT(rel, 0.05) << r.out;
+  EXPECT_LT(rel, 0.2) << r.out;
+  EXPECT_TRUE(std::isfinite(snr)) << r.out;
+  EXPECT_NE(r.out.find("NOT EXACT: 2 of 65536 values are NaN/Inf"), std::string::npos) << r.out;
+  // Finite tensors keep a zero count and no note.
+  std::vector<std::string> a = against_fields(r.out, "a.weight");
+  ASSERT_GE(a.size(), 8u) << r.out;
+  EXPECT_EQ(a[7], "0");
+  EXPECT_EQ(a.size(), 8u) << r.out;
+
+  // A tensor quantized with a NaN in it (the amax is NaN, so is every value): no finite pair
+  // is left, the statistics are NaN and the row says why, never "0 / inf".
+  ASSERT_TRUE(io::write_safetensors(dir / "nan_in.safetensors", t).is_ok());
+  RunResult qn = run_nibble(dir.path, "quantize '" + dir / "nan_in.safetensors" + "' '" + dir / "qn.safetensors" +
+                                          "' --format nvfp4");
+  ASSERT_EQ(qn.code, 0) << qn.err;
+  r = run_nibble(dir.path, "inspect '" + dir / "qn.safetensors" + "' --against '" + dir / "nan.safetensors" + "'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  g = against_fields(r.out, "g.weight");
+  ASSERT_GE(g.size(), 8u) << r.out;
+  EXPECT_GE(std::stoll(g[7]), 2) << r.out;
+  EXPECT_NE(std::strtod(g[3].c_str(), nullptr), 0.0) << r.out;  // rel_rmse: NaN or the real error, never 0
+  EXPECT_NE(r.out.find("NOT EXACT"), std::string::npos) << r.out;
 }
 
 TEST_F(InspectCli, BadInputOneLineNonZero) {

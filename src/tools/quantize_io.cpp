@@ -5,21 +5,28 @@
 #include "tools/quantize_io.h"
 
 #include <filesystem>
+#include <fstream>
 #include <regex>
 #include <set>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "core/interrupt.h"
 #include "formats/e2m1.h"
 #include "formats/e4m3.h"
 #include "formats/quantize_cpu.h"
 #include "io/atomic_file.h"
+#include "io/output_guard.h"
+#include "io/regular_file.h"
+#include "train/checkpoint.h"
 
 namespace nibble::tools {
 namespace {
 
 using nlohmann::json;
 namespace fm = nibble::formats;
+namespace fs = std::filesystem;
 
 Shape with_last(const Shape& s, int64_t last) {
   Shape r = s;
@@ -251,16 +258,94 @@ Result<QuantizeOptions> make_quantize_options(const std::string& format, const s
   return o;
 }
 
-Result<io::SafetensorsFile> open_input(const std::string& path) {
+Result<std::string> resolve_input_path(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path, ec) ||
+      !std::filesystem::exists(std::filesystem::path(path) / "checkpoints" / "latest", ec))
+    return path;
+  NIB_ASSIGN_OR_RETURN(std::string step_dir, train::latest_checkpoint_dir(path));
+  return (std::filesystem::path(step_dir) / "model.safetensors").string();
+}
+
+Result<io::SafetensorsFile> open_input(const std::string& given) {
+  NIB_ASSIGN_OR_RETURN(std::string path, resolve_input_path(given));
   auto file = io::SafetensorsFile::open(path);
   if (!file && file.status().code() == StatusCode::kInvalidArgument)
     return Status(StatusCode::kDataLoss, file.status().message());
   return file;
 }
 
+namespace {
+
+// True when `path` is a safetensors file that `nibble quantize` wrote (it has nibble.format).
+bool is_nibble_quantized_file(const std::string& path) {
+  auto f = io::SafetensorsFile::open(path);
+  return f && f->metadata().count(kFormatMetadataKey) != 0;
+}
+
+// True when `path` is an hf_quant_config.json that nibble wrote (producer.name == "nibble").
+bool is_nibble_hf_quant_config(const std::string& path) {
+  auto text = io::read_regular_file(path);  // a FIFO or device is not ours, and never blocks
+  if (!text) return false;
+  const json j = json::parse(*text, nullptr, false);
+  return j.is_object() && j.contains("producer") && j["producer"].is_object() &&
+         j["producer"].value("name", "") == "nibble";
+}
+
+// What quantize_checkpoint may write: never one of the input files (same path or inode), an
+// existing path only when nibble wrote it (or `force`).
+Status check_quantize_outputs(const io::SafetensorsFile& file, const std::string& out, const std::string& hf_quant_path,
+                              const QuantizeOptions& o) {
+  for (const std::string& target : {out, hf_quant_path}) {
+    if (target.empty()) continue;
+    for (const std::string& f : file.files())
+      if (io::same_file(f, target) || io::resolved_path(f) == io::resolved_path(target))
+        return invalid_argument("output '{}' is the input file '{}': choose another OUT", target, f);
+  }
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(out, ec))) {
+    if (fs::is_directory(fs::status(out, ec)))
+      return invalid_argument("output '{}' is a folder: OUT names the .safetensors file to write", out);
+    if (!o.force && !is_nibble_quantized_file(out))
+      return invalid_argument("output '{}' exists and is not an earlier nibble quantize output: choose a new path, or "
+                              "pass --force to replace it",
+                              out);
+  }
+  if (!hf_quant_path.empty() && fs::exists(fs::symlink_status(hf_quant_path, ec)) && !o.force &&
+      !is_nibble_hf_quant_config(hf_quant_path))
+    return invalid_argument("'{}' exists and was not written by nibble (--layout modelopt writes it next to OUT): "
+                            "choose another folder for OUT, or pass --force to replace it",
+                            hf_quant_path);
+  return Status::ok();
+}
+
+// A quantized input (nibble.format metadata, or groups recognised by name) is refused: its codes
+// are U8 and would be copied, its scales quantized again, giving a file no reader understands.
+Status check_not_quantized(const io::SafetensorsFile& file, const std::string& in) {
+  if (file.metadata().count(kFormatMetadataKey))
+    return invalid_argument("'{}' is already quantized (it has '{}' metadata): quantize the original F32/BF16/F16 "
+                            "checkpoint",
+                            in, kFormatMetadataKey);
+  auto groups = find_quant_groups(file);
+  if (groups && !groups->empty())
+    return invalid_argument("'{}' is already quantized ({} tensors in the {} layout, e.g. '{}'): quantize the original "
+                            "F32/BF16/F16 checkpoint",
+                            in, groups->size(), layout_name(groups->front().layout), groups->front().base);
+  return Status::ok();
+}
+
+}  // namespace
+
 Result<QuantizeReport> quantize_checkpoint(const std::string& in, const std::string& out,
                                            const QuantizeOptions& o) {
   NIB_ASSIGN_OR_RETURN(io::SafetensorsFile file, open_input(in));
+  std::string hf_quant_path;
+  if (o.layout == QuantLayout::kModelopt) {
+    std::filesystem::path dir = std::filesystem::path(out).parent_path();
+    hf_quant_path = (dir.empty() ? std::filesystem::path("hf_quant_config.json") : dir / "hf_quant_config.json").string();
+  }
+  NIB_RETURN_IF_ERROR(check_quantize_outputs(file, out, hf_quant_path, o));
+  NIB_RETURN_IF_ERROR(check_not_quantized(file, in));
   std::optional<std::regex> skip;
   if (!o.skip_regex.empty()) skip.emplace(o.skip_regex);
   const int64_t block = format_block(o.format);
@@ -271,6 +356,7 @@ Result<QuantizeReport> quantize_checkpoint(const std::string& in, const std::str
   std::vector<std::string> excluded_modules;
   const std::vector<std::string> names = file.names();
   for (size_t index = 0; index < names.size(); ++index) {
+    if (interrupt_signal() != 0) return cancelled_status(fmt::format("while quantizing: {} not written", out));
     const std::string& name = names[index];
     NIB_ASSIGN_OR_RETURN(Tensor x, file.get(name));
     std::string reason;
@@ -343,13 +429,11 @@ Result<QuantizeReport> quantize_checkpoint(const std::string& in, const std::str
                {"ignore", excluded_modules}};
     metadata["quantization_config"] = ct.dump();
   }
-  NIB_RETURN_IF_ERROR(io::write_safetensors(out, outputs, metadata));
+  NIB_RETURN_IF_ERROR(io::write_safetensors(out, outputs, metadata, /*stop_on_interrupt=*/true));
   if (o.layout == QuantLayout::kModelopt) {
-    std::filesystem::path dir = std::filesystem::path(out).parent_path();
-    std::string path = (dir.empty() ? std::filesystem::path("hf_quant_config.json") : dir / "hf_quant_config.json").string();
     std::string text = hf_quant.dump(2) + "\n";
-    NIB_RETURN_IF_ERROR(io::write_file_atomic(path, text.data(), text.size()));
-    report.hf_quant_config_path = path;
+    NIB_RETURN_IF_ERROR(io::write_file_atomic(hf_quant_path, text.data(), text.size()));
+    report.hf_quant_config_path = hf_quant_path;
   }
   return report;
 }

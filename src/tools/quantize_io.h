@@ -32,6 +32,7 @@ struct QuantizeOptions {
   uint64_t seed = 0;                                           // SR seed; stream = tensor index
   QuantLayout layout = QuantLayout::kRaw;
   std::string skip_regex;                                      // ECMAScript, regex_search on the name
+  bool force = false;  // replace an existing OUT (or hf_quant_config.json) that nibble did not write
 };
 
 // Validates the flag combination of `nibble quantize` (strings as typed; empty optional = flag
@@ -62,12 +63,21 @@ struct QuantizeReport {
   std::string hf_quant_config_path;  // written next to OUT for --layout modelopt, else empty
 };
 
-// Opens a checkpoint for reading. A malformed file is an input error (exit code 1), not an
-// invalid argument, so the reader's kInvalidArgument statuses are returned as kDataLoss.
+// The safetensors file or folder that `path` names for reading: a nibble run folder (it holds
+// checkpoints/latest, as every other command accepts) stands for its latest checkpoint's
+// model.safetensors; anything else is returned as given.
+Result<std::string> resolve_input_path(const std::string& path);
+
+// Opens a checkpoint for reading (resolve_input_path, then io::SafetensorsFile::open). A
+// malformed file is an input error (exit code 1), not an invalid argument, so the reader's
+// kInvalidArgument statuses are returned as kDataLoss.
 Result<io::SafetensorsFile> open_input(const std::string& path);
 
 // Reads `in` (a .safetensors file or sharded checkpoint), quantizes every eligible tensor and
-// writes `out` atomically (plus hf_quant_config.json next to it for ModelOpt).
+// writes `out` atomically (plus hf_quant_config.json next to it for ModelOpt). Refused
+// (kInvalidArgument): `out` (or that json) naming an input file by path or inode; an existing
+// `out` that is not an earlier nibble quantize output (or a foreign hf_quant_config.json) unless
+// options.force; an input that is already quantized. A SIGINT/SIGTERM stops it with no file left.
 Result<QuantizeReport> quantize_checkpoint(const std::string& in, const std::string& out,
                                            const QuantizeOptions& options);
 

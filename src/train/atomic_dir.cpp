@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <system_error>
 
+#include "io/output_guard.h"
+
 namespace nibble::train {
 namespace fs = std::filesystem;
 
@@ -33,6 +35,7 @@ Status fsync_path(const std::string& path, bool directory) {
 }  // namespace
 
 Status write_file_atomic(const std::string& path, std::string_view bytes) {
+  io::remove_stale_temporaries(path);  // `path.tmp.<pid>` of killed writers
   std::string tmp = path + ".tmp." + std::to_string(::getpid());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return io_error("cannot create {}: {}", tmp, std::strerror(errno));
@@ -76,6 +79,7 @@ Result<AtomicDir> AtomicDir::create(const std::string& final_path) {
   std::string trimmed = final_path;
   while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
   NIB_RETURN_IF_ERROR(make_dirs(parent_or_dot(trimmed)));
+  io::remove_stale_temporaries(trimmed);  // `.tmp.<pid>` / `.old.<pid>` folders of killed writers
   std::string tmp = trimmed + ".tmp." + std::to_string(::getpid());
   std::error_code ec;
   fs::remove_all(tmp, ec);  // a leftover of an earlier crashed run with the same pid

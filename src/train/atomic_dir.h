@@ -11,7 +11,8 @@
 
 namespace nibble::train {
 
-// Writes `bytes` to `path` atomically: `<path>.tmp.<pid>`, fsync, rename over `path`.
+// Writes `bytes` to `path` atomically: `<path>.tmp.<pid>`, fsync, rename over `path`. Like
+// AtomicDir::create, it first removes what killed writers of `path` left (io/output_guard.h).
 Status write_file_atomic(const std::string& path, std::string_view bytes);
 
 // Creates `path` and its missing parents (like mkdir -p); ok if it already exists as a folder.

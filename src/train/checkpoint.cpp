@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "core/bits.h"
+#include "io/regular_file.h"
 #include "train/atomic_dir.h"
 
 namespace nibble::train {
@@ -26,12 +27,9 @@ Status run_hook(const CheckpointHook& hook, const std::string& stage) {
 }
 
 Result<std::string> read_small_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return not_found("cannot open '{}'", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return io_error("cannot read '{}'", path);
-  return ss.str();
+  auto text = io::read_regular_file(path, "checkpoint file");
+  if (!text && text.status().code() == StatusCode::kNotFound) return not_found("cannot open '{}'", path);
+  return text;
 }
 
 Result<json> read_json(const std::string& path) {
@@ -55,16 +53,17 @@ std::vector<std::pair<int64_t, std::string>> list_step_dirs(const std::string& c
   return out;
 }
 
-// Removes leftovers of crashed writes of other processes (step_N.tmp.<pid>, step_N.old.<pid>).
+// Removes leftovers of crashed writes of other processes (step_N.tmp.<pid>, step_N.old.<pid>,
+// latest.tmp.<pid>): the writer holds the run lock (run_lock.h), so no other process is writing.
 void remove_stale_temporaries(const std::string& ckpt_root) {
   std::error_code ec;
-  static const std::regex re("step_[0-9]+\\.(tmp|old)\\.([0-9]+)");
+  static const std::regex re("(step_[0-9]+\\.(tmp|old)|latest\\.tmp)\\.([0-9]+)");
   const std::string mine = std::to_string(::getpid());
   std::vector<fs::path> stale;
   for (auto& e : fs::directory_iterator(ckpt_root, ec)) {
     std::smatch m;
     std::string name = e.path().filename().string();
-    if (std::regex_match(name, m, re) && m[2].str() != mine) stale.push_back(e.path());
+    if (std::regex_match(name, m, re) && m[3].str() != mine) stale.push_back(e.path());
   }
   for (auto& p : stale) fs::remove_all(p, ec);
 }
@@ -183,7 +182,7 @@ Result<Checkpoint> open_checkpoint(const std::string& path) {
   auto mc = model::parse_model_config(c.model_config_json);
   if (!mc) return data_loss("corrupt checkpoint file '{}': {}", (d / "config.json").string(), mc.status().message());
   c.model_config = *mc;
-  for (const char* f : {"model.safetensors", "optimizer.safetensors", "tokenizer.model"})
+  for (const char* f : {"model.safetensors", "tokenizer.model"})
     if (!fs::exists(d / f)) return not_found("incomplete checkpoint '{}': missing {}", dir, f);
   c.tokenizer_path = (d / "tokenizer.model").string();
   return c;
@@ -252,6 +251,14 @@ Result<std::unique_ptr<model::Model>> load_checkpoint_model(const Checkpoint& ck
   NIB_ASSIGN_OR_RETURN(auto m, model::Model::create(ckpt.model_config, rc));
   NIB_RETURN_IF_ERROR(load_model_state(m.get(), ckpt.dir));
   return m;
+}
+
+Result<std::vector<io::NamedTensor>> load_checkpoint_tensors(const Checkpoint& ckpt) {
+  const model::RecipeConfig plain;  // the weights do not depend on the recipe
+  NIB_ASSIGN_OR_RETURN(auto m, load_checkpoint_model(ckpt, &plain));
+  std::vector<io::NamedTensor> out;
+  for (const auto& nt : model_named_tensors(*m)) out.push_back({nt.name, nt.tensor.clone()});
+  return out;
 }
 
 }  // namespace nibble::train

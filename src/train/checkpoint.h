@@ -60,6 +60,7 @@ struct Checkpoint {
 
 // `path`: a step folder (has trainer.json), a run folder (uses checkpoints/latest) or a
 // checkpoints folder (uses latest). Missing or corrupt parts are errors naming the file.
+// optimizer.safetensors is not required: only a resume needs it (and checks it itself).
 Result<Checkpoint> open_checkpoint(const std::string& path);
 // The step folder `latest` names under RUN_DIR/checkpoints, or not_found.
 Result<std::string> latest_checkpoint_dir(const std::string& run_dir);
@@ -74,7 +75,13 @@ std::vector<io::NamedTensor> recipe_state_tensors(const model::Model& model);
 Status load_model_state(model::Model* model, const std::string& dir);
 
 // Builds the checkpoint's model (recipe from its run_config unless `recipe` is given) and loads it.
+// This (through load_model_state) is the one way every command reads a checkpoint's weights, so
+// eval, generate, export and resume accept and refuse the same checkpoints.
 Result<std::unique_ptr<model::Model>> load_checkpoint_model(const Checkpoint& ckpt,
                                                             const model::RecipeConfig* recipe = nullptr);
+
+// The checkpoint's parameters as owned F32 tensors with HF names, in the model's order, loaded
+// and checked by load_checkpoint_model (for exports).
+Result<std::vector<io::NamedTensor>> load_checkpoint_tensors(const Checkpoint& ckpt);
 
 }  // namespace nibble::train

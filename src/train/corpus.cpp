@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "io/regular_file.h"
 #include "train/atomic_dir.h"
 
 namespace nibble::train {
@@ -79,22 +80,17 @@ Status write_default_corpus(const std::string& path) {
 }
 
 Result<std::string> read_text_file(const std::string& path) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) return not_found("text file not found: {}", path);
-  if (!fs::is_regular_file(path, ec)) return invalid_argument("not a regular file: {}", path);
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return io_error("cannot open text file {}", path);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) return io_error("error reading text file {}", path);
-  std::string text = ss.str();
+  auto read = io::read_regular_file(path, "text file");
+  if (!read && read.status().code() == StatusCode::kNotFound) return not_found("text file not found: {}", path);
+  if (!read) return read.status();
+  std::string text = std::move(read).value();
   bool blank = true;
   for (char c : text)
     if (!std::isspace(static_cast<unsigned char>(c))) {
       blank = false;
       break;
     }
-  if (blank) return invalid_argument("text file {} is empty", path);
+  if (blank) return data_loss("text file {} is empty", path);
   return text;
 }
 

@@ -2,15 +2,22 @@
 // token shards -> train/val shards (copied, tail held out), cached by fingerprint.
 #include "train/dataset.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
 #include <span>
 #include <sstream>
 
+#include "core/interrupt.h"
+#include "io/output_guard.h"
+#include "io/regular_file.h"
 #include "train/atomic_dir.h"
 #include "train/corpus.h"
 
@@ -31,12 +38,15 @@ uint64_t fnv1a(uint64_t h, std::string_view s) {
 
 // FNV-1a 64 of the file's bytes, streamed in 1 MiB chunks (shards may be large).
 Result<uint64_t> fnv1a_file(uint64_t h, const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return not_found("cannot open '{}'", path);
+  auto file = io::open_regular_file(path, "data file");
+  if (!file) return file.status();
   std::string buf(1 << 20, '\0');
-  while (f) {
-    f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    h = fnv1a(h, std::string_view(buf.data(), static_cast<size_t>(f.gcount())));
+  for (;;) {
+    ssize_t n = ::read(file->fd(), buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return io_error("data file '{}': read error: {}", path, std::strerror(errno));
+    if (n == 0) break;
+    h = fnv1a(h, std::string_view(buf.data(), static_cast<size_t>(n)));
   }
   return h;
 }
@@ -61,8 +71,8 @@ Result<Dataset> dataset_from_json(const std::string& dir, const nlohmann::json& 
   d.val_path = (fs::path(dir) / "val.bin").string();
   try {
     if (j.at("format_version").get<int>() != kDataFormatVersion)
-      return invalid_argument("data folder {}: data.json format_version {} (this build reads {})", dir,
-                              j.at("format_version").get<int>(), kDataFormatVersion);
+      return data_loss("data folder {}: data.json format_version {} (this build reads {})", dir,
+                       j.at("format_version").get<int>(), kDataFormatVersion);
     d.fingerprint = std::stoull(j.at("fingerprint").get<std::string>(), nullptr, 16);
     d.vocab_size = j.at("vocab_size").get<int32_t>();
     const auto& s = j.at("summary");
@@ -84,26 +94,45 @@ Result<Dataset> dataset_from_json(const std::string& dir, const nlohmann::json& 
 }  // namespace
 
 bool is_token_shard_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
+  auto file = io::open_regular_file(path);  // never blocks on a FIFO: not a shard
+  if (!file) return false;
   char magic[sizeof(kShardMagic)] = {};
-  if (!f.read(magic, sizeof(magic))) return false;
+  if (::pread(file->fd(), magic, sizeof(magic), 0) != static_cast<ssize_t>(sizeof(magic))) return false;
   return std::equal(magic, magic + sizeof(magic), kShardMagic);
 }
 
 Result<Dataset> open_dataset(const std::string& dir) {
   const std::string meta = (fs::path(dir) / "data.json").string();
-  std::ifstream f(meta);
-  if (!f) return not_found("data folder {}: no data.json", dir);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
+  auto text = io::read_regular_file(meta, "data folder file");
+  if (!text && text.status().code() == StatusCode::kNotFound) return not_found("data folder {}: no data.json", dir);
+  if (!text) return text.status();
+  nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return data_loss("data folder {}: data.json is not a JSON object", dir);
   return dataset_from_json(dir, j);
+}
+
+// The data folder is rebuilt by replacing it whole: refuse one that holds what nibble did not
+// write (anything but an empty folder or a data folder with its data.json).
+static Status check_data_folder_is_ours(const std::string& dir) {
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(dir, ec);
+  if (!fs::exists(st)) return Status::ok();
+  if (!fs::is_directory(st)) return invalid_argument("data folder '{}' exists and is not a folder (data.dir)", dir);
+  if (fs::is_empty(dir, ec)) return Status::ok();
+  auto text = io::read_regular_file((fs::path(dir) / "data.json").string(), "data folder file");  // never blocks
+  const nlohmann::json j = text ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
+  if (!text || j.is_discarded() || !j.is_object() || !j.contains("fingerprint"))
+    return invalid_argument("data folder '{}' holds files nibble did not write (no data.json): set data.dir to "
+                            "another folder (it is replaced when rebuilt)",
+                            dir);
+  return Status::ok();
 }
 
 Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o) {
   if (!(o.val_fraction >= 0 && o.val_fraction <= 0.5))
     return invalid_argument("val_fraction {} must be in [0, 0.5]", o.val_fraction);
+  io::remove_stale_temporaries(dir);  // `DATA.tmp.<pid>` / `DATA.old.<pid>` of killed preparations
+  NIB_RETURN_IF_ERROR(check_data_folder_is_ours(dir));
   // Inputs: text files or token shards, never both in one run.
   std::vector<std::string> shard_files, plain_files;
   for (const std::string& p : o.text_files) (is_token_shard_file(p) ? shard_files : plain_files).push_back(p);
@@ -117,23 +146,23 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
   if (!o.val_shard_files.empty() && !from_shards)
     return invalid_argument("data.val_files is only for token shard input (data.files holds text)");
   for (const std::string& p : o.val_shard_files)
-    if (!is_token_shard_file(p)) return invalid_argument("data.val_files: '{}' is not a NIBTOK token shard", p);
+    if (!is_token_shard_file(p)) return data_loss("data.val_files: '{}' is not a NIBTOK token shard", p);
 
   // The loaded tokenizer (its bytes are copied into the folder as they are).
   std::string tokenizer_bytes;
   std::optional<Tokenizer> loaded;
   if (!o.tokenizer_file.empty()) {
-    std::ifstream f(o.tokenizer_file, std::ios::binary);
-    if (!f) return not_found("data.tokenizer: cannot open '{}'", o.tokenizer_file);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    tokenizer_bytes = ss.str();
+    auto bytes = io::read_regular_file(o.tokenizer_file, "data.tokenizer");
+    if (!bytes && bytes.status().code() == StatusCode::kNotFound)
+      return not_found("data.tokenizer: cannot open '{}'", o.tokenizer_file);
+    if (!bytes) return bytes.status();
+    tokenizer_bytes = std::move(bytes).value();
     auto t = Tokenizer::from_serialized(tokenizer_bytes);
-    if (!t) return invalid_argument("data.tokenizer: '{}' is not a sentencepiece model ({})", o.tokenizer_file,
-                                    t.status().message());
+    if (!t) return data_loss("data.tokenizer: '{}' is not a sentencepiece model ({})", o.tokenizer_file,
+                             t.status().message());
     if (t->vocab_size() > o.vocab_size)
-      return invalid_argument("data.tokenizer: '{}' has {} pieces, more than the model's vocab_size {}",
-                              o.tokenizer_file, t->vocab_size(), o.vocab_size);
+      return data_loss("data.tokenizer: '{}' has {} pieces, more than the model's vocab_size {}",
+                       o.tokenizer_file, t->vocab_size(), o.vocab_size);
     loaded.emplace(std::move(t).value());
   }
 
@@ -179,6 +208,8 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
     return existing;
   }
 
+  const std::string interrupted_what = "while preparing the data folder " + dir;
+  if (interrupt_signal() != 0) return cancelled_status(interrupted_what);
   NIB_ASSIGN_OR_RETURN(AtomicDir out, AtomicDir::create(dir));
   const fs::path tmp = out.temp_path();
   auto t0 = std::chrono::steady_clock::now();
@@ -197,8 +228,8 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
       for (const std::string& p : paths) {
         NIB_ASSIGN_OR_RETURN(TokenShard sh, TokenShard::open(p));
         if (sh.vocab_size() > tok.vocab_size())
-          return invalid_argument("{}: token shard '{}' has vocab_size {}, more than data.tokenizer's {}", key, p,
-                                  sh.vocab_size(), tok.vocab_size());
+          return data_loss("{}: token shard '{}' has vocab_size {}, more than data.tokenizer's {}", key, p,
+                           sh.vocab_size(), tok.vocab_size());
         shards->push_back(std::move(sh));
       }
       return Status::ok();
@@ -239,12 +270,14 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
       to.vocab_size = o.vocab_size;
       to.seed = o.tokenizer_seed;
       to.max_sentences = o.tokenizer_max_sentences;
+      to.vocab_size_name = o.vocab_size_name;
       NIB_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::train(texts, to));
       NIB_RETURN_IF_ERROR(tok.save((tmp / "tokenizer.model").string()));
       trained.emplace(std::move(tok));
     }
     t1 = std::chrono::steady_clock::now();
     texts.clear();
+    if (interrupt_signal() != 0) return cancelled_status(interrupted_what);  // `out` removes its folder
     NIB_ASSIGN_OR_RETURN(sum, build_token_shards((tmp / "train.bin").string(), (tmp / "val.bin").string(),
                                                  loaded ? *loaded : *trained, corpus_files,
                                                  SplitOptions{o.val_fraction}));
@@ -276,6 +309,7 @@ Result<Dataset> prepare_dataset(const std::string& dir, const DatasetOptions& o)
       {"shard_format", "NIBTOK v1 (docs/data.md)"},
   };
   NIB_RETURN_IF_ERROR(write_file_atomic((tmp / "data.json").string(), j.dump(2) + "\n"));
+  if (interrupt_signal() != 0) return cancelled_status(interrupted_what);
   NIB_RETURN_IF_ERROR(out.commit());
   NIB_ASSIGN_OR_RETURN(Dataset d, open_dataset(dir));
   d.tokenizer_seconds = trained ? std::chrono::duration<double>(t1 - t0).count() : 0.0;

@@ -29,6 +29,7 @@ struct DatasetOptions {
   // tokens (input shards concatenated in order) are held out as val.bin.
   std::vector<std::string> val_shard_files;
   int vocab_size = 4096;  // trained tokenizer's size; with tokenizer_file, the largest size accepted
+  std::string vocab_size_name = "vocab_size";  // what errors call vocab_size (the config key)
   double val_fraction = 0.05;
   uint32_t tokenizer_seed = 1234;
   int64_t tokenizer_max_sentences = 200000;

@@ -8,7 +8,9 @@
 #include <sstream>
 
 #include "core/bits.h"
+#include "core/interrupt.h"
 #include "formats/quantize_cpu.h"
+#include "io/output_guard.h"
 #include "train/atomic_dir.h"
 #include "train/tokenizer.h"
 
@@ -37,20 +39,6 @@ Tensor scalar_f32(float v) {
   return t;
 }
 
-// The model tensors of a checkpoint (F32), in file order.
-Result<std::vector<io::NamedTensor>> read_model_tensors(const Checkpoint& ckpt) {
-  const std::string path = (fs::path(ckpt.dir) / "model.safetensors").string();
-  auto f = io::SafetensorsFile::open(path);
-  if (!f) return data_loss("corrupt checkpoint file '{}': {}", path, f.status().message());
-  std::vector<io::NamedTensor> out;
-  for (const auto& n : f->names()) {
-    NIB_ASSIGN_OR_RETURN(Tensor t, f->get(n));
-    if (t.dtype() != DType::kF32) return data_loss("checkpoint '{}': tensor '{}' is not F32", path, n);
-    out.push_back({n, t});
-  }
-  return out;
-}
-
 // config.json, generation_config.json and the tokenizer files into `dir`.
 Status write_common_files(const Checkpoint& ckpt, const fs::path& dir, const json& config) {
   NIB_RETURN_IF_ERROR(write_file_atomic((dir / "config.json").string(), config.dump(2) + "\n"));
@@ -71,9 +59,12 @@ Status write_common_files(const Checkpoint& ckpt, const fs::path& dir, const jso
   tc["sp_model_kwargs"] = json::object();
   NIB_RETURN_IF_ERROR(write_file_atomic((dir / "tokenizer_config.json").string(), tc.dump(2) + "\n"));
   NIB_RETURN_IF_ERROR(write_file_atomic((dir / "special_tokens_map.json").string(), specials.dump(2) + "\n"));
+  // No "transformers_version": that key records the transformers release that wrote the file,
+  // and none did (transformers fills in its own when loading; the export is checked with 5.17,
+  // docs/training.md).
   const json gen{{"bos_token_id", tok.bos_id()}, {"eos_token_id", tok.eos_id()}, {"pad_token_id", tok.pad_id()},
                  {"do_sample", true},           {"temperature", 0.8},           {"top_p", 0.95},
-                 {"max_new_tokens", 64},        {"transformers_version", "4.46.0"}};
+                 {"max_new_tokens", 64}};
   return write_file_atomic((dir / "generation_config.json").string(), gen.dump(2) + "\n");
 }
 
@@ -87,7 +78,67 @@ json hf_config(const Checkpoint& ckpt, const std::string& torch_dtype) {
   return c;
 }
 
+// Files an export writes; an earlier export of the same kind holds only these (and the first two).
+const std::set<std::string>& export_files(bool nvfp4) {
+  static const std::set<std::string> hf{"config.json",       "model.safetensors",     "generation_config.json",
+                                        "tokenizer.model",   "tokenizer_config.json", "special_tokens_map.json"};
+  static const std::set<std::string> nv = [] {
+    std::set<std::string> s = hf;
+    s.insert("hf_quant_config.json");
+    return s;
+  }();
+  return nvfp4 ? nv : hf;
+}
+
+// The checkpoint's step folder and, when it sits in RUN/checkpoints/, the run folder.
+std::vector<std::string> checkpoint_folders(const Checkpoint& ckpt) {
+  std::vector<std::string> out{ckpt.dir};
+  const fs::path parent = fs::path(io::resolved_path(ckpt.dir)).parent_path();
+  if (parent.filename() == "checkpoints") out.push_back(parent.parent_path().string());
+  return out;
+}
+
+Status check_interrupt(const std::string& out_dir) {
+  if (interrupt_signal() != 0) return cancelled_status("while exporting to " + out_dir);
+  return Status::ok();
+}
+
 }  // namespace
+
+Status check_export_destination(const Checkpoint& ckpt, const std::string& out_dir, bool nvfp4, bool replace) {
+  if (out_dir.empty()) return invalid_argument("export: empty output folder");
+  for (const std::string& folder : checkpoint_folders(ckpt)) {
+    if (io::path_within(out_dir, folder) || io::path_within(folder, out_dir))
+      return invalid_argument("export: output '{}' is inside or holds the checkpoint being read ('{}'): choose a folder "
+                              "outside it",
+                              out_dir, folder);
+  }
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(out_dir, ec);
+  if (!fs::exists(st) || replace) return Status::ok();
+  const char* kind = nvfp4 ? "nvfp4" : "hf";
+  if (!fs::is_directory(st))
+    return invalid_argument("export: '{}' exists and is not a folder: choose a new path, or pass --force to replace it",
+                            out_dir);
+  const std::set<std::string>& ours = export_files(nvfp4);
+  std::set<std::string> found;
+  for (const auto& e : fs::directory_iterator(out_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!ours.count(name) || !e.is_regular_file())
+      return invalid_argument("export: '{}' exists and holds '{}', which a nibble {} export does not write: choose a "
+                              "new folder, or pass --force to replace it",
+                              out_dir, name, kind);
+    found.insert(name);
+  }
+  if (ec) return io_error("export: cannot list '{}': {}", out_dir, ec.message());
+  const bool earlier_export = found.count("config.json") && found.count("model.safetensors") &&
+                              (!nvfp4 || found.count("hf_quant_config.json"));
+  if (!found.empty() && !earlier_export)
+    return invalid_argument("export: '{}' exists and is not an earlier nibble {} export: choose a new folder, or pass "
+                            "--force to replace it",
+                            out_dir, kind);
+  return Status::ok();
+}
 
 std::string fused_linear_of(const std::string& name) {
   if (!ends_with(name, "_proj.weight")) return "";
@@ -100,28 +151,34 @@ std::string fused_linear_of(const std::string& name) {
   return "";
 }
 
-Status export_hf(const Checkpoint& ckpt, const std::string& out_dir, DType dtype) {
+Status export_hf(const Checkpoint& ckpt, const std::string& out_dir, DType dtype, bool replace) {
   if (dtype != DType::kF32 && dtype != DType::kBF16) return invalid_argument("export: --dtype must be f32 or bf16");
-  NIB_ASSIGN_OR_RETURN(auto tensors, read_model_tensors(ckpt));
+  NIB_RETURN_IF_ERROR(check_export_destination(ckpt, out_dir, /*nvfp4=*/false, replace));
+  // Loaded and checked against the config as eval/generate/resume do (checkpoint.h).
+  NIB_ASSIGN_OR_RETURN(auto tensors, load_checkpoint_tensors(ckpt));
   if (dtype == DType::kBF16)
     for (auto& t : tensors) t.tensor = to_bf16(t.tensor);
+  NIB_RETURN_IF_ERROR(check_interrupt(out_dir));
   NIB_ASSIGN_OR_RETURN(AtomicDir dir, AtomicDir::create(out_dir));
   const fs::path tmp(dir.temp_path());
-  NIB_RETURN_IF_ERROR(io::write_safetensors((tmp / "model.safetensors").string(), tensors, {{"format", "pt"}}));
+  NIB_RETURN_IF_ERROR(io::write_safetensors((tmp / "model.safetensors").string(), tensors, {{"format", "pt"}},
+                                            /*stop_on_interrupt=*/true));
   NIB_RETURN_IF_ERROR(write_common_files(ckpt, tmp, hf_config(ckpt, dtype == DType::kF32 ? "float32" : "bfloat16")));
+  NIB_RETURN_IF_ERROR(check_interrupt(out_dir));  // `dir` removes the temporary folder
   return dir.commit();
 }
 
 Status export_nvfp4(const Checkpoint& ckpt, const std::string& out_dir, const Nvfp4ExportOptions& options) {
-  NIB_ASSIGN_OR_RETURN(auto tensors, read_model_tensors(ckpt));
+  NIB_RETURN_IF_ERROR(check_export_destination(ckpt, out_dir, /*nvfp4=*/true, options.replace));
+  NIB_ASSIGN_OR_RETURN(auto tensors, load_checkpoint_tensors(ckpt));
   // The fused linears and their shared weight amax (max over the q/k/v or gate/up parts).
   std::map<std::string, float> group_amax;
   for (const auto& t : tensors) {
     const std::string g = fused_linear_of(t.name);
     if (g.empty()) continue;
     if (t.tensor.rank() != 2 || t.tensor.shape()[1] % 16 != 0)
-      return invalid_argument("export nvfp4: '{}' has K = {} (must be a multiple of 16)", t.name,
-                              t.tensor.rank() == 2 ? t.tensor.shape()[1] : -1);
+      return data_loss("export nvfp4: '{}' has K = {} (must be a multiple of 16)", t.name,
+                       t.tensor.rank() == 2 ? t.tensor.shape()[1] : -1);
     float a = formats::amax_cpu(t.tensor.data<float>(), t.tensor.numel());
     group_amax[g] = std::max(group_amax[g], a);
   }
@@ -154,12 +211,15 @@ Status export_nvfp4(const Checkpoint& ckpt, const std::string& out_dir, const Nv
   json config = hf_config(ckpt, "bfloat16");
   config["quantization_config"] = quant;
   config["quantization_config"]["quant_method"] = "modelopt";
+  NIB_RETURN_IF_ERROR(check_interrupt(out_dir));
   NIB_ASSIGN_OR_RETURN(AtomicDir dir, AtomicDir::create(out_dir));
   const fs::path tmp(dir.temp_path());
-  NIB_RETURN_IF_ERROR(io::write_safetensors((tmp / "model.safetensors").string(), out, {{"format", "pt"}}));
+  NIB_RETURN_IF_ERROR(io::write_safetensors((tmp / "model.safetensors").string(), out, {{"format", "pt"}},
+                                            /*stop_on_interrupt=*/true));
   NIB_RETURN_IF_ERROR(write_common_files(ckpt, tmp, config));
   const json hq{{"producer", {{"name", "nibble"}, {"version", "0.1.0"}}}, {"quantization", quant}};
   NIB_RETURN_IF_ERROR(write_file_atomic((tmp / "hf_quant_config.json").string(), hq.dump(2) + "\n"));
+  NIB_RETURN_IF_ERROR(check_interrupt(out_dir));  // `dir` removes the temporary folder
   return dir.commit();
 }
 

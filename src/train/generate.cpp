@@ -51,7 +51,7 @@ Status context_logits(std::vector<float>* out, model::Model* model, std::span<co
 }
 
 Result<std::vector<int32_t>> generate_tokens(model::Model* model, std::span<const int32_t> prompt,
-                                             const SamplingOptions& options) {
+                                             const SamplingOptions& options, const TokenCallback& on_token) {
   if (prompt.empty()) return invalid_argument("generate: empty prompt");
   if (options.max_new_tokens < 0) return invalid_argument("generate: max_new_tokens must be >= 0");
   if (!(options.top_p > 0 && options.top_p <= 1)) return invalid_argument("generate: top_p must be in (0, 1]");
@@ -68,6 +68,7 @@ Result<std::vector<int32_t>> generate_tokens(model::Model* model, std::span<cons
     int32_t next = sample_token(logits.data() + (T - 1) * V, V, options.temperature, options.top_p, &rng);
     seq.push_back(next);
     out.push_back(next);
+    if (on_token) NIB_RETURN_IF_ERROR(on_token(next));
     if (next == options.stop_id) break;
   }
   return out;

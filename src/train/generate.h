@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -33,8 +34,13 @@ int32_t sample_token(const float* logits, int64_t V, double temperature, double 
 // out: (T, V) f32 logits of every position of `tokens` (1 <= T <= max_position_embeddings).
 Status context_logits(std::vector<float>* out, model::Model* model, std::span<const int32_t> tokens);
 
-// The new tokens (without the prompt). An empty prompt is an error.
+// Called with each new token as soon as it is sampled (before the next one is computed), so a
+// caller can stream text; a non-ok Status stops the generation and is returned.
+using TokenCallback = std::function<Status(int32_t token)>;
+
+// The new tokens (without the prompt). An empty prompt is an error. Past the model's context
+// the window slides (the most recent max_position_embeddings tokens); the CLI caps instead.
 Result<std::vector<int32_t>> generate_tokens(model::Model* model, std::span<const int32_t> prompt,
-                                             const SamplingOptions& options);
+                                             const SamplingOptions& options, const TokenCallback& on_token = {});
 
 }  // namespace nibble::train

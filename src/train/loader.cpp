@@ -19,15 +19,15 @@ Status open_windows(const std::vector<std::string>& paths, int64_t seq_len, std:
   for (const std::string& p : paths) {
     NIB_ASSIGN_OR_RETURN(TokenShard s, TokenShard::open(p));
     if (!shards->empty() && s.vocab_size() != shards->front().vocab_size())
-      return invalid_argument("token shard {} has vocab_size {}, {} has {}", p, s.vocab_size(),
-                              shards->front().path(), shards->front().vocab_size());
+      return data_loss("token shard {} has vocab_size {}, {} has {}", p, s.vocab_size(),
+                       shards->front().path(), shards->front().vocab_size());
     const int64_t windows = s.size() >= seq_len + 1 ? (s.size() - 1) / seq_len : 0;
     window_begin->push_back(window_begin->back() + windows);
     shards->push_back(std::move(s));
   }
   if (window_begin->back() == 0)
-    return invalid_argument("token shards hold no window of seq_len+1 = {} tokens (shard {} has {} tokens)",
-                            seq_len + 1, paths.front(), shards->front().size());
+    return data_loss("token shards hold no window of seq_len+1 = {} tokens (shard {} has {} tokens)",
+                     seq_len + 1, paths.front(), shards->front().size());
   return Status::ok();
 }
 

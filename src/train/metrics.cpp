@@ -1,12 +1,15 @@
 // JSON-lines metrics writer/reader; see metrics.h.
 #include "train/metrics.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "core/log.h"
+#include "io/regular_file.h"
 #include "train/atomic_dir.h"
 
 namespace nibble::train {
@@ -31,12 +34,12 @@ Status MetricsWriter::write(const nlohmann::json& event) {
   return Status::ok();
 }
 
-Result<std::vector<nlohmann::json>> read_metrics(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return not_found("metrics file not found: {}", path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string text = ss.str();
+Result<std::vector<nlohmann::json>> read_metrics(const std::string& path, int64_t* damaged) {
+  if (damaged) *damaged = 0;
+  auto read = io::read_regular_file(path, "metrics file");
+  if (!read && read.status().code() == StatusCode::kNotFound) return not_found("metrics file not found: {}", path);
+  if (!read) return read.status();
+  const std::string text = std::move(read).value();
   std::vector<nlohmann::json> out;
   size_t pos = 0;
   int64_t line_no = 0;
@@ -46,10 +49,22 @@ Result<std::vector<nlohmann::json>> read_metrics(const std::string& path) {
     std::string line = text.substr(pos, (complete ? nl : text.size()) - pos);
     pos = complete ? nl + 1 : text.size();
     ++line_no;
+    if (damaged && line.find('\0') != std::string::npos) {
+      line.erase(std::remove(line.begin(), line.end(), '\0'), line.end());
+      ++*damaged;  // repaired or not, the line was damaged
+      if (line.empty()) continue;
+      nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      if (!j.is_discarded() && j.is_object()) out.push_back(std::move(j));
+      continue;
+    }
     if (line.empty()) continue;
     nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
     if (j.is_discarded() || !j.is_object()) {
       if (!complete) break;  // a partial last line from an interrupted write
+      if (damaged) {
+        ++*damaged;
+        continue;
+      }
       return data_loss("metrics file {}: line {} is not a JSON object", path, line_no);
     }
     out.push_back(std::move(j));
@@ -59,7 +74,11 @@ Result<std::vector<nlohmann::json>> read_metrics(const std::string& path) {
 
 Status drop_metrics_after_step(const std::string& path, int64_t step) {
   if (!std::filesystem::exists(path)) return Status::ok();
-  NIB_ASSIGN_OR_RETURN(auto events, read_metrics(path));
+  int64_t damaged = 0;
+  NIB_ASSIGN_OR_RETURN(auto events, read_metrics(path, &damaged));
+  if (damaged > 0)
+    NIB_LOG_WARN("metrics file {}: {} damaged line(s) (NUL bytes or torn writes) cleaned or dropped; {} events kept",
+                 path, damaged, events.size());
   std::string kept;
   for (const auto& e : events) {
     if (e.contains("step") && e["step"].is_number() && e["step"].get<double>() > static_cast<double>(step)) continue;

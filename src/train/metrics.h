@@ -30,12 +30,15 @@ class MetricsWriter {
 };
 
 // Every line of a metrics file parsed; a line that is not a JSON object is an error naming its
-// line number, except a final partial line (a crash mid-write), which is skipped.
-Result<std::vector<nlohmann::json>> read_metrics(const std::string& path);
+// line number, except a final partial line (a crash mid-write), which is skipped. With
+// `damaged` given, damaged lines are skipped instead and counted there (NUL bytes, which two
+// writers of one file leave, are removed from a line before it is parsed).
+Result<std::vector<nlohmann::json>> read_metrics(const std::string& path, int64_t* damaged = nullptr);
 
 // For resuming from a checkpoint at `step`: rewrites `path` (atomically) without the events
 // whose "step" is greater than `step` (a crashed run logged them after its last checkpoint).
-// A missing file is fine (nothing to drop).
+// A missing file is fine (nothing to drop); damaged lines never block a resume: they are
+// dropped with a warning and the good lines kept.
 Status drop_metrics_after_step(const std::string& path, int64_t step);
 
 }  // namespace nibble::train

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <vector>
 
 #include "train/progress.h"
 
@@ -67,6 +69,33 @@ TEST(Metrics, LinesParseAsJson) {
   EXPECT_TRUE(drop_metrics_after_step(path, 1).is_ok());  // nothing to drop
 }
 
+// The steps at which a non-terminal ProgressBar(total, start, every) prints a line when updated
+// at every step from start + 1 to total.
+std::vector<int64_t> plain_line_steps(int64_t total, int64_t start, int64_t every) {
+  std::FILE* f = std::tmpfile();
+  EXPECT_NE(f, nullptr);
+  ProgressBar bar(total, start, every, f, false);
+  for (int64_t s = start + 1; s <= total; ++s) bar.update(s, 2.0, 100.0);
+  bar.finish();
+  std::rewind(f);
+  char buf[8192];
+  const size_t n = std::fread(buf, 1, sizeof(buf), f);
+  std::fclose(f);
+  std::string out(buf, n);
+  EXPECT_EQ(out.find('\r'), std::string::npos);
+  std::vector<int64_t> steps;
+  for (size_t at = out.find("step "); at != std::string::npos; at = out.find("step ", at + 1))
+    steps.push_back(std::stoll(out.substr(at + 5)));
+  return steps;
+}
+
+TEST(Progress, PerplexityIsReadableWhenHuge) {
+  EXPECT_EQ(ProgressBar::format_perplexity(42.18512), "42.185");
+  EXPECT_EQ(ProgressBar::format_perplexity(999999.0), "999999.000");
+  EXPECT_EQ(ProgressBar::format_perplexity(std::exp(287.0)), "4.3905e+124");  // not 125 digits
+  EXPECT_EQ(ProgressBar::format_perplexity(INFINITY), "inf");
+}
+
 TEST(Progress, FormatAndPlainLines) {
   EXPECT_EQ(ProgressBar::format(50, 200, 3.14159, 18300, 252, 10),
             "step 50/200 [##........]  25.0% loss 3.1416 | 18.3k tok/s | eta 4m12s");
@@ -75,26 +104,19 @@ TEST(Progress, FormatAndPlainLines) {
   EXPECT_EQ(ProgressBar::format_duration(-1), "?");
   EXPECT_NE(ProgressBar::format(1, 10, 1.0, 2.5e6, -1).find("2.50M tok/s | eta ?"), std::string::npos);
 
-  // Not a terminal: a plain line at the first update, then every 3 steps, and at the end.
-  std::FILE* f = std::tmpfile();
-  ASSERT_NE(f, nullptr);
-  ProgressBar bar(10, 0, 3, f, false);
-  for (int s = 1; s <= 10; ++s) bar.update(s, 2.0, 100.0);
-  bar.finish();
-  std::rewind(f);
-  char buf[4096];
-  size_t n = std::fread(buf, 1, sizeof(buf), f);
-  std::string out(buf, n);
-  std::fclose(f);
-  int lines = 0;
-  for (char c : out) lines += c == '\n';
-  EXPECT_EQ(lines, 4);  // steps 1, 4, 7, 10
-  EXPECT_EQ(out.find('\r'), std::string::npos);
-  EXPECT_NE(out.find("step 4/10"), std::string::npos);
-  EXPECT_NE(out.find("step 10/10"), std::string::npos);
+  // Not a terminal: a plain line at the run's first step, at multiples of the interval, and at
+  // the last step (the old rule, "interval steps after the last line", printed 1, 3, 5, 6 for
+  // log_interval 2 and 6 steps).
+  EXPECT_EQ(plain_line_steps(10, 0, 3), (std::vector<int64_t>{1, 3, 6, 9, 10}));
+  EXPECT_EQ(plain_line_steps(6, 0, 2), (std::vector<int64_t>{1, 2, 4, 6}));
+  EXPECT_EQ(plain_line_steps(10, 4, 4), (std::vector<int64_t>{5, 8, 10}));  // resumed at step 4
+  EXPECT_EQ(plain_line_steps(3, 0, 1), (std::vector<int64_t>{1, 2, 3}));
 
   // A terminal: redrawn in place.
-  f = std::tmpfile();
+  std::FILE* f = std::tmpfile();
+  char buf[4096];
+  size_t n = 0;
+  std::string out;
   ProgressBar tty(3, 0, 1, f, true);
   for (int s = 1; s <= 3; ++s) tty.update(s, 1.0, 10.0);
   tty.finish();

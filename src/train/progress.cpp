@@ -29,6 +29,11 @@ std::string ProgressBar::format_duration(double s) {
   return fmt::format("{}h{:02}m", t / 3600, (t % 3600) / 60);
 }
 
+std::string ProgressBar::format_perplexity(double ppl) {
+  if (!std::isfinite(ppl)) return std::isnan(ppl) ? "nan" : "inf";
+  return std::fabs(ppl) < 1e6 ? fmt::format("{:.3f}", ppl) : fmt::format("{:.4e}", ppl);
+}
+
 std::string ProgressBar::format(int64_t step, int64_t total, double loss, double tps, double eta, int bar_width) {
   const double frac = total > 0 ? std::clamp(static_cast<double>(step) / static_cast<double>(total), 0.0, 1.0) : 0.0;
   const int filled = static_cast<int>(std::floor(frac * bar_width));
@@ -47,9 +52,9 @@ void ProgressBar::update(int64_t step, double loss, double tps) {
   if (tty_) {
     std::fprintf(out_, "\r%s\x1b[K", line.c_str());  // \x1b[K clears what a longer line left
     drawn_ = true;
-  } else if (step == total_ || last_plain_ < 0 || step - last_plain_ >= plain_every_) {
+  } else if (step == start_ + 1 || step % plain_every_ == 0 || step == total_) {
+    // Plain lines at the first step of this run, at multiples of the interval, and at the end.
     std::fprintf(out_, "%s\n", line.c_str());
-    last_plain_ = step;
   }
   std::fflush(out_);
 }

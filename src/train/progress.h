@@ -1,7 +1,8 @@
 // A one-line progress report for long work on stderr: "step 120/1000 [###....] 12.0% loss
 // 3.412 | 18.3k tok/s | eta 4m12s". On a terminal the line is redrawn in place with '\r'; when
-// stderr is a file or pipe (CI, nohup) a plain line is printed every `plain_every` steps instead,
-// so logs stay readable. Mirrors tqdm's behaviour without its dependency.
+// stderr is a file or pipe (CI, nohup) a plain line is printed instead at the run's first step,
+// at every multiple of `plain_every` and at the last step, so logs stay readable. Mirrors tqdm's
+// behaviour without its dependency.
 #pragma once
 
 #include <chrono>
@@ -27,13 +28,14 @@ class ProgressBar {
                             int bar_width = 20);
   // "59s", "4m12s", "2h03m".
   static std::string format_duration(double seconds);
+  // A perplexity for people: "42.185" below 1e6, "1.2346e+124" from there on, "inf"/"nan".
+  static std::string format_perplexity(double ppl);
 
  private:
   int64_t total_, start_, plain_every_;
   std::FILE* out_;
   bool tty_;
   bool drawn_ = false;
-  int64_t last_plain_ = -1;
   std::chrono::steady_clock::time_point t0_;
 };
 

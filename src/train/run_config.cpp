@@ -8,6 +8,7 @@
 #include <set>
 #include <sstream>
 
+#include "io/regular_file.h"
 #include "train/corpus.h"
 
 namespace nibble::train {
@@ -63,12 +64,12 @@ Status merge_into(json* dst, const json& src, const std::string& prefix) {
 }
 
 Result<json> read_json_file(const std::string& path, const std::string& what) {
-  std::ifstream in(path);
-  if (!in) return not_found("{}: cannot open '{}'", what, path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json j = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return invalid_argument("{}: '{}' is not valid JSON", what, path);
+  auto text = io::read_regular_file(path, what);
+  if (!text && text.status().code() == StatusCode::kNotFound) return not_found("{}: cannot open '{}'", what, path);
+  if (!text) return text.status();
+  json j = json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  // A malformed file is bad input (exit 1); bad values in a well-formed one are bad arguments.
+  if (j.is_discarded()) return data_loss("{}: '{}' is not valid JSON", what, path);
   return j;
 }
 
@@ -103,6 +104,24 @@ Result<double> get_num(const json& v, const std::string& dotted, double lo, doub
   if (!(std::isfinite(d) && (lo_open ? d > lo : d >= lo) && d <= hi))
     return invalid_argument("run config: bad value for '{}': must be in {}{}, {}]", dotted, lo_open ? "(" : "[", lo, hi);
   return d;
+}
+
+// A config file's relative data paths name files next to it (docs/training.md "Paths"): they
+// become config_dir/path here, before the command line's overrides (relative to the current
+// folder) are applied.
+void resolve_config_file_paths(json* user, const std::string& config_dir) {
+  if (!user->contains("data") || !(*user)["data"].is_object()) return;
+  json& data = (*user)["data"];
+  auto resolve = [&](json& v) {
+    if (!v.is_string()) return;  // wrong kinds are reported by resolve_run_config
+    const std::string p = v.get<std::string>();
+    if (!p.empty() && fs::path(p).is_relative()) v = (fs::path(config_dir) / p).lexically_normal().string();
+  };
+  for (const char* key : {"tokenizer", "dir"})
+    if (data.contains(key)) resolve(data[key]);
+  for (const char* key : {"files", "val_files"})
+    if (data.contains(key) && data[key].is_array())
+      for (json& f : data[key]) resolve(f);
 }
 
 }  // namespace
@@ -261,10 +280,13 @@ Result<RunConfig> resolve_run_config(const json& user, const std::vector<std::st
   c.tokenizer_file = j["data"]["tokenizer"].get<std::string>();
   c.data_dir = j["data"]["dir"].get<std::string>();
   NIB_ASSIGN_OR_RETURN(c.vocab_size, get_int(j, "data.vocab_size", 0));
+  // data.vocab_size 0 takes the model's: a too-small value is then the model's key.
+  const char* vocab_key = c.vocab_size == 0 ? "model.vocab_size" : "data.vocab_size";
   if (c.vocab_size == 0) c.vocab_size = c.model.vocab_size;
   if (c.vocab_size < 261)
-    return invalid_argument("run config: bad value for 'data.vocab_size': {} < 261 (4 specials + 256 byte pieces + 1)",
-                            c.vocab_size);
+    return invalid_argument("run config: bad value for '{}': {} < 261 (the trained tokenizer needs 4 specials + 256 "
+                            "byte pieces + 1)",
+                            vocab_key, c.vocab_size);
   if (c.vocab_size > c.model.vocab_size)
     return invalid_argument("run config: bad value for 'data.vocab_size': {} exceeds the model's vocab_size {}",
                             c.vocab_size, c.model.vocab_size);
@@ -278,8 +300,10 @@ Result<RunConfig> resolve_run_config(const json& user, const std::vector<std::st
 
 Result<RunConfig> load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
   NIB_ASSIGN_OR_RETURN(json j, read_json_file(path, "run config"));
-  if (!j.is_object()) return invalid_argument("run config: '{}' must hold a JSON object", path);
-  return resolve_run_config(j, overrides, fs::path(path).parent_path().string());
+  if (!j.is_object()) return data_loss("run config: '{}' must hold a JSON object", path);
+  const std::string config_dir = fs::path(path).parent_path().string();
+  resolve_config_file_paths(&j, config_dir.empty() ? "." : config_dir);
+  return resolve_run_config(j, overrides, config_dir);
 }
 
 }  // namespace nibble::train

@@ -46,7 +46,7 @@ struct RunConfig {
   double val_fraction = 0.05;
   int64_t max_bad_steps = 5;      // consecutive NaN/Inf steps before aborting
   int threads = 0;                // OpenMP threads (0: leave the default)
-  int64_t log_interval = 10;      // steps between plain progress lines / train metrics flush
+  int64_t log_interval = 10;      // plain progress lines at its multiples (plus the first and last step)
 };
 
 // The defaults, as a JSON object (the schema: keys outside it are unknown, except inside
@@ -62,7 +62,10 @@ Status apply_override(nlohmann::json* j, const std::string& assignment);
 // source tree) and validates everything.
 Result<RunConfig> resolve_run_config(const nlohmann::json& user, const std::vector<std::string>& overrides,
                                      const std::string& base_dir = "");
-// Reads `path` (JSON) and resolves it (base_dir = the file's folder).
+// Reads `path` (JSON) and resolves it (base_dir = the file's folder). Relative data paths in the
+// file (data.files, data.val_files, data.tokenizer, data.dir) are made relative to its folder
+// first; `overrides` keep theirs (relative to the current folder). A missing file or one that is
+// not a JSON object is kNotFound / kDataLoss (bad input), a bad key or value kInvalidArgument.
 Result<RunConfig> load_run_config(const std::string& path, const std::vector<std::string>& overrides = {});
 
 }  // namespace nibble::train

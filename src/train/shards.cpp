@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "io/regular_file.h"
 #include "train/atomic_dir.h"
 #include "train/corpus.h"
 #include "train/tokenizer.h"
@@ -62,21 +63,19 @@ Status write_token_shard(const std::string& path, std::span<const int32_t> token
 }
 
 Result<TokenShard> TokenShard::open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return not_found("token shard {}: cannot open: {}", path, std::strerror(errno));
-  struct stat st{};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return invalid_argument("token shard {}: not a regular file", path);
+  // Never blocks on a FIFO or device (io/regular_file.h).
+  auto file = io::open_regular_file(path, "token shard");
+  if (!file) {
+    if (file.status().code() == StatusCode::kNotFound) return not_found("token shard {}: cannot open: no such file", path);
+    return file.status();
   }
-  const size_t size = static_cast<size_t>(st.st_size);
+  const int fd = file->fd();
+  const size_t size = static_cast<size_t>(file->size());
   if (size < kShardHeaderBytes) {
-    ::close(fd);
     return data_loss("token shard {}: truncated: {} bytes, shorter than the {}-byte header", path, size,
                      kShardHeaderBytes);
   }
   void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
   if (p == MAP_FAILED) return io_error("token shard {}: mmap failed: {}", path, std::strerror(errno));
   std::shared_ptr<const uint8_t> map(static_cast<const uint8_t*>(p),
                                      [size](const uint8_t* q) { ::munmap(const_cast<uint8_t*>(q), size); });
@@ -210,7 +209,7 @@ Result<ShardSummary> build_token_shards(const std::string& train_path, const std
   }
   sum.train_tokens = static_cast<int64_t>(train.size());
   sum.val_tokens = static_cast<int64_t>(val.size());
-  if (train.empty()) return invalid_argument("no training tokens: the text files hold no non-blank lines");
+  if (train.empty()) return data_loss("no training tokens: the text files hold no non-blank lines");
   NIB_RETURN_IF_ERROR(write_token_shard(train_path, train, tokenizer.vocab_size()));
   NIB_RETURN_IF_ERROR(write_token_shard(val_path, val, tokenizer.vocab_size()));
   return sum;

@@ -27,6 +27,7 @@ struct TokenizerTrainOptions {
   int64_t max_sentences = 200000;   // input_sentence_size: a seeded uniform sample of this many lines
   int max_sentence_bytes = 16384;   // longer lines are skipped by the trainer
   bool hard_vocab_limit = true;     // false: a smaller vocab is accepted when the text is tiny
+  std::string vocab_size_name = "vocab_size";  // what errors call vocab_size (e.g. a config key)
 };
 
 class Tokenizer {

@@ -5,17 +5,23 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <optional>
+#include <regex>
 
+#include "core/interrupt.h"
 #include "core/log.h"
 #include "core/parallel.h"
+#include "io/output_guard.h"
+#include "io/regular_file.h"
 #include "train/atomic_dir.h"
 #include "train/dataset.h"
 #include "train/metrics.h"
 #include "train/oscireset.h"
 #include "train/plot.h"
 #include "train/progress.h"
+#include "train/run_lock.h"
 #include "train/schedule.h"
 
 namespace nibble::train {
@@ -23,6 +29,56 @@ namespace nibble::train {
 namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
+
+// The folders of `path` that do not exist yet (what make_dirs would create), deepest first.
+std::vector<fs::path> missing_folders(const fs::path& path) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  for (fs::path p = fs::absolute(path, ec).lexically_normal(); !p.empty() && !fs::exists(fs::symlink_status(p, ec));
+       p = p.parent_path()) {
+    if (p.filename().empty()) {  // "a/b/" normalises to "a/b/": its folder is the parent
+      if (p == p.parent_path()) break;
+      continue;
+    }
+    out.push_back(p);
+    if (p == p.parent_path()) break;
+  }
+  return out;
+}
+
+// A fresh run writes metrics.jsonl, loss.png, checkpoints/ (and data/) into the run folder:
+// refuse a folder where those names hold something nibble did not write (it would be replaced).
+Status check_fresh_run_folder(const fs::path& run) {
+  std::error_code ec;
+  bool nibble_metrics = false;
+  const fs::path metrics = run / "metrics.jsonl";
+  if (fs::exists(fs::symlink_status(metrics, ec))) {
+    auto text = io::read_regular_file(metrics.string(), "metrics file");  // a FIFO is refused, never read
+    const std::string first = text ? text->substr(0, text->find('\n')) : std::string();
+    const json j = json::parse(first, nullptr, false);
+    nibble_metrics = text && fs::is_regular_file(fs::symlink_status(metrics, ec)) &&
+                     (first.empty() || (j.is_object() && (j.contains("event") || j.contains("step"))));
+    if (!nibble_metrics)
+      return invalid_argument("--out '{}' holds a metrics.jsonl that nibble did not write: choose another --out",
+                              run.string());
+  }
+  if (fs::exists(fs::symlink_status(run / "loss.png", ec)) && !nibble_metrics)
+    return invalid_argument("--out '{}' holds a loss.png but no nibble metrics.jsonl: choose another --out", run.string());
+  const fs::path ckpts = run / "checkpoints";
+  if (fs::exists(fs::symlink_status(ckpts, ec))) {
+    if (!fs::is_directory(fs::symlink_status(ckpts, ec)))
+      return invalid_argument("--out '{}': 'checkpoints' is not a folder: choose another --out", run.string());
+    static const std::regex ours(R"((step_[0-9]+|latest)(\.(tmp|old)\.[0-9]+)?)");
+    for (const auto& e : fs::directory_iterator(ckpts, ec))
+      if (!std::regex_match(e.path().filename().string(), ours))
+        return invalid_argument("--out '{}': checkpoints/ holds '{}', which nibble did not write: choose another --out",
+                                run.string(), e.path().filename().string());
+  }
+  return Status::ok();
+}
+
+Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOptions& opt);
+
 }  // namespace
 
 Result<EvalResult> evaluate(model::Model* model, const ValLoader& val) {
@@ -36,7 +92,7 @@ Result<EvalResult> evaluate(model::Model* model, const ValLoader& val) {
     r.tokens += lp.n_tokens;
     ++r.batches;
   }
-  if (r.tokens == 0) return invalid_argument("evaluation: no validation tokens");
+  if (r.tokens == 0) return data_loss("evaluation: no validation tokens");
   r.loss = ce_sum / static_cast<double>(r.tokens);
   r.ppl = std::exp(r.loss);
   return r;
@@ -50,18 +106,55 @@ Result<RunConfig> resume_run_config(const std::string& run_dir, const std::vecto
 
 Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& opt) {
   if (opt.run_dir.empty()) return invalid_argument("pretrain: no output folder (--out)");
+  const fs::path run(opt.run_dir);
+  const std::vector<fs::path> created = missing_folders(run);
+  NIB_RETURN_IF_ERROR(make_dirs(run.string()));
+  Result<TrainResult> result = Status::ok();
+  {
+    auto lock = RunLock::acquire(run.string());
+    result = lock ? run_pretraining_locked(cfg, opt) : Result<TrainResult>(lock.status());
+  }  // the lock (and its file) is released here
+  if (!result) {
+    // A failed run removes the folders it created, if they are still empty; nothing else.
+    std::error_code ec;
+    for (const fs::path& p : created)
+      if (!fs::is_directory(p, ec) || !fs::is_empty(p, ec) || !fs::remove(p, ec)) break;
+  }
+  return result;
+}
+
+namespace {
+
+Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOptions& opt) {
   if (cfg.threads > 0) set_num_threads(cfg.threads);
   const fs::path run(opt.run_dir);
-  NIB_RETURN_IF_ERROR(make_dirs(run.string()));
 
   Checkpoint ck;
   if (opt.resume) {
     NIB_ASSIGN_OR_RETURN(std::string dir, latest_checkpoint_dir(run.string()));
     NIB_ASSIGN_OR_RETURN(ck, open_checkpoint(dir));
+    // A resume with nothing left to do: say so before touching data, metrics or checkpoints.
+    if (ck.step > cfg.steps)
+      return invalid_argument("steps={} is below the step the run is at: its latest checkpoint '{}' is at step {} "
+                              "(to continue it, --set steps=N with N > {})", cfg.steps, ck.dir, ck.step, ck.step);
+    if (opt.stop_after_step > 0 && opt.stop_after_step <= ck.step && ck.step < cfg.steps)
+      return invalid_argument("--stop-after {} is not after the step the run is at: its latest checkpoint '{}' is at "
+                              "step {}", opt.stop_after_step, ck.dir, ck.step);
+    if (ck.step == cfg.steps) {
+      TrainResult done;
+      done.start_step = done.end_step = ck.step;
+      done.checkpoint_dir = ck.dir;
+      done.already_finished = true;
+      return done;
+    }
   } else if (fs::exists(run / "checkpoints" / "latest")) {
     return invalid_argument("'{}' already holds checkpoints: pass --resume to continue it, or choose another --out",
                             run.string());
+  } else {
+    NIB_RETURN_IF_ERROR(check_fresh_run_folder(run));
   }
+  // Under the run lock every temporary of the run's own files is stale, whatever its pid.
+  for (const char* name : {"metrics.jsonl", "loss.png", "data"}) io::remove_stale_temporaries((run / name).string(), true);
 
   // ---- data ----
   DatasetOptions dopt;
@@ -69,6 +162,7 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
   dopt.vocab_size = static_cast<int>(cfg.vocab_size);
   dopt.tokenizer_file = cfg.tokenizer_file;
   dopt.val_shard_files = cfg.val_files;
+  dopt.vocab_size_name = "data.vocab_size";
   // A loaded tokenizer may have any size up to the model's vocabulary.
   if (!cfg.tokenizer_file.empty()) dopt.vocab_size = static_cast<int>(cfg.model.vocab_size);
   dopt.val_fraction = cfg.val_fraction;
@@ -77,8 +171,8 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
   if (!ds_or) return Status(ds_or.status().code(), "data: " + ds_or.status().message());
   Dataset ds = std::move(ds_or).value();
   if (ds.vocab_size > cfg.model.vocab_size)
-    return invalid_argument("data: tokenizer vocabulary {} exceeds the model's vocab_size {}", ds.vocab_size,
-                            cfg.model.vocab_size);
+    return data_loss("data: tokenizer vocabulary {} exceeds the model's vocab_size {}", ds.vocab_size,
+                     cfg.model.vocab_size);
   NIB_LOG_INFO("data: {} ({} train / {} val tokens, vocab {}{})", ds.dir, ds.summary.train_tokens,
                ds.summary.val_tokens, ds.vocab_size, ds.reused ? ", reused" : "");
 
@@ -94,15 +188,26 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
   auto val_or = ValLoader::open({ds.val_path}, B, T, cfg.eval_batches);
   if (!val_or) return Status(val_or.status().code(), "data: validation split: " + val_or.status().message());
   ValLoader val = std::move(val_or).value();
-  if (val.num_batches() == 0) return invalid_argument("data: the validation split has no full batch of {}x{}", B, T + 1);
+  if (val.num_batches() == 0) return data_loss("data: the validation split has no full batch of {}x{}", B, T + 1);
 
   std::vector<ParamView> views;
   for (auto& p : model->param_refs()) views.push_back({p.name, p.value, p.grad, p.numel, p.weight_decay});
 
   int64_t start = 0, bad_in_row = 0, skipped_total = 0;
+  // The newest checkpoint whose weights are trained (at least one optimizer update) and finite:
+  // what the non-finite abort names.
+  std::string last_good_checkpoint;
+  auto weights_finite = [&] {
+    for (const auto& v : views)
+      for (int64_t i = 0; i < v.numel; ++i)
+        if (!std::isfinite(v.value[i])) return false;
+    return true;
+  };
   if (opt.resume) {
     NIB_RETURN_IF_ERROR(load_model_state(model.get(), ck.dir));
     const std::string opath = (fs::path(ck.dir) / "optimizer.safetensors").string();
+    if (!fs::exists(opath))
+      return not_found("incomplete checkpoint '{}': missing optimizer.safetensors (needed to resume)", ck.dir);
     auto of = io::SafetensorsFile::open(opath);
     if (!of) return data_loss("corrupt checkpoint file '{}': {}", opath, of.status().message());
     std::vector<io::NamedTensor> ostate;
@@ -113,10 +218,11 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
     Status s = adamw.import_state(ostate, views);
     if (!s) return data_loss("checkpoint '{}': optimizer state: {}", opath, s.message());
     s = loader.restore_json(ck.trainer.value("loader", json::object()));
-    if (!s) return invalid_argument("checkpoint '{}': data loader state: {}", ck.dir, s.message());
+    if (!s) return data_loss("checkpoint '{}': data loader state: {}", ck.dir, s.message());
     start = ck.step;
     bad_in_row = ck.trainer.value("bad_steps_in_row", int64_t{0});
     skipped_total = ck.trainer.value("skipped_steps", int64_t{0});
+    if (adamw.step_count() > 0 && weights_finite()) last_good_checkpoint = ck.dir;
     NIB_LOG_INFO("resumed from {} (step {})", ck.dir, start);
   }
   NIB_ASSIGN_OR_RETURN(LrSchedule schedule, LrSchedule::create(cfg.schedule, cfg.lr, cfg.steps));
@@ -142,11 +248,18 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
   }
 
   TrainResult res;
+  int64_t saved_step = -1;  // the step of the last checkpoint this call wrote
   res.start_step = start;
   res.end_step = start;
+  if (opt.resume) res.checkpoint_dir = ck.dir;
   const std::string tokenizer_path = ds.tokenizer_path;
   json run_config_json = cfg.json;
   auto save = [&](int64_t step_done) -> Status {
+    if (adamw.step_count() == 0) {  // the weights are still the initial ones: nothing to save
+      NIB_LOG_WARN("step {}: no checkpoint written: no update has been applied yet (every step so far was skipped)",
+                   step_done);
+      return Status::ok();
+    }
     CheckpointWrite w;
     w.model = model.get();
     w.optimizer = &adamw;
@@ -167,17 +280,21 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
     auto d = write_checkpoint(run.string(), step_done, w);
     if (!d) return Status(d.status().code(), "checkpoint at step " + std::to_string(step_done) + ": " + d.status().message());
     res.checkpoint_dir = *d;
+    saved_step = step_done;
+    if (weights_finite()) last_good_checkpoint = *d;
     return Status::ok();
   };
   auto run_eval = [&](int64_t step_done) -> Status {
     NIB_ASSIGN_OR_RETURN(EvalResult e, evaluate(model.get(), val));
+    res.validated = true;
     res.val_loss = e.loss;
     res.val_ppl = e.ppl;
     val_pts.push_back({static_cast<double>(step_done), e.loss});
     json ev{{"step", step_done}, {"val_loss", e.loss}, {"val_ppl", e.ppl}, {"val_tokens", e.tokens}};
     for (const auto& [k, v] : recipe_stats(*model)) ev["recipe." + k] = v;
     NIB_RETURN_IF_ERROR(metrics.write(ev));
-    if (!opt.progress) NIB_LOG_DEBUG("step {}: val loss {:.4f} ppl {:.2f}", step_done, e.loss, e.ppl);
+    if (!opt.progress)
+      NIB_LOG_DEBUG("step {}: val loss {:.4f} ppl {}", step_done, e.loss, ProgressBar::format_perplexity(e.ppl));
     Status s = write_loss_plot((run / "loss.png").string(), train_pts, val_pts);
     if (!s) NIB_LOG_WARN("loss plot not written: {}", s.message());
     return Status::ok();
@@ -191,6 +308,9 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
   Batch batch;
   std::vector<float> hook_grads;
   const int64_t end = opt.stop_after_step > 0 ? std::min(cfg.steps, opt.stop_after_step) : cfg.steps;
+  if (interrupt_signal() != 0)
+    return cancelled_status(start > 0 ? fmt::format("before step {}: checkpoint {}", start + 1, ck.dir)
+                                      : std::string("before the first step"));
   for (int64_t s = start; s < end; ++s) {
     model->set_step(s, cfg.seed);
     model->zero_grad();
@@ -233,7 +353,7 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
         return Status(StatusCode::kInternal,
                       fmt::format("aborting at step {}: {} consecutive steps with non-finite loss or gradients "
                                   "(max_bad_steps); last good checkpoint: {}",
-                                  s + 1, bad_in_row, res.checkpoint_dir.empty() ? "none" : res.checkpoint_dir));
+                                  s + 1, bad_in_row, last_good_checkpoint.empty() ? "none" : last_good_checkpoint));
     } else {
       bad_in_row = 0;
       NIB_RETURN_IF_ERROR(adamw.step(views, lr, grad_scale * gn.clip_scale));
@@ -250,19 +370,22 @@ Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& op
     if (last || (cfg.eval_interval > 0 && (s + 1) % cfg.eval_interval == 0)) NIB_RETURN_IF_ERROR(run_eval(s + 1));
     if (last || s + 1 == end || (cfg.checkpoint_interval > 0 && (s + 1) % cfg.checkpoint_interval == 0))
       NIB_RETURN_IF_ERROR(save(s + 1));
+    if (interrupt_signal() != 0) {  // a safe point: the step is done; keep it in a checkpoint
+      if (bar) bar->finish();
+      if (saved_step != s + 1) NIB_RETURN_IF_ERROR(save(s + 1));
+      return cancelled_status(fmt::format("after step {}/{}: checkpoint {}", s + 1, cfg.steps, res.checkpoint_dir));
+    }
   }
   if (bar) bar->finish();
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   res.tokens_per_second = res.seconds > 0 ? tokens_per_step * static_cast<double>(res.end_step - start) / res.seconds : 0;
-  if (res.end_step == start && start >= cfg.steps) {
-    NIB_ASSIGN_OR_RETURN(EvalResult e, evaluate(model.get(), val));  // nothing left to train: report
-    res.val_loss = e.loss;
-    res.val_ppl = e.ppl;
-  }
-  NIB_RETURN_IF_ERROR(metrics.write(json{{"event", "end"}, {"step", res.end_step}, {"val_loss", res.val_loss},
-                                         {"val_ppl", res.val_ppl}, {"seconds", res.seconds},
-                                         {"skipped_steps", res.skipped_steps}}));
+  json end_event{{"event", "end"}, {"step", res.end_step}, {"seconds", res.seconds},
+                 {"skipped_steps", res.skipped_steps}};
+  if (res.validated) end_event.update({{"val_loss", res.val_loss}, {"val_ppl", res.val_ppl}});
+  NIB_RETURN_IF_ERROR(metrics.write(end_event));
   return res;
 }
+
+}  // namespace
 
 }  // namespace nibble::train

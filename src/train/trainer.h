@@ -35,9 +35,11 @@ struct TrainResult {
   int64_t end_step = 0;            // steps done at return
   std::vector<double> losses;      // training loss (CE + z-loss) of each step of this call; NaN if skipped
   int64_t skipped_steps = 0;
+  bool validated = false;            // a validation ran (else val_loss/val_ppl mean nothing)
   double val_loss = 0, val_ppl = 0;  // last validation
   double seconds = 0, tokens_per_second = 0;
-  std::string checkpoint_dir;      // the last checkpoint written
+  std::string checkpoint_dir;      // the last checkpoint written (on resume: the one resumed from)
+  bool already_finished = false;   // resume of a run whose checkpoint is at its last step: nothing done
 };
 
 struct EvalResult {
@@ -54,7 +56,12 @@ Result<EvalResult> evaluate(model::Model* model, const ValLoader& val);
 Result<RunConfig> resume_run_config(const std::string& run_dir, const std::vector<std::string>& overrides);
 
 // Trains per `config`; see TrainOptions. Errors: bad data, model/recipe errors, a run_dir that
-// already has checkpoints without resume, max_bad_steps consecutive non-finite steps.
+// already has checkpoints without resume, max_bad_steps consecutive non-finite steps (the message
+// names the newest checkpoint holding trained, finite weights, or "none"), a resume whose
+// `steps` or `stop_after_step` is below the checkpoint's step. A resume of a run already at
+// `steps` returns at once with already_finished set, writing nothing (no metrics event).
+// Checkpoints are only written once an optimizer update has been applied: a run whose every
+// step so far was skipped has nothing trained to save.
 Result<TrainResult> run_pretraining(const RunConfig& config, const TrainOptions& options);
 
 }  // namespace nibble::train

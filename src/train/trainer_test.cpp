@@ -294,6 +294,124 @@ TEST_F(TrainerTest, NonFiniteStepsAreSkippedThenAbort) {
   EXPECT_NE(r2.status().message().find("3 consecutive steps"), std::string::npos) << r2.status().message();
 }
 
+// The abort names the newest checkpoint whose weights are trained and finite: after a resume
+// that is the checkpoint resumed from (the old message said "none"), and a run that is
+// non-finite from its first step writes no checkpoint of its untrained weights at all.
+TEST_F(TrainerTest, NonFiniteAbortNamesTheNewestTrainedCheckpoint) {
+  RunConfig c = resolve(tiny_config("bf16", 8), {"eval.interval=0", "max_bad_steps=2", "checkpoint.interval=2"});
+  TrainOptions o = options("nan_after_resume");
+  o.stop_after_step = 4;
+  ASSERT_TRUE(run_pretraining(c, o));
+  o.stop_after_step = -1;
+  o.resume = true;
+  o.grad_hook = [](int64_t step, float* g, int64_t) {
+    if (step >= 4) g[0] = NAN;
+  };
+  auto r = run_pretraining(c, o);
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.status().message().find("last good checkpoint: " + o.run_dir + "/checkpoints/step_000004"),
+            std::string::npos)
+      << r.status().message();
+
+  RunConfig c2 = resolve(tiny_config("bf16", 8), {"eval.interval=0", "max_bad_steps=3", "checkpoint.interval=1"});
+  TrainOptions o2 = options("nan_from_start");
+  o2.grad_hook = [](int64_t, float* g, int64_t) { g[0] = INFINITY; };
+  auto r2 = run_pretraining(c2, o2);
+  ASSERT_FALSE(r2);
+  EXPECT_NE(r2.status().message().find("last good checkpoint: none"), std::string::npos) << r2.status().message();
+  EXPECT_FALSE(fs::exists(o2.run_dir + "/checkpoints/latest"));
+  EXPECT_FALSE(fs::exists(o2.run_dir + "/checkpoints/step_000001"));
+
+  // Trained for two steps, then non-finite: the checkpoint of step 2 (trained) is the good one.
+  TrainOptions o3 = options("nan_after_two");
+  o3.grad_hook = [](int64_t step, float* g, int64_t) {
+    if (step >= 2) g[0] = NAN;
+  };
+  RunConfig c3 = resolve(tiny_config("bf16", 8), {"eval.interval=0", "max_bad_steps=2", "checkpoint.interval=2"});
+  auto r3 = run_pretraining(c3, o3);
+  ASSERT_FALSE(r3);
+  EXPECT_NE(r3.status().message().find("last good checkpoint: " + o3.run_dir + "/checkpoints/step_000002"),
+            std::string::npos)
+      << r3.status().message();
+}
+
+// A resume with nothing to do: a finished run is reported, not run again (no second "end"
+// event), and steps or --stop-after below the checkpoint's step are refused before anything is
+// written.
+TEST_F(TrainerTest, ResumeOfAFinishedRunWritesNothing) {
+  RunConfig c = resolve(tiny_config("bf16", 4), {"eval.interval=0"});
+  TrainOptions o = options("finished");
+  auto r = run_pretraining(c, o);
+  ASSERT_TRUE(r) << r.status().message();
+  const std::string metrics = read_bytes(o.run_dir + "/metrics.jsonl");
+  o.resume = true;
+  auto again = run_pretraining(c, o);
+  ASSERT_TRUE(again) << again.status().message();
+  EXPECT_TRUE(again->already_finished);
+  EXPECT_EQ(again->end_step, 4);
+  EXPECT_EQ(again->checkpoint_dir, r->checkpoint_dir);
+  EXPECT_EQ(read_bytes(o.run_dir + "/metrics.jsonl"), metrics);
+
+  auto fewer = run_pretraining(resolve(tiny_config("bf16", 4), {"eval.interval=0", "steps=3"}), o);
+  ASSERT_FALSE(fewer);
+  EXPECT_EQ(fewer.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(fewer.status().message().find("steps=3 is below"), std::string::npos) << fewer.status().message();
+  EXPECT_NE(fewer.status().message().find("step_000004' is at step 4"), std::string::npos) << fewer.status().message();
+  EXPECT_EQ(read_bytes(o.run_dir + "/metrics.jsonl"), metrics);
+
+  o.stop_after_step = 3;
+  auto early = run_pretraining(resolve(tiny_config("bf16", 4), {"eval.interval=0", "steps=8"}), o);
+  ASSERT_FALSE(early);
+  EXPECT_EQ(early.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(early.status().message().find("--stop-after 3"), std::string::npos) << early.status().message();
+  EXPECT_EQ(read_bytes(o.run_dir + "/metrics.jsonl"), metrics);
+}
+
+// Export reads weights through the loader eval, generate and resume use: a tensor whose shape
+// disagrees with config.json is refused (the old export wrote it into a broken HF folder), and
+// a checkpoint without optimizer.safetensors is fine for everything but a resume.
+TEST_F(TrainerTest, ExportValidatesCheckpointsLikeEveryCommand) {
+  auto ck = train_bf16_checkpoint("export_check", 2);
+  ASSERT_TRUE(ck) << ck.status().message();
+  const std::string run = root_ + "/export_check";
+  ASSERT_TRUE(fs::remove(ck->dir + "/optimizer.safetensors"));
+  auto no_opt = open_checkpoint(run);
+  ASSERT_TRUE(no_opt) << no_opt.status().message();
+  EXPECT_TRUE(load_checkpoint_model(*no_opt));
+  EXPECT_TRUE(export_hf(*no_opt, root_ + "/export_no_opt", DType::kF32).is_ok());
+  TrainOptions o;
+  o.run_dir = run;
+  o.progress = false;
+  o.resume = true;
+  auto resumed = run_pretraining(resolve(tiny_config("bf16", 4), {"eval.interval=0"}), o);
+  ASSERT_FALSE(resumed);
+  EXPECT_NE(resumed.status().message().find("missing optimizer.safetensors"), std::string::npos)
+      << resumed.status().message();
+
+  // down_proj of layer 0 replaced by a [64, 64] tensor (the config says [64, 128]).
+  const std::string weights = ck->dir + "/model.safetensors";
+  std::vector<io::NamedTensor> t;
+  {
+    auto f = io::SafetensorsFile::open(weights);
+    ASSERT_TRUE(f);
+    for (const auto& n : f->names()) t.push_back({n, f->get(n)->clone()});
+  }  // unmapped before the rewrite
+  for (auto& nt : t)
+    if (nt.name == "model.layers.0.mlp.down_proj.weight") nt.tensor = Tensor(DType::kF32, Shape{64, 64});
+  ASSERT_TRUE(io::write_safetensors(weights, t).is_ok());
+  auto bad = open_checkpoint(run);
+  ASSERT_TRUE(bad) << bad.status().message();
+  auto m = load_checkpoint_model(*bad);
+  ASSERT_FALSE(m);
+  for (Status s : {export_hf(*bad, root_ + "/export_bad_hf", DType::kBF16), export_nvfp4(*bad, root_ + "/export_bad_nv")}) {
+    ASSERT_FALSE(s.is_ok());
+    EXPECT_EQ(s.message(), m.status().message());  // the same check, the same words
+    EXPECT_NE(s.message().find("model.layers.0.mlp.down_proj.weight"), std::string::npos) << s.message();
+  }
+  EXPECT_FALSE(fs::exists(root_ + "/export_bad_hf"));
+  EXPECT_FALSE(fs::exists(root_ + "/export_bad_nv"));
+}
+
 TEST_F(TrainerTest, GenerationIsDeterministicPerSeed) {
   auto ck = train_bf16_checkpoint("gen", 20);
   ASSERT_TRUE(ck) << ck.status().message();
@@ -332,6 +450,33 @@ TEST_F(TrainerTest, GenerationIsDeterministicPerSeed) {
   EXPECT_EQ(sample_token(last, V, 1.0, 1e-9, &rng), arg);
 }
 
+TEST_F(TrainerTest, GenerationReportsEachTokenAsItIsSampled) {
+  auto ck = train_bf16_checkpoint("gen_stream", 4);
+  ASSERT_TRUE(ck) << ck.status().message();
+  auto m = load_checkpoint_model(*ck);
+  ASSERT_TRUE(m) << m.status().message();
+  std::vector<int32_t> prompt{10, 20, 30};
+  SamplingOptions s;
+  s.max_new_tokens = 16;
+  s.seed = 3;
+  std::vector<int32_t> seen;
+  auto all = generate_tokens(m->get(), prompt, s, [&](int32_t t) {
+    seen.push_back(t);
+    return Status::ok();
+  });
+  ASSERT_TRUE(all) << all.status().message();
+  EXPECT_EQ(seen, *all);  // every token, in order, once
+  EXPECT_EQ(*all, *generate_tokens(m->get(), prompt, s));  // the callback changes nothing
+  // A callback error (e.g. a closed stdout) stops the generation at that token.
+  int calls = 0;
+  auto stopped = generate_tokens(m->get(), prompt, s, [&](int32_t) {
+    return ++calls == 5 ? io_error("stdout closed") : Status::ok();
+  });
+  ASSERT_FALSE(stopped);
+  EXPECT_EQ(stopped.status().message(), "stdout closed");
+  EXPECT_EQ(calls, 5);
+}
+
 TEST_F(TrainerTest, ExportsRoundTrip) {
   auto ck = train_bf16_checkpoint("export", 2);
   ASSERT_TRUE(ck) << ck.status().message();
@@ -353,6 +498,15 @@ TEST_F(TrainerTest, ExportsRoundTrip) {
   }
   for (const char* f : {"tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"})
     EXPECT_TRUE(fs::exists(hf + "/" + f)) << f;
+  {
+    // generation_config.json claims no transformers release: none wrote it (it said 4.46.0,
+    // a version nibble was never checked with).
+    std::ifstream in(hf + "/generation_config.json");
+    json gen = json::parse(in, nullptr, false);
+    ASSERT_TRUE(gen.is_object());
+    EXPECT_EQ(gen["eos_token_id"], 2);
+    EXPECT_FALSE(gen.contains("transformers_version")) << gen.dump();
+  }
   auto out = io::SafetensorsFile::open(hf + "/model.safetensors");
   ASSERT_TRUE(out);
   EXPECT_EQ(out->names(), src->names());
@@ -456,6 +610,62 @@ TEST(RunConfigTest, DefaultsOverridesAndErrors) {
     ASSERT_FALSE(r) << b.expect;
     EXPECT_NE(r.status().message().find(b.expect), std::string::npos) << r.status().message();
     EXPECT_EQ(r.status().message().find('\n'), std::string::npos);
+  }
+}
+
+// A too-small vocabulary is blamed on the key that set it: model.vocab_size when data.vocab_size
+// is 0 (it then takes the model's), data.vocab_size when it was given.
+TEST(RunConfigTest, SmallVocabularyNamesTheKeyThatSetIt) {
+  auto m = resolve_run_config(json::object(), {"model.vocab_size=100"});
+  ASSERT_FALSE(m);
+  EXPECT_NE(m.status().message().find("'model.vocab_size': 100 < 261"), std::string::npos) << m.status().message();
+  EXPECT_EQ(m.status().message().find("data.vocab_size"), std::string::npos) << m.status().message();
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+  auto d = resolve_run_config(json::object(), {"data.vocab_size=100"});
+  ASSERT_FALSE(d);
+  EXPECT_NE(d.status().message().find("'data.vocab_size': 100 < 261"), std::string::npos) << d.status().message();
+}
+
+// Relative data paths inside a config file name files next to the config (not in whatever
+// folder nibble runs from); --set values stay relative to the current folder; absolute paths
+// and an empty data.dir (= RUN_DIR/data) are left alone.
+TEST(RunConfigTest, RelativePathsInAConfigFileAreRelativeToIt) {
+  const fs::path dir = fs::temp_directory_path() / ("nibble_run_config_paths_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "cfg");
+  const std::string cfg = (dir / "cfg" / "run.json").string();
+  std::ofstream(cfg) << json{{"data", {{"files", {"text/a.txt", "/abs/b.txt"}},
+                                       {"dir", "../shared-data"},
+                                       {"tokenizer", "tok.model"},
+                                       {"val_files", {"val.bin"}}}}}.dump();
+  auto c = load_run_config(cfg, {});
+  ASSERT_TRUE(c) << c.status().message();
+  const std::string d = (dir / "cfg").string();
+  EXPECT_EQ(c->data_files, (std::vector<std::string>{d + "/text/a.txt", "/abs/b.txt"}));
+  EXPECT_EQ(c->data_dir, (dir / "shared-data").string());
+  EXPECT_EQ(c->tokenizer_file, d + "/tok.model");
+  EXPECT_EQ(c->val_files, std::vector<std::string>{d + "/val.bin"});
+  // The resolved paths are what a checkpoint's run_config.json keeps (resume needs no config).
+  EXPECT_EQ(c->json["data"]["dir"], (dir / "shared-data").string());
+
+  auto o = load_run_config(cfg, {"data.dir=here", "data.files=[\"x.txt\"]"});
+  ASSERT_TRUE(o) << o.status().message();
+  EXPECT_EQ(o->data_dir, "here");
+  EXPECT_EQ(o->data_files, std::vector<std::string>{"x.txt"});
+
+  std::ofstream(cfg) << json{{"steps", 300}}.dump();
+  auto e = load_run_config(cfg, {});
+  ASSERT_TRUE(e) << e.status().message();
+  EXPECT_EQ(e->data_dir, "");
+  fs::remove_all(dir);
+}
+
+// The shipped configs keep their data in the run folder: no data.dir that would land relative
+// to wherever the user starts nibble (it was "runs/main/data").
+TEST(RunConfigTest, ShippedConfigsWriteDataIntoTheRunFolder) {
+  for (const char* name : {"pretrain-tiny.json", "pretrain-tiny-tetrajet-v2.json"}) {
+    auto c = load_run_config(std::string(NIBBLE_SOURCE_DIR) + "/configs/" + name, {});
+    ASSERT_TRUE(c) << name << ": " << c.status().message();
+    EXPECT_EQ(c->data_dir, "") << name;
   }
 }
 
