@@ -255,6 +255,23 @@ double CpuBackend::sum_squares(const float* g, int64_t n, float grad_scale) {
   return total;
 }
 
+void CpuBackend::sum_squares_chunks(double* partials_host, const float* g, int64_t n, int64_t chunk,
+                                    float grad_scale) {
+  NIB_CHECK_MSG(chunk > 0, "sum_squares_chunks: chunk {} must be positive", chunk);
+  const int64_t count = (n + chunk - 1) / chunk;
+  parallel_for(count, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c) {
+      const int64_t b = c * chunk, e = std::min(n, b + chunk);
+      double s = 0;
+      for (int64_t i = b; i < e; ++i) {
+        const double x = static_cast<double>(g[i] * grad_scale);
+        s += x * x;
+      }
+      partials_host[c] = s;
+    }
+  });
+}
+
 void CpuBackend::adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const AdamWStep& s) {
   // Scalars as PyTorch computes them (Python doubles), then used in f32 element arithmetic.
   const float decay = static_cast<float>(1.0 - s.lr * s.weight_decay);

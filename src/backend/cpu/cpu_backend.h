@@ -82,6 +82,7 @@ class CpuBackend final : public Backend {
                              const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) override;
 
   double sum_squares(const float* g, int64_t n, float grad_scale) override;
+  void sum_squares_chunks(double* partials_host, const float* g, int64_t n, int64_t chunk, float grad_scale) override;
   void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const AdamWStep& s) override;
   void scale(float* x, int64_t n, float s) override;
 

@@ -486,6 +486,21 @@ double CudaBackend::sum_squares(const float* g, int64_t n, float grad_scale) {
   return host_->values[0];
 }
 
+void CudaBackend::sum_squares_chunks(double* partials_host, const float* g, int64_t n, int64_t chunk,
+                                     float grad_scale) {
+  activate();
+  NIB_CHECK_MSG(chunk > 0, "sum_squares_chunks: chunk {} must be positive", chunk);
+  if (n <= 0) return;
+  const int64_t count = (n + chunk - 1) / chunk;
+  auto* partials = static_cast<double*>(scratch(static_cast<size_t>(count) * sizeof(double), "sum_squares_chunks"));
+  NIB_OP_CUDA(cuda::sum_squares_chunks(partials, g, n, chunk, grad_scale, stream_), "sum_squares_chunks",
+              "n={} chunk={}", n, chunk);
+  NIB_OP_CUDA(cudaMemcpyAsync(partials_host, partials, static_cast<size_t>(count) * sizeof(double),
+                              cudaMemcpyDeviceToHost, stream_),
+              "sum_squares_chunks", "n={} chunk={}", n, chunk);
+  sync_and_check_flags("sum_squares_chunks");
+}
+
 void CudaBackend::adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const backend::AdamWStep& s) {
   activate();
   // The scalars exactly as train/optimizer.cpp computes them (Python doubles, then f32).

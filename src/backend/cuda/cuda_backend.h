@@ -114,6 +114,7 @@ class CudaBackend final : public backend::Backend {
 
   // ---- optimizer -------------------------------------------------------------------------------
   double sum_squares(const float* g, int64_t n, float grad_scale) override;
+  void sum_squares_chunks(double* partials_host, const float* g, int64_t n, int64_t chunk, float grad_scale) override;
   void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const backend::AdamWStep& s) override;
   void scale(float* x, int64_t n, float s) override;
 

@@ -39,6 +39,19 @@ __global__ void sum_partials_kernel(double* out, const double* partial, int64_t 
   if (threadIdx.x == 0) out[0] = s;
 }
 
+// One block per chunk: partial[c] = sum over [c*chunk, min(n, (c+1)*chunk)) in a fixed order.
+__global__ void sum_squares_chunk_kernel(double* partial, const float* g, int64_t n, int64_t chunk, float grad_scale) {
+  __shared__ double shared[33];
+  const int64_t b = blockIdx.x * chunk, e = b + chunk < n ? b + chunk : n;
+  double s = 0;
+  for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) {
+    const double x = static_cast<double>(g[i] * grad_scale);
+    s += x * x;
+  }
+  s = block_reduce(s, SumOp{}, 0.0, shared);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
 __global__ void adamw_kernel(float* w, float* m, float* v, const float* grad, int64_t n, AdamWScalars s) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float g = grad[i] * s.grad_scale;
@@ -66,6 +79,14 @@ cudaError_t sum_squares(double* out, const float* g, int64_t n, float grad_scale
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   sum_partials_kernel<<<1, 1024, 0, stream>>>(out, partial, blocks);
+  return cudaGetLastError();
+}
+
+cudaError_t sum_squares_chunks(double* partials, const float* g, int64_t n, int64_t chunk, float grad_scale,
+                               cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const int64_t count = (n + chunk - 1) / chunk;
+  sum_squares_chunk_kernel<<<static_cast<unsigned>(count), kThreads, 0, stream>>>(partials, g, n, chunk, grad_scale);
   return cudaGetLastError();
 }
 

@@ -17,6 +17,11 @@ size_t sum_squares_workspace_bytes(int64_t n);
 cudaError_t sum_squares(double* out, const float* g, int64_t n, float grad_scale, void* workspace,
                         cudaStream_t stream);
 
+// partials: (ceil(n / chunk)) f64 device <- the sum of squares of each consecutive `chunk`-element
+// piece of g (n) times grad_scale, one block per piece, in a fixed order.
+cudaError_t sum_squares_chunks(double* partials, const float* g, int64_t n, int64_t chunk, float grad_scale,
+                               cudaStream_t stream);
+
 // The step's scalars, computed on the host as train/optimizer.cpp does (from doubles, then f32).
 struct AdamWScalars {
   float decay = 1;         // 1 - lr * weight_decay

@@ -82,6 +82,29 @@ TEST_P(OptimizerOpsTest, SumSquaresFixedOrder) {
   EXPECT_EQ(be().sum_squares(upload(std::vector<float>{0.0f}), 0, 1.0f), 0.0);
 }
 
+// Per-chunk sums (the global-norm clip's pieces): each chunk's sum is within (len - 1) 2^-53 of
+// its exact sum of positive terms, as is the sequential sum here: at most 2 len 2^-53 apart.
+// The count of pieces and the last, shorter piece are checked; a second call repeats the bits.
+TEST_P(OptimizerOpsTest, SumSquaresChunksPerPiece) {
+  const int64_t n = 200003, chunk = 65536;  // 3 full pieces and one of 3395
+  std::vector<float> g = normal_vector(n, 77, 2.0);
+  const float scale = 0.25f;
+  const float* gd = upload(g);
+  std::vector<double> got(4, -1.0), again(4, -1.0);
+  be().sum_squares_chunks(got.data(), gd, n, chunk, scale);
+  be().sum_squares_chunks(again.data(), gd, n, chunk, scale);
+  for (int64_t c = 0; c < 4; ++c) {
+    const int64_t b = c * chunk, e = std::min(n, b + chunk);
+    double seq = 0;
+    for (int64_t i = b; i < e; ++i) {
+      const double t = static_cast<double>(g[i] * scale);
+      seq += t * t;
+    }
+    EXPECT_LE(std::fabs(got[c] - seq), 2.0 * double(e - b) * kUnitRoundoffF64 * seq) << "piece " << c;
+    EXPECT_EQ(std::memcmp(&got[c], &again[c], sizeof(double)), 0) << "piece " << c;
+  }
+}
+
 NIB_INSTANTIATE_OPS_TEST(OptimizerOpsTest);
 
 }  // namespace
