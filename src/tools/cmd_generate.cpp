@@ -99,7 +99,8 @@ int run_generate(GenerateArgs a) {
     if (!s) return report_error("generate", s);
   }
   a.sampling.stop_id = a.no_stop ? -1 : tok->eos_id();
-  NIB_LOG_INFO("generate: on {}", (*be)->name());
+  // Debug level (-v): stdout is the text and stderr stays empty unless something needs saying.
+  NIB_LOG_DEBUG("generate: on {}", (*be)->name());
 
   // Streamed: the prompt at once, then each token's text as soon as it is sampled (stdout
   // flushed per token). Pieces are not always whole characters (byte fallback), so the new ids
