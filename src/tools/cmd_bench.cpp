@@ -2,25 +2,46 @@
 // same bytes measured in the same run (05-performance-anchors.md: speed is a ratio to a baseline
 // measured alongside). CPU table from formats/cpu_bench.h (vs threaded memcpy); GPU table from
 // backend/cuda/bench.h (vs device-to-device copy) when built with CUDA and a device is present.
+// `nibble bench train`: tokens/s, MFU and peak memory of whole training steps per recipe on a
+// backend (train/train_bench.h), each row next to bf16's tokens/s; `--linear MxNxK` times one
+// linear layer per recipe against cuBLASLt BF16 (backend/cuda/linear_bench.h) on CUDA.
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "core/parallel.h"
 #include "formats/cpu_bench.h"
+#include "model/config.h"
+#include "model/linear.h"
 #include "tools/command.h"
+#include "tools/device_option.h"
 #include "tools/option_check.h"
+#include "train/train_bench.h"
 #ifdef NIBBLE_HAVE_CUDA
 #include "backend/cuda/bench.h"
+#include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/device.h"
+#include "backend/cuda/linear_bench.h"
 #endif
 
 namespace nibble::tools {
 namespace {
 
 constexpr int64_t kMaxRepeats = 100000, kMaxThreads = 4096;
+constexpr int64_t kMaxBatch = 1 << 20, kMaxSeq = 1 << 20, kMaxSteps = 100000;
+
+struct TrainBenchArgs {
+  std::string config;                // empty: configs/olmo2-70m.json (here, else in the source tree)
+  std::vector<std::string> recipes;  // empty: bf16, nvfp4-nvidia, tetrajet-v2
+  std::string device, linear;        // linear: "MxNxK"
+  int64_t batch = 8, seq = 4096, steps = 5, warmup = 2;
+  bool json = false;
+  CLI::App* train = nullptr;
+};
 
 struct BenchArgs {
   std::string size;  // "MxK"; empty: CPU 2048x4096, GPU the bench's default shapes
@@ -97,6 +118,161 @@ int run_bench_quantize(const BenchArgs& a) {
   return 0;
 }
 
+// A --recipe value: a registered name, or a JSON object as in a run config's "recipe".
+Result<model::RecipeConfig> parse_recipe_arg(const std::string& text) {
+  nlohmann::json j = text;
+  if (!text.empty() && text.front() == '{') {
+    j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) return invalid_argument("--recipe {}: not a JSON object", text);
+  }
+  auto rc = model::parse_recipe_config(j);
+  if (!rc) return invalid_argument("--recipe {}: {}", text, rc.status().message());
+  if (!model::has_linear_recipe(rc->name)) {
+    std::string names;
+    for (const std::string& n : model::linear_recipe_names()) names += (names.empty() ? "" : ", ") + n;
+    return invalid_argument("--recipe {}: unknown recipe (recipes: {})", text, names);
+  }
+  return rc;
+}
+
+Status parse_linear_shape(const std::string& s, int64_t* M, int64_t* N, int64_t* K) {
+  long long m = 0, n = 0, k = 0;
+  char x1 = 0, x2 = 0, extra = 0;
+  if (std::sscanf(s.c_str(), "%lld%c%lld%c%lld%c", &m, &x1, &n, &x2, &k, &extra) != 5 || x1 != 'x' || x2 != 'x' ||
+      m <= 0 || n <= 0 || k <= 0 || m > (1ll << 24) || n > (1ll << 24) || k > (1ll << 24))
+    return invalid_argument("--linear {}: expected MxNxK (tokens x out x in), e.g. 16384x4096x4096", s);
+  *M = m, *N = n, *K = k;
+  return Status::ok();
+}
+
+std::string json_number(double v) { return std::isfinite(v) ? fmt::format("{:.6g}", v) : std::string("null"); }
+
+int run_bench_linear(const TrainBenchArgs& a, backend::Backend& be, const std::vector<model::RecipeConfig>& recipes) {
+  int64_t M = 0, N = 0, K = 0;
+  if (Status st = parse_linear_shape(a.linear, &M, &N, &K); !st) return report_error("bench", st);
+  const int repeats = static_cast<int>(a.steps);
+  // The baseline: cuBLASLt BF16 on CUDA; on the CPU the bf16 recipe when it is listed.
+  double base_s = NAN;
+  std::string base_name = "none";
+#ifdef NIBBLE_HAVE_CUDA
+  if (be.device() == Device::kCUDA) {
+    auto* cb = dynamic_cast<nibble::cuda::CudaBackend*>(&be);
+    auto t = nibble::cuda::bench_bf16_linear_cublaslt(M, N, K, repeats, cb != nullptr ? cb->stream() : nullptr);
+    if (!t) return report_error("bench", t.status());
+    base_s = t->total_s();
+    base_name = "cuBLASLt BF16";
+    if (a.json) {
+      std::printf("{\"recipe\":\"cublaslt-bf16\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"forward_ms\":%s,"
+                  "\"backward_ms\":%s,\"total_ms\":%s,\"ratio\":1}\n",
+                  static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K),
+                  json_number(t->forward_s * 1e3).c_str(), json_number((t->dgrad_s + t->wgrad_s) * 1e3).c_str(),
+                  json_number(t->total_s() * 1e3).c_str());
+    }
+  }
+#endif
+  std::vector<train::LinearBenchResult> rows;
+  for (const auto& rc : recipes) {
+    auto r = train::bench_linear(be, rc, M, N, K, repeats);
+    if (!r) return report_error("bench", r.status());
+    rows.push_back(*r);
+    if (std::isnan(base_s) && be.device() != Device::kCUDA && rc.name == "bf16") {
+      base_s = r->total_s();
+      base_name = "the bf16 recipe";
+    }
+  }
+  if (!a.json) {
+    std::printf("linear %lldx%lldx%lld (Y = X W^T, X %lldx%lld, W %lldx%lld) forward + backward on %s, median of %d "
+                "(ratio = time / %s time, same run)\n",
+                static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K),
+                static_cast<long long>(M), static_cast<long long>(K), static_cast<long long>(N),
+                static_cast<long long>(K), be.name().c_str(), repeats, base_name.c_str());
+    std::printf("  %-20s %12s %12s %12s %8s\n", "recipe", "forward ms", "backward ms", "total ms", "ratio");
+    if (base_name == "cuBLASLt BF16")
+      std::printf("  %-20s %12s %12s %12.4g %8.3f\n", "cublaslt-bf16", "", "", base_s * 1e3, 1.0);
+  }
+  for (const auto& r : rows) {
+    const double ratio = r.total_s() / base_s;
+    if (a.json) {
+      std::printf("{\"recipe\":\"%s\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"forward_ms\":%s,\"backward_ms\":%s,"
+                  "\"total_ms\":%s,\"ratio\":%s}\n",
+                  r.recipe.c_str(), static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K),
+                  json_number(r.forward_s * 1e3).c_str(), json_number(r.backward_s * 1e3).c_str(),
+                  json_number(r.total_s() * 1e3).c_str(), json_number(ratio).c_str());
+    } else {
+      std::printf("  %-20s %12.4g %12.4g %12.4g %8s\n", r.recipe.c_str(), r.forward_s * 1e3, r.backward_s * 1e3,
+                  r.total_s() * 1e3, std::isfinite(ratio) ? fmt::format("{:.3f}", ratio).c_str() : "-");
+    }
+  }
+  return 0;
+}
+
+int run_bench_train(const TrainBenchArgs& a) {
+  auto be = open_device(a.device);
+  if (!be) return report_error("bench", be.status());
+  std::vector<model::RecipeConfig> recipes;
+  for (const std::string& text : a.recipes.empty() ? std::vector<std::string>{"bf16", "nvfp4-nvidia", "tetrajet-v2"}
+                                                   : a.recipes) {
+    auto rc = parse_recipe_arg(text);
+    if (!rc) return report_error("bench", rc.status());
+    recipes.push_back(*rc);
+  }
+  if (!a.linear.empty()) return run_bench_linear(a, **be, recipes);
+
+  std::string config_path = a.config;
+  if (config_path.empty()) {
+    config_path = "configs/olmo2-70m.json";
+#ifdef NIBBLE_SOURCE_DIR
+    if (::access(config_path.c_str(), F_OK) != 0) config_path = std::string(NIBBLE_SOURCE_DIR) + "/" + config_path;
+#endif
+  }
+  auto config = model::load_model_config(config_path);
+  if (!config) return report_error("bench", Status(config.status().code(), "--config: " + config.status().message()));
+  train::TrainBenchOptions o;
+  o.batch = a.batch;
+  o.seq_len = a.seq;
+  o.timed_steps = static_cast<int>(a.steps);
+  o.warmup_steps = static_cast<int>(a.warmup);
+  const bool gpu = (*be)->device() == Device::kCUDA;  // MFU is against the H200's BF16 peak
+  if (!a.json)
+    std::printf("training step of %s on %s: batch %lld x seq %lld, %lld warm-up + %lld timed steps (median); MFU "
+                "against %.0f TFLOP/s%s; ratio = tokens/s / bf16 tokens/s, same run\n",
+                config_path.c_str(), (*be)->name().c_str(), static_cast<long long>(a.batch),
+                static_cast<long long>(a.seq), static_cast<long long>(a.warmup), static_cast<long long>(a.steps),
+                o.peak_tflops, gpu ? "" : " (GPU only)");
+  std::vector<train::TrainBenchResult> rows;
+  for (const auto& rc : recipes) {
+    auto r = train::bench_train_step(**be, *config, rc, o);
+    if (!r) return report_error("bench", r.status());
+    rows.push_back(*r);
+  }
+  double bf16_tps = NAN;
+  for (const auto& r : rows)
+    if (r.recipe == "bf16") bf16_tps = r.tokens_per_second;
+  if (!a.json)
+    std::printf("  %-16s %10s %12s %7s %9s %10s %10s %9s\n", "recipe", "step ms", "tokens/s", "MFU", "peak GiB",
+                "first loss", "last loss", "vs bf16");
+  for (const auto& r : rows) {
+    const double ratio = r.tokens_per_second / bf16_tps;
+    const double peak_gib = r.peak_bytes >= 0 ? static_cast<double>(r.peak_bytes) / double(1ull << 30) : NAN;
+    if (a.json) {
+      nlohmann::json j{{"recipe", r.recipe},       {"device", (*be)->name()}, {"config", config_path},
+                       {"batch", a.batch},         {"seq", a.seq},            {"step_ms", r.step_seconds * 1e3},
+                       {"tokens_per_s", r.tokens_per_second},                 {"flops_per_token", r.flops_per_token},
+                       {"first_loss", r.first_loss}, {"last_loss", r.last_loss}};
+      j["mfu"] = gpu ? nlohmann::json(r.mfu) : nlohmann::json(nullptr);
+      j["peak_bytes"] = r.peak_bytes >= 0 ? nlohmann::json(r.peak_bytes) : nlohmann::json(nullptr);
+      j["ratio_to_bf16"] = std::isfinite(ratio) ? nlohmann::json(ratio) : nlohmann::json(nullptr);
+      std::printf("%s\n", j.dump().c_str());
+    } else {
+      std::printf("  %-16s %10.4g %12.4g %7s %9s %10.4f %10.4f %9s\n", r.recipe.c_str(), r.step_seconds * 1e3,
+                  r.tokens_per_second, gpu ? fmt::format("{:.1f}%", r.mfu * 100).c_str() : "-",
+                  std::isfinite(peak_gib) ? fmt::format("{:.3f}", peak_gib).c_str() : "-", r.first_loss, r.last_loss,
+                  std::isfinite(ratio) ? fmt::format("{:.3f}", ratio).c_str() : "-");
+    }
+  }
+  return 0;
+}
+
 CommandRun setup_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
   app.require_subcommand(1);
@@ -107,15 +283,33 @@ CommandRun setup_bench(CLI::App& app) {
   a->quantize->add_option("--threads", a->threads, "CPU threads (default: all)")->check(IntegerIn(1, kMaxThreads));
   a->quantize->add_option("--filter", a->filter, "CPU rows whose name contains this");
   a->quantize->add_flag("--cpu-only", a->cpu_only, "Skip the GPU table");
-  return [a]() -> int {
+
+  auto t = std::make_shared<TrainBenchArgs>();
+  t->train = app.add_subcommand("train", "Training-step speed per recipe (tokens/s, MFU, peak memory); --linear: one layer");
+  t->train->add_option("--config", t->config, "Model config.json (default configs/olmo2-70m.json)");
+  t->train->add_option("--recipe", t->recipes,
+                       "Recipe name or JSON object (repeatable; default bf16, nvfp4-nvidia, tetrajet-v2)")
+      ->allow_extra_args(false);
+  t->train->add_option("--batch", t->batch, "Sequences per step (default 8)")->check(IntegerIn(1, kMaxBatch));
+  t->train->add_option("--seq", t->seq, "Sequence length (default 4096)")->check(IntegerIn(1, kMaxSeq));
+  t->train->add_option("--steps", t->steps, "Timed steps (--linear: timed runs; default 5)")
+      ->check(IntegerIn(1, kMaxSteps));
+  t->train->add_option("--warmup", t->warmup, "Warm-up steps before timing (default 2)")->check(IntegerIn(0, kMaxSteps));
+  add_device_option(*t->train, &t->device);
+  t->train->add_option("--linear", t->linear,
+                       "MxNxK: time one linear layer per recipe instead (on CUDA against cuBLASLt BF16)");
+  t->train->add_flag("--json", t->json, "One JSON object per row");
+  return [a, t]() -> int {
     if (a->quantize->parsed()) return run_bench_quantize(*a);
+    if (t->train->parsed()) return run_bench_train(*t);
     return 2;
   };
 }
 
 }  // namespace
 
-NIBBLE_REGISTER_COMMAND(bench_command, "bench", "Benchmarks (bench quantize: quantizer bandwidth vs memcpy)",
+NIBBLE_REGISTER_COMMAND(bench_command, "bench",
+                        "Benchmarks (bench quantize: quantizer bandwidth vs memcpy; bench train: training-step speed)",
                         setup_bench);
 
 }  // namespace nibble::tools

@@ -1,6 +1,7 @@
 // `nibble eval`: validation loss and perplexity of a checkpoint on text files (tokenized with
 // the checkpoint's tokenizer, each file followed by eos) or NIBTOK token shards, in windows of
-// the run's sequence length (train/loader.h ValLoader: fixed order, full batches).
+// the run's sequence length (train/loader.h ValLoader: fixed order, full batches), on the backend
+// of --device (tools/device_option.h), whichever device trained the checkpoint.
 #include <unistd.h>
 
 #include <cstdio>
@@ -12,7 +13,9 @@
 #include <nlohmann/json.hpp>
 
 #include "io/regular_file.h"
+#include "core/log.h"
 #include "tools/command.h"
+#include "tools/device_option.h"
 #include "tools/option_check.h"
 #include "train/checkpoint.h"
 #include "train/corpus.h"
@@ -32,7 +35,7 @@ namespace fs = std::filesystem;
 constexpr int64_t kMaxEvalBatchSize = 65536;
 
 struct EvalArgs {
-  std::string checkpoint, recipe;
+  std::string checkpoint, recipe, device;
   std::vector<std::string> data;
   bool json = false;
   int64_t batch_size = 0, seq_len = 0, batches = 0;
@@ -48,6 +51,8 @@ struct TempDir {
 };
 
 int run_eval(const EvalArgs& a) {
+  auto be = open_device(a.device);
+  if (!be) return report_error("eval", be.status());
   auto ck = train::open_checkpoint(a.checkpoint);
   if (!ck) return report_error("eval", ck.status());
   if (a.data.empty()) return report_error("eval", invalid_argument("no --data given"));
@@ -59,7 +64,7 @@ int run_eval(const EvalArgs& a) {
     rc = *r;
     rcp = &rc;
   }
-  auto m = train::load_checkpoint_model(*ck, rcp);
+  auto m = train::load_checkpoint_model(*ck, rcp, **be);
   if (!m) return report_error("eval", m.status());
   const nlohmann::json& rj = ck->run_config;
   const int64_t B = a.batch_size > 0 ? a.batch_size : rj.value("batch_size", int64_t{8});
@@ -113,11 +118,13 @@ int run_eval(const EvalArgs& a) {
   }
   auto val = train::ValLoader::open(shards, B, T, a.batches);
   if (!val) return report_error("eval", Status(val.status().code(), "data: " + val.status().message()));
+  NIB_LOG_INFO("eval: on {}", (*be)->name());
   auto e = train::evaluate(m->get(), *val);
   if (!e) return report_error("eval", e.status());
   if (a.json) {
     nlohmann::json j{{"loss", e->loss},      {"ppl", e->ppl},         {"tokens", e->tokens},
-                     {"batches", e->batches}, {"checkpoint", ck->dir}, {"step", ck->step}};
+                     {"batches", e->batches}, {"checkpoint", ck->dir}, {"step", ck->step},
+                     {"device", (*be)->name()}};
     std::printf("%s\n", j.dump().c_str());
   } else {
     std::printf("eval: loss %.4f  ppl %s  (%lld tokens in %lld batches of %lldx%lld; checkpoint %s, step %lld)\n",
@@ -145,6 +152,7 @@ NIBBLE_REGISTER_COMMAND(kEvalCommand, "eval", "Validation loss and perplexity of
                           app.add_option("--batches", a->batches, "At most this many batches (default 0: all)")
                               ->check(IntegerIn(0, std::numeric_limits<int64_t>::max()));
                           app.add_option("--recipe", a->recipe, "Evaluate with this linear recipe (default: the run's)");
+                          add_device_option(app, &a->device);
                           return [a] { return run_eval(*a); };
                         });
 

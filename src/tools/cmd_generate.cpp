@@ -2,7 +2,8 @@
 // Philox per seed), streaming it to stdout token by token, at most the model's context minus the
 // prompt; `--dump-logits FILE` also writes the prompt's logits (T, V) F32 and ids (T) I32 as
 // safetensors, to compare with transformers after `nibble export --to hf`; never into the
-// checkpoint's folders, nor over a file that is not an earlier logits dump.
+// checkpoint's folders, nor over a file that is not an earlier logits dump. The model runs on the
+// backend of --device (tools/device_option.h), whichever device trained the checkpoint.
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -13,7 +14,9 @@
 
 #include "io/output_guard.h"
 #include "io/safetensors.h"
+#include "core/log.h"
 #include "tools/command.h"
+#include "tools/device_option.h"
 #include "tools/option_check.h"
 #include "train/checkpoint.h"
 #include "train/generate.h"
@@ -23,7 +26,7 @@ namespace nibble::tools {
 namespace {
 
 struct GenerateArgs {
-  std::string checkpoint, prompt, dump_logits, recipe;
+  std::string checkpoint, prompt, dump_logits, recipe, device;
   train::SamplingOptions sampling;
   bool no_stop = false;
 };
@@ -48,6 +51,8 @@ Status check_dump_target(const train::Checkpoint& ck, const std::string& path) {
 }
 
 int run_generate(GenerateArgs a) {
+  auto be = open_device(a.device);
+  if (!be) return report_error("generate", be.status());
   auto ck = train::open_checkpoint(a.checkpoint);
   if (!ck) return report_error("generate", ck.status());
   if (!a.dump_logits.empty())
@@ -60,7 +65,7 @@ int run_generate(GenerateArgs a) {
     rc = *r;
     rcp = &rc;
   }
-  auto m = train::load_checkpoint_model(*ck, rcp);
+  auto m = train::load_checkpoint_model(*ck, rcp, **be);
   if (!m) return report_error("generate", m.status());
   auto tok = train::Tokenizer::load(ck->tokenizer_path);
   if (!tok) return report_error("generate", tok.status());
@@ -94,6 +99,8 @@ int run_generate(GenerateArgs a) {
     if (!s) return report_error("generate", s);
   }
   a.sampling.stop_id = a.no_stop ? -1 : tok->eos_id();
+  // Debug level (-v): stdout is the text and stderr stays empty unless something needs saying.
+  NIB_LOG_DEBUG("generate: on {}", (*be)->name());
 
   // Streamed: the prompt at once, then each token's text as soon as it is sampled (stdout
   // flushed per token). Pieces are not always whole characters (byte fallback), so the new ids
@@ -153,6 +160,7 @@ NIBBLE_REGISTER_COMMAND(kGenerateCommand, "generate", "Sample text from a checkp
                           app.add_option("--dump-logits", a->dump_logits,
                                          "Write the prompt's logits (T,V) and input_ids to this safetensors file");
                           app.add_option("--recipe", a->recipe, "Run the model with this linear recipe (default: the run's)");
+                          add_device_option(app, &a->device);
                           return [a] { return run_generate(*a); };
                         });
 

@@ -2,7 +2,9 @@
 // overrides, writing metrics.jsonl, loss.png and checkpoints into --out; `--resume` continues
 // the run from its latest checkpoint bit-identically. The loop itself is train/trainer.h. The run
 // folder is locked while it works (train/run_lock.h); SIGINT/SIGTERM stop it after the current
-// step with a checkpoint, and the one error line says how to resume (exit 130/143).
+// step with a checkpoint, and the one error line says how to resume (exit 130/143). `--device`
+// picks the backend (tools/device_option.h); the run folder is the same on every device, so a
+// run resumes on another one.
 #include <cstdio>
 #include <limits>
 #include <memory>
@@ -13,6 +15,7 @@
 #include "core/interrupt.h"
 #include "core/log.h"
 #include "tools/command.h"
+#include "tools/device_option.h"
 #include "tools/option_check.h"
 #include "train/progress.h"
 #include "train/trainer.h"
@@ -21,13 +24,15 @@ namespace nibble::tools {
 namespace {
 
 struct PretrainArgs {
-  std::string config, out;
+  std::string config, out, device;
   std::vector<std::string> sets, data;
   bool resume = false, no_progress = false;
   int64_t stop_after = -1;
 };
 
 int run_pretrain(const PretrainArgs& a) {
+  auto be = open_device(a.device);
+  if (!be) return report_error("pretrain", be.status());
   std::vector<std::string> overrides = a.sets;
   if (!a.data.empty()) overrides.push_back("data.files=" + nlohmann::json(a.data).dump());
   Result<train::RunConfig> cfg = Status::ok();
@@ -45,8 +50,9 @@ int run_pretrain(const PretrainArgs& a) {
   opt.resume = a.resume;
   opt.stop_after_step = a.stop_after;
   opt.progress = !a.no_progress;
-  NIB_LOG_INFO("pretrain: {} recipe, {} steps of {}x{}x{} tokens, out {}", cfg->recipe.name, cfg->steps,
-               cfg->batch_size, cfg->grad_accum, cfg->seq_len, a.out);
+  opt.backend = be->get();
+  NIB_LOG_INFO("pretrain: on {}, {} recipe, {} steps of {}x{}x{} tokens, out {}", (*be)->name(), cfg->recipe.name,
+               cfg->steps, cfg->batch_size, cfg->grad_accum, cfg->seq_len, a.out);
   install_interrupt_handlers();
   auto r = train::run_pretraining(*cfg, opt);
   if (!r && interrupt_signal() != 0 && train::latest_checkpoint_dir(a.out).is_ok()) {
@@ -94,6 +100,7 @@ NIBBLE_REGISTER_COMMAND(kPretrainCommand, "pretrain",
                                          "Stop after this step with a checkpoint, as if interrupted (for testing --resume)")
                               ->check(IntegerIn(1, std::numeric_limits<int64_t>::max()));
                           app.add_flag("--no-progress", a->no_progress, "No progress bar");
+                          add_device_option(app, &a->device);
                           return [a] { return run_pretrain(*a); };
                         });
 

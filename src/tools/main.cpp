@@ -107,7 +107,12 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "nibble %s: out of memory\n", sub->get_name().c_str());
       return 1;
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "nibble %s: %s\n", sub->get_name().c_str(), e.what());
+      // A failed op (a CUDA error or out-of-memory names the op, its shapes and the device) stays
+      // one line on stderr.
+      std::string what = e.what();
+      for (char& c : what)
+        if (c == '\n' || c == '\r') c = ' ';
+      std::fprintf(stderr, "nibble %s: %s\n", sub->get_name().c_str(), what.c_str());
       return 1;
     }
   }

@@ -236,7 +236,8 @@ Status load_model_state(model::Model* model, const std::string& dir) {
   return Status::ok();
 }
 
-Result<std::unique_ptr<model::Model>> load_checkpoint_model(const Checkpoint& ckpt, const model::RecipeConfig* recipe) {
+Result<std::unique_ptr<model::Model>> load_checkpoint_model(const Checkpoint& ckpt, const model::RecipeConfig* recipe,
+                                                            backend::Backend& be) {
   model::RecipeConfig rc;
   if (recipe) {
     rc = *recipe;
@@ -248,7 +249,7 @@ Result<std::unique_ptr<model::Model>> load_checkpoint_model(const Checkpoint& ck
       rc = *r;
     }
   }
-  NIB_ASSIGN_OR_RETURN(auto m, model::Model::create(ckpt.model_config, rc));
+  NIB_ASSIGN_OR_RETURN(auto m, model::Model::create(ckpt.model_config, rc, &be));
   NIB_RETURN_IF_ERROR(load_model_state(m.get(), ckpt.dir));
   return m;
 }

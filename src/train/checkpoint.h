@@ -74,11 +74,13 @@ std::vector<io::NamedTensor> recipe_state_tensors(const model::Model& model);
 // shape, F32 or BF16; extra tensors are errors) and the recipe states, when present.
 Status load_model_state(model::Model* model, const std::string& dir);
 
-// Builds the checkpoint's model (recipe from its run_config unless `recipe` is given) and loads it.
+// Builds the checkpoint's model on `be` (recipe from its run_config unless `recipe` is given) and
+// loads it; the checkpoint format is the same whichever device wrote or reads it.
 // This (through load_model_state) is the one way every command reads a checkpoint's weights, so
 // eval, generate, export and resume accept and refuse the same checkpoints.
 Result<std::unique_ptr<model::Model>> load_checkpoint_model(const Checkpoint& ckpt,
-                                                            const model::RecipeConfig* recipe = nullptr);
+                                                            const model::RecipeConfig* recipe = nullptr,
+                                                            backend::Backend& be = backend::cpu_backend());
 
 // The checkpoint's parameters as owned F32 tensors with HF names, in the model's order, loaded
 // and checked by load_checkpoint_model (for exports).

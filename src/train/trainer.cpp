@@ -177,7 +177,8 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
                ds.summary.val_tokens, ds.vocab_size, ds.reused ? ", reused" : "");
 
   // ---- model, optimizer, loaders ----
-  NIB_ASSIGN_OR_RETURN(auto model, model::Model::create(cfg.model, cfg.recipe));
+  backend::Backend& be = opt.backend != nullptr ? *opt.backend : backend::cpu_backend();
+  NIB_ASSIGN_OR_RETURN(auto model, model::Model::create(cfg.model, cfg.recipe, &be));
   model->init_weights(cfg.seed);
   set_recipe_total_steps(*model, cfg.steps);
   AdamW adamw(cfg.adamw, &model->backend());
@@ -197,10 +198,13 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   // The newest checkpoint whose weights are trained (at least one optimizer update) and finite:
   // what the non-finite abort names.
   std::string last_good_checkpoint;
+  // Read through a host copy: the weights live in the backend's memory (a GPU's under CUDA).
+  std::vector<float> host_weights;
   auto weights_finite = [&] {
-    for (const auto& v : views)
-      for (int64_t i = 0; i < v.numel; ++i)
-        if (!std::isfinite(v.value[i])) return false;
+    host_weights.resize(static_cast<size_t>(model->num_params()));
+    model->download_parameters(host_weights.data());
+    for (float w : host_weights)
+      if (!std::isfinite(w)) return false;
     return true;
   };
   if (opt.resume) {
@@ -244,7 +248,11 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   NIB_ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open(metrics_path, /*truncate=*/!opt.resume));
   if (!opt.resume) {
     NIB_RETURN_IF_ERROR(metrics.write(json{{"event", "start"}, {"step", 0}, {"recipe", cfg.recipe.name},
-                                           {"params", model->num_params()}, {"threads", num_threads()}}));
+                                           {"params", model->num_params()}, {"threads", num_threads()},
+                                           {"device", be.name()}}));
+  } else {  // the device may differ from the one the run started on
+    NIB_RETURN_IF_ERROR(metrics.write(json{{"event", "resume"}, {"step", start}, {"device", be.name()},
+                                           {"threads", num_threads()}}));
   }
 
   TrainResult res;

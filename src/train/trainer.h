@@ -25,6 +25,12 @@ struct TrainOptions {
   bool resume = false;            // continue from run_dir's latest checkpoint
   int64_t stop_after_step = -1;   // > 0: stop after this step (with a checkpoint), as if interrupted
   bool progress = true;           // progress bar on stderr
+  // Where the model, its gradients and the AdamW moments live and every op runs (null: the
+  // process CPU backend); it must outlive the call. Deliberately not part of RunConfig: the run
+  // config is the run's identity (saved in checkpoints, checked on resume), the device is not, so
+  // a run started on a GPU resumes on a CPU and back. Recorded in metrics.jsonl ("device" of the
+  // start and resume events).
+  backend::Backend* backend = nullptr;
   CheckpointHook checkpoint_hook; // tests: inject failures into checkpoint writes
   // tests: called after each step's backward with (step, grads (n) f32, n) to inject NaNs.
   std::function<void(int64_t step, float* grads, int64_t n)> grad_hook;
@@ -49,7 +55,7 @@ struct EvalResult {
   int64_t batches = 0;
 };
 
-// Validation: mean CE over the loader's batches (no z-loss), forward only.
+// Validation: mean CE over the loader's batches (no z-loss), forward only, on the model's backend.
 Result<EvalResult> evaluate(model::Model* model, const ValLoader& val);
 
 // The run config saved in run_dir's latest checkpoint, with `overrides` applied (for --resume).
