@@ -3,7 +3,8 @@
 # build's binaries (the `nibble` CLI, the CUDA backend's tests, the op-test suite over every
 # backend, the train tests with their CPU-vs-CUDA step comparisons) plus every shared library
 # they load that a bare CUDA image lacks (OpenBLAS, sentencepiece, fmt, spdlog, libpng, ...), in
-# .gpubin/ (git-ignored; name it in the device call's `carry`). Then on the GPU machine:
+# .gpubin/ (git-ignored; name it in the device call's `carry`), with a copy of ../shared/testdata
+# (golden files; ../shared does not travel) in .gpubin/testdata. Then on the GPU machine:
 #   NIBBLE_GPU_PREBUILT=.gpubin bash scripts/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,5 +24,6 @@ for bin in "$OUTDIR"/nibble*; do
 done | sort -u | grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda|libcudart|libcublas|libcublasLt|libnccl|libcudnn)\.so' | while read -r lib; do
   cp -L "$lib" "$OUTDIR/lib/"
 done
+if [ -d ../shared/testdata ]; then cp -r ../shared/testdata "$OUTDIR/testdata"; else echo "no ../shared/testdata: golden tests will fail"; fi
 git rev-parse --short HEAD >"$OUTDIR/COMMIT"
 du -sh "$OUTDIR"
