@@ -404,7 +404,9 @@ void check_deterministic_and_resume(const char* file) {
     run_steps(resumed, opt, cfg, kSaveAfter, kSteps, &r);
     finish(resumed, opt, &r);
     expect_identical(a, r, "saved after 3 steps, rebuilt, loaded and continued");
-    if (rc.oscireset.enabled) EXPECT_GT(a.resets, 0);
+    if (rc.oscireset.enabled) {
+      EXPECT_GT(a.resets, 0);
+    }
   }
 }
 
