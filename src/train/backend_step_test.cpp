@@ -6,6 +6,7 @@
 // parameters, optimizer and recipe state), rebuilt and continued equals the uninterrupted run.
 // Without the CUDA backend in the build or without a device every case skips, saying why, before
 // doing any work (the CPU-only CI build compiles this file and runs nothing costly).
+// NIBBLE_STEP_TEST_DEVICE=cpu runs the cases with a second CPU backend as the device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -62,8 +63,12 @@ std::vector<model::RecipeConfig> recipes() {
              "oscireset": {"enabled": true, "threshold": 1.0, "window": 1, "period": 2, "start_step": 0}})")};
 }
 
-// The backend under test, or a skip reason.
+// The backend under test, or a skip reason. NIBBLE_STEP_TEST_DEVICE=cpu puts a second CPU backend
+// in CUDA's place (opt-in, seconds to minutes: a check of this harness itself, where every
+// comparison must come out equal and every run must complete).
 std::unique_ptr<backend::Backend> make_device_backend(std::string* why) {
+  if (const char* kind = std::getenv("NIBBLE_STEP_TEST_DEVICE"); kind && std::string(kind) == "cpu")
+    return backend::make_backend("cpu").value();
 #ifdef NIBBLE_HAVE_CUDA
   cuda::register_cuda_backend();
   auto r = backend::make_backend("cuda");
