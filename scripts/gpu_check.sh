@@ -163,7 +163,7 @@ if want train; then
   if [ -n "$TRAIN_BIN" ]; then
     # CPU work of these cases runs on the host's cores (the CPU side of each comparison).
     stamp "training step on CUDA against the CPU (${NIBBLE_GPU_TRAIN_FILTER:-BackendStep.*})"
-    timeout "$(limit 240)" "$TRAIN_BIN" --gtest_brief=0 --gtest_filter="${NIBBLE_GPU_TRAIN_FILTER:-BackendStep.*}" \
+    timeout "$(limit 300 "$TORCH_RESERVE")" "$TRAIN_BIN" --gtest_brief=0 --gtest_filter="${NIBBLE_GPU_TRAIN_FILTER:-BackendStep.*}" \
       >"$OUT/train_tests.log" 2>&1
     TRAIN_RC=$?; note_rc "training-step tests" $TRAIN_RC
     grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|^  tiny-" "$OUT/train_tests.log" | head -80
