@@ -141,7 +141,7 @@ else stamp "no build strategy worked"; exit 1; fi
 TEST_RC=skip OPS_RC=skip TRAIN_RC=skip BENCH_RC=skip BENCHT_RC=skip TORCH_RC=skip
 if want tests; then
   stamp "CUDA backend tests"
-  timeout "$(limit 180)" "$BIN" --gtest_brief=0 >"$OUT/tests.log" 2>&1
+  timeout "$(limit 180 "$TORCH_RESERVE")" "$BIN" --gtest_brief=0 >"$OUT/tests.log" 2>&1
   TEST_RC=$?; note_rc "CUDA backend tests" $TEST_RC
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|differ|cuda tests" "$OUT/tests.log" | head -60
   stamp "CUDA backend tests exit code $TEST_RC"
@@ -150,7 +150,7 @@ fi
 if want ops; then
   if [ -n "$OPS_BIN" ]; then
     stamp "op-test suite (every op on cpu and cuda against the CPU reference)"
-    timeout "$(limit 180)" "$OPS_BIN" --gtest_brief=0 >"$OUT/ops_tests.log" 2>&1
+    timeout "$(limit 180 "$TORCH_RESERVE")" "$OPS_BIN" --gtest_brief=0 >"$OUT/ops_tests.log" 2>&1
     OPS_RC=$?; note_rc "op-test suite" $OPS_RC
     grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|unavailable" "$OUT/ops_tests.log" | head -60
     stamp "op-test suite exit code $OPS_RC"
