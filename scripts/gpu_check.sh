@@ -8,7 +8,7 @@
 # linear, and bench/torch_train_baseline.py on the same shapes in the same call; logs go to $OUT
 # (default ./gpu_out), a short table last.
 # Build strategies, first that works: (1) NIBBLE_GPU_PREBUILT=<dir> (scripts/gpu_bundle.sh's .gpubin:
-# binaries + lib/ with their shared libraries + testdata/); (2) the project's CMake build
+# binaries + lib/ with their shared libraries + testdata/, packed as bundle.tar.xz, unpacked here); (2) the project's CMake build
 # (-DNIBBLE_CUDA=ON -DNIBBLE_CUDA_ARCH=90a -DNIBBLE_BENCH=OFF); (3) a direct nvcc/g++ build of the
 # CUDA backend's tests only, from src/ with headers carried in .gpudeps/.
 # Test data: $NIBBLE_TESTDATA_DIR, else ./.testdata, else the bundle's testdata/ (a copy of
@@ -35,6 +35,7 @@ OUT=${OUT:-$ROOT/gpu_out}
 mkdir -p "$OUT"
 PREBUILT=${NIBBLE_GPU_PREBUILT:-}
 [ -n "$PREBUILT" ] && case $PREBUILT in /*) ;; *) PREBUILT=$ROOT/$PREBUILT;; esac
+NIBBLE_TESTDATA_DIR_SET=${NIBBLE_TESTDATA_DIR:-}
 if [ -z "${NIBBLE_TESTDATA_DIR:-}" ]; then
   NIBBLE_TESTDATA_DIR=$ROOT/.testdata
   [ ! -d "$NIBBLE_TESTDATA_DIR" ] && [ -n "$PREBUILT" ] && [ -d "$PREBUILT/testdata" ] && NIBBLE_TESTDATA_DIR=$PREBUILT/testdata
@@ -71,6 +72,12 @@ TRAIN_BIN="" # the train tests (BackendStep.*: CUDA against CPU)
 NIBBLE=""    # the CLI (nibble bench train)
 try_prebuilt() {
   local dir=$PREBUILT
+  # gpu_bundle.sh packs the bundle (the unpacked one is over a device call's carry limit).
+  if [ -n "$dir" ] && [ ! -x "$dir/nibble_backend_cuda_tests" ] && [ -f "$dir/bundle.tar.xz" ]; then
+    tar -C "$dir" -xJf "$dir/bundle.tar.xz" || { stamp "could not unpack $dir/bundle.tar.xz"; return 1; }
+    COMMIT=$(cat "$dir/COMMIT" 2>/dev/null)
+    [ -z "${NIBBLE_TESTDATA_DIR_SET:-}" ] && [ ! -d "$ROOT/.testdata" ] && [ -d "$dir/testdata" ] && export NIBBLE_TESTDATA_DIR=$dir/testdata
+  fi
   [ -n "$dir" ] && [ -x "$dir/nibble_backend_cuda_tests" ] || return 1
   export LD_LIBRARY_PATH="$dir/lib:${LD_LIBRARY_PATH:-}"
   if "$dir/nibble_backend_cuda_tests" --gtest_list_tests >/dev/null 2>"$OUT/prebuilt_check.err"; then
