@@ -3,7 +3,11 @@
 # build's binaries (the `nibble` CLI, the CUDA backend's tests, the op-test suite over every
 # backend, the train tests with their CPU-vs-CUDA step comparisons) plus every shared library
 # they load that a bare CUDA image lacks (OpenBLAS, sentencepiece, fmt, spdlog, libpng, ...), in
-# .gpubin/ (git-ignored; name it in the device call's `carry`). Then on the GPU machine:
+# .gpubin/ (git-ignored; name it in the device call's `carry`), with a copy of ../shared/testdata
+# (golden files; ../shared does not travel) in .gpubin/testdata. Unpacked that is ~70 MB (OpenBLAS
+# alone 36), over the 64 MiB a device call carries, so it is then packed into
+# .gpubin/bundle.tar.xz (~14 MB) and the unpacked files removed (NIBBLE_BUNDLE_PACK=0 keeps them
+# instead); gpu_check.sh unpacks it. Then on the GPU machine:
 #   NIBBLE_GPU_PREBUILT=.gpubin bash scripts/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,5 +27,11 @@ for bin in "$OUTDIR"/nibble*; do
 done | sort -u | grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda|libcudart|libcublas|libcublasLt|libnccl|libcudnn)\.so' | while read -r lib; do
   cp -L "$lib" "$OUTDIR/lib/"
 done
+if [ -d ../shared/testdata ]; then cp -r ../shared/testdata "$OUTDIR/testdata"; else echo "no ../shared/testdata: golden tests will fail"; fi
 git rev-parse --short HEAD >"$OUTDIR/COMMIT"
+if [ "${NIBBLE_BUNDLE_PACK:-1}" = 1 ]; then
+  tar -C "$OUTDIR" -cf - . | xz -T0 -6 >"$OUTDIR.tar.xz.tmp"
+  find "$OUTDIR" -mindepth 1 -delete
+  mv "$OUTDIR.tar.xz.tmp" "$OUTDIR/bundle.tar.xz"
+fi
 du -sh "$OUTDIR"

@@ -1,46 +1,90 @@
 #!/usr/bin/env bash
-# What the GPU machine runs (one call does everything): build the CUDA backend's GPU tests,
-# run them (golden files + CPU-vs-GPU bit-exactness), the op-test suite over every backend
-# (nibble_backend_ops_tests: each op on "cpu" and "cuda" against the CPU reference; needs the
-# prebuilt bundle or the CMake build: the direct nvcc build has no CPU backend), then the
-# bandwidth benchmark of the format kernels against a device-to-device copy; logs go to $OUT
+# What the GPU machine runs (one call does everything, ~9 minutes on an H200): the CUDA backend's
+# GPU tests (golden files + CPU-vs-GPU bit-exactness), the op-test suite over every backend
+# (nibble_backend_ops_tests: each op on "cpu" and "cuda" against the CPU reference), the training
+# step on CUDA against the CPU (nibble_train_tests, BackendStep.*: tiny dense + MoE, every recipe,
+# one step, 50-step curves, determinism and resume), then `nibble bench train` for the OLMo-2 70M /
+# 370M and Qwen3-MoE shapes at seq 4096 (bf16, nvfp4-nvidia, tetrajet-v2) and the TetraJet-v2
+# linear, and bench/torch_train_baseline.py on the same shapes in the same call; logs go to $OUT
 # (default ./gpu_out), a short table last.
-# Build strategies, first that works: (1) NIBBLE_GPU_PREBUILT=<dir> holding nibble_backend_cuda_tests
-# (+ lib/ with its shared libraries) built elsewhere from this tree; (2) the project's CMake build
-# (-DNIBBLE_CUDA=ON -DNIBBLE_CUDA_ARCH=90a -DNIBBLE_BENCH=OFF), target nibble_backend_cuda_tests only;
-# (3) a direct nvcc/g++ build of that same binary from src/ with headers carried in .gpudeps/
-# (fmt header-only, nlohmann, googletest sources) for machines without the Debian packages.
-# Test data: $NIBBLE_TESTDATA_DIR, else ./.testdata (a copy of ../shared/testdata). Options:
-# NIBBLE_GPU_NCU=1 (ncu counters of five kernels: TE and 2-level BF16 RTN quantize, fused SR, TE wgrad RHT,
-# the fused op's arithmetic floor), NIBBLE_GPU_SANITIZE=1 (compute-sanitizer).
-# Files under $OUT: steps.log, tests.log, ops_tests.log, bench.log, and with the options ncu.txt, sanitizer.log,
-# sass_counts.txt (instructions per kernel), and with NIBBLE_GPU_SASS_KERNELS=<regex> sass_kernels.txt.
+# Build strategies, first that works: (1) NIBBLE_GPU_PREBUILT=<dir> (scripts/gpu_bundle.sh's .gpubin:
+# binaries + lib/ with their shared libraries + testdata/, packed as bundle.tar.xz, unpacked here); (2) the project's CMake build
+# (-DNIBBLE_CUDA=ON -DNIBBLE_CUDA_ARCH=90a -DNIBBLE_BENCH=OFF); (3) a direct nvcc/g++ build of the
+# CUDA backend's tests only, from src/ with headers carried in .gpudeps/.
+# Test data: $NIBBLE_TESTDATA_DIR, else ./.testdata, else the bundle's testdata/ (a copy of
+# ../shared/testdata, which does not travel).
+# Options (environment):
+#   NIBBLE_GPU_PARTS   comma list of parts to run, default "tests,ops,train,bench,torch";
+#                      also "bandwidth" (the format kernels' bandwidth vs device copy)
+#   NIBBLE_GPU_BUDGET_S  seconds the whole script may take (default 540): each part's timeout is cut
+#                      to what is left, so the call returns with its logs; the nibble benches keep
+#                      NIBBLE_GPU_TORCH_RESERVE_S (200) for the PyTorch baseline that follows
+#   NIBBLE_GPU_TRAIN_FILTER  gtest filter of the training-step cases (default BackendStep.*)
+#   NIBBLE_BENCH_CONFIGS / NIBBLE_BENCH_BATCHES  space lists (default the three shapes, batches 16 8 8)
+#   NIBBLE_BENCH_RECIPES (default "bf16 nvfp4-nvidia tetrajet-v2"), NIBBLE_BENCH_SEQ (4096),
+#   NIBBLE_BENCH_WARMUP (2), NIBBLE_BENCH_STEPS (4), NIBBLE_BENCH_LINEAR (16384x4096x4096)
+#   NIBBLE_GPU_SANITIZE=1 compute-sanitizer memcheck + racecheck of the backend tests and op suite
+#   NIBBLE_GPU_NCU=1 (ncu counters of five format kernels), NIBBLE_GPU_SASS_KERNELS=<regex>
+# Files under $OUT: steps.log, tests.log, ops_tests.log, train_tests.log, bench_train_*.log,
+# torch_baseline.jsonl (+ .log), table.txt; with the options bench.log, sanitizer*.log, ncu.txt,
+# sass_counts.txt, sass_kernels.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/gpu_out}
 mkdir -p "$OUT"
-export NIBBLE_TESTDATA_DIR=${NIBBLE_TESTDATA_DIR:-$ROOT/.testdata}
+PREBUILT=${NIBBLE_GPU_PREBUILT:-}
+[ -n "$PREBUILT" ] && case $PREBUILT in /*) ;; *) PREBUILT=$ROOT/$PREBUILT;; esac
+NIBBLE_TESTDATA_DIR_SET=${NIBBLE_TESTDATA_DIR:-}
+if [ -z "${NIBBLE_TESTDATA_DIR:-}" ]; then
+  NIBBLE_TESTDATA_DIR=$ROOT/.testdata
+  [ ! -d "$NIBBLE_TESTDATA_DIR" ] && [ -n "$PREBUILT" ] && [ -d "$PREBUILT/testdata" ] && NIBBLE_TESTDATA_DIR=$PREBUILT/testdata
+fi
+export NIBBLE_TESTDATA_DIR
+export NIBBLE_SOURCE_DIR=$ROOT  # configs/ for the training-step tests (built elsewhere)
+PARTS=",${NIBBLE_GPU_PARTS:-tests,ops,train,bench,torch},"
+want() { [[ $PARTS == *",$1,"* ]]; }
 JOBS=$(nproc)
 START=$(date +%s)
+BUDGET=${NIBBLE_GPU_BUDGET_S:-540}
 stamp() { echo "== [$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/steps.log"; }
+# Seconds a part may run: its own limit ($1), cut to what is left of the budget after keeping
+# $2 seconds (default 0) for parts still to come (at least 5).
+limit() {
+  local left=$(( BUDGET - ($(date +%s) - START) - ${2:-0} ))
+  [ "$left" -lt "$1" ] && echo $(( left > 5 ? left : 5 )) || echo "$1"
+}
+TORCH_RESERVE=0; [[ $PARTS == *",torch,"* ]] && TORCH_RESERVE=${NIBBLE_GPU_TORCH_RESERVE_S:-200}
+# rc 124 from timeout: say so in steps.log.
+note_rc() { [ "$2" = 124 ] && stamp "$1 stopped by its time limit (NIBBLE_GPU_BUDGET_S=$BUDGET)"; return 0; }
 
 stamp "device"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$OUT/steps.log"
 # A prebuilt binary names its own commit (the copied tree's git metadata may be older).
 COMMIT=""
-[ -n "${NIBBLE_GPU_PREBUILT:-}" ] && COMMIT=$(cat "$NIBBLE_GPU_PREBUILT/COMMIT" 2>/dev/null)
+[ -n "$PREBUILT" ] && COMMIT=$(cat "$PREBUILT/COMMIT" 2>/dev/null)
 echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" | tee -a "$OUT/steps.log"
+echo "parts ${PARTS//,/ } budget ${BUDGET}s testdata $NIBBLE_TESTDATA_DIR" | tee -a "$OUT/steps.log"
 
-BIN=""
-OPS_BIN=""  # the op-test suite, where the build strategy provides it
+BIN=""       # the CUDA backend's tests
+OPS_BIN=""   # the op-test suite, where the build strategy provides it
+TRAIN_BIN="" # the train tests (BackendStep.*: CUDA against CPU)
+NIBBLE=""    # the CLI (nibble bench train)
 try_prebuilt() {
-  local dir=${NIBBLE_GPU_PREBUILT:-}
+  local dir=$PREBUILT
+  # gpu_bundle.sh packs the bundle (the unpacked one is over a device call's carry limit).
+  if [ -n "$dir" ] && [ ! -x "$dir/nibble_backend_cuda_tests" ] && [ -f "$dir/bundle.tar.xz" ]; then
+    tar -C "$dir" -xJf "$dir/bundle.tar.xz" || { stamp "could not unpack $dir/bundle.tar.xz"; return 1; }
+    COMMIT=$(cat "$dir/COMMIT" 2>/dev/null)
+    [ -z "${NIBBLE_TESTDATA_DIR_SET:-}" ] && [ ! -d "$ROOT/.testdata" ] && [ -d "$dir/testdata" ] && export NIBBLE_TESTDATA_DIR=$dir/testdata
+  fi
   [ -n "$dir" ] && [ -x "$dir/nibble_backend_cuda_tests" ] || return 1
-  export LD_LIBRARY_PATH="$ROOT/$dir/lib:${LD_LIBRARY_PATH:-}"
+  export LD_LIBRARY_PATH="$dir/lib:${LD_LIBRARY_PATH:-}"
   if "$dir/nibble_backend_cuda_tests" --gtest_list_tests >/dev/null 2>"$OUT/prebuilt_check.err"; then
-    rm -f "$OUT/prebuilt_check.err"; BIN="$ROOT/$dir/nibble_backend_cuda_tests"
-    [ -x "$dir/nibble_backend_ops_tests" ] && OPS_BIN="$ROOT/$dir/nibble_backend_ops_tests"
+    rm -f "$OUT/prebuilt_check.err"; BIN="$dir/nibble_backend_cuda_tests"
+    [ -x "$dir/nibble_backend_ops_tests" ] && OPS_BIN="$dir/nibble_backend_ops_tests"
+    [ -x "$dir/nibble_train_tests" ] && TRAIN_BIN="$dir/nibble_train_tests"
+    [ -x "$dir/nibble" ] && NIBBLE="$dir/nibble"
     return 0
   fi
   head -5 "$OUT/prebuilt_check.err" | tee -a "$OUT/steps.log"; rm -f "$OUT/prebuilt_check.err"
@@ -53,8 +97,15 @@ try_cmake() {
   cmake --build build-gpu -j "$JOBS" --target nibble_backend_cuda_tests >"$OUT/cmake_build.log" 2>&1 \
     || { tail -20 "$OUT/cmake_build.log"; return 1; }
   BIN="$ROOT/build-gpu/tests/nibble_backend_cuda_tests"
-  cmake --build build-gpu -j "$JOBS" --target nibble_backend_ops_tests >>"$OUT/cmake_build.log" 2>&1 \
-    && OPS_BIN="$ROOT/build-gpu/tests/nibble_backend_ops_tests"
+  local t
+  for t in nibble_backend_ops_tests nibble_train_tests nibble; do
+    cmake --build build-gpu -j "$JOBS" --target $t >>"$OUT/cmake_build.log" 2>&1 || continue
+    case $t in
+      nibble_backend_ops_tests) OPS_BIN="$ROOT/build-gpu/tests/$t";;
+      nibble_train_tests) TRAIN_BIN="$ROOT/build-gpu/tests/$t";;
+      nibble) NIBBLE="$ROOT/build-gpu/bin/nibble";;
+    esac
+  done
 }
 try_direct() {
   local D=$ROOT/.gpudeps O=$ROOT/build-gpu-direct
@@ -91,48 +142,134 @@ try_direct() {
 stamp "build"
 if try_prebuilt; then stamp "using prebuilt $BIN"
 elif try_cmake; then stamp "built with CMake: $BIN"
-elif try_direct; then stamp "built directly with nvcc: $BIN"
+elif try_direct; then stamp "built directly with nvcc: $BIN (no op suite, train tests or CLI: use the bundle)"
 else stamp "no build strategy worked"; exit 1; fi
 
-stamp "GPU tests"
-"$BIN" --gtest_brief=0 >"$OUT/tests.log" 2>&1
-TEST_RC=$?
-grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|differ|cuda tests" "$OUT/tests.log" | head -60
-stamp "GPU tests exit code $TEST_RC"
-
-OPS_RC=0
-if [ -n "$OPS_BIN" ]; then
-  stamp "op-test suite (every op on cpu and cuda against the CPU reference)"
-  "$OPS_BIN" --gtest_brief=0 >"$OUT/ops_tests.log" 2>&1
-  OPS_RC=$?
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|unavailable" "$OUT/ops_tests.log" | head -60
-  stamp "op-test suite exit code $OPS_RC"
-else
-  stamp "op-test suite not built by this strategy (needs the bundle or the CMake build)"
+TEST_RC=skip OPS_RC=skip TRAIN_RC=skip BENCH_RC=skip BENCHT_RC=skip TORCH_RC=skip
+if want tests; then
+  stamp "CUDA backend tests"
+  timeout "$(limit 180 "$TORCH_RESERVE")" "$BIN" --gtest_brief=0 >"$OUT/tests.log" 2>&1
+  TEST_RC=$?; note_rc "CUDA backend tests" $TEST_RC
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|differ|cuda tests" "$OUT/tests.log" | head -60
+  stamp "CUDA backend tests exit code $TEST_RC"
 fi
 
-stamp "bandwidth benchmark"
-BENCH_RC=0
-for run in $(seq "${NIBBLE_GPU_BENCH_RUNS:-1}"); do  # repeat to see the run-to-run spread
-  "$BIN" --gtest_also_run_disabled_tests --gtest_filter='CudaBench.*' >>"$OUT/bench.log" 2>&1 || BENCH_RC=$?
-done
-stamp "bench exit code $BENCH_RC"
+if want ops; then
+  if [ -n "$OPS_BIN" ]; then
+    stamp "op-test suite (every op on cpu and cuda against the CPU reference)"
+    timeout "$(limit 180 "$TORCH_RESERVE")" "$OPS_BIN" --gtest_brief=0 >"$OUT/ops_tests.log" 2>&1
+    OPS_RC=$?; note_rc "op-test suite" $OPS_RC
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|unavailable" "$OUT/ops_tests.log" | head -60
+    stamp "op-test suite exit code $OPS_RC"
+  else
+    OPS_RC=missing; stamp "op-test suite not built by this strategy (needs the bundle or the CMake build)"
+  fi
+fi
+
+if want train; then
+  if [ -n "$TRAIN_BIN" ]; then
+    # CPU work of these cases runs on the host's cores (the CPU side of each comparison).
+    stamp "training step on CUDA against the CPU (${NIBBLE_GPU_TRAIN_FILTER:-BackendStep.*})"
+    timeout "$(limit 300 "$TORCH_RESERVE")" "$TRAIN_BIN" --gtest_brief=0 --gtest_filter="${NIBBLE_GPU_TRAIN_FILTER:-BackendStep.*}" \
+      >"$OUT/train_tests.log" 2>&1
+    TRAIN_RC=$?; note_rc "training-step tests" $TRAIN_RC
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|^  tiny-" "$OUT/train_tests.log" | head -80
+    stamp "training-step tests exit code $TRAIN_RC"
+  else
+    TRAIN_RC=missing; stamp "train tests not built by this strategy (needs the bundle or the CMake build)"
+  fi
+fi
+
+if want bandwidth; then
+  stamp "bandwidth benchmark"
+  BENCH_RC=0
+  for run in $(seq "${NIBBLE_GPU_BENCH_RUNS:-1}"); do  # repeat to see the run-to-run spread
+    timeout "$(limit 120)" "$BIN" --gtest_also_run_disabled_tests --gtest_filter='CudaBench.*' >>"$OUT/bench.log" 2>&1 || BENCH_RC=$?
+  done
+  stamp "bandwidth bench exit code $BENCH_RC"
+fi
+
 if [ "${NIBBLE_GPU_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   # Out-of-bounds / misaligned accesses and races in the kernels, on the small test shapes
   # (the 2^32-input exhaustive check is left out: too slow under the sanitizer).
   stamp "compute-sanitizer memcheck + racecheck"
-  timeout 240 compute-sanitizer --tool memcheck --leak-check no "$BIN" \
+  timeout "$(limit 240)" compute-sanitizer --tool memcheck --leak-check no "$BIN" \
     --gtest_filter='CudaGolden.*:CudaVsCpu.*:ElementCodec.KernelsMatchCpu' >"$OUT/sanitizer.log" 2>&1
   echo "memcheck rc=$? $(grep 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)" | tee -a "$OUT/steps.log"
-  timeout 120 compute-sanitizer --tool racecheck "$BIN" \
+  timeout "$(limit 120)" compute-sanitizer --tool racecheck "$BIN" \
     --gtest_filter='CudaVsCpu.FusedBackwardOperand:CudaVsCpu.Absmax:CudaVsCpu.RhtAndTranspose' >>"$OUT/sanitizer.log" 2>&1
   echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)" | tee -a "$OUT/steps.log"
-  if [ -n "$OPS_BIN" ]; then  # the op suite's CUDA cases
-    timeout 300 compute-sanitizer --tool memcheck --leak-check no "$OPS_BIN" --gtest_filter='*/cuda' \
-      >"$OUT/sanitizer_ops.log" 2>&1
+  if [ -n "$OPS_BIN" ]; then
+    # The op suite's CUDA cases. The out-of-memory case is left out of memcheck: its deliberate
+    # 1 PiB cudaMallocAsync failure is an API error memcheck counts.
+    timeout "$(limit 300)" compute-sanitizer --tool memcheck --leak-check no "$OPS_BIN" \
+      --gtest_filter='*/cuda:-*OutOfMemory*' >"$OUT/sanitizer_ops.log" 2>&1
     echo "ops memcheck rc=$? $(grep 'ERROR SUMMARY' "$OUT/sanitizer_ops.log" | tail -1)" | tee -a "$OUT/steps.log"
-    timeout 300 compute-sanitizer --tool racecheck "$OPS_BIN" --gtest_filter='*/cuda' >>"$OUT/sanitizer_ops.log" 2>&1
+    timeout "$(limit 300)" compute-sanitizer --tool racecheck "$OPS_BIN" --gtest_filter='*/cuda' >>"$OUT/sanitizer_ops.log" 2>&1
     echo "ops racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/sanitizer_ops.log" | tail -1)" | tee -a "$OUT/steps.log"
+  fi
+fi
+
+if want bench; then
+  # `nibble bench train`, where this build's CLI has it: each shape and recipe in its own process
+  # (a failure, e.g. out of memory, costs that row only). Options the CLI's help does not list are
+  # left out (the command's defaults apply).
+  if [ -n "$NIBBLE" ] && "$NIBBLE" bench train --help >"$OUT/bench_train_help.txt" 2>&1; then
+    BENCHT_RC=0
+    has() { grep -qE -- "(^|[ ,])$1([ ,=]|\$)" "$OUT/bench_train_help.txt"; }
+    common=()
+    has --device && common+=(--device cuda)
+    has --seq && common+=(--seq "${NIBBLE_BENCH_SEQ:-4096}")
+    has --warmup && common+=(--warmup "${NIBBLE_BENCH_WARMUP:-2}")
+    has --steps && common+=(--steps "${NIBBLE_BENCH_STEPS:-4}")
+    read -r -a configs <<<"${NIBBLE_BENCH_CONFIGS:-configs/olmo2-70m.json configs/olmo2-370m.json configs/qwen3moe-768.json}"
+    read -r -a batches <<<"${NIBBLE_BENCH_BATCHES:-16 8 8}"
+    read -r -a recipes <<<"${NIBBLE_BENCH_RECIPES:-bf16 nvfp4-nvidia tetrajet-v2}"
+    for i in "${!configs[@]}"; do
+      cfg=${configs[$i]} b=${batches[$i]:-8}
+      for r in "${recipes[@]}"; do
+        log="$OUT/bench_train_$(basename "$cfg" .json)_$r.log"
+        args=(bench train --config "$cfg" --recipe "$r" "${common[@]}")
+        has --batch && args+=(--batch "$b")
+        stamp "nibble ${args[*]}"
+        echo "nibble ${args[*]}" >"$log"
+        timeout "$(limit 90 "$TORCH_RESERVE")" "$NIBBLE" "${args[@]}" >>"$log" 2>&1
+        rc=$?; note_rc "bench train $cfg $r" $rc; [ $rc = 0 ] || BENCHT_RC=$rc
+        tail -3 "$log"
+      done
+    done
+    log="$OUT/bench_train_linear.log"
+    args=(bench train --linear "${NIBBLE_BENCH_LINEAR:-16384x4096x4096}")
+    has --device && args+=(--device cuda)
+    stamp "nibble ${args[*]}"
+    echo "nibble ${args[*]}" >"$log"
+    timeout "$(limit 120 "$TORCH_RESERVE")" "$NIBBLE" "${args[@]}" >>"$log" 2>&1
+    rc=$?; note_rc "bench train --linear" $rc; [ $rc = 0 ] || BENCHT_RC=$rc
+    tail -8 "$log"
+    stamp "nibble bench train exit code $BENCHT_RC"
+  else
+    BENCHT_RC=missing
+    stamp "nibble bench train not in this build's CLI ($(head -2 "$OUT/bench_train_help.txt" 2>/dev/null | tr '\n' ' '))"
+  fi
+fi
+
+if want torch; then
+  # What a PyTorch user runs (transformers + torch.compile + SDPA + fused AdamW + BF16 autocast),
+  # same shapes and batches, same GPU, same call. torch.compile takes most of this part's time.
+  if python3 -c 'import torch, transformers' 2>/dev/null; then
+    read -r -a configs <<<"${NIBBLE_BENCH_CONFIGS:-configs/olmo2-70m.json configs/olmo2-370m.json configs/qwen3moe-768.json}"
+    read -r -a batches <<<"${NIBBLE_BENCH_BATCHES:-16 8 8}"
+    targs=()
+    for i in "${!configs[@]}"; do targs+=(--config "${configs[$i]}" --batch "${batches[$i]:-8}"); done
+    stamp "PyTorch baseline: bench/torch_train_baseline.py ${targs[*]}"
+    timeout "$(limit 300)" python3 bench/torch_train_baseline.py "${targs[@]}" --seq "${NIBBLE_BENCH_SEQ:-4096}" \
+      --warmup "${NIBBLE_BENCH_WARMUP:-2}" --steps "${NIBBLE_BENCH_STEPS:-4}" \
+      >"$OUT/torch_baseline.jsonl" 2>"$OUT/torch_baseline.log"
+    TORCH_RC=$?; note_rc "PyTorch baseline" $TORCH_RC
+    cat "$OUT/torch_baseline.jsonl"; [ $TORCH_RC = 0 ] || tail -5 "$OUT/torch_baseline.log"
+    stamp "PyTorch baseline exit code $TORCH_RC"
+  else
+    TORCH_RC=missing; stamp "PyTorch baseline: python3 lacks torch or transformers"
   fi
 fi
 
@@ -146,7 +283,6 @@ if command -v cuobjdump >/dev/null; then
       '/Function :/ {keep = ($3 ~ re)} keep' >"$OUT/sass_kernels.txt"
   fi
 fi
-
 if [ "${NIBBLE_GPU_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   # Hardware counters of five kernels on the quick (4096^2) bench: is it issue- or memory-bound?
   stamp "ncu profiles"
@@ -160,8 +296,18 @@ if [ "${NIBBLE_GPU_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   grep -E "nvfp4|transpose_rht|floor_kernel|Executed Instructions  |Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|No Eligible|Duration" "$OUT/ncu.txt" | head -60
 fi
 
-echo
-echo "tests rc=$TEST_RC bench rc=$BENCH_RC ($(grep -c '^\[       OK \]' "$OUT/tests.log") tests OK, $(grep -c '^\[  FAILED  \]' "$OUT/tests.log") failed lines)"
-[ -n "$OPS_BIN" ] && echo "ops rc=$OPS_RC ($(grep -c '^\[       OK \]' "$OUT/ops_tests.log") op tests OK, $(grep -c '^\[  FAILED  \]' "$OUT/ops_tests.log") failed lines)"
-grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |floor|te rht)' "$OUT/bench.log" || tail -20 "$OUT/bench.log"
-[ $TEST_RC = 0 ] && [ $BENCH_RC = 0 ] && [ $OPS_RC = 0 ]
+# ---- the short table (also $OUT/table.txt) ------------------------------------------------------
+{
+  echo
+  echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}, $(date -u +%Y-%m-%dT%H:%MZ), $(( $(date +%s) - START ))s"
+  count() { [ -f "$1" ] && echo "$(grep -c '^\[       OK \]' "$1") OK, $(grep -c '^\[  FAILED  \]' "$1") failed lines, $(grep -cE '^\[  SKIPPED \] .* \([0-9]+ ms\)$' "$1") skipped" || echo "not run"; }
+  echo "cuda backend tests rc=$TEST_RC ($(count "$OUT/tests.log"))"
+  echo "op suite           rc=$OPS_RC ($(count "$OUT/ops_tests.log"))"
+  echo "training step      rc=$TRAIN_RC ($(count "$OUT/train_tests.log"))"
+  [ "$BENCH_RC" != skip ] && { echo "bandwidth bench    rc=$BENCH_RC"; grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |floor|te rht)' "$OUT/bench.log"; }
+  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC"
+  python3 scripts/gpu_table.py "$OUT" 2>&1
+} | tee "$OUT/table.txt"
+ok() { [ "$1" = 0 ] || [ "$1" = skip ]; }
+# A CLI without `bench train` yet, or a python3 without torch, is reported above, not a failure.
+ok "$TEST_RC" && ok "$OPS_RC" && ok "$TRAIN_RC" && ok "$BENCH_RC" && ok "${BENCHT_RC/missing/skip}" && ok "${TORCH_RC/missing/skip}"
