@@ -222,6 +222,7 @@ if want bench; then
     has --seq && common+=(--seq "${NIBBLE_BENCH_SEQ:-4096}")
     has --warmup && common+=(--warmup "${NIBBLE_BENCH_WARMUP:-2}")
     has --steps && common+=(--steps "${NIBBLE_BENCH_STEPS:-4}")
+    has --json && common+=(--json)  # one JSON object per row: scripts/gpu_table.py reads it
     read -r -a configs <<<"${NIBBLE_BENCH_CONFIGS:-configs/olmo2-70m.json configs/olmo2-370m.json configs/qwen3moe-768.json}"
     read -r -a batches <<<"${NIBBLE_BENCH_BATCHES:-16 8 8}"
     read -r -a recipes <<<"${NIBBLE_BENCH_RECIPES:-bf16 nvfp4-nvidia tetrajet-v2}"
@@ -241,6 +242,7 @@ if want bench; then
     log="$OUT/bench_train_linear.log"
     args=(bench train --linear "${NIBBLE_BENCH_LINEAR:-16384x4096x4096}")
     has --device && args+=(--device cuda)
+    has --json && args+=(--json)
     stamp "nibble ${args[*]}"
     echo "nibble ${args[*]}" >"$log"
     timeout "$(limit 120 "$TORCH_RESERVE")" "$NIBBLE" "${args[@]}" >>"$log" 2>&1
