@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -231,6 +232,13 @@ class Backend {
                                           const formats::SrKey& sr) = 0;
 };
 
+// Thrown when backend memory cannot be had: the message is the backend's one line (what was being
+// allocated, how much, what is free, which config keys to lower), without source positions.
+class AllocationError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // ---- grow-only buffers in backend memory (allocation happens only when a shape grows) ------------
 template <typename T>
 class Buffer {
@@ -248,13 +256,13 @@ class Buffer {
     }
     return *this;
   }
-  // Ensures room for n elements (contents are not kept when it grows). Throws CheckError with the
-  // backend's allocation message on failure (out of memory names `what`).
+  // Ensures room for n elements (contents are not kept when it grows). Throws AllocationError with
+  // the backend's allocation message on failure (out of memory names `what`).
   T* ensure(Backend& be, int64_t n, const char* what) {
     if (p_ != nullptr && be_ == &be && n <= n_) return p_;
     reset();
     Result<void*> r = be.allocate(static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T), what);
-    NIB_CHECK_MSG(r.is_ok(), "{}", r.status().message());
+    if (!r.is_ok()) throw AllocationError(r.status().message());
     be_ = &be, p_ = static_cast<T*>(r.value()), n_ = n;
     return p_;
   }

@@ -79,8 +79,9 @@ Result<void*> CpuBackend::allocate(size_t bytes, const std::string& what) {
   void* p = std::aligned_alloc(64, rounded);
   if (p == nullptr)
     return Status(StatusCode::kInternal,
-                  fmt::format("out of host memory allocating {} ({} bytes): lower training.batch_size, "
-                              "training.seq_len or the model size",
+                  fmt::format("out of host memory on cpu allocating {}: {} bytes requested; lower batch_size or "
+                              "seq_len in the run config (raise grad_accum to keep the tokens per step), or choose a "
+                              "smaller model",
                               what, bytes));
   std::memset(p, 0, rounded);
   std::lock_guard<std::mutex> lock(memory_mutex_);

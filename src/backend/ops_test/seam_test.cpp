@@ -43,6 +43,22 @@ TEST_P(SeamTest, QuantizedBufferViewSizes) {
   EXPECT_EQ(QuantizedTensor::outer_count(QuantFormat::kNvfp4Te, 2, 64), 1);
 }
 
+// A buffer that cannot grow throws the backend's one-line message (what, size, keys to lower),
+// not an internal check with a source position (the CLI prints it as it is).
+TEST_P(SeamTest, BufferOutOfMemoryIsTheBackendsMessage) {
+  Buffer<float> huge;
+  try {
+    huge.ensure(be(), int64_t{1} << 48, "saved activations");  // 1 PiB of floats
+    ADD_FAILURE() << "a 1 PiB buffer was allocated";
+  } catch (const AllocationError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("saved activations"), std::string::npos) << m;
+    EXPECT_NE(m.find("batch_size"), std::string::npos) << m;
+    EXPECT_EQ(m.find("check failed"), std::string::npos) << m;
+    EXPECT_EQ(m.find(".h:"), std::string::npos) << m;
+  }
+}
+
 TEST_P(SeamTest, MemoryStatsCountLiveAndPeakBytes) {
   Backend::MemoryStats before = be().memory_stats();
   ASSERT_GE(before.in_use_bytes, 0) << be().name() << " tracks no memory";
