@@ -39,7 +39,8 @@ double model_flops_per_token(const model::ModelConfig& c, int64_t seq_len, int64
       active += 3 * C * c.intermediate_size;
     }
   }
-  active += C;  // final norm
+  active += C;                   // final norm
+  active += c.vocab_size * C;    // lm_head (a GEMM; only the embedding lookup is not counted)
   if (active_params) *active_params = active;
   return 6.0 * static_cast<double>(active) + 6.0 * static_cast<double>(L * C * seq_len);
 }

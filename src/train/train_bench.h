@@ -2,8 +2,9 @@
 // quantized linear layer on a backend, measured the way 05-performance-anchors.md measures
 // the PyTorch baseline: random tokens, warm-up steps first, then the median step time over timed
 // steps (each step synchronised: forward+backward with CE + z-loss, global-norm clip, AdamW).
-// Reports tokens/s, model FLOPs utilisation (6 x non-embedding active params + 6 x layers x
-// width x seq per token, against a given peak) and the backend's peak memory.
+// Reports tokens/s, model FLOPs utilisation (6 x non-embedding active params, lm_head included,
+// + 6 x layers x width x seq per token, against a given peak; the formula that reproduces the
+// anchors' PyTorch MFU) and the backend's peak memory.
 #pragma once
 
 #include <cstdint>

@@ -57,8 +57,9 @@ TEST(TrainBench, OneTimedStepOfTinyDenseAndMoeForEveryRecipe) {
   }
 }
 
-// 6 x active non-embedding parameters + 6 x L x C x seq, counted by hand for tiny-dense
-// (OLMo-2: C 128, 4 layers, 4 heads of 32, MLP 384).
+// 6 x active non-embedding parameters (the lm_head counts: it is a GEMM; the embedding lookup is
+// not) + 6 x L x C x seq, counted by hand for tiny-dense (OLMo-2: C 128, 4 layers, 4 heads of 32,
+// MLP 384, vocabulary V).
 TEST(TrainBench, FlopsPerTokenOfTinyDense) {
   const model::ModelConfig cfg = load_config("tiny-dense.json");
   ASSERT_EQ(cfg.hidden_size, 128);
@@ -70,7 +71,8 @@ TEST(TrainBench, FlopsPerTokenOfTinyDense) {
                             + 2 * 128                       // two norms
                             + 128 + 128                     // QK-norm gains over the q and k widths
                             + 3 * 128 * 384;                // gate, up, down
-  const int64_t active = 4 * per_layer + 128;               // + final norm
+  const int64_t active = 4 * per_layer + 128                // + final norm
+                         + cfg.vocab_size * 128;            // + lm_head
   int64_t counted = 0;
   EXPECT_EQ(model_flops_per_token(cfg, 64, &counted), 6.0 * active + 6.0 * 4 * 128 * 64);
   EXPECT_EQ(counted, active);
