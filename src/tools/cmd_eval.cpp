@@ -14,6 +14,7 @@
 
 #include "io/regular_file.h"
 #include "core/log.h"
+#include "core/interrupt.h"
 #include "tools/command.h"
 #include "tools/device_option.h"
 #include "tools/option_check.h"
@@ -51,6 +52,7 @@ struct TempDir {
 };
 
 int run_eval(const EvalArgs& a) {
+  install_interrupt_handlers();  // a Ctrl-C ends between batches, so the temporary shards are removed
   auto be = open_device(a.device);
   if (!be) return report_error("eval", be.status());
   auto ck = train::open_checkpoint(a.checkpoint);
@@ -106,6 +108,7 @@ int run_eval(const EvalArgs& a) {
     Status s = train::write_token_shard(shard, *ids, tok->vocab_size());
     if (!s) return report_error("eval", s);
     shards.push_back(shard);
+    if (interrupt_signal() != 0) return report_error("eval", cancelled_status("while tokenizing the data"));
   }
   int64_t windows = 0;  // as ValLoader counts them: (n - 1) / T per input of n >= T + 1 tokens
   for (const auto& [path, n] : sizes) windows += n >= T + 1 ? (n - 1) / T : 0;
@@ -119,7 +122,7 @@ int run_eval(const EvalArgs& a) {
   auto val = train::ValLoader::open(shards, B, T, a.batches);
   if (!val) return report_error("eval", Status(val.status().code(), "data: " + val.status().message()));
   NIB_LOG_INFO("eval: on {}", (*be)->name());
-  auto e = train::evaluate(m->get(), *val);
+  auto e = train::evaluate(m->get(), *val, /*stop_on_interrupt=*/true);
   if (!e) return report_error("eval", e.status());
   if (a.json) {
     nlohmann::json j{{"loss", e->loss},      {"ppl", e->ppl},         {"tokens", e->tokens},

@@ -81,11 +81,12 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
 
 }  // namespace
 
-Result<EvalResult> evaluate(model::Model* model, const ValLoader& val) {
+Result<EvalResult> evaluate(model::Model* model, const ValLoader& val, bool stop_on_interrupt) {
   EvalResult r;
   double ce_sum = 0;
   Batch b;
   for (int64_t i = 0; i < val.num_batches(); ++i) {
+    if (stop_on_interrupt && interrupt_signal() != 0) return cancelled_status("during evaluation");
     NIB_RETURN_IF_ERROR(val.get(i, &b));
     model::LossParts lp = model->forward_loss(b.tokens.data(), b.targets.data(), b.batch, b.seq_len);
     ce_sum += lp.ce * static_cast<double>(lp.n_tokens);

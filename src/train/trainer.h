@@ -56,7 +56,9 @@ struct EvalResult {
 };
 
 // Validation: mean CE over the loader's batches (no z-loss), forward only, on the model's backend.
-Result<EvalResult> evaluate(model::Model* model, const ValLoader& val);
+// stop_on_interrupt: a SIGINT/SIGTERM recorded by core/interrupt.h ends it between batches with
+// cancelled_status (`nibble eval`; the trainer's periodic validation finishes and checkpoints).
+Result<EvalResult> evaluate(model::Model* model, const ValLoader& val, bool stop_on_interrupt = false);
 
 // The run config saved in run_dir's latest checkpoint, with `overrides` applied (for --resume).
 Result<RunConfig> resume_run_config(const std::string& run_dir, const std::vector<std::string>& overrides);
