@@ -238,19 +238,9 @@ double CpuBackend::moe_accumulate_load(double* count_host, double* prob_sum_host
 
 // ---- optimizer (the exact arithmetic of train/optimizer.cpp) ----------------------------------------
 double CpuBackend::sum_squares(const float* g, int64_t n, float grad_scale) {
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
-  parallel_for(chunks, 1, [&](int64_t cb, int64_t ce) {
-    for (int64_t c = cb; c < ce; ++c) {
-      const int64_t b = c * kChunk, e = std::min(n, b + kChunk);
-      double s = 0;
-      for (int64_t i = b; i < e; ++i) {
-        const double x = static_cast<double>(g[i] * grad_scale);
-        s += x * x;
-      }
-      partial[c] = s;
-    }
-  });
+  // Per-64K-chunk sums (threaded), added in chunk order: independent of the thread count.
+  std::vector<double> partial(static_cast<size_t>((n + kChunk - 1) / kChunk), 0.0);
+  sum_squares_chunks(partial.data(), g, n, kChunk, grad_scale);
   double total = 0;
   for (double s : partial) total += s;
   return total;
