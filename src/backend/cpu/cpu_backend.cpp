@@ -11,6 +11,8 @@
 #include <map>
 #include <mutex>
 
+#include <unistd.h>
+
 #include "backend/cpu/attention.h"
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/moe.h"
@@ -76,7 +78,11 @@ void quantize_any(QuantizedTensor& q, const In* x, const formats::SrKey* sr) {
 // ---- memory ---------------------------------------------------------------------------------------
 Result<void*> CpuBackend::allocate(size_t bytes, const std::string& what) {
   const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, rounded);
+  // Zero-filled memory is touched at once, so more than the machine's RAM can never succeed:
+  // refuse it up front (also keeps sanitizer allocators from aborting on absurd sizes).
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  const bool beyond_ram = pages > 0 && page > 0 && rounded / static_cast<size_t>(page) > static_cast<size_t>(pages);
+  void* p = beyond_ram ? nullptr : std::aligned_alloc(64, rounded);
   if (p == nullptr)
     return Status(StatusCode::kInternal,
                   fmt::format("out of host memory on cpu allocating {}: {} bytes requested; lower batch_size or "
