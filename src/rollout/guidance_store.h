@@ -1,0 +1,213 @@
+// TRACE guidance records and the store that holds them (../shared/spec/03-rl-and-trace.md §2.2,
+// §2.4; 01-formats.md §7). RecordStore is the host-side store of rollout records keyed by
+// (sequence, token position, layer, site), shared by guidance and R3 routing (routing_record.h):
+// producers hand filled host buffers to append() (a move); a background writer thread moves them
+// into an in-memory index through a bounded queue (a full queue blocks the producer: back-pressure,
+// never loss); past a memory budget the writer spills to one file it creates exclusively in the
+// spill directory; close() removes what the store created and nothing else. The trainer reads
+// records by key or streams a sequence in key order, in memory or spilled.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "formats/guided.h"
+#include "model/config.h"
+
+namespace nibble::rollout {
+
+// ---- the store ----------------------------------------------------------------------------------
+
+// Ordered by (sequence, position, layer, site): a sequence's records are one contiguous range.
+struct RecordKey {
+  uint64_t sequence = 0;
+  uint32_t position = 0;
+  uint16_t layer = 0;
+  uint16_t site = 0;
+  auto operator<=>(const RecordKey&) const = default;
+};
+// "(sequence 3, position 17, layer 5, site 1)": how errors name a key.
+std::string record_key_name(const RecordKey& key);
+
+struct RecordStoreOptions {
+  std::string name = "record store";  // names the store in errors ("guidance store", "routing store")
+  int64_t memory_budget_bytes = int64_t{1} << 30;  // payload bytes kept in host memory before spilling
+  std::string spill_dir;  // where the spill file goes (created if missing); empty: never spill, and an
+                          // append past the budget fails with a Status
+  int64_t queue_capacity = 1024;  // records waiting for the writer before append() blocks
+};
+
+struct RecordStoreStats {
+  int64_t records = 0;           // records stored (memory + spilled)
+  int64_t payload_bytes = 0;     // their payload bytes (what bytes-per-token figures count)
+  int64_t memory_bytes = 0;      // payload bytes held in host memory
+  int64_t spilled_records = 0;   // records in the spill file
+  int64_t spill_file_bytes = 0;  // size of the spill file: spilled payload + kSpillHeaderBytes each
+};
+
+class RecordStore {
+ public:
+  // Written before each spilled payload: magic, CRC-32 of the payload, key, payload length.
+  static constexpr int64_t kSpillHeaderBytes = 32;
+
+  // Starts the writer thread. Errors: a spill directory that cannot be created.
+  static Result<std::unique_ptr<RecordStore>> open(const RecordStoreOptions& options);
+  ~RecordStore();  // close(), ignoring its status
+  RecordStore(const RecordStore&) = delete;
+  RecordStore& operator=(const RecordStore&) = delete;
+
+  // Queues a record (the payload is moved, not copied); blocks while the queue is full. Fails with
+  // the writer's first error (spill write failed, duplicate key, over budget without a spill
+  // directory) or when the store is closed.
+  Status append(const RecordKey& key, std::vector<uint8_t>&& payload);
+  // Waits until every queued record is stored; returns the writer's first error, if any.
+  Status flush();
+
+  // The payload of one record (waits for queued records first). Errors: no such key (not found), a
+  // damaged or truncated spill record (data loss), a failed read (I/O).
+  Result<std::vector<uint8_t>> read(const RecordKey& key);
+  // Calls fn for each record of `sequence` in key order (positions, then layers, then sites), one
+  // record in memory at a time; stops at fn's first error and returns it. No records: not found.
+  Status for_each_in_sequence(uint64_t sequence,
+                              const std::function<Status(const RecordKey&, std::span<const uint8_t>)>& fn);
+  // The sequence ids that have records, ascending.
+  std::vector<uint64_t> sequences();
+
+  RecordStoreStats stats();
+  const std::string& name() const { return options_.name; }
+  std::string spill_path();  // empty until the first spill
+
+  // Drains the queue, stops the writer, removes the spill file and (only when the store created it
+  // and it is then empty) the spill directory. Idempotent; afterwards every call but stats() fails.
+  Status close();
+
+ private:
+  explicit RecordStore(const RecordStoreOptions& options);
+  struct Entry {
+    std::vector<uint8_t> payload;  // emptied once spilled
+    int64_t size = 0;              // payload bytes
+    int64_t file_offset = -1;      // of the record's header in the spill file; -1: in memory
+  };
+  void writer_loop();
+  Status insert(const RecordKey& key, std::vector<uint8_t>&& payload);  // writer thread
+  Status spill_memory_records();                                         // writer thread, index_mu_ held
+  Status open_spill_file();                                              // writer thread, index_mu_ held
+  Status read_spilled(const RecordKey& key, int64_t offset, int64_t size, std::vector<uint8_t>& out);
+  bool wait_drained();  // false once closed
+
+  RecordStoreOptions options_;
+  // queue_mu_: the queue, its flags and writer_error_. index_mu_: the index, the spill file, counters.
+  std::mutex queue_mu_, index_mu_;
+  std::condition_variable queue_not_full_, queue_not_empty_, drained_;
+  std::deque<std::pair<RecordKey, std::vector<uint8_t>>> queue_;
+  bool stopping_ = false, closed_ = false, writer_busy_ = false;
+  Status writer_error_;
+  std::map<RecordKey, Entry> index_;
+  int64_t payload_bytes_ = 0, memory_bytes_ = 0, spilled_records_ = 0;
+  int spill_fd_ = -1;
+  int64_t spill_size_ = 0;
+  std::string spill_path_;
+  bool created_spill_dir_ = false;
+  std::thread writer_;
+};
+
+// ---- guidance records ---------------------------------------------------------------------------
+
+// "trace-full": every element's 4-bit E2M1 code; "trace": only its mantissa bit (code bit 0).
+enum class GuidanceMode : uint8_t { kTraceFull = 0, kTrace = 1 };
+const char* guidance_mode_name(GuidanceMode mode);
+Result<GuidanceMode> parse_guidance_mode(std::string_view name);
+inline formats::GuidanceKind guidance_kind(GuidanceMode mode) {
+  return mode == GuidanceMode::kTraceFull ? formats::GuidanceKind::kFull : formats::GuidanceKind::kMantissaBit;
+}
+
+// Record of one token row (cols values) at one site, host byte order:
+//   header  8 bytes: u8 QuantFormat, u8 GuidanceMode, u16 0, u32 cols
+//   scales  cols/16 bytes E4M3 block scales
+//   outer   n_outer f32: TE (kNvfp4Te, kNvfp4Te2d) 1 (the tensor amax); 2-level ceil(cols/128)
+//   guide   cols/2 bytes packed E2M1 codes (trace-full) or cols/8 bytes mantissa bits (trace;
+//           bit j of byte i = element 8i+j, as formats::e2m1_mantissa_bits_cpu writes them)
+inline constexpr int64_t kGuidanceHeaderBytes = 8;
+int64_t guidance_outer_count(backend::QuantFormat format, int64_t cols);
+int64_t guidance_record_bytes(backend::QuantFormat format, int64_t cols, GuidanceMode mode);
+
+// Rollout side: the record of row `row` of q (host memory; an NVFP4 format, cols % 16 == 0).
+Result<std::vector<uint8_t>> extract_guidance(const backend::QuantizedTensor& q, int64_t row, GuidanceMode mode);
+// Appends the record of every row of q; row r is token (row_sequence[r], row_position[r]).
+// row_sequence, row_position: (q.rows) host arrays.
+Status append_guidance(RecordStore& store, const backend::QuantizedTensor& q, const uint64_t* row_sequence,
+                       const uint32_t* row_position, uint16_t layer, uint16_t site, GuidanceMode mode);
+
+// A record's parts, pointing into its payload (valid while the payload lives).
+struct GuidanceRecordView {
+  backend::QuantFormat format = backend::QuantFormat::kNvfp4TwoLevel;
+  GuidanceMode mode = GuidanceMode::kTrace;
+  int64_t cols = 0;
+  const uint8_t* scales = nullptr;  // (cols/16) e4m3
+  const uint8_t* outer = nullptr;   // (n_outer) f32, unaligned: read with outer_at
+  const uint8_t* guide = nullptr;   // (cols/2) codes or (cols/8) mantissa bits
+  float outer_at(int64_t i) const;
+  // The guide value of element i as formats/guided.h takes it: the 4-bit code or the mantissa bit.
+  uint32_t guide_at(int64_t i) const;
+};
+// Checks the header against the payload size. Errors (data loss) name `what` (e.g. the key).
+Result<GuidanceRecordView> parse_guidance_record(std::span<const uint8_t> payload, const std::string& what);
+
+// Trainer side: the records of rows (row_sequence[r], row_position[r]) at (layer, site), gathered
+// into the arrays formats::nvfp4_*_quantize_guided_cpu and backend/cuda's guided quantizers take.
+struct GuidanceBatch {
+  backend::QuantFormat format = backend::QuantFormat::kNvfp4TwoLevel;
+  GuidanceMode mode = GuidanceMode::kTrace;
+  int64_t rows = 0, cols = 0;
+  std::vector<uint8_t> scales;  // (rows, cols/16) e4m3
+  std::vector<float> outer;     // TE: (rows) the amax of each row's rollout tensor; 2-level (rows, ceil(cols/128))
+  std::vector<uint8_t> guide;   // (rows, cols/2) packed codes or (rows, cols/8) mantissa bits
+};
+// Errors: a missing record (not found, naming the key), records of different widths/formats/modes.
+Result<GuidanceBatch> gather_guidance(RecordStore& store, const uint64_t* row_sequence, const uint32_t* row_position,
+                                      int64_t rows, uint16_t layer, uint16_t site);
+// codes (g.rows, g.cols/2) <- guided rounding of x (g.rows, g.cols) f32 under the rollout's scales
+// (TE rows are grouped by equal amax, since the TE quantizer takes one amax per call).
+void guided_quantize_cpu(uint8_t* codes, const float* x, const GuidanceBatch& g);
+
+// ---- sites and bytes per token ------------------------------------------------------------------
+
+// Site ids of a transformer block (the key's `site`): activations entering quantized linears, and
+// the KV-cache writes. A MoE layer's routed experts: kExpertDownInput + j for the token's j-th expert.
+enum TraceSite : uint16_t {
+  kAttnInput = 0,         // q/k/v projections' input (hidden_size)
+  kAttnOutputInput = 1,   // o_proj input (q_width)
+  kMlpInput = 2,          // gate/up input, dense or MoE (hidden_size)
+  kMlpDownInput = 3,      // dense down_proj input (intermediate_size)
+  kKeyCache = 4,          // K written to the cache (kv_width)
+  kValueCache = 5,        // V written to the cache (kv_width)
+  kSharedExpertDownInput = 6,  // shared expert down_proj input (shared_expert_intermediate_size)
+  kExpertDownInput = 16,  // + j: routed expert j's down_proj input (moe_intermediate_size)
+};
+struct TraceSiteWidth {
+  uint16_t site = 0;
+  int64_t cols = 0;
+};
+// The sites of `layer` (activation sites and/or KV-cache sites) and their widths.
+std::vector<TraceSiteWidth> trace_sites(const model::ModelConfig& config, int64_t layer, bool activations,
+                                        bool kv_cache);
+// Guidance bytes one token adds to the store: sum over `layers` of the sites' record bytes.
+int64_t guidance_bytes_per_token(backend::QuantFormat format, const model::ModelConfig& config,
+                                 std::span<const int64_t> layers, GuidanceMode mode, bool activations,
+                                 bool kv_cache);
+// The later half of the layers (the paper's default layer set: the last 20 of 40).
+std::vector<int64_t> later_half_layers(int64_t num_layers);
+
+}  // namespace nibble::rollout

@@ -1,0 +1,542 @@
+// Tests of the record store and the TRACE guidance records (guidance_store.h): round trips of both
+// modes on TE and 2-level NVFP4 (odd multiples of 16 included), mantissa-only reconstruction equal
+// to the full code's choice whenever the trainer's neighbours bracket the rollout's code, spill
+// round trip under a tiny budget, concurrent producers against a tiny queue, damaged spill files,
+// a failing spill write, spill-directory cleanup, errors by key, and bytes per token measured.
+#include "rollout/guidance_store.h"
+
+#include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "core/check.h"
+#include "core/philox.h"
+#include "formats/quantize_cpu.h"
+
+namespace nibble::rollout {
+namespace {
+
+namespace fs = std::filesystem;
+using backend::QuantFormat;
+using backend::QuantizedTensor;
+
+// A quantized (rows, cols) tensor with its own host storage, made by the CPU backend's quantizer
+// (the very function the rollout and the trainer share).
+struct HostQuant {
+  std::vector<float> x;
+  std::vector<uint8_t> codes, scales;
+  std::vector<float> outer;
+  QuantizedTensor q;
+};
+HostQuant quantize(QuantFormat f, int64_t rows, int64_t cols, uint64_t seed) {
+  HostQuant h;
+  PhiloxStream rng(seed, 3);
+  h.x.resize(static_cast<size_t>(rows * cols));
+  // Per-row magnitudes spread over 2^-3..2^3 so blocks get different scales.
+  for (int64_t r = 0; r < rows; ++r) {
+    const double row_scale = std::ldexp(1.0, static_cast<int>(r % 7) - 3);
+    for (int64_t c = 0; c < cols; ++c) h.x[r * cols + c] = static_cast<float>(row_scale * rng.next_normal());
+  }
+  h.codes.resize(static_cast<size_t>(QuantizedTensor::code_bytes(f, rows, cols)));
+  h.scales.resize(static_cast<size_t>(QuantizedTensor::scale_bytes(f, rows, cols)));
+  h.outer.resize(static_cast<size_t>(QuantizedTensor::outer_count(f, rows, cols)));
+  h.q.format = f;
+  h.q.rows = rows;
+  h.q.cols = cols;
+  h.q.codes = h.codes.data();
+  h.q.scales = h.scales.data();
+  h.q.outer = h.outer.data();
+  backend::cpu_backend().quantize(h.q, h.x.data());
+  return h;
+}
+
+class GuidanceStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("nibble_guidance_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  RecordStoreOptions options(int64_t budget, int64_t queue = 1024) const {
+    RecordStoreOptions o;
+    o.name = "guidance store";
+    o.memory_budget_bytes = budget;
+    o.spill_dir = (dir_ / "spill").string();
+    o.queue_capacity = queue;
+    return o;
+  }
+  std::unique_ptr<RecordStore> open(const RecordStoreOptions& o) {
+    auto s = RecordStore::open(o);
+    EXPECT_TRUE(s.is_ok()) << s.status().message();
+    return std::move(s).value();
+  }
+  fs::path dir_;
+};
+
+std::vector<uint8_t> bytes_of(uint64_t seed, size_t n) {
+  std::vector<uint8_t> v(n);
+  PhiloxStream rng(seed, 9);
+  for (auto& b : v) b = static_cast<uint8_t>(rng.next_below(256));
+  return v;
+}
+
+// ---- guidance records ---------------------------------------------------------------------------
+
+// Appends every row of a rollout tensor, gathers them back as the trainer does, and checks the
+// scales, outer factors and guidance against the tensor; then the trainer's guided rounding of the
+// same inputs under that guidance reproduces the rollout's codes bit for bit (both modes).
+TEST_F(GuidanceStoreTest, RoundTripBothModesTeAnd2LevelOddWidths) {
+  for (QuantFormat f : {QuantFormat::kNvfp4Te, QuantFormat::kNvfp4TwoLevel})
+    for (int64_t cols : {16, 48, 208, 400})
+      for (GuidanceMode mode : {GuidanceMode::kTraceFull, GuidanceMode::kTrace}) {
+        SCOPED_TRACE(fmt::format("{} cols={} {}", backend::quant_format_name(f), cols, guidance_mode_name(mode)));
+        const int64_t rows = 9;
+        HostQuant h = quantize(f, rows, cols, 100 + static_cast<uint64_t>(cols));
+        auto store = open(options(int64_t{1} << 20));
+        std::vector<uint64_t> seq(rows);
+        std::vector<uint32_t> pos(rows);
+        for (int64_t r = 0; r < rows; ++r) seq[r] = static_cast<uint64_t>(r % 3), pos[r] = static_cast<uint32_t>(r / 3);
+        ASSERT_TRUE(append_guidance(*store, h.q, seq.data(), pos.data(), 7, kMlpInput, mode).is_ok());
+        ASSERT_TRUE(store->flush().is_ok());
+        EXPECT_EQ(store->stats().payload_bytes, rows * guidance_record_bytes(f, cols, mode));
+
+        auto g = gather_guidance(*store, seq.data(), pos.data(), rows, 7, kMlpInput);
+        ASSERT_TRUE(g.is_ok()) << g.status().message();
+        EXPECT_EQ(g->format, f);
+        EXPECT_EQ(g->mode, mode);
+        EXPECT_EQ(g->cols, cols);
+        EXPECT_EQ(g->scales, h.scales);
+        const int64_t no = guidance_outer_count(f, cols);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < no; ++j)
+            EXPECT_EQ(g->outer[r * no + j], f == QuantFormat::kNvfp4TwoLevel ? h.outer[r * no + j] : h.outer[0]);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) {
+            const uint32_t code = formats::e2m1_unpack(h.codes.data() + r * cols / 2, c);
+            const uint32_t got = mode == GuidanceMode::kTraceFull
+                                     ? formats::e2m1_unpack(g->guide.data() + r * cols / 2, c)
+                                     : (g->guide[r * cols / 8 + c / 8] >> (c % 8)) & 1u;
+            ASSERT_EQ(got, mode == GuidanceMode::kTraceFull ? code : (code & 1u)) << "row " << r << " col " << c;
+          }
+        std::vector<uint8_t> codes(h.codes.size(), 0xAB);
+        guided_quantize_cpu(codes.data(), h.x.data(), *g);
+        EXPECT_EQ(codes, h.codes);
+        EXPECT_TRUE(store->close().is_ok());
+      }
+}
+
+// A trainer batch can hold TE rows from different rollout tensors (decode steps with their own
+// amax): each row keeps its tensor's amax, and guided rounding reproduces both tensors' codes.
+TEST_F(GuidanceStoreTest, TeRowsFromDifferentRolloutTensorsKeepTheirAmax) {
+  const int64_t cols = 64;
+  HostQuant a = quantize(QuantFormat::kNvfp4Te, 2, cols, 1), b = quantize(QuantFormat::kNvfp4Te, 3, cols, 2);
+  for (float& v : b.x) v *= 3.0f;  // a different amax for b
+  backend::cpu_backend().quantize(b.q, b.x.data());
+  ASSERT_NE(a.outer[0], b.outer[0]);
+  auto store = open(options(1 << 20));
+  const uint64_t sa[2] = {1, 2}, sb[3] = {1, 2, 3};
+  const uint32_t pa[2] = {0, 0}, pb[3] = {1, 1, 0};
+  ASSERT_TRUE(append_guidance(*store, a.q, sa, pa, 0, kKeyCache, GuidanceMode::kTrace).is_ok());
+  ASSERT_TRUE(append_guidance(*store, b.q, sb, pb, 0, kKeyCache, GuidanceMode::kTrace).is_ok());
+  // Trainer rows: (1,0) a0, (1,1) b0, (2,0) a1, (2,1) b1, (3,0) b2.
+  const uint64_t ts[5] = {1, 1, 2, 2, 3};
+  const uint32_t tp[5] = {0, 1, 0, 1, 0};
+  auto g = gather_guidance(*store, ts, tp, 5, 0, kKeyCache);
+  ASSERT_TRUE(g.is_ok()) << g.status().message();
+  EXPECT_EQ(g->outer, (std::vector<float>{a.outer[0], b.outer[0], a.outer[0], b.outer[0], b.outer[0]}));
+  const float* src_rows[5] = {&a.x[0], &b.x[0], &a.x[cols], &b.x[cols], &b.x[2 * cols]};
+  const uint8_t* want_rows[5] = {&a.codes[0], &b.codes[0], &a.codes[cols / 2], &b.codes[cols / 2], &b.codes[cols]};
+  std::vector<float> x(5 * cols);
+  for (int r = 0; r < 5; ++r) std::copy(src_rows[r], src_rows[r] + cols, x.begin() + r * cols);
+  std::vector<uint8_t> codes(5 * cols / 2);
+  guided_quantize_cpu(codes.data(), x.data(), *g);
+  for (int r = 0; r < 5; ++r)
+    EXPECT_TRUE(std::equal(want_rows[r], want_rows[r] + cols / 2, codes.begin() + r * cols / 2)) << "row " << r;
+  // A missing trainer row is not found, naming the key and the store.
+  const uint32_t bad[5] = {0, 1, 0, 1, 1};
+  auto miss = gather_guidance(*store, ts, bad, 5, 0, kKeyCache);
+  ASSERT_FALSE(miss.is_ok());
+  EXPECT_EQ(miss.status().message(), "guidance store: no record (sequence 3, position 1, layer 0, site 4)");
+}
+
+// The trainer's inputs differ slightly from the rollout's (relative noise up to 2^-4, enough to
+// cross rounding thresholds often). Wherever the two E2M1 neighbours of the trainer's scaled value
+// bracket the rollout's code (same sign or a zero magnitude), mantissa-only guidance picks exactly
+// what full guidance picks, and that is the rollout's magnitude (03-rl-and-trace §2.4).
+TEST_F(GuidanceStoreTest, MantissaOnlyEqualsFullWheneverNeighboursBracket) {
+  for (QuantFormat f : {QuantFormat::kNvfp4Te, QuantFormat::kNvfp4TwoLevel}) {
+    SCOPED_TRACE(backend::quant_format_name(f));
+    const int64_t rows = 16, cols = 272;
+    HostQuant roll = quantize(f, rows, cols, 7);
+    std::vector<float> xt = roll.x;
+    PhiloxStream rng(8, 1);
+    for (float& v : xt) v = static_cast<float>(v * (1.0 + std::ldexp(rng.next_uniform() - 0.5, -3)));
+
+    auto store = open(options(int64_t{1} << 20));
+    std::vector<uint64_t> seq(rows, 5);
+    std::vector<uint32_t> pos(rows);
+    for (int64_t r = 0; r < rows; ++r) pos[r] = static_cast<uint32_t>(r);
+    ASSERT_TRUE(append_guidance(*store, roll.q, seq.data(), pos.data(), 0, kAttnInput, GuidanceMode::kTraceFull).is_ok());
+    ASSERT_TRUE(append_guidance(*store, roll.q, seq.data(), pos.data(), 1, kAttnInput, GuidanceMode::kTrace).is_ok());
+    auto full = gather_guidance(*store, seq.data(), pos.data(), rows, 0, kAttnInput);
+    auto mbit = gather_guidance(*store, seq.data(), pos.data(), rows, 1, kAttnInput);
+    ASSERT_TRUE(full.is_ok() && mbit.is_ok());
+    std::vector<uint8_t> c_full(roll.codes.size()), c_mbit(roll.codes.size());
+    guided_quantize_cpu(c_full.data(), xt.data(), *full);
+    guided_quantize_cpu(c_mbit.data(), xt.data(), *mbit);
+
+    // The trainer's own RTN codes under the rollout's scales, and the neighbours, element by element.
+    int64_t bracketed = 0, rtn_differs = 0, guided_fixed = 0;
+    const formats::Nvfp4TeGlobal tg = formats::nvfp4_te_global(roll.outer[0]);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const float x = xt[r * cols + c];
+        float z = 0;
+        uint32_t rtn = 0;
+        if (f == QuantFormat::kNvfp4Te) {
+          const float enc = formats::nvfp4_te_block_enc(roll.scales[r * cols / 16 + c / 16], tg);
+          z = x * enc;
+          rtn = formats::nvfp4_te_encode_rtn(x, enc);
+        } else {
+          const float sp = formats::nvfp4_2level_block_scale(roll.scales[r * cols / 16 + c / 16],
+                                                             roll.outer[r * ((cols + 127) / 128) + c / 128]);
+          const float a = formats::nvfp4_2level_scaled_magnitude(x, sp);
+          z = std::signbit(x) ? -a : a;
+          rtn = formats::e2m1_rne_index(a) | (static_cast<uint32_t>(std::signbit(x)) << 3);
+        }
+        uint32_t down = 0, up = 0;
+        formats::e2m1_neighbour_indices(std::fabs(z), down, up);
+        const uint32_t roll_code = formats::e2m1_unpack(roll.codes.data() + r * cols / 2, c);
+        const uint32_t roll_mag = roll_code & 7u;
+        const bool same_sign = ((roll_code >> 3) & 1u) == ((rtn >> 3) & 1u) || roll_mag == 0;
+        if (!same_sign || (roll_mag != down && roll_mag != up)) continue;
+        ++bracketed;
+        const uint32_t gf = formats::e2m1_unpack(c_full.data() + r * cols / 2, c);
+        const uint32_t gm = formats::e2m1_unpack(c_mbit.data() + r * cols / 2, c);
+        ASSERT_EQ(gm, gf) << "row " << r << " col " << c << " z=" << z;
+        ASSERT_EQ(gm & 7u, roll_mag) << "row " << r << " col " << c << " z=" << z;
+        if ((rtn & 7u) != roll_mag) ++rtn_differs, guided_fixed += (gm & 7u) == roll_mag;
+      }
+    // Nearly every element is bracketed (the noise is below one grid step), and the noise moved
+    // enough of them across a threshold that the check means something.
+    EXPECT_GT(bracketed, rows * cols * 9 / 10);
+    EXPECT_GT(rtn_differs, 50);
+    EXPECT_EQ(guided_fixed, rtn_differs);
+  }
+}
+
+TEST_F(GuidanceStoreTest, ExtractRejectsNonNvfp4AndBadWidths) {
+  HostQuant h = quantize(QuantFormat::kMxfp8, 2, 64, 1);
+  auto r = extract_guidance(h.q, 0, GuidanceMode::kTrace);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("mxfp8"), std::string::npos) << r.status().message();
+  HostQuant t = quantize(QuantFormat::kNvfp4TwoLevel, 2, 32, 1);
+  EXPECT_FALSE(extract_guidance(t.q, 2, GuidanceMode::kTrace).is_ok());
+  auto rec = extract_guidance(t.q, 1, GuidanceMode::kTrace);
+  ASSERT_TRUE(rec.is_ok());
+  // A record cut short or with a wrong width is data loss naming what was parsed.
+  std::vector<uint8_t> cut(rec->begin(), rec->end() - 1);
+  auto v = parse_guidance_record(cut, "row 1");
+  ASSERT_FALSE(v.is_ok());
+  EXPECT_EQ(v.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(v.status().message().find("row 1"), std::string::npos);
+  std::vector<uint8_t> bad = *rec;
+  bad[4] = 17;  // cols 17
+  EXPECT_FALSE(parse_guidance_record(bad, "row 1").is_ok());
+  EXPECT_TRUE(parse_guidance_record(*rec, "row 1").is_ok());
+}
+
+TEST(GuidanceMode, NamesParse) {
+  EXPECT_EQ(parse_guidance_mode("trace").value(), GuidanceMode::kTrace);
+  EXPECT_EQ(parse_guidance_mode("trace-full").value(), GuidanceMode::kTraceFull);
+  EXPECT_FALSE(parse_guidance_mode("full").is_ok());
+  EXPECT_STREQ(guidance_mode_name(GuidanceMode::kTrace), "trace");
+}
+
+// ---- bytes per token ----------------------------------------------------------------------------
+
+// One record by hand: 2-level, 256 values: header 8 + scales 16 + outer 2x4 + guide 32 (trace:
+// 1 bit/value) or 128 (trace-full: 4 bits/value).
+TEST(GuidanceBytes, RecordSizeByHand) {
+  EXPECT_EQ(guidance_record_bytes(QuantFormat::kNvfp4TwoLevel, 256, GuidanceMode::kTrace), 8 + 16 + 8 + 32);
+  EXPECT_EQ(guidance_record_bytes(QuantFormat::kNvfp4TwoLevel, 256, GuidanceMode::kTraceFull), 8 + 16 + 8 + 128);
+  EXPECT_EQ(guidance_record_bytes(QuantFormat::kNvfp4Te, 48, GuidanceMode::kTrace), 8 + 3 + 4 + 6);
+}
+
+// Records every site of the later half of a small MoE model's layers for a few tokens from real
+// quantized tensors of each site's width; the store's measured payload equals tokens x the figure.
+TEST_F(GuidanceStoreTest, BytesPerTokenEqualsMeasuredStoreSize) {
+  auto cfg = model::parse_model_config(nlohmann::json::parse(R"({"architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 32, "max_position_embeddings": 16,
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [3]})"));
+  ASSERT_TRUE(cfg.is_ok()) << cfg.status().message();
+  const std::vector<int64_t> layers = later_half_layers(cfg->num_hidden_layers);
+  ASSERT_EQ(layers, (std::vector<int64_t>{2, 3}));
+  const int64_t tokens = 5;
+  for (QuantFormat f : {QuantFormat::kNvfp4Te, QuantFormat::kNvfp4TwoLevel})
+    for (GuidanceMode mode : {GuidanceMode::kTraceFull, GuidanceMode::kTrace}) {
+      auto store = open(options(512));  // spills too: the figure counts payload wherever it lives
+      std::vector<uint64_t> seq(tokens, 1);
+      std::vector<uint32_t> pos(tokens);
+      for (int64_t t = 0; t < tokens; ++t) pos[t] = static_cast<uint32_t>(t);
+      for (int64_t layer : layers)
+        for (const TraceSiteWidth& s : trace_sites(*cfg, layer, true, true)) {
+          HostQuant h = quantize(f, tokens, s.cols, static_cast<uint64_t>(layer * 100 + s.site));
+          ASSERT_TRUE(append_guidance(*store, h.q, seq.data(), pos.data(), static_cast<uint16_t>(layer), s.site, mode)
+                          .is_ok());
+        }
+      ASSERT_TRUE(store->flush().is_ok());
+      const int64_t per_token = guidance_bytes_per_token(f, *cfg, layers, mode, true, true);
+      const RecordStoreStats st = store->stats();
+      EXPECT_EQ(st.payload_bytes, tokens * per_token);
+      EXPECT_GT(st.spilled_records, 0);
+      EXPECT_EQ(st.spill_file_bytes, (st.payload_bytes - st.memory_bytes) + st.spilled_records * RecordStore::kSpillHeaderBytes);
+    }
+}
+
+// The paper's comparison (03-rl-and-trace §2.4): mantissa-only guidance on the later half of the
+// layers is about 6x smaller than full guidance on every layer (1.5 vs 4.5 bit/value, and half the
+// layers). On an OLMo-2 1B-like shape the fixed 12 bytes per record (header + TE amax) keep it
+// slightly under 6x, and trace stays within 0.05 bit/value of 1.5.
+TEST(GuidanceBytes, MantissaOnlyLaterHalfIsAboutSixTimesSmaller) {
+  auto cfg = model::parse_model_config(nlohmann::json::parse(R"({"architectures": ["Olmo2ForCausalLM"],
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16,
+    "vocab_size": 100, "max_position_embeddings": 16})"));
+  ASSERT_TRUE(cfg.is_ok()) << cfg.status().message();
+  std::vector<int64_t> all(16);
+  for (int64_t l = 0; l < 16; ++l) all[l] = l;
+  const std::vector<int64_t> half = later_half_layers(16);
+  const auto f = QuantFormat::kNvfp4Te;
+  const double full_all =
+      static_cast<double>(guidance_bytes_per_token(f, *cfg, all, GuidanceMode::kTraceFull, true, false));
+  const double trace_half = static_cast<double>(guidance_bytes_per_token(f, *cfg, half, GuidanceMode::kTrace, true, false));
+  EXPECT_GT(full_all / trace_half, 5.9);
+  EXPECT_LT(full_all / trace_half, 6.0);
+  const double values_half = 8.0 * (2048 + 2048 + 2048 + 8192);  // 8 layers x the 4 activation sites
+  EXPECT_NEAR(8.0 * trace_half / values_half, 1.5, 0.05);
+}
+
+// ---- the store ------------------------------------------------------------------------------------
+
+// A budget of 100 bytes forces spills; every record comes back by key and by sequence in key order
+// (positions, then layers, then sites), whether in memory or spilled.
+TEST_F(GuidanceStoreTest, SpillRoundTripInKeyOrder) {
+  auto store = open(options(100));
+  std::map<RecordKey, std::vector<uint8_t>> want;
+  uint64_t n = 0;
+  // Appended out of key order on purpose.
+  for (uint16_t site : {uint16_t{2}, uint16_t{0}})
+    for (uint32_t pos = 5; pos-- > 0;)
+      for (uint16_t layer : {uint16_t{3}, uint16_t{1}})
+        for (uint64_t seq : {uint64_t{9}, uint64_t{4}}) {
+          RecordKey k{seq, pos, layer, site};
+          ++n;
+          want[k] = bytes_of(n, 10 + n % 40);
+          std::vector<uint8_t> copy = want[k];
+          ASSERT_TRUE(store->append(k, std::move(copy)).is_ok());
+        }
+  ASSERT_TRUE(store->flush().is_ok());
+  const RecordStoreStats st = store->stats();
+  EXPECT_EQ(st.records, static_cast<int64_t>(want.size()));
+  EXPECT_GT(st.spilled_records, 0);
+  EXPECT_LE(st.memory_bytes, 100);
+  EXPECT_TRUE(fs::exists(store->spill_path()));
+  EXPECT_EQ(store->sequences(), (std::vector<uint64_t>{4, 9}));
+  for (uint64_t seq : {uint64_t{4}, uint64_t{9}}) {
+    std::vector<RecordKey> order;
+    Status s = store->for_each_in_sequence(seq, [&](const RecordKey& k, std::span<const uint8_t> p) {
+      order.push_back(k);
+      EXPECT_EQ(std::vector<uint8_t>(p.begin(), p.end()), want[k]) << record_key_name(k);
+      return Status::ok();
+    });
+    ASSERT_TRUE(s.is_ok()) << s.message();
+    ASSERT_EQ(order.size(), want.size() / 2);
+    EXPECT_TRUE(std::is_sorted(order.begin(), order.end()));
+  }
+  for (const auto& [k, v] : want) EXPECT_EQ(store->read(k).value(), v);
+  const std::string spill = store->spill_path();
+  ASSERT_TRUE(store->close().is_ok());
+  EXPECT_FALSE(fs::exists(spill));
+  EXPECT_FALSE(fs::exists(dir_ / "spill"));  // the store made it, so the store removes it
+}
+
+// Four producers share a queue of 2 records (they block on it) and a budget that spills while they
+// append; nothing is lost and each sequence reads back complete and in order.
+TEST_F(GuidanceStoreTest, ConcurrentProducersWithBackPressure) {
+  auto store = open(options(300, 2));
+  constexpr int kProducers = 4, kPerProducer = 150;
+  std::vector<std::thread> producers;
+  std::atomic<int> failures{0};
+  for (int p = 0; p < kProducers; ++p)
+    producers.emplace_back([&, p] {
+      for (int i = 0; i < kPerProducer; ++i) {
+        RecordKey k{static_cast<uint64_t>(p), static_cast<uint32_t>(i / 3), static_cast<uint16_t>(i % 3), 0};
+        if (!store->append(k, bytes_of(static_cast<uint64_t>(p * 1000 + i), 24)).is_ok()) ++failures;
+      }
+    });
+  for (auto& t : producers) t.join();
+  ASSERT_EQ(failures.load(), 0);
+  ASSERT_TRUE(store->flush().is_ok());
+  EXPECT_EQ(store->stats().records, kProducers * kPerProducer);
+  EXPECT_GT(store->stats().spilled_records, 0);
+  for (int p = 0; p < kProducers; ++p) {
+    int i = 0;
+    Status s = store->for_each_in_sequence(static_cast<uint64_t>(p), [&](const RecordKey& k, std::span<const uint8_t> d) {
+      EXPECT_EQ(k.position, static_cast<uint32_t>(i / 3));
+      EXPECT_EQ(k.layer, static_cast<uint16_t>(i % 3));
+      EXPECT_EQ(std::vector<uint8_t>(d.begin(), d.end()), bytes_of(static_cast<uint64_t>(p * 1000 + i), 24));
+      ++i;
+      return Status::ok();
+    });
+    ASSERT_TRUE(s.is_ok()) << s.message();
+    EXPECT_EQ(i, kPerProducer);
+  }
+}
+
+void overwrite(const std::string& path, int64_t offset, uint8_t byte) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  ASSERT_TRUE(f.good()) << path;
+  f.seekp(offset);
+  f.put(static_cast<char>(byte));
+}
+
+// A flipped payload byte, a damaged header and a truncated file give data-loss Statuses that name
+// the spill file and the key; other records still read.
+TEST_F(GuidanceStoreTest, DamagedSpillFileGivesErrorNotCrash) {
+  auto store = open(options(0));  // every record spills at once
+  for (uint32_t pos = 0; pos < 3; ++pos) ASSERT_TRUE(store->append({1, pos, 0, 0}, bytes_of(pos, 40)).is_ok());
+  ASSERT_TRUE(store->flush().is_ok());
+  ASSERT_EQ(store->stats().spilled_records, 3);
+  const std::string path = store->spill_path();
+  const int64_t rec = RecordStore::kSpillHeaderBytes + 40;  // records are in key order
+
+  overwrite(path, 0 * rec + RecordStore::kSpillHeaderBytes + 7, static_cast<uint8_t>(bytes_of(0, 40)[7] ^ 0x10));
+  auto r0 = store->read({1, 0, 0, 0});
+  ASSERT_FALSE(r0.is_ok());
+  EXPECT_EQ(r0.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(r0.status().message().find(path), std::string::npos) << r0.status().message();
+  EXPECT_NE(r0.status().message().find("(sequence 1, position 0, layer 0, site 0)"), std::string::npos);
+  EXPECT_NE(r0.status().message().find("CRC"), std::string::npos) << r0.status().message();
+
+  overwrite(path, 1 * rec + 16, 0x55);  // position field of record 1's header
+  auto r1 = store->read({1, 1, 0, 0});
+  ASSERT_FALSE(r1.is_ok());
+  EXPECT_EQ(r1.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(r1.status().message().find("header names"), std::string::npos) << r1.status().message();
+
+  EXPECT_EQ(store->read({1, 2, 0, 0}).value(), bytes_of(2, 40));
+  fs::resize_file(path, static_cast<uintmax_t>(2 * rec + 10));
+  auto r2 = store->read({1, 2, 0, 0});
+  ASSERT_FALSE(r2.is_ok());
+  EXPECT_NE(r2.status().message().find("truncated"), std::string::npos) << r2.status().message();
+  // Streaming the sequence stops at the first damaged record with its error.
+  Status s = store->for_each_in_sequence(1, [](const RecordKey&, std::span<const uint8_t>) { return Status::ok(); });
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+}
+
+TEST_F(GuidanceStoreTest, MissingKeyDuplicateKeyAndClosedStoreAreErrors) {
+  auto store = open(options(1 << 20));
+  ASSERT_TRUE(store->append({3, 1, 2, 4}, bytes_of(1, 8)).is_ok());
+  auto miss = store->read({3, 1, 2, 5});
+  ASSERT_FALSE(miss.is_ok());
+  EXPECT_EQ(miss.status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(miss.status().message(), "guidance store: no record (sequence 3, position 1, layer 2, site 5)");
+  EXPECT_EQ(store->for_each_in_sequence(4, [](const RecordKey&, std::span<const uint8_t>) { return Status::ok(); }).code(),
+            StatusCode::kNotFound);
+  ASSERT_TRUE(store->append({3, 1, 2, 4}, bytes_of(2, 8)).is_ok());  // the writer finds the duplicate
+  Status dup = store->flush();
+  EXPECT_FALSE(dup.is_ok());
+  EXPECT_NE(dup.message().find("duplicate record (sequence 3, position 1, layer 2, site 4)"), std::string::npos);
+  EXPECT_FALSE(store->append({3, 2, 0, 0}, bytes_of(3, 8)).is_ok());  // sticky
+  EXPECT_EQ(store->read({3, 1, 2, 4}).value(), bytes_of(1, 8));       // the first one is kept
+  EXPECT_FALSE(store->close().is_ok());                               // close reports it too
+  EXPECT_FALSE(store->read({3, 1, 2, 4}).is_ok());
+  EXPECT_FALSE(store->append({9, 0, 0, 0}, bytes_of(4, 8)).is_ok());
+  EXPECT_TRUE(store->close().is_ok());  // idempotent
+}
+
+TEST_F(GuidanceStoreTest, OverBudgetWithoutSpillDirectoryIsAnError) {
+  RecordStoreOptions o = options(16);
+  o.spill_dir.clear();
+  auto store = open(o);
+  ASSERT_TRUE(store->append({0, 0, 0, 0}, bytes_of(1, 16)).is_ok());
+  ASSERT_TRUE(store->flush().is_ok());
+  ASSERT_TRUE(store->append({0, 1, 0, 0}, bytes_of(2, 1)).is_ok());
+  Status s = store->flush();
+  EXPECT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("exceed the budget of 16 bytes"), std::string::npos) << s.message();
+}
+
+// A spill directory that already exists (with someone else's file) is left with that file; only
+// the store's own spill file goes.
+TEST_F(GuidanceStoreTest, CloseRemovesOnlyWhatTheStoreCreated) {
+  fs::create_directories(dir_ / "spill");
+  { std::ofstream(dir_ / "spill" / "foreign.spill") << "not ours"; }
+  auto store = open(options(0));
+  ASSERT_TRUE(store->append({0, 0, 0, 0}, bytes_of(1, 16)).is_ok());
+  ASSERT_TRUE(store->flush().is_ok());
+  const std::string spill = store->spill_path();
+  ASSERT_TRUE(fs::exists(spill));
+  EXPECT_NE(fs::path(spill).filename(), "foreign.spill");
+  ASSERT_TRUE(store->close().is_ok());
+  EXPECT_FALSE(fs::exists(spill));
+  EXPECT_TRUE(fs::exists(dir_ / "spill" / "foreign.spill"));
+  // A store destroyed without close() cleans up the same way.
+  {
+    auto s2 = open(options(0));
+    ASSERT_TRUE(s2->append({0, 0, 0, 0}, bytes_of(1, 16)).is_ok());
+    ASSERT_TRUE(s2->flush().is_ok());
+  }
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir_ / "spill"), fs::directory_iterator{}), 1);
+}
+
+// A spill write that fails (here: the file-size limit, as a full disk would) is an I/O error naming
+// the spill file; the record stays readable from memory and the process does not crash.
+TEST_F(GuidanceStoreTest, FailedSpillWriteIsAnIoError) {
+  // The limit is process-wide: a guard restores it (and SIGXFSZ) however the test ends.
+  struct FileSizeLimit {
+    struct rlimit old {};
+    void (*old_handler)(int) = SIG_DFL;
+    explicit FileSizeLimit(rlim_t bytes) {
+      NIB_CHECK(::getrlimit(RLIMIT_FSIZE, &old) == 0);
+      old_handler = ::signal(SIGXFSZ, SIG_IGN);
+      struct rlimit lim = old;
+      lim.rlim_cur = bytes;
+      NIB_CHECK(::setrlimit(RLIMIT_FSIZE, &lim) == 0);
+    }
+    ~FileSizeLimit() {
+      ::setrlimit(RLIMIT_FSIZE, &old);
+      ::signal(SIGXFSZ, old_handler);
+    }
+  };
+  auto store = open(options(0));
+  Status a, f1, b, f2;
+  {
+    FileSizeLimit limit(64);  // bytes: the first record (32 + 16) fits, the second does not
+    a = store->append({0, 0, 0, 0}, bytes_of(1, 16));
+    f1 = store->flush();
+    b = store->append({0, 1, 0, 0}, bytes_of(2, 16));
+    f2 = store->flush();
+  }
+  EXPECT_TRUE(a.is_ok() && f1.is_ok() && b.is_ok()) << f1.message();
+  ASSERT_FALSE(f2.is_ok());
+  EXPECT_EQ(f2.code(), StatusCode::kIoError);
+  EXPECT_NE(f2.message().find(store->spill_path()), std::string::npos) << f2.message();
+  EXPECT_EQ(store->read({0, 1, 0, 0}).value(), bytes_of(2, 16));
+  EXPECT_EQ(store->read({0, 0, 0, 0}).value(), bytes_of(1, 16));
+  EXPECT_FALSE(store->close().is_ok());
+  EXPECT_FALSE(fs::exists(dir_ / "spill"));
+}
+
+}  // namespace
+}  // namespace nibble::rollout
