@@ -11,6 +11,7 @@ PACKAGES=(
   libsentencepiece-dev sentencepiece         # tokenizer
   libcli11-dev nlohmann-json3-dev libfmt-dev libspdlog-dev
   libpng-dev zlib1g-dev                      # loss-curve plots
+  libopenmpi-dev openmpi-bin                 # data-parallel training across processes (mpirun)
   bible-kjv bible-kjv-text                   # the default public-domain training corpus
 )
 
