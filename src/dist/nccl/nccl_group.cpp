@@ -1,0 +1,191 @@
+// The NCCL process group; see nccl_group.h. Host-memory operations (broadcast_host,
+// all_reduce_sum_host) stage through a small device buffer.
+#include "dist/nccl/nccl_group.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "backend/cuda/cuda_check.h"
+
+namespace nibble::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Status nccl_status(ncclResult_t rc, const char* what) {
+  if (rc == ncclSuccess || rc == ncclInProgress) return Status::ok();
+  return Status(StatusCode::kIoError, fmt::format("NCCL {}: {}", what, ncclGetErrorString(rc)));
+}
+
+class NcclGroup final : public ProcessGroup {
+ public:
+  NcclGroup(int rank, int world, int device, double timeout_s)
+      : rank_(rank), world_(world), device_(device), timeout_s_(timeout_s) {}
+  ~NcclGroup() override {
+    if (comm_ != nullptr) {
+      // A healthy communicator is finalized (waits for peers); a failed one was aborted already.
+      if (!aborted_) {
+        ncclCommFinalize(comm_);
+        (void)wait_comm("finalize");
+      }
+      if (!aborted_) ncclCommDestroy(comm_);
+    }
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (staging_ != nullptr) cudaFree(staging_);
+  }
+
+  Status init(const ncclUniqueId& id) {
+    NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaSetDevice(device_), "cudaSetDevice"));
+    NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;  // calls return at once; wait_comm polls with a deadline
+    NIB_RETURN_IF_ERROR(nccl_status(ncclCommInitRankConfig(&comm_, world_, id, rank_, &config), "init"));
+    return wait_comm("communicator init");
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::string kind() const override { return "nccl"; }
+  bool device_memory() const override { return true; }
+
+  Status all_reduce_sum(float* buf, int64_t n) override {
+    return run("all_reduce", n, [&] { return ncclAllReduce(buf, buf, size(n), ncclFloat32, ncclSum, comm_, stream_); });
+  }
+  Status all_reduce_sum(double* buf, int64_t n) override {
+    return run("all_reduce", n, [&] { return ncclAllReduce(buf, buf, size(n), ncclFloat64, ncclSum, comm_, stream_); });
+  }
+  Status reduce_scatter_sum(const float* in, float* out, int64_t n) override {
+    return run("reduce_scatter", n,
+               [&] { return ncclReduceScatter(in, out, size(n), ncclFloat32, ncclSum, comm_, stream_); });
+  }
+  Status all_gather(const float* in, float* out, int64_t n) override {
+    return run("all_gather", n, [&] { return ncclAllGather(in, out, size(n), ncclFloat32, comm_, stream_); });
+  }
+
+  Status broadcast_host(void* data, int64_t bytes, int root) override {
+    if (root < 0 || root >= world_) return invalid_argument("broadcast: root {} outside the world of {}", root, world_);
+    if (bytes <= 0) return bytes < 0 ? invalid_argument("broadcast: negative size {}", bytes) : Status::ok();
+    NIB_ASSIGN_OR_RETURN(void* d, ensure_staging(static_cast<size_t>(bytes)));
+    NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaMemcpy(d, data, static_cast<size_t>(bytes), cudaMemcpyHostToDevice), "cudaMemcpy"));
+    NIB_RETURN_IF_ERROR(run("broadcast", bytes, [&] { return ncclBroadcast(d, d, size(bytes), ncclUint8, root, comm_, stream_); }));
+    return cuda::cuda_status(cudaMemcpy(data, d, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  }
+  Status all_reduce_sum_host(double* buf, int64_t n) override {
+    if (n <= 0) return n < 0 ? invalid_argument("all_reduce: negative count {}", n) : Status::ok();
+    const size_t bytes = static_cast<size_t>(n) * sizeof(double);
+    NIB_ASSIGN_OR_RETURN(void* d, ensure_staging(bytes));
+    NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaMemcpy(d, buf, bytes, cudaMemcpyHostToDevice), "cudaMemcpy"));
+    NIB_RETURN_IF_ERROR(all_reduce_sum(static_cast<double*>(d), n));
+    return cuda::cuda_status(cudaMemcpy(buf, d, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  }
+  Status barrier() override {
+    double x = 0;
+    return all_reduce_sum_host(&x, 1);
+  }
+  void abort_world(int exit_code) override {
+    if (comm_ != nullptr && !aborted_) {
+      ncclCommAbort(comm_);
+      aborted_ = true;
+    }
+    // Peers blocked in a collective with this rank time out and abort in turn (see wait_done).
+    std::_Exit(exit_code);
+  }
+
+ private:
+  static size_t size(int64_t n) { return static_cast<size_t>(n); }
+
+  Result<void*> ensure_staging(size_t bytes) {
+    if (bytes > staging_bytes_) {
+      if (staging_ != nullptr) cudaFree(staging_);
+      staging_ = nullptr;
+      staging_bytes_ = 0;
+      NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaMalloc(&staging_, bytes), "cudaMalloc (NCCL staging)"));
+      staging_bytes_ = bytes;
+    }
+    return staging_;
+  }
+
+  Status fail(const std::string& what, const std::string& why) {
+    if (!aborted_) {
+      ncclCommAbort(comm_);
+      aborted_ = true;
+    }
+    return Status(StatusCode::kIoError, fmt::format("NCCL {} on rank {} of {}: {}; communicator aborted", what, rank_,
+                                                    world_, why));
+  }
+
+  // Waits until the communicator has no operation in progress (non-blocking mode), or times out.
+  Status wait_comm(const std::string& what) {
+    const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
+    for (;;) {
+      ncclResult_t state = ncclSuccess;
+      ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+      if (rc != ncclSuccess) return fail(what, ncclGetErrorString(rc));
+      if (state == ncclSuccess) return Status::ok();
+      if (state != ncclInProgress) return fail(what, ncclGetErrorString(state));
+      if (Clock::now() > deadline) return fail(what, fmt::format("no progress within {} s (a peer died or hangs)", timeout_s_));
+      std::this_thread::yield();
+    }
+  }
+
+  // One collective: the device's earlier work done, the call issued, then its completion on our
+  // stream awaited with the deadline.
+  template <typename Call>
+  Status run(const char* what, int64_t n, Call call) {
+    if (n < 0) return invalid_argument("{}: negative count {}", what, n);
+    if (aborted_) return Status(StatusCode::kIoError, fmt::format("NCCL {}: the communicator was aborted", what));
+    if (n == 0) return Status::ok();
+    NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize before NCCL"));
+    NIB_RETURN_IF_ERROR(nccl_status(call(), what));
+    NIB_RETURN_IF_ERROR(wait_comm(what));  // the call enqueued
+    const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
+    for (;;) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) return Status::ok();
+      if (q != cudaErrorNotReady) return fail(what, cudaGetErrorString(q));
+      ncclResult_t state = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess || (state != ncclSuccess && state != ncclInProgress))
+        return fail(what, ncclGetErrorString(state));
+      if (Clock::now() > deadline)
+        return fail(what, fmt::format("not finished within {} s (a peer died or hangs)", timeout_s_));
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  int rank_, world_, device_;
+  double timeout_s_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  void* staging_ = nullptr;
+  size_t staging_bytes_ = 0;
+  bool aborted_ = false;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ProcessGroup>> make_nccl_group(const LaunchEnv& env, ProcessGroup* bootstrap,
+                                                      const NcclOptions& options) {
+  if (!(options.timeout_s > 0)) return invalid_argument("NCCL timeout {} s must be > 0", options.timeout_s);
+  if (bootstrap != nullptr && (bootstrap->world_size() != env.world_size || bootstrap->rank() != env.rank))
+    return invalid_argument("NCCL bootstrap group is rank {} of {}, the launch says rank {} of {}", bootstrap->rank(),
+                            bootstrap->world_size(), env.rank, env.world_size);
+  NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaSetDevice(options.cuda_device), "cudaSetDevice"));
+  ncclUniqueId id{};
+  if (env.rank == 0) NIB_RETURN_IF_ERROR(nccl_status(ncclGetUniqueId(&id), "get unique id"));
+  if (env.world_size > 1) {
+    if (bootstrap != nullptr)
+      NIB_RETURN_IF_ERROR(bootstrap->broadcast_host(&id, sizeof id, 0));
+    else
+      NIB_RETURN_IF_ERROR(tcp_broadcast_from_rank0(env, &id, sizeof id, options.timeout_s));
+  }
+  auto g = std::make_unique<NcclGroup>(env.rank, env.world_size, options.cuda_device, options.timeout_s);
+  NIB_RETURN_IF_ERROR(g->init(id));
+  return std::unique_ptr<ProcessGroup>(std::move(g));
+}
+
+}  // namespace nibble::dist

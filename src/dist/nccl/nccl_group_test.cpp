@@ -1,0 +1,103 @@
+// The NCCL group as a one-rank world on one GPU (what one H200 can check): every collective on
+// device buffers (all-reduce FP32/FP64, reduce-scatter, all-gather) and the host ones (broadcast,
+// FP64 all-reduce, barrier) return their input unchanged, bit for bit (a sum over one rank is
+// the value itself); bad arguments are errors. Skips without a device. Multi-rank runs need a
+// multi-GPU machine (docs/training.md, "Data parallelism").
+#include <cuda_runtime_api.h>
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "dist/nccl/nccl_group.h"
+
+namespace nibble::dist {
+namespace {
+
+bool gpu_ok() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+template <typename T>
+std::vector<T> pattern(int64_t n, T scale) {
+  std::vector<T> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = static_cast<T>((i % 97) - 48) * scale + T(0.125);
+  return v;
+}
+
+template <typename T>
+T* to_device(const std::vector<T>& h) {
+  T* d = nullptr;
+  NIB_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), h.size() * sizeof(T)));
+  NIB_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+template <typename T>
+std::vector<T> to_host(const T* d, int64_t n) {
+  std::vector<T> h(static_cast<size_t>(n));
+  NIB_CUDA_CHECK(cudaMemcpy(h.data(), d, h.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+TEST(NcclGroupTest, OneRankWorldCollectivesAreExactIdentities) {
+  if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
+  LaunchEnv env;  // rank 0 of 1: no rendezvous needed
+  auto g = make_nccl_group(env, nullptr, NcclOptions{});
+  ASSERT_TRUE(g) << g.status().message();
+  ProcessGroup& pg = **g;
+  EXPECT_EQ(pg.rank(), 0);
+  EXPECT_EQ(pg.world_size(), 1);
+  EXPECT_EQ(pg.kind(), "nccl");
+  EXPECT_TRUE(pg.device_memory());
+
+  const int64_t n = 1000003;  // odd, above one 4 MiB NCCL chunk
+  const std::vector<float> f = pattern<float>(n, 0.37f);
+  float* df = to_device(f);
+  ASSERT_TRUE(pg.all_reduce_sum(df, n));
+  EXPECT_EQ(to_host(df, n), f);  // a sum over one rank: exact (bitwise)
+  float* dout = nullptr;
+  NIB_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&dout), n * sizeof(float)));
+  NIB_CUDA_CHECK(cudaMemset(dout, 0, n * sizeof(float)));
+  ASSERT_TRUE(pg.reduce_scatter_sum(df, dout, n));
+  EXPECT_EQ(to_host(dout, n), f);
+  NIB_CUDA_CHECK(cudaMemset(dout, 0, n * sizeof(float)));
+  ASSERT_TRUE(pg.all_gather(df, dout, n));
+  EXPECT_EQ(to_host(dout, n), f);
+
+  const std::vector<double> dv = pattern<double>(4097, 1.0 / 3);
+  double* dd = to_device(dv);
+  ASSERT_TRUE(pg.all_reduce_sum(dd, 4097));
+  EXPECT_EQ(to_host(dd, 4097), dv);
+
+  std::vector<double> host = dv;
+  ASSERT_TRUE(pg.all_reduce_sum_host(host.data(), 4097));
+  EXPECT_EQ(host, dv);
+  std::string bytes = "agreement hash bytes";
+  ASSERT_TRUE(pg.broadcast_host(bytes.data(), static_cast<int64_t>(bytes.size()), 0));
+  EXPECT_EQ(bytes, "agreement hash bytes");
+  EXPECT_TRUE(pg.barrier());
+  EXPECT_FALSE(pg.broadcast_host(bytes.data(), 4, 1));  // root outside the world
+  EXPECT_FALSE(pg.all_reduce_sum(df, -1));
+  // The helpers over the group: a one-rank world agrees with itself.
+  EXPECT_TRUE(check_ranks_agree(pg, {{"run config", "{}"}}));
+  NIB_CUDA_CHECK(cudaFree(df));
+  NIB_CUDA_CHECK(cudaFree(dout));
+  NIB_CUDA_CHECK(cudaFree(dd));
+}
+
+TEST(NcclGroupTest, BadOptionsAreErrors) {
+  if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
+  NcclOptions o;
+  o.timeout_s = 0;
+  EXPECT_FALSE(make_nccl_group(LaunchEnv{}, nullptr, o));
+  o = NcclOptions{};
+  o.cuda_device = 1 << 20;  // no such GPU
+  EXPECT_FALSE(make_nccl_group(LaunchEnv{}, nullptr, o));
+}
+
+}  // namespace
+}  // namespace nibble::dist
