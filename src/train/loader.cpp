@@ -82,8 +82,12 @@ void TrainLoader::make_order(uint64_t epoch) {
   order_epoch_ = epoch;
 }
 
-Status TrainLoader::next(Batch* out) {
-  std::vector<int32_t> row = start_batch(out, batch_, seq_len_);
+Status TrainLoader::next(Batch* out) { return next(out, 0, batch_); }
+
+Status TrainLoader::next(Batch* out, int64_t row_begin, int64_t row_end) {
+  if (row_begin < 0 || row_end > batch_ || row_begin >= row_end)
+    return invalid_argument("loader: rows [{}, {}) outside the batch of {}", row_begin, row_end, batch_);
+  std::vector<int32_t> row = start_batch(out, row_end - row_begin, seq_len_);
   for (int64_t b = 0; b < batch_; ++b) {
     if (state_.position >= windows_per_epoch()) {
       ++state_.epoch;
@@ -91,8 +95,11 @@ Status TrainLoader::next(Batch* out) {
     }
     make_order(state_.epoch);
     const int64_t w = order_[static_cast<size_t>(state_.position)];
-    NIB_RETURN_IF_ERROR(fill_row(shards_, shard_window_begin_, w, seq_len_, row.data(),
-                                 out->tokens.data() + b * seq_len_, out->targets.data() + b * seq_len_));
+    if (b >= row_begin && b < row_end) {
+      const int64_t o = (b - row_begin) * seq_len_;
+      NIB_RETURN_IF_ERROR(fill_row(shards_, shard_window_begin_, w, seq_len_, row.data(), out->tokens.data() + o,
+                                   out->targets.data() + o));
+    }
     ++state_.position;
   }
   return Status::ok();

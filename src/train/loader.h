@@ -41,7 +41,11 @@ class TrainLoader {
                                   uint64_t seed);
 
   // out: the next B windows as tokens (B,T) and targets (B,T); crosses epoch ends seamlessly.
+  // With a row range [row_begin, row_end) (data parallelism: one rank's share of the global
+  // batch), the state advances by all B windows as before but only rows row_begin..row_end-1 are
+  // read: out is (row_end-row_begin, T), the rows the whole batch has at those places.
   Status next(Batch* out);
+  Status next(Batch* out, int64_t row_begin, int64_t row_end);
 
   LoaderState state() const { return state_; }
   Status restore(const LoaderState& state);

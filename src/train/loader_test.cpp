@@ -1,6 +1,7 @@
 // Tests of the training/validation loaders: window layout (targets are tokens shifted by one),
 // determinism for a seed, a different order for another seed, exact resume from saved state,
-// every window once per epoch, and the fixed-order capped validation iterator.
+// every window once per epoch, the fixed-order capped validation iterator, and a rank's row range
+// of a batch (data parallelism).
 #include "train/loader.h"
 
 #include <gtest/gtest.h>
@@ -142,6 +143,32 @@ TEST(ValLoader, FixedOrderAndCap) {
   ASSERT_TRUE(tiny->get(0, &b).is_ok());
   EXPECT_EQ(b.batch, 11);
   fs::remove(a);
+}
+
+// Data parallelism: a row range reads exactly those rows of the batch the whole-batch call draws,
+// and advances the state by the whole batch (every rank's loader stays in step).
+TEST(TrainLoader, RowRangeIsASliceOfTheWholeBatch) {
+  const std::string path = make_shard("rows.bin", 8 * 31 + 1);  // 31 windows of T = 8
+  auto whole = TrainLoader::open({path}, 4, 8, 99);
+  auto part = TrainLoader::open({path}, 4, 8, 99);
+  ASSERT_TRUE(whole.is_ok());
+  ASSERT_TRUE(part.is_ok());
+  for (int step = 0; step < 40; ++step) {  // crosses epoch ends (31 windows per epoch)
+    Batch all, some;
+    ASSERT_TRUE(whole->next(&all).is_ok());
+    const int64_t b = step % 3, e = b + 1 + step % 2;
+    ASSERT_TRUE(part->next(&some, b, e).is_ok());
+    ASSERT_EQ(some.batch, e - b);
+    EXPECT_EQ(std::vector<int32_t>(all.tokens.begin() + b * 8, all.tokens.begin() + e * 8), some.tokens);
+    EXPECT_EQ(std::vector<int32_t>(all.targets.begin() + b * 8, all.targets.begin() + e * 8), some.targets);
+    EXPECT_EQ(whole->state().epoch, part->state().epoch);
+    EXPECT_EQ(whole->state().position, part->state().position);
+  }
+  Batch x;
+  EXPECT_FALSE(part->next(&x, 2, 2).is_ok());  // empty range
+  EXPECT_FALSE(part->next(&x, 3, 5).is_ok());  // past the batch
+  EXPECT_FALSE(part->next(&x, -1, 1).is_ok());
+  fs::remove(path);
 }
 
 }  // namespace

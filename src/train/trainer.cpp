@@ -16,6 +16,7 @@
 #include "io/output_guard.h"
 #include "io/regular_file.h"
 #include "train/atomic_dir.h"
+#include "train/data_parallel.h"
 #include "train/dataset.h"
 #include "train/metrics.h"
 #include "train/oscireset.h"
@@ -79,19 +80,31 @@ Status check_fresh_run_folder(const fs::path& run) {
 
 Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOptions& opt);
 
+// True when `opt` asks for data parallelism (any group but the trivial one).
+bool data_parallel(const TrainOptions& opt) { return opt.group != nullptr && opt.group->kind() != "single"; }
+
 }  // namespace
 
-Result<EvalResult> evaluate(model::Model* model, const ValLoader& val, bool stop_on_interrupt) {
+Result<EvalResult> evaluate(model::Model* model, const ValLoader& val, bool stop_on_interrupt,
+                            dist::ProcessGroup* group) {
   EvalResult r;
   double ce_sum = 0;
   Batch b;
-  for (int64_t i = 0; i < val.num_batches(); ++i) {
+  const int world = group != nullptr ? group->world_size() : 1, rank = group != nullptr ? group->rank() : 0;
+  for (int64_t i = rank; i < val.num_batches(); i += world) {
     if (stop_on_interrupt && interrupt_signal() != 0) return cancelled_status("during evaluation");
     NIB_RETURN_IF_ERROR(val.get(i, &b));
     model::LossParts lp = model->forward_loss(b.tokens.data(), b.targets.data(), b.batch, b.seq_len);
     ce_sum += lp.ce * static_cast<double>(lp.n_tokens);
     r.tokens += lp.n_tokens;
     ++r.batches;
+  }
+  if (world > 1) {  // sums: (3) f64, exact for the counts (integers below 2^53)
+    double sums[3] = {ce_sum, static_cast<double>(r.tokens), static_cast<double>(r.batches)};
+    NIB_RETURN_IF_ERROR(group->all_reduce_sum_host(sums, 3));
+    ce_sum = sums[0];
+    r.tokens = static_cast<int64_t>(sums[1]);
+    r.batches = static_cast<int64_t>(sums[2]);
   }
   if (r.tokens == 0) return data_loss("evaluation: no validation tokens");
   r.loss = ce_sum / static_cast<double>(r.tokens);
@@ -108,6 +121,32 @@ Result<RunConfig> resume_run_config(const std::string& run_dir, const std::vecto
 Result<TrainResult> run_pretraining(const RunConfig& cfg, const TrainOptions& opt) {
   if (opt.run_dir.empty()) return invalid_argument("pretrain: no output folder (--out)");
   const fs::path run(opt.run_dir);
+  if (data_parallel(opt)) {
+    // Rank 0 alone creates and locks the run folder (one writer per folder); the others learn
+    // whether it could, so a refused folder stops every rank with rank 0's message.
+    dist::ProcessGroup& g = *opt.group;
+    std::vector<fs::path> created;
+    std::optional<RunLock> lock;
+    Status s = Status::ok();
+    if (g.rank() == 0) {
+      created = missing_folders(run);
+      s = make_dirs(run.string());
+      if (s) {
+        auto l = RunLock::acquire(run.string());
+        if (l) lock.emplace(std::move(l).value());
+        else s = l.status();
+      }
+    }
+    s = dist::agree(g, s);
+    Result<TrainResult> result = s ? run_pretraining_locked(cfg, opt) : Result<TrainResult>(s);
+    lock.reset();
+    if (!result && g.rank() == 0) {
+      std::error_code ec;
+      for (const fs::path& p : created)
+        if (!fs::is_directory(p, ec) || !fs::is_empty(p, ec) || !fs::remove(p, ec)) break;
+    }
+    return result;
+  }
   const std::vector<fs::path> created = missing_folders(run);
   NIB_RETURN_IF_ERROR(make_dirs(run.string()));
   Result<TrainResult> result = Status::ok();
@@ -129,33 +168,50 @@ namespace {
 Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOptions& opt) {
   if (cfg.threads > 0) set_num_threads(cfg.threads);
   const fs::path run(opt.run_dir);
+  // Data parallelism: every rank trains on its rows; rank 0 (the writer) alone writes files.
+  const bool dp = data_parallel(opt);
+  dist::ProcessGroup* group = dp ? opt.group : nullptr;
+  const int world = dp ? group->world_size() : 1, rank = dp ? group->rank() : 0;
+  const bool writer = rank == 0;
+  // A setup error every rank must share (else the ranks still running would wait for this one).
+  auto agreed = [&](const Status& s) { return dp ? dist::agree(*group, s) : s; };
 
   Checkpoint ck;
-  if (opt.resume) {
-    NIB_ASSIGN_OR_RETURN(std::string dir, latest_checkpoint_dir(run.string()));
-    NIB_ASSIGN_OR_RETURN(ck, open_checkpoint(dir));
-    // A resume with nothing left to do: say so before touching data, metrics or checkpoints.
-    if (ck.step > cfg.steps)
-      return invalid_argument("steps={} is below the step the run is at: its latest checkpoint '{}' is at step {} "
-                              "(to continue it, --set steps=N with N > {})", cfg.steps, ck.dir, ck.step, ck.step);
-    if (opt.stop_after_step > 0 && opt.stop_after_step <= ck.step && ck.step < cfg.steps)
-      return invalid_argument("--stop-after {} is not after the step the run is at: its latest checkpoint '{}' is at "
-                              "step {}", opt.stop_after_step, ck.dir, ck.step);
-    if (ck.step == cfg.steps) {
-      TrainResult done;
-      done.start_step = done.end_step = ck.step;
-      done.checkpoint_dir = ck.dir;
-      done.already_finished = true;
-      return done;
+  bool already_finished = false;
+  Status pre = [&]() -> Status {
+    if (dp && cfg.batch_size % world != 0)
+      return invalid_argument("batch_size {} is not a multiple of the world size {}: each rank takes batch_size/{} "
+                              "rows of every micro-batch", cfg.batch_size, world, world);
+    if (opt.resume) {
+      NIB_ASSIGN_OR_RETURN(std::string dir, latest_checkpoint_dir(run.string()));
+      NIB_ASSIGN_OR_RETURN(ck, open_checkpoint(dir));
+      // A resume with nothing left to do: say so before touching data, metrics or checkpoints.
+      if (ck.step > cfg.steps)
+        return invalid_argument("steps={} is below the step the run is at: its latest checkpoint '{}' is at step {} "
+                                "(to continue it, --set steps=N with N > {})", cfg.steps, ck.dir, ck.step, ck.step);
+      if (opt.stop_after_step > 0 && opt.stop_after_step <= ck.step && ck.step < cfg.steps)
+        return invalid_argument("--stop-after {} is not after the step the run is at: its latest checkpoint '{}' is "
+                                "at step {}", opt.stop_after_step, ck.dir, ck.step);
+      already_finished = ck.step == cfg.steps;
+    } else if (fs::exists(run / "checkpoints" / "latest")) {
+      return invalid_argument("'{}' already holds checkpoints: pass --resume to continue it, or choose another --out",
+                              run.string());
+    } else if (writer) {
+      NIB_RETURN_IF_ERROR(check_fresh_run_folder(run));
     }
-  } else if (fs::exists(run / "checkpoints" / "latest")) {
-    return invalid_argument("'{}' already holds checkpoints: pass --resume to continue it, or choose another --out",
-                            run.string());
-  } else {
-    NIB_RETURN_IF_ERROR(check_fresh_run_folder(run));
+    return Status::ok();
+  }();
+  NIB_RETURN_IF_ERROR(agreed(pre));
+  if (already_finished) {
+    TrainResult done;
+    done.start_step = done.end_step = ck.step;
+    done.checkpoint_dir = ck.dir;
+    done.already_finished = true;
+    return done;
   }
   // Under the run lock every temporary of the run's own files is stale, whatever its pid.
-  for (const char* name : {"metrics.jsonl", "loss.png", "data"}) io::remove_stale_temporaries((run / name).string(), true);
+  if (writer)
+    for (const char* name : {"metrics.jsonl", "loss.png", "data"}) io::remove_stale_temporaries((run / name).string(), true);
 
   // ---- data ----
   DatasetOptions dopt;
@@ -168,9 +224,20 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   if (!cfg.tokenizer_file.empty()) dopt.vocab_size = static_cast<int>(cfg.model.vocab_size);
   dopt.val_fraction = cfg.val_fraction;
   const std::string data_dir = cfg.data_dir.empty() ? (run / "data").string() : cfg.data_dir;
-  auto ds_or = prepare_dataset(data_dir, dopt);
-  if (!ds_or) return Status(ds_or.status().code(), "data: " + ds_or.status().message());
-  Dataset ds = std::move(ds_or).value();
+  // Rank 0 prepares the data folder; the others open it once it is there (a shared file system).
+  Dataset ds;
+  Status data_status = Status::ok();
+  if (writer) {
+    auto ds_or = prepare_dataset(data_dir, dopt);
+    if (ds_or) ds = std::move(ds_or).value();
+    else data_status = Status(ds_or.status().code(), "data: " + ds_or.status().message());
+  }
+  NIB_RETURN_IF_ERROR(agreed(data_status));
+  if (!writer) {
+    auto ds_or = open_dataset(data_dir);
+    if (!ds_or) return Status(ds_or.status().code(), "data (rank " + std::to_string(rank) + "): " + ds_or.status().message());
+    ds = std::move(ds_or).value();
+  }
   if (ds.vocab_size > cfg.model.vocab_size)
     return data_loss("data: tokenizer vocabulary {} exceeds the model's vocab_size {}", ds.vocab_size,
                      cfg.model.vocab_size);
@@ -231,11 +298,28 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     NIB_LOG_INFO("resumed from {} (step {})", ck.dir, start);
   }
   NIB_ASSIGN_OR_RETURN(LrSchedule schedule, LrSchedule::create(cfg.schedule, cfg.lr, cfg.steps));
+  const RowRange rows = dp ? rank_rows(B, rank, world) : RowRange{0, B};
+  if (dp) {
+    // Every rank must train the same run from the same state: compare hashes with rank 0's.
+    host_weights.resize(static_cast<size_t>(model->num_params()));
+    model->download_parameters(host_weights.data());
+    const std::string weight_bytes(reinterpret_cast<const char*>(host_weights.data()),
+                                   host_weights.size() * sizeof(float));
+    NIB_RETURN_IF_ERROR(dist::check_ranks_agree(
+        *group, {{"run config", cfg.json.dump()},
+                 {"data", fmt::format("{} {} {} {}", ds.fingerprint, ds.summary.train_tokens, ds.summary.val_tokens,
+                                      loader.windows_per_epoch())},
+                 {"starting step", std::to_string(start)},
+                 {"weights", weight_bytes}}));
+    NIB_LOG_INFO("data parallel: {} ranks over {}; rank {} takes rows [{}, {}) of every {}-row micro-batch; "
+                 "gradients summed in rank order after backward",
+                 world, group->kind(), rank, rows.begin, rows.end, B);
+  }
 
   // ---- metrics and plot ----
   const std::string metrics_path = (run / "metrics.jsonl").string();
   std::vector<PlotPoint> train_pts, val_pts;
-  if (opt.resume) {
+  if (opt.resume && writer) {
     NIB_RETURN_IF_ERROR(drop_metrics_after_step(metrics_path, start));
     auto old = read_metrics(metrics_path);
     if (old) {
@@ -246,14 +330,22 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
       }
     }
   }
-  NIB_ASSIGN_OR_RETURN(MetricsWriter metrics, MetricsWriter::open(metrics_path, /*truncate=*/!opt.resume));
+  // Only the writer (rank 0) has a metrics file; write_metrics is a no-op on the other ranks.
+  std::optional<MetricsWriter> metrics;
+  if (writer) {
+    NIB_ASSIGN_OR_RETURN(MetricsWriter mw, MetricsWriter::open(metrics_path, /*truncate=*/!opt.resume));
+    metrics.emplace(std::move(mw));
+  }
+  auto write_metrics = [&](const json& event) { return metrics ? metrics->write(event) : Status::ok(); };
   if (!opt.resume) {
-    NIB_RETURN_IF_ERROR(metrics.write(json{{"event", "start"}, {"step", 0}, {"recipe", cfg.recipe.name},
+    NIB_RETURN_IF_ERROR(write_metrics(json{{"event", "start"}, {"step", 0}, {"recipe", cfg.recipe.name},
                                            {"params", model->num_params()}, {"threads", num_threads()},
-                                           {"device", be.name()}}));
-  } else {  // the device may differ from the one the run started on
-    NIB_RETURN_IF_ERROR(metrics.write(json{{"event", "resume"}, {"step", start}, {"device", be.name()},
-                                           {"threads", num_threads()}}));
+                                           {"device", be.name()}, {"world_size", world},
+                                           {"process_group", dp ? group->kind() : std::string("single")}}));
+  } else {  // the device (and the world) may differ from the ones the run started on
+    NIB_RETURN_IF_ERROR(write_metrics(json{{"event", "resume"}, {"step", start}, {"device", be.name()},
+                                           {"threads", num_threads()}, {"world_size", world},
+                                           {"process_group", dp ? group->kind() : std::string("single")}}));
   }
 
   TrainResult res;
@@ -264,6 +356,10 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   const std::string tokenizer_path = ds.tokenizer_path;
   json run_config_json = cfg.json;
   auto save = [&](int64_t step_done) -> Status {
+    if (!writer) {  // rank 0 writes the checkpoint (the same weights on every rank)
+      saved_step = step_done;
+      return Status::ok();
+    }
     if (adamw.step_count() == 0) {  // the weights are still the initial ones: nothing to save
       NIB_LOG_WARN("step {}: no checkpoint written: no update has been applied yet (every step so far was skipped)",
                    step_done);
@@ -294,16 +390,17 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     return Status::ok();
   };
   auto run_eval = [&](int64_t step_done) -> Status {
-    NIB_ASSIGN_OR_RETURN(EvalResult e, evaluate(model.get(), val));
+    NIB_ASSIGN_OR_RETURN(EvalResult e, evaluate(model.get(), val, false, group));
     res.validated = true;
     res.val_loss = e.loss;
     res.val_ppl = e.ppl;
     val_pts.push_back({static_cast<double>(step_done), e.loss});
     json ev{{"step", step_done}, {"val_loss", e.loss}, {"val_ppl", e.ppl}, {"val_tokens", e.tokens}};
     for (const auto& [k, v] : recipe_stats(*model)) ev["recipe." + k] = v;
-    NIB_RETURN_IF_ERROR(metrics.write(ev));
+    NIB_RETURN_IF_ERROR(write_metrics(ev));
     if (!opt.progress)
       NIB_LOG_DEBUG("step {}: val loss {:.4f} ppl {}", step_done, e.loss, ProgressBar::format_perplexity(e.ppl));
+    if (!writer) return Status::ok();
     Status s = write_loss_plot((run / "loss.png").string(), train_pts, val_pts);
     if (!s) NIB_LOG_WARN("loss plot not written: {}", s.message());
     return Status::ok();
@@ -312,10 +409,11 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   const model::LossOptions loss_opt{cfg.z_loss};
   const double tokens_per_step = static_cast<double>(B * T * cfg.grad_accum);
   std::optional<ProgressBar> bar;
-  if (opt.progress) bar.emplace(cfg.steps, start, cfg.log_interval);
+  if (opt.progress && writer) bar.emplace(cfg.steps, start, cfg.log_interval);
   const auto t0 = std::chrono::steady_clock::now();
   Batch batch;
-  std::vector<float> hook_grads;
+  std::vector<float> hook_grads, grad_stage;
+  bool stop_requested = false;  // data parallel: a SIGINT/SIGTERM seen by any rank (agreed per step)
   const int64_t end = opt.stop_after_step > 0 ? std::min(cfg.steps, opt.stop_after_step) : cfg.steps;
   if (interrupt_signal() != 0)
     return cancelled_status(start > 0 ? fmt::format("before step {}: checkpoint {}", start + 1, ck.dir)
@@ -325,13 +423,25 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     model->zero_grad();
     double loss = 0, ce = 0, zl = 0;
     for (int64_t a = 0; a < cfg.grad_accum; ++a) {
-      NIB_RETURN_IF_ERROR(loader.next(&batch));
+      NIB_RETURN_IF_ERROR(loader.next(&batch, rows.begin, rows.end));
       model->set_micro_step(s * cfg.grad_accum + a);
       model::LossParts lp = model->forward_backward(batch.tokens.data(), batch.targets.data(), batch.batch, batch.seq_len,
                                                     loss_opt);
       loss += lp.loss;
       ce += lp.ce;
       zl += lp.z_loss;
+    }
+    if (dp) {
+      // Gradients and losses summed over ranks (each rank's are means over its rows: the sum over
+      // ranks is world times the global mean, folded into grad_scale and the divisions below).
+      NIB_RETURN_IF_ERROR(all_reduce_gradients(*group, model->backend(), model->flat_grads(), model->num_params(),
+                                               &grad_stage));
+      double sums[4] = {loss, ce, zl, interrupt_signal() != 0 ? 1.0 : 0.0};
+      NIB_RETURN_IF_ERROR(group->all_reduce_sum_host(sums, 4));
+      loss = sums[0] / world;
+      ce = sums[1] / world;
+      zl = sums[2] / world;
+      stop_requested = sums[3] > 0;
     }
     loss /= cfg.grad_accum;
     ce /= cfg.grad_accum;
@@ -343,7 +453,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
       opt.grad_hook(s, hook_grads.data(), model->num_params());
       model->upload_gradients(hook_grads.data());
     }
-    const float grad_scale = static_cast<float>(1.0 / static_cast<double>(cfg.grad_accum));
+    const float grad_scale = static_cast<float>(1.0 / static_cast<double>(cfg.grad_accum * world));
     GradNorm gn = global_grad_norm(views, cfg.grad_clip, grad_scale, model->backend());
     const double lr = schedule.lr(s);
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -356,13 +466,15 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
       const char* why = !std::isfinite(loss) ? "non-finite loss" : "non-finite gradient norm";
       NIB_LOG_WARN("step {}: {} (loss {}, grad norm {}): update skipped ({} in a row, limit {})", s + 1, why, loss,
                    gn.norm, bad_in_row, cfg.max_bad_steps);
-      NIB_RETURN_IF_ERROR(metrics.write(json{{"step", s + 1}, {"skipped", true}, {"reason", why}, {"loss", loss},
+      NIB_RETURN_IF_ERROR(write_metrics(json{{"step", s + 1}, {"skipped", true}, {"reason", why}, {"loss", loss},
                                              {"grad_norm", gn.norm}, {"lr", lr}}));
-      if (bad_in_row >= cfg.max_bad_steps)
+      if (bad_in_row >= cfg.max_bad_steps) {
+        if (dp) group->set_failed_together();  // decided on reduced values: every rank stops here
         return Status(StatusCode::kInternal,
                       fmt::format("aborting at step {}: {} consecutive steps with non-finite loss or gradients "
                                   "(max_bad_steps); last good checkpoint: {}",
                                   s + 1, bad_in_row, last_good_checkpoint.empty() ? "none" : last_good_checkpoint));
+      }
     } else {
       bad_in_row = 0;
       NIB_RETURN_IF_ERROR(adamw.step(views, lr, grad_scale * gn.clip_scale));
@@ -370,7 +482,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
       if (resets > 0) NIB_LOG_DEBUG("step {}: OsciReset moved {} weights onto their grid points", s + 1, resets);
       res.losses.push_back(loss);
       train_pts.push_back({static_cast<double>(s + 1), ce});
-      NIB_RETURN_IF_ERROR(metrics.write(json{{"step", s + 1}, {"loss", loss}, {"ce", ce}, {"z_loss", zl}, {"lr", lr},
+      NIB_RETURN_IF_ERROR(write_metrics(json{{"step", s + 1}, {"loss", loss}, {"ce", ce}, {"z_loss", zl}, {"lr", lr},
                                              {"grad_norm", gn.norm}, {"tokens_per_s", tps}, {"elapsed_s", elapsed}}));
     }
     if (bar) bar->update(s + 1, ce, tps);
@@ -379,9 +491,10 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     if (last || (cfg.eval_interval > 0 && (s + 1) % cfg.eval_interval == 0)) NIB_RETURN_IF_ERROR(run_eval(s + 1));
     if (last || s + 1 == end || (cfg.checkpoint_interval > 0 && (s + 1) % cfg.checkpoint_interval == 0))
       NIB_RETURN_IF_ERROR(save(s + 1));
-    if (interrupt_signal() != 0) {  // a safe point: the step is done; keep it in a checkpoint
+    if (dp ? stop_requested : interrupt_signal() != 0) {  // a safe point: the step is done; keep it in a checkpoint
       if (bar) bar->finish();
       if (saved_step != s + 1) NIB_RETURN_IF_ERROR(save(s + 1));
+      if (dp) group->set_failed_together();  // every rank saw the same reduced flag
       return cancelled_status(fmt::format("after step {}/{}: checkpoint {}", s + 1, cfg.steps, res.checkpoint_dir));
     }
   }
@@ -391,7 +504,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   json end_event{{"event", "end"}, {"step", res.end_step}, {"seconds", res.seconds},
                  {"skipped_steps", res.skipped_steps}};
   if (res.validated) end_event.update({{"val_loss", res.val_loss}, {"val_ppl", res.val_ppl}});
-  NIB_RETURN_IF_ERROR(metrics.write(end_event));
+  NIB_RETURN_IF_ERROR(write_metrics(end_event));
   return res;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "dist/process_group.h"
 #include "model/transformer.h"
 #include "train/checkpoint.h"
 #include "train/loader.h"
@@ -32,8 +33,15 @@ struct TrainOptions {
   // start and resume events).
   backend::Backend* backend = nullptr;
   CheckpointHook checkpoint_hook; // tests: inject failures into checkpoint writes
-  // tests: called after each step's backward with (step, grads (n) f32, n) to inject NaNs.
+  // tests: called after each step's backward (and gradient reduce) with (step, grads (n) f32, n)
+  // to inject NaNs.
   std::function<void(int64_t step, float* grads, int64_t n)> grad_hook;
+  // Data parallelism (train/data_parallel.h): null or the "single" group trains alone as before.
+  // Any other group (MPI, NCCL; also a one-rank one, which runs the collectives) splits each
+  // micro-batch's rows over its ranks and sums gradients over them; rank 0 alone takes the run
+  // lock and writes data/, metrics.jsonl, loss.png and checkpoints (same format: a run resumes
+  // in another world size). Every rank must call run_pretraining with the same config and folder.
+  dist::ProcessGroup* group = nullptr;
 };
 
 struct TrainResult {
@@ -58,7 +66,9 @@ struct EvalResult {
 // Validation: mean CE over the loader's batches (no z-loss), forward only, on the model's backend.
 // stop_on_interrupt: a SIGINT/SIGTERM recorded by core/interrupt.h ends it between batches with
 // cancelled_status (`nibble eval`; the trainer's periodic validation finishes and checkpoints).
-Result<EvalResult> evaluate(model::Model* model, const ValLoader& val, bool stop_on_interrupt = false);
+// group (data parallel): rank r evaluates batches r, r+N, ...; the CE sums are added over ranks.
+Result<EvalResult> evaluate(model::Model* model, const ValLoader& val, bool stop_on_interrupt = false,
+                            dist::ProcessGroup* group = nullptr);
 
 // The run config saved in run_dir's latest checkpoint, with `overrides` applied (for --resume).
 Result<RunConfig> resume_run_config(const std::string& run_dir, const std::vector<std::string>& overrides);
