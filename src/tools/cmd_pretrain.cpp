@@ -4,7 +4,9 @@
 // folder is locked while it works (train/run_lock.h); SIGINT/SIGTERM stop it after the current
 // step with a checkpoint, and the one error line says how to resume (exit 130/143). `--device`
 // picks the backend (tools/device_option.h); the run folder is the same on every device, so a
-// run resumes on another one.
+// run resumes on another one. Under `mpirun -np N` (or RANK/WORLD_SIZE/MASTER_* with NCCL) it
+// trains data-parallel (tools/process_group_setup.h, train/data_parallel.h); rank 0 prints and
+// writes, and an error only one rank saw ends the whole world (abort_world) instead of a hang.
 #include <cstdio>
 #include <limits>
 #include <memory>
@@ -17,6 +19,7 @@
 #include "tools/command.h"
 #include "tools/device_option.h"
 #include "tools/option_check.h"
+#include "tools/process_group_setup.h"
 #include "train/progress.h"
 #include "train/trainer.h"
 
@@ -30,9 +33,34 @@ struct PretrainArgs {
   int64_t stop_after = -1;
 };
 
+int run_pretrain_in(const PretrainArgs& a, const dist::LaunchEnv& launch);
+
 int run_pretrain(const PretrainArgs& a) {
-  auto be = open_device(a.device);
+  auto launch = read_launch();
+  if (!launch) return report_error("pretrain", launch.status());
+  return run_pretrain_in(a, *launch);
+}
+
+int run_pretrain_in(const PretrainArgs& a, const dist::LaunchEnv& launch) {
+  // An error before the group exists: this rank alone knows; under mpirun the launcher ends the
+  // job when a rank exits non-zero before MPI_Init.
+  auto be = open_device(device_for_launch(a.device, launch));
   if (!be) return report_error("pretrain", be.status());
+  auto pg = open_process_group(launch, **be);
+  if (!pg) return report_error("pretrain", pg.status());
+  dist::ProcessGroup& group = *(*pg)->group;
+  const bool rank0 = group.rank() == 0, multi = group.world_size() > 1;
+  if (!rank0) spdlog::set_level(spdlog::level::warn);  // one run log: rank 0's (warnings from all)
+  // After the group exists: an error every rank returned together (agreed) is printed by rank 0
+  // and the processes end normally; one seen by this rank alone is printed here and ends the world.
+  auto fail = [&](const Status& st) {
+    const bool together = group.failed_together();
+    int rc = 0;
+    if (rank0 || !together) rc = report_error("pretrain", multi ? Status(st.code(), st.message() + (rank0 ? "" : fmt::format(" (rank {})", group.rank()))) : st);
+    else rc = st.code() == StatusCode::kInvalidArgument ? 2 : 1;
+    if (multi && !together) group.abort_world(rc);
+    return rc;
+  };
   std::vector<std::string> overrides = a.sets;
   if (!a.data.empty()) overrides.push_back("data.files=" + nlohmann::json(a.data).dump());
   Result<train::RunConfig> cfg = Status::ok();
@@ -44,26 +72,31 @@ int run_pretrain(const PretrainArgs& a) {
   } else {
     cfg = train::resolve_run_config(nlohmann::json::object(), overrides);
   }
-  if (!cfg) return report_error("pretrain", cfg.status());
+  Status cfg_status = cfg ? Status::ok() : cfg.status();
+  if (multi) cfg_status = dist::agree(group, cfg_status);  // a bad --set: one line from rank 0, no abort
+  if (!cfg_status) return fail(cfg_status);
   train::TrainOptions opt;
   opt.run_dir = a.out;
   opt.resume = a.resume;
   opt.stop_after_step = a.stop_after;
   opt.progress = !a.no_progress;
   opt.backend = be->get();
-  NIB_LOG_INFO("pretrain: on {}, {} recipe, {} steps of {}x{}x{} tokens, out {}", (*be)->name(), cfg->recipe.name,
-               cfg->steps, cfg->batch_size, cfg->grad_accum, cfg->seq_len, a.out);
+  opt.group = &group;
+  NIB_LOG_INFO("pretrain: on {}, {} recipe, {} steps of {}x{}x{} tokens, out {}; world: {} ({})", (*be)->name(),
+               cfg->recipe.name, cfg->steps, cfg->batch_size, cfg->grad_accum, cfg->seq_len, a.out,
+               launch.describe(), group.kind());
   install_interrupt_handlers();
   auto r = train::run_pretraining(*cfg, opt);
+  if (!r && !rank0 && group.failed_together()) return fail(r.status());
   if (!r && interrupt_signal() != 0 && train::latest_checkpoint_dir(a.out).is_ok()) {
     std::string quoted = "'";
     for (char c : a.out) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
     quoted += "'";
-    return report_error("pretrain", Status(r.status().code(), r.status().message() +
-                                                                  "; resume with: nibble pretrain --out " + quoted +
-                                                                  " --resume"));
+    return fail(Status(r.status().code(), r.status().message() + "; resume with: nibble pretrain --out " + quoted +
+                                              " --resume"));
   }
-  if (!r) return report_error("pretrain", r.status());
+  if (!r) return fail(r.status());
+  if (!rank0) return 0;  // rank 0 prints the result
   if (r->already_finished) {  // a plain --resume of a finished run: nothing done, exit 0
     std::printf("pretrain: '%s' is already finished at step %lld/%lld; checkpoint %s (to train further: --resume --set "
                 "steps=N with N > %lld)\n", a.out.c_str(), static_cast<long long>(r->end_step),
