@@ -25,7 +25,7 @@ ctest --test-dir build/cpu --output-on-failure -j "$JOBS" --timeout 900
 if [ "${NIBBLE_SKIP_CUDA:-0}" != 1 ] && { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }; then
   stamp "2/3 CUDA build (sm_${NIBBLE_CUDA_ARCH:-90a}); GPU tests run only where a GPU is present"
   cmake -S . -B build/cuda -G Ninja -DNIBBLE_CUDA=ON -DNIBBLE_BENCH=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
-  cmake --build build/cuda -j "$JOBS" --target nibble nibble_backend_cuda nibble_backend_cuda_tests nibble_backend_ops_tests
+  cmake --build build/cuda -j "$JOBS" --target nibble nibble_backend_cuda nibble_backend_cuda_tests nibble_backend_ops_tests nibble_dist_nccl_tests
   ctest --test-dir build/cuda -L gpu --output-on-failure
 else
   stamp "2/3 skipped: no nvcc"
