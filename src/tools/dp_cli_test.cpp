@@ -2,7 +2,7 @@
 // same tiny config (the tiny OLMo-2 of train_cli_test.cpp, global batch 4x32, 6 steps): the loss
 // curve, the step-1 gradient norm and the validation loss agree within the tolerances derived
 // below; rank 0 alone writes the run folder; a 2-rank run stopped at step 3 resumes in one process
-// onto the 1-process curve; ranks with different configs and a batch that does not split fail
+// onto the 1-process curve, and a 1-process run resumes under 2 ranks; ranks with different configs and a batch that does not split fail
 // with one line. Skipped (ctest: skipped, not passed) when mpirun is absent or nibble was built
 // without MPI.
 #include <unistd.h>
@@ -133,7 +133,7 @@ void expect_same_curve(const Curve& one, const Curve& dp, int64_t first_step, do
   }
 }
 
-TEST(DataParallelCliTest, TwoRanksMatchOneProcessAndResumeInOne) {
+TEST(DataParallelCliTest, TwoRanksMatchOneProcessAndResumeInAnotherWorldSize) {
   if (const std::string why = why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
   ScratchDir d("dp_curve");
   const std::string cfg = write_config(d), corpus = d / "corpus.txt";
@@ -176,6 +176,17 @@ TEST(DataParallelCliTest, TwoRanksMatchOneProcessAndResumeInOne) {
     }
   EXPECT_TRUE(saw_resume);
   expect_same_curve(one, resumed, 1, n_params);
+
+  // And the other way: a 1-process run stopped after step 3 resumes under mpirun -np 2.
+  r = run_nibble(d.path, base + "--out '" + (d / "grown") + "' --stop-after 3");
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run_shell(d.path, mpirun(2) + "'" + nibble_binary() + "' pretrain --out '" + (d / "grown") +
+                            "' --resume --no-progress");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Curve grown = read_curve(d / "grown/metrics.jsonl");
+  ASSERT_EQ(grown.steps.size(), 6u);
+  EXPECT_EQ(grown.events.back()["event"], "end");
+  expect_same_curve(one, grown, 1, n_params);
 }
 
 TEST(DataParallelCliTest, RanksThatDisagreeOrABatchThatDoesNotSplitFailWithOneLine) {
