@@ -15,7 +15,9 @@
 # ../shared/testdata, which does not travel).
 # Options (environment):
 #   NIBBLE_GPU_PARTS   comma list of parts to run, default "tests,ops,train,bench,torch";
-#                      also "bandwidth" (the format kernels' bandwidth vs device copy)
+#                      also "bandwidth" (the format kernels' bandwidth vs device copy), "attn"
+#                      (nibble bench attention + PyTorch SDPA), "dist" (NCCL one-rank tests and a
+#                      one-rank pretrain against a plain one), "profile" (bench train --profile)
 #   NIBBLE_GPU_BUDGET_S  seconds the whole script may take (default 540): each part's timeout is cut
 #                      to what is left, so the call returns with its logs; the nibble benches keep
 #                      NIBBLE_GPU_TORCH_RESERVE_S (200) for the PyTorch baseline that follows
@@ -70,6 +72,14 @@ BIN=""       # the CUDA backend's tests
 OPS_BIN=""   # the op-test suite, where the build strategy provides it
 TRAIN_BIN="" # the train tests (BackendStep.*: CUDA against CPU)
 NIBBLE=""    # the CLI (nibble bench train)
+# NCCL is not carried (208 MB): the machine's /usr/local/cuda has it, or else PyTorch's wheel does.
+nccl_fallback() {
+  { ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2' || [ -e /usr/local/cuda/lib64/libnccl.so.2 ]; } && return 0
+  local d
+  d=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null) || return 0
+  [ -e "$d/libnccl.so.2" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d" && echo "libnccl from $d" | tee -a "$OUT/steps.log"
+  return 0
+}
 try_prebuilt() {
   local dir=$PREBUILT
   # gpu_bundle.sh packs the bundle (the unpacked one is over a device call's carry limit).
@@ -80,6 +90,7 @@ try_prebuilt() {
   fi
   [ -n "$dir" ] && [ -x "$dir/nibble_backend_cuda_tests" ] || return 1
   export LD_LIBRARY_PATH="$dir/lib:${LD_LIBRARY_PATH:-}"
+  nccl_fallback
   if "$dir/nibble_backend_cuda_tests" --gtest_list_tests >/dev/null 2>"$OUT/prebuilt_check.err"; then
     rm -f "$OUT/prebuilt_check.err"; BIN="$dir/nibble_backend_cuda_tests"
     [ -x "$dir/nibble_backend_ops_tests" ] && OPS_BIN="$dir/nibble_backend_ops_tests"
@@ -255,6 +266,77 @@ if want bench; then
   fi
 fi
 
+ATTN_RC=skip DIST_RC=skip PROF_RC=skip
+if want attn; then
+  # Causal attention alone: nibble's FP32 and BF16 kernels, then PyTorch's SDPA (BF16) at the same
+  # shapes in the same call (bench/torch_attention_baseline.py).
+  shapes=(16x4096x8x8x64 8x4096x16x16x64 8x4096x12x4x64)
+  ATTN_RC=0
+  if [ -n "$NIBBLE" ] && "$NIBBLE" bench attention --help >/dev/null 2>&1; then
+    sargs=(); for s in "${shapes[@]}"; do sargs+=(--shape "$s"); done
+    stamp "nibble bench attention ${sargs[*]}"
+    timeout "$(limit 120 "$TORCH_RESERVE")" "$NIBBLE" bench attention "${sargs[@]}" >"$OUT/bench_attention.log" 2>&1 || ATTN_RC=$?
+    cat "$OUT/bench_attention.log"
+  fi
+  if python3 -c 'import torch' 2>/dev/null; then
+    stamp "PyTorch SDPA: bench/torch_attention_baseline.py"
+    timeout "$(limit 120)" python3 bench/torch_attention_baseline.py --shapes "$(IFS=,; echo "${shapes[*]}")" \
+      >"$OUT/torch_attention.jsonl" 2>"$OUT/torch_attention.log" || ATTN_RC=$?
+    cat "$OUT/torch_attention.jsonl"
+  fi
+  stamp "attention benches exit code $ATTN_RC"
+fi
+
+if want dist; then
+  # The NCCL group as a one-rank world (issue #17): its tests, then a tiny pretrain under
+  # WORLD_SIZE=1 against a plain run: metrics.jsonl losses and gradient norms must match exactly.
+  DIST_RC=0
+  if [ -x "$PREBUILT/nibble_dist_nccl_tests" ]; then
+    stamp "NCCL one-rank tests"
+    timeout "$(limit 120)" "$PREBUILT/nibble_dist_nccl_tests" >"$OUT/dist_tests.log" 2>&1 || DIST_RC=$?
+    grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/dist_tests.log" | head -20
+  fi
+  if [ -n "$NIBBLE" ]; then
+    d=$(mktemp -d)
+    for w in plain nccl1; do
+      env_args=(); [ $w = nccl1 ] && env_args=(WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29531)
+      timeout "$(limit 120)" env "${env_args[@]}" "$NIBBLE" pretrain --config configs/pretrain-tiny.json --device cuda \
+        --set steps=20 --no-progress --out "$d/$w" >"$OUT/dist_pretrain_$w.log" 2>&1 || DIST_RC=$?
+    done
+    if python3 - "$d/plain/metrics.jsonl" "$d/nccl1/metrics.jsonl" >"$OUT/dist_compare.txt" 2>&1 <<'PY'
+import json, sys
+def rows(p):
+    return [(r.get("step"), r.get("loss"), r.get("grad_norm")) for r in map(json.loads, open(p)) if "loss" in r]
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+print(f"{len(a)} rows plain, {len(b)} rows one-rank NCCL, identical: {a == b}")
+sys.exit(0 if a == b and a else 1)
+PY
+    then :; else DIST_RC=1; fi
+    cat "$OUT/dist_compare.txt"; grep -h "world" "$OUT"/dist_pretrain_*.log | head -2
+    rm -rf "$d"
+  fi
+  stamp "dist exit code $DIST_RC"
+fi
+
+if want profile; then
+  # One profiled step per shape (bf16 and tetrajet-v2): time per op and per category.
+  PROF_RC=0
+  if [ -n "$NIBBLE" ] && "$NIBBLE" bench train --help 2>&1 | grep -q -- --profile; then
+    read -r -a configs <<<"${NIBBLE_PROFILE_CONFIGS:-configs/olmo2-70m.json}"
+    read -r -a batches <<<"${NIBBLE_PROFILE_BATCHES:-16}"
+    for i in "${!configs[@]}"; do
+      for r in ${NIBBLE_PROFILE_RECIPES:-bf16 tetrajet-v2}; do
+        log="$OUT/profile_$(basename "${configs[$i]}" .json)_$r.log"
+        stamp "nibble bench train --profile --config ${configs[$i]} --recipe $r"
+        timeout "$(limit 120 "$TORCH_RESERVE")" "$NIBBLE" bench train --config "${configs[$i]}" --recipe "$r" --device cuda \
+          --seq "${NIBBLE_BENCH_SEQ:-4096}" --batch "${batches[$i]:-8}" --warmup 1 --steps 1 --profile >"$log" 2>&1 || PROF_RC=$?
+        grep -iE "category|^ *(gemm|attention|norm|ce|quantize|optimizer|elementwise|moe|copies)" "$log" | head -14
+      done
+    done
+  fi
+  stamp "profile exit code $PROF_RC"
+fi
+
 if want torch; then
   # What a PyTorch user runs (transformers + torch.compile + SDPA + fused AdamW + BF16 autocast),
   # same shapes and batches, same GPU, same call. torch.compile takes most of this part's time.
@@ -307,9 +389,9 @@ fi
   echo "op suite           rc=$OPS_RC ($(count "$OUT/ops_tests.log"))"
   echo "training step      rc=$TRAIN_RC ($(count "$OUT/train_tests.log"))"
   [ "$BENCH_RC" != skip ] && { echo "bandwidth bench    rc=$BENCH_RC"; grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |floor|te rht)' "$OUT/bench.log"; }
-  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC"
+  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC"
   python3 scripts/gpu_table.py "$OUT" 2>&1
 } | tee "$OUT/table.txt"
 ok() { [ "$1" = 0 ] || [ "$1" = skip ]; }
 # A CLI without `bench train` yet, or a python3 without torch, is reported above, not a failure.
-ok "$TEST_RC" && ok "$OPS_RC" && ok "$TRAIN_RC" && ok "$BENCH_RC" && ok "${BENCHT_RC/missing/skip}" && ok "${TORCH_RC/missing/skip}"
+ok "$TEST_RC" && ok "$OPS_RC" && ok "$TRAIN_RC" && ok "$BENCH_RC" && ok "${BENCHT_RC/missing/skip}" && ok "${TORCH_RC/missing/skip}" && ok "$ATTN_RC" && ok "$DIST_RC" && ok "$PROF_RC"
