@@ -74,91 +74,99 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Shared tiles are (rows, D) bf16 with a row stride of D + 8 elements: 8 consecutive rows read by
+// Shared tiles are (rows, Dp) bf16 with a row stride of Dp + 8 elements: 8 consecutive rows read by
 // one ldmatrix then start in 8 different 16-byte bank groups (no conflicts), rows stay 16-byte
 // aligned for cp.async.
-template <int D>
+template <int Dp>
 __host__ __device__ constexpr int ld_smem() {
-  return D + 8;
+  return Dp + 8;
 }
 
-// dst (kRows, D) <- rows row0 .. row0+kRows-1 of src (Tn rows of D bf16), rows >= Tn zero-filled.
+// dst (kRows, Dp) <- rows row0 .. row0+kRows-1 of src (Tn rows of Dp bf16), rows >= Tn zero-filled.
 // Issued by all kThreads threads of the block; the caller commits the group.
-template <int kRows, int D, int kThreads>
+template <int kRows, int Dp, int kThreads>
 __device__ __forceinline__ void load_tile_async(__nv_bfloat16* dst, const __nv_bfloat16* src, int row0, int Tn) {
-  constexpr int kChunksPerRow = D / 8;
+  constexpr int kChunksPerRow = Dp / 8;
   for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
     const int r = c / kChunksPerRow, cc = c % kChunksPerRow;
     const int row = row0 + r;
     const bool ok = row < Tn;
-    cp_async16(dst + r * ld_smem<D>() + cc * 8, src + static_cast<int64_t>(ok ? row : 0) * D + cc * 8, ok ? 16 : 0);
+    cp_async16(dst + r * ld_smem<Dp>() + cc * 8, src + static_cast<int64_t>(ok ? row : 0) * Dp + cc * 8, ok ? 16 : 0);
   }
 }
 
 // Address of this lane's ldmatrix row for an A operand (16 rows x 16 k, row-major in shared):
 // matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
-template <int D>
+template <int Dp>
 __device__ __forceinline__ const __nv_bfloat16* a_addr(const __nv_bfloat16* tile, int row0, int k0, int lane) {
-  return tile + (row0 + (lane & 15)) * ld_smem<D>() + k0 + (lane >> 4) * 8;
+  return tile + (row0 + (lane & 15)) * ld_smem<Dp>() + k0 + (lane >> 4) * 8;
 }
 // B operand of x @ tile^T (tile rows = n, columns = k), two n-blocks of 8: matrices (n 0-7, k 0-7),
 // (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15) -> regs {0,1} = n-block 0, {2,3} = n-block 1.
-template <int D>
+template <int Dp>
 __device__ __forceinline__ const __nv_bfloat16* bt_addr(const __nv_bfloat16* tile, int n0, int k0, int lane) {
-  return tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) * ld_smem<D>() + k0 + ((lane >> 3) & 1) * 8;
+  return tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) * ld_smem<Dp>() + k0 + ((lane >> 3) & 1) * 8;
 }
 // B operand of x @ tile (tile rows = k, columns = n) with .trans, two n-blocks of 8: matrices
 // (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15) -> regs {0,1}, {2,3}.
-template <int D>
+template <int Dp>
 __device__ __forceinline__ const __nv_bfloat16* b_addr_trans(const __nv_bfloat16* tile, int k0, int n0, int lane) {
-  return tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld_smem<D>() + n0 + (lane >> 4) * 8;
+  return tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld_smem<Dp>() + n0 + (lane >> 4) * 8;
+}
+
+// row[c], row[c + 1] <- x, y for the columns below D (row: f32, D columns; c even). One 8-byte
+// store when D is even (then c + 1 < D whenever c < D and the address is 8-byte aligned).
+__device__ __forceinline__ void store_pair(float* row, int c, int D, float x, float y) {
+  if ((D & 1) == 0) {
+    if (c < D) *reinterpret_cast<float2*>(row + c) = make_float2(x, y);
+  } else {
+    if (c < D) row[c] = x;
+    if (c + 1 < D) row[c + 1] = y;
+  }
 }
 
 // ---- pre-passes -----------------------------------------------------------------------------------
-// dst: (B,Hx,T,D) bf16 <- src: (B,T,Hx,D) f32 rounded to nearest even; one thread per 8 elements.
-__global__ void to_bf16_heads_kernel(__nv_bfloat16* dst, const float* src, int64_t B, int64_t Tn, int64_t Hx,
-                                     int D) {
-  const int64_t n_chunks = B * Tn * Hx * D / 8;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= n_chunks) return;
-  const int64_t e = c * 8;  // element index in src order (b, t, h, d)
-  const int d = static_cast<int>(e % D);
-  const int64_t h = (e / D) % Hx, t = (e / (D * Hx)) % Tn, b = e / (D * Hx * Tn);
-  const float4 x0 = *reinterpret_cast<const float4*>(src + e);
-  const float4 x1 = *reinterpret_cast<const float4*>(src + e + 4);
-  uint4 o;
-  o.x = pack_bf16(x0.x, x0.y);
-  o.y = pack_bf16(x0.z, x0.w);
-  o.z = pack_bf16(x1.x, x1.y);
-  o.w = pack_bf16(x1.z, x1.w);
-  *reinterpret_cast<uint4*>(dst + ((b * Hx + h) * Tn + t) * D + d) = o;
+// dst: (B,Hx,T,Dp) bf16 <- src: (B,T,Hx,D) f32 rounded to nearest even, columns D..Dp-1 zero
+// (Dp = D rounded up to a kernel head dim, a multiple of 8); one thread per 8 columns of dst.
+__global__ void to_bf16_heads_kernel(__nv_bfloat16* dst, const float* src, int64_t B, int64_t Tn, int64_t Hx, int D,
+                                     int Dp) {
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (chunk >= B * Tn * Hx * (Dp / 8)) return;
+  const int d0 = static_cast<int>(chunk % (Dp / 8)) * 8;
+  const int64_t row = chunk / (Dp / 8);  // b*T*Hx + t*Hx + h: a row of src
+  const int64_t h = row % Hx, t = (row / Hx) % Tn, b = row / (Hx * Tn);
+  const float* x = src + row * D;
+  float f[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = d0 + i < D ? x[d0 + i] : 0.f;
+  const uint4 o = make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
+  *reinterpret_cast<uint4*>(dst + ((b * Hx + h) * Tn + t) * Dp + d0) = o;
 }
 
-// delta: (B,H,T) = rowsum(bf16(dout) * bf16(out)) in f32, d ascending; dout_bf: (B,H,T,D) bf16 of
-// dout: (B,T,H,D); out: (B,T,H,D). One thread per row (b, t, h).
+// delta: (B,H,T) = rowsum(bf16(dout) * bf16(out)) in f32, d ascending; dout_bf: (B,H,T,Dp) bf16 of
+// dout: (B,T,H,D), zero-padded; out: (B,T,H,D). One thread per row (b, t, h).
 __global__ void delta_kernel(float* delta, __nv_bfloat16* dout_bf, const float* dout, const float* out, int64_t B,
-                             int64_t Tn, int64_t H, int D) {
+                             int64_t Tn, int64_t H, int D, int Dp) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // b*T*H + t*H + h
   if (row >= B * Tn * H) return;
   const int64_t h = row % H, t = (row / H) % Tn, b = row / (H * Tn);
   const float* dr = dout + row * D;
   const float* orow = out + row * D;
-  __nv_bfloat16* dst = dout_bf + ((b * H + h) * Tn + t) * D;
+  __nv_bfloat16* dst = dout_bf + ((b * H + h) * Tn + t) * Dp;
   float acc = 0.f;
-  for (int d = 0; d < D; d += 8) {
-    const float4 a0 = *reinterpret_cast<const float4*>(dr + d), a1 = *reinterpret_cast<const float4*>(dr + d + 4);
-    const float4 o0 = *reinterpret_cast<const float4*>(orow + d), o1 = *reinterpret_cast<const float4*>(orow + d + 4);
-    const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-    const float o[8] = {o0.x, o0.y, o0.z, o0.w, o1.x, o1.y, o1.z, o1.w};
+  for (int d0 = 0; d0 < Dp; d0 += 8) {
     uint32_t packed[4];
 #pragma unroll
     for (int i = 0; i < 8; i += 2) {
-      const __nv_bfloat162 ab = __floats2bfloat162_rn(a[i], a[i + 1]);
+      const int d = d0 + i;
+      const __nv_bfloat162 ab = __floats2bfloat162_rn(d < D ? dr[d] : 0.f, d + 1 < D ? dr[d + 1] : 0.f);
+      const float o0 = d < D ? __bfloat162float(__float2bfloat16_rn(orow[d])) : 0.f;
+      const float o1 = d + 1 < D ? __bfloat162float(__float2bfloat16_rn(orow[d + 1])) : 0.f;
       packed[i / 2] = *reinterpret_cast<const uint32_t*>(&ab);
-      acc = __fmaf_rn(__low2float(ab), __bfloat162float(__float2bfloat16_rn(o[i])), acc);
-      acc = __fmaf_rn(__high2float(ab), __bfloat162float(__float2bfloat16_rn(o[i + 1])), acc);
+      acc = __fmaf_rn(__low2float(ab), o0, acc);
+      acc = __fmaf_rn(__high2float(ab), o1, acc);
     }
-    *reinterpret_cast<uint4*>(dst + d) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    *reinterpret_cast<uint4*>(dst + d0) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   }
   delta[(b * H + h) * Tn + t] = acc;
 }
@@ -166,38 +174,38 @@ __global__ void delta_kernel(float* delta, __nv_bfloat16* dout_bf, const float* 
 // ---- forward ----------------------------------------------------------------------------------------
 // Grid (ceil(T / kBlockM), H, B), kWarps warps, each owning kMT m-tiles of 16 query rows; kBlockM =
 // kWarps * kMT * 16. out: (B,T,H,D) f32, lse: (B,H,T) f32 natural log of the scaled scores' sum;
-// q: (B,H,T,D) bf16; k, v: (B,Hkv,T,D) bf16. Shared: Q (kBlockM, D), K and V double-buffered
-// (kTileN, D). Query tiles are visited last-first (the longest causal rows start first).
-template <int D, int kWarps, int kMT>
+// q: (B,H,T,Dp) bf16; k, v: (B,Hkv,T,Dp) bf16. Shared: Q (kBlockM, Dp), K and V double-buffered
+// (kTileN, Dp). Query tiles are visited last-first (the longest causal rows start first).
+template <int Dp, int kWarps, int kMT>
 __global__ void __launch_bounds__(kWarps * 32)
     fwd_kernel(float* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-               int Tn, int H, int Hkv, float scale_log2) {
-  constexpr int kThreads = kWarps * 32, kBlockM = kWarps * kMT * 16, LD = ld_smem<D>();
-  constexpr int kDT = D / 8, kNT = kTileN / 8;  // 8-wide column blocks of O and of S
+               int Tn, int H, int Hkv, int D, float scale_log2) {
+  constexpr int kThreads = kWarps * 32, kBlockM = kWarps * kMT * 16, LD = ld_smem<Dp>();
+  constexpr int kDT = Dp / 8, kNT = kTileN / 8;  // 8-wide column blocks of O and of S
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // (kBlockM, LD)
   __nv_bfloat16* kv_s = q_s + kBlockM * LD;                          // [buf][K|V] (kTileN, LD)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const int b = blockIdx.z, h = blockIdx.y, hk = h / (H / Hkv);
   const int q0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
-  const __nv_bfloat16* qb = q + (static_cast<int64_t>(b) * H + h) * Tn * D;
-  const __nv_bfloat16* kb = k + (static_cast<int64_t>(b) * Hkv + hk) * Tn * D;
-  const __nv_bfloat16* vb = v + (static_cast<int64_t>(b) * Hkv + hk) * Tn * D;
+  const __nv_bfloat16* qb = q + (static_cast<int64_t>(b) * H + h) * Tn * Dp;
+  const __nv_bfloat16* kb = k + (static_cast<int64_t>(b) * Hkv + hk) * Tn * Dp;
+  const __nv_bfloat16* vb = v + (static_cast<int64_t>(b) * Hkv + hk) * Tn * Dp;
   const int kv_end = min(Tn, q0 + kBlockM);
   const int n_tiles = (kv_end + kTileN - 1) / kTileN;
 
-  load_tile_async<kBlockM, D, kThreads>(q_s, qb, q0, Tn);
+  load_tile_async<kBlockM, Dp, kThreads>(q_s, qb, q0, Tn);
   cp_async_commit();
-  load_tile_async<kTileN, D, kThreads>(kv_s, kb, 0, Tn);
-  load_tile_async<kTileN, D, kThreads>(kv_s + kTileN * LD, vb, 0, Tn);
+  load_tile_async<kTileN, Dp, kThreads>(kv_s, kb, 0, Tn);
+  load_tile_async<kTileN, Dp, kThreads>(kv_s + kTileN * LD, vb, 0, Tn);
   cp_async_commit();
   cp_async_wait<1>();  // Q landed
   __syncthreads();
-  uint32_t qf[kMT][D / 16][4];
+  uint32_t qf[kMT][Dp / 16][4];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) ldsm_x4(qf[mt][kk], a_addr<D>(q_s, (warp * kMT + mt) * 16, kk * 16, lane));
+    for (int kk = 0; kk < Dp / 16; ++kk) ldsm_x4(qf[mt][kk], a_addr<Dp>(q_s, (warp * kMT + mt) * 16, kk * 16, lane));
 
   float o[kMT][kDT][4];
 #pragma unroll
@@ -215,8 +223,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int j = 0; j < n_tiles; ++j) {
     if (j + 1 < n_tiles) {
       __nv_bfloat16* nxt = kv_s + ((j + 1) & 1) * 2 * kTileN * LD;
-      load_tile_async<kTileN, D, kThreads>(nxt, kb, (j + 1) * kTileN, Tn);
-      load_tile_async<kTileN, D, kThreads>(nxt + kTileN * LD, vb, (j + 1) * kTileN, Tn);
+      load_tile_async<kTileN, Dp, kThreads>(nxt, kb, (j + 1) * kTileN, Tn);
+      load_tile_async<kTileN, Dp, kThreads>(nxt + kTileN * LD, vb, (j + 1) * kTileN, Tn);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -236,11 +244,11 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
+    for (int kk = 0; kk < Dp / 16; ++kk)
 #pragma unroll
       for (int np = 0; np < kNT / 2; ++np) {
         uint32_t bf[4];
-        ldsm_x4(bf, bt_addr<D>(k_s, np * 16, kk * 16, lane));
+        ldsm_x4(bf, bt_addr<Dp>(k_s, np * 16, kk * 16, lane));
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
           mma_bf16(s[mt][2 * np], qf[mt][kk], bf[0], bf[1]);
@@ -298,9 +306,9 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int kk = 0; kk < kTileN / 16; ++kk)
 #pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
+      for (int dp = 0; dp < Dp / 16; ++dp) {
         uint32_t bf[4];
-        ldsm_x4_trans(bf, b_addr_trans<D>(v_s, kk * 16, dp * 16, lane));
+        ldsm_x4_trans(bf, b_addr_trans<Dp>(v_s, kk * 16, dp * 16, lane));
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
           mma_bf16(o[mt][2 * dp], pf[mt][kk], bf[0], bf[1]);
@@ -323,8 +331,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         float* orow = out + ((static_cast<int64_t>(b) * Tn + row) * H + h) * D;
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt)
-          *reinterpret_cast<float2*>(orow + dt * 8 + 2 * t4) =
-              make_float2(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
+          store_pair(orow, dt * 8 + 2 * t4, D, o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
         if (t4 == 0) lse[(static_cast<int64_t>(b) * H + h) * Tn + row] = (m_run[mt][r] + log2f(l)) * kLn2;
       }
     }
@@ -333,15 +340,15 @@ __global__ void __launch_bounds__(kWarps * 32)
 // ---- backward: dK, dV -------------------------------------------------------------------------------
 // Grid (ceil(T / kTileN), Hkv, B), 4 warps, each owning 16 keys of the block's kTileN. Loops over
 // the H/Hkv query heads of the group and, per head, the query tiles from the diagonal on (fixed
-// order, one writer per dK/dV row: deterministic). dk, dv: (B,T,Hkv,D) f32; q, dout: (B,H,T,D)
-// bf16; k, v: (B,Hkv,T,D) bf16; lse, delta: (B,H,T) f32. Shared: K, V (kTileN, D), Q and dO
-// double-buffered (kTileQ, D).
-template <int D>
+// order, one writer per dK/dV row: deterministic). dk, dv: (B,T,Hkv,D) f32; q, dout: (B,H,T,Dp)
+// bf16; k, v: (B,Hkv,T,Dp) bf16; lse, delta: (B,H,T) f32. Shared: K, V (kTileN, Dp), Q and dO
+// double-buffered (kTileQ, Dp).
+template <int Dp>
 __global__ void __launch_bounds__(128)
     bwd_dkdv_kernel(float* dk, float* dv, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                     const __nv_bfloat16* dout, const float* lse, const float* delta, int Tn, int H, int Hkv,
-                    float scale, float scale_log2) {
-  constexpr int kThreads = 128, LD = ld_smem<D>(), kDT = D / 8, kNT = kTileQ / 8;
+                    int D, float scale, float scale_log2) {
+  constexpr int kThreads = 128, LD = ld_smem<Dp>(), kDT = Dp / 8, kNT = kTileQ / 8;
   static_assert(kTileN == 4 * 16, "one 16-key m-tile per warp");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* k_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // (kTileN, LD)
@@ -350,21 +357,21 @@ __global__ void __launch_bounds__(128)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const int b = blockIdx.z, hk = blockIdx.y, group = H / Hkv;
   const int k0 = (gridDim.x - 1 - blockIdx.x) * kTileN;
-  const __nv_bfloat16* kb = k + (static_cast<int64_t>(b) * Hkv + hk) * Tn * D;
-  const __nv_bfloat16* vb = v + (static_cast<int64_t>(b) * Hkv + hk) * Tn * D;
+  const __nv_bfloat16* kb = k + (static_cast<int64_t>(b) * Hkv + hk) * Tn * Dp;
+  const __nv_bfloat16* vb = v + (static_cast<int64_t>(b) * Hkv + hk) * Tn * Dp;
   const int qt_first = k0 / kTileQ;  // earliest query tile holding a query >= k0
   const int n_qt = (Tn + kTileQ - 1) / kTileQ - qt_first;
   const int n_iter = group * n_qt;  // (head, query tile) pairs, head-major
 
   auto issue = [&](int it) {
     const int h = hk * group + it / n_qt, qt0 = (qt_first + it % n_qt) * kTileQ;
-    const int64_t off = (static_cast<int64_t>(b) * H + h) * Tn * D;
+    const int64_t off = (static_cast<int64_t>(b) * H + h) * Tn * Dp;
     __nv_bfloat16* dst = qd_s + (it & 1) * 2 * kTileQ * LD;
-    load_tile_async<kTileQ, D, kThreads>(dst, q + off, qt0, Tn);
-    load_tile_async<kTileQ, D, kThreads>(dst + kTileQ * LD, dout + off, qt0, Tn);
+    load_tile_async<kTileQ, Dp, kThreads>(dst, q + off, qt0, Tn);
+    load_tile_async<kTileQ, Dp, kThreads>(dst + kTileQ * LD, dout + off, qt0, Tn);
   };
-  load_tile_async<kTileN, D, kThreads>(k_s, kb, k0, Tn);
-  load_tile_async<kTileN, D, kThreads>(v_s, vb, k0, Tn);
+  load_tile_async<kTileN, Dp, kThreads>(k_s, kb, k0, Tn);
+  load_tile_async<kTileN, Dp, kThreads>(v_s, vb, k0, Tn);
   issue(0);
   cp_async_commit();
 
@@ -398,15 +405,15 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = 0.f, dp[nt][e] = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < Dp / 16; ++kk) {
       uint32_t kf[4], vf[4];
-      ldsm_x4(kf, a_addr<D>(k_s, warp * 16, kk * 16, lane));
-      ldsm_x4(vf, a_addr<D>(v_s, warp * 16, kk * 16, lane));
+      ldsm_x4(kf, a_addr<Dp>(k_s, warp * 16, kk * 16, lane));
+      ldsm_x4(vf, a_addr<Dp>(v_s, warp * 16, kk * 16, lane));
 #pragma unroll
       for (int np = 0; np < kNT / 2; ++np) {
         uint32_t bq[4], bd[4];
-        ldsm_x4(bq, bt_addr<D>(q_s, np * 16, kk * 16, lane));
-        ldsm_x4(bd, bt_addr<D>(do_s, np * 16, kk * 16, lane));
+        ldsm_x4(bq, bt_addr<Dp>(q_s, np * 16, kk * 16, lane));
+        ldsm_x4(bd, bt_addr<Dp>(do_s, np * 16, kk * 16, lane));
         mma_bf16(s[2 * np], kf, bq[0], bq[1]);
         mma_bf16(s[2 * np + 1], kf, bq[2], bq[3]);
         mma_bf16(dp[2 * np], vf, bd[0], bd[1]);
@@ -445,10 +452,10 @@ __global__ void __launch_bounds__(128)
       da[2] = pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
       da[3] = pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
 #pragma unroll
-      for (int dpair = 0; dpair < D / 16; ++dpair) {
+      for (int dpair = 0; dpair < Dp / 16; ++dpair) {
         uint32_t bd[4], bq[4];
-        ldsm_x4_trans(bd, b_addr_trans<D>(do_s, kk * 16, dpair * 16, lane));
-        ldsm_x4_trans(bq, b_addr_trans<D>(q_s, kk * 16, dpair * 16, lane));
+        ldsm_x4_trans(bd, b_addr_trans<Dp>(do_s, kk * 16, dpair * 16, lane));
+        ldsm_x4_trans(bq, b_addr_trans<Dp>(q_s, kk * 16, dpair * 16, lane));
         mma_bf16(dv_acc[2 * dpair], pa, bd[0], bd[1]);
         mma_bf16(dv_acc[2 * dpair + 1], pa, bd[2], bd[3]);
         mma_bf16(dk_acc[2 * dpair], da, bq[0], bq[1]);
@@ -465,9 +472,8 @@ __global__ void __launch_bounds__(128)
     const int64_t off = ((static_cast<int64_t>(b) * Tn + key) * Hkv + hk) * D;
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
-      *reinterpret_cast<float2*>(dk + off + dt * 8 + 2 * t4) =
-          make_float2(dk_acc[dt][2 * r] * scale, dk_acc[dt][2 * r + 1] * scale);
-      *reinterpret_cast<float2*>(dv + off + dt * 8 + 2 * t4) = make_float2(dv_acc[dt][2 * r], dv_acc[dt][2 * r + 1]);
+      store_pair(dk + off, dt * 8 + 2 * t4, D, dk_acc[dt][2 * r] * scale, dk_acc[dt][2 * r + 1] * scale);
+      store_pair(dv + off, dt * 8 + 2 * t4, D, dv_acc[dt][2 * r], dv_acc[dt][2 * r + 1]);
     }
   }
 }
@@ -475,13 +481,13 @@ __global__ void __launch_bounds__(128)
 // ---- backward: dQ -----------------------------------------------------------------------------------
 // Grid (ceil(T / kTileQ), H, B), 4 warps, each owning 16 queries of the block's kTileQ; loops over
 // the K/V tiles up to the diagonal, recomputing P from lse. dq: (B,T,H,D) f32; shapes otherwise as
-// bwd_dkdv_kernel. Shared: Q, dO (kTileQ, D), K and V double-buffered (kTileN, D).
-template <int D>
+// bwd_dkdv_kernel. Shared: Q, dO (kTileQ, Dp), K and V double-buffered (kTileN, Dp).
+template <int Dp>
 __global__ void __launch_bounds__(128)
     bwd_dq_kernel(float* dq, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                   const __nv_bfloat16* dout, const float* lse, const float* delta, int Tn, int H, int Hkv,
-                  float scale, float scale_log2) {
-  constexpr int kThreads = 128, LD = ld_smem<D>(), kDT = D / 8, kNT = kTileN / 8;
+                  int D, float scale, float scale_log2) {
+  constexpr int kThreads = 128, LD = ld_smem<Dp>(), kDT = Dp / 8, kNT = kTileN / 8;
   static_assert(kTileQ == 4 * 16, "one 16-query m-tile per warp");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // (kTileQ, LD)
@@ -490,24 +496,24 @@ __global__ void __launch_bounds__(128)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const int b = blockIdx.z, h = blockIdx.y, hk = h / (H / Hkv);
   const int q0 = (gridDim.x - 1 - blockIdx.x) * kTileQ;
-  const int64_t qoff = (static_cast<int64_t>(b) * H + h) * Tn * D;
-  const __nv_bfloat16* kb = k + (static_cast<int64_t>(b) * Hkv + hk) * Tn * D;
-  const __nv_bfloat16* vb = v + (static_cast<int64_t>(b) * Hkv + hk) * Tn * D;
+  const int64_t qoff = (static_cast<int64_t>(b) * H + h) * Tn * Dp;
+  const __nv_bfloat16* kb = k + (static_cast<int64_t>(b) * Hkv + hk) * Tn * Dp;
+  const __nv_bfloat16* vb = v + (static_cast<int64_t>(b) * Hkv + hk) * Tn * Dp;
   const int n_tiles = (min(Tn, q0 + kTileQ) + kTileN - 1) / kTileN;
 
-  load_tile_async<kTileQ, D, kThreads>(q_s, q + qoff, q0, Tn);
-  load_tile_async<kTileQ, D, kThreads>(do_s, dout + qoff, q0, Tn);
+  load_tile_async<kTileQ, Dp, kThreads>(q_s, q + qoff, q0, Tn);
+  load_tile_async<kTileQ, Dp, kThreads>(do_s, dout + qoff, q0, Tn);
   cp_async_commit();
-  load_tile_async<kTileN, D, kThreads>(kv_s, kb, 0, Tn);
-  load_tile_async<kTileN, D, kThreads>(kv_s + kTileN * LD, vb, 0, Tn);
+  load_tile_async<kTileN, Dp, kThreads>(kv_s, kb, 0, Tn);
+  load_tile_async<kTileN, Dp, kThreads>(kv_s + kTileN * LD, vb, 0, Tn);
   cp_async_commit();
   cp_async_wait<1>();
   __syncthreads();
-  uint32_t qf[D / 16][4], df[D / 16][4];
+  uint32_t qf[Dp / 16][4], df[Dp / 16][4];
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    ldsm_x4(qf[kk], a_addr<D>(q_s, warp * 16, kk * 16, lane));
-    ldsm_x4(df[kk], a_addr<D>(do_s, warp * 16, kk * 16, lane));
+  for (int kk = 0; kk < Dp / 16; ++kk) {
+    ldsm_x4(qf[kk], a_addr<Dp>(q_s, warp * 16, kk * 16, lane));
+    ldsm_x4(df[kk], a_addr<Dp>(do_s, warp * 16, kk * 16, lane));
   }
   float lse2[2], dlt[2];
   const int row_lo = q0 + warp * 16 + g;  // this lane's queries: row_lo, row_lo + 8
@@ -527,8 +533,8 @@ __global__ void __launch_bounds__(128)
   for (int j = 0; j < n_tiles; ++j) {
     if (j + 1 < n_tiles) {
       __nv_bfloat16* nxt = kv_s + ((j + 1) & 1) * 2 * kTileN * LD;
-      load_tile_async<kTileN, D, kThreads>(nxt, kb, (j + 1) * kTileN, Tn);
-      load_tile_async<kTileN, D, kThreads>(nxt + kTileN * LD, vb, (j + 1) * kTileN, Tn);
+      load_tile_async<kTileN, Dp, kThreads>(nxt, kb, (j + 1) * kTileN, Tn);
+      load_tile_async<kTileN, Dp, kThreads>(nxt + kTileN * LD, vb, (j + 1) * kTileN, Tn);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -546,12 +552,12 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = 0.f, dp[nt][e] = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
+    for (int kk = 0; kk < Dp / 16; ++kk)
 #pragma unroll
       for (int np = 0; np < kNT / 2; ++np) {
         uint32_t bk[4], bv[4];
-        ldsm_x4(bk, bt_addr<D>(k_s, np * 16, kk * 16, lane));
-        ldsm_x4(bv, bt_addr<D>(v_s, np * 16, kk * 16, lane));
+        ldsm_x4(bk, bt_addr<Dp>(k_s, np * 16, kk * 16, lane));
+        ldsm_x4(bv, bt_addr<Dp>(v_s, np * 16, kk * 16, lane));
         mma_bf16(s[2 * np], qf[kk], bk[0], bk[1]);
         mma_bf16(s[2 * np + 1], qf[kk], bk[2], bk[3]);
         mma_bf16(dp[2 * np], df[kk], bv[0], bv[1]);
@@ -577,9 +583,9 @@ __global__ void __launch_bounds__(128)
       da[2] = pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
       da[3] = pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
 #pragma unroll
-      for (int dpair = 0; dpair < D / 16; ++dpair) {
+      for (int dpair = 0; dpair < Dp / 16; ++dpair) {
         uint32_t bk[4];
-        ldsm_x4_trans(bk, b_addr_trans<D>(k_s, kk * 16, dpair * 16, lane));
+        ldsm_x4_trans(bk, b_addr_trans<Dp>(k_s, kk * 16, dpair * 16, lane));
         mma_bf16(dq_acc[2 * dpair], da, bk[0], bk[1]);
         mma_bf16(dq_acc[2 * dpair + 1], da, bk[2], bk[3]);
       }
@@ -594,40 +600,45 @@ __global__ void __launch_bounds__(128)
     float* qrow = dq + ((static_cast<int64_t>(b) * Tn + row) * H + h) * D;
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt)
-      *reinterpret_cast<float2*>(qrow + dt * 8 + 2 * t4) =
-          make_float2(dq_acc[dt][2 * r] * scale, dq_acc[dt][2 * r + 1] * scale);
+      store_pair(qrow, dt * 8 + 2 * t4, D, dq_acc[dt][2 * r] * scale, dq_acc[dt][2 * r + 1] * scale);
   }
 }
 
 // ---- launchers ------------------------------------------------------------------------------------
-// Tile shapes per head dim: forward (warps, m-tiles per warp).
-template <int D>
+// The kernels' head dims: D is padded with zero columns to the next of 16, 32, 64, 128 (zeros
+// change no dot product and give zero output columns, which are not stored).
+inline int padded_head_dim(int64_t D) { return D <= 16 ? 16 : D <= 32 ? 32 : D <= 64 ? 64 : 128; }
+
+// Tile shapes per padded head dim: forward (warps, m-tiles per warp); shared bytes per block.
+template <int Dp>
 struct FwdShape {
-  static constexpr int kWarps = D <= 64 ? 4 : 8, kMT = D <= 64 ? 2 : 1, kBlockM = kWarps * kMT * 16;
-  static constexpr size_t kSmem = static_cast<size_t>(kBlockM + 4 * kTileN) * ld_smem<D>() * 2;
+  static constexpr int kWarps = Dp <= 64 ? 4 : 8, kMT = Dp <= 64 ? 2 : 1, kBlockM = kWarps * kMT * 16;
+  static constexpr size_t kSmem = static_cast<size_t>(kBlockM + 4 * kTileN) * ld_smem<Dp>() * 2;
 };
-template <int D>
+template <int Dp>
 constexpr size_t bwd_smem_bytes() {
-  return static_cast<size_t>(6 * 64) * ld_smem<D>() * 2;  // 2 resident + 2x2 double-buffered tiles
+  return static_cast<size_t>(6 * 64) * ld_smem<Dp>() * 2;  // 2 resident + 2x2 double-buffered tiles
 }
 
-// Bytes of bf16 workspace: q (B,H,T,D), k, v (B,Hkv,T,D), dout (B,H,T,D) when backward, and the
-// f32 delta (B,H,T) when backward; each region 256-byte aligned.
-inline size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+// Workspace: bf16 q (B,H,T,Dp), k, v (B,Hkv,T,Dp); for backward also bf16 dout (B,H,T,Dp) and f32
+// delta (B,H,T). Each region 256-byte aligned.
 struct Workspace {
-  __nv_bfloat16 *q, *k, *v, *dout;
-  float* delta;
+  __nv_bfloat16 *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;
+  float* delta = nullptr;
 };
+inline size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 inline size_t workspace_bytes(int64_t B, int64_t Tn, int64_t H, int64_t Hkv, int64_t D, bool backward) {
-  const size_t qb = align256(static_cast<size_t>(B * Tn * H * D) * 2), kb = align256(static_cast<size_t>(B * Tn * Hkv * D) * 2);
-  size_t n = qb + 2 * kb;
-  if (backward) n += qb + align256(static_cast<size_t>(B * H * Tn) * 4);
-  return n;
+  const int64_t Dp = padded_head_dim(D);
+  const size_t qb = align256(static_cast<size_t>(B * Tn * H * Dp) * 2);
+  const size_t kb = align256(static_cast<size_t>(B * Tn * Hkv * Dp) * 2);
+  return qb + 2 * kb + (backward ? qb + align256(static_cast<size_t>(B * H * Tn) * 4) : 0);
 }
 inline Workspace carve(void* base, int64_t B, int64_t Tn, int64_t H, int64_t Hkv, int64_t D, bool backward) {
-  const size_t qb = align256(static_cast<size_t>(B * Tn * H * D) * 2), kb = align256(static_cast<size_t>(B * Tn * Hkv * D) * 2);
+  const int64_t Dp = padded_head_dim(D);
+  const size_t qb = align256(static_cast<size_t>(B * Tn * H * Dp) * 2);
+  const size_t kb = align256(static_cast<size_t>(B * Tn * Hkv * Dp) * 2);
   char* p = static_cast<char*>(base);
-  Workspace w{};
+  Workspace w;
   w.q = reinterpret_cast<__nv_bfloat16*>(p);
   w.k = reinterpret_cast<__nv_bfloat16*>(p + qb);
   w.v = reinterpret_cast<__nv_bfloat16*>(p + qb + kb);
@@ -638,57 +649,69 @@ inline Workspace carve(void* base, int64_t B, int64_t Tn, int64_t H, int64_t Hkv
   return w;
 }
 
+// dst: (B,Hx,T,Dp) bf16 <- src: (B,T,Hx,D) f32.
 inline void launch_to_bf16(__nv_bfloat16* dst, const float* src, int64_t B, int64_t Tn, int64_t Hx, int64_t D,
                            cudaStream_t st) {
-  const int64_t n = B * Tn * Hx * D / 8;
-  to_bf16_heads_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, st>>>(dst, src, B, Tn, Hx, static_cast<int>(D));
+  const int Dp = padded_head_dim(D);
+  const int64_t n = B * Tn * Hx * (Dp / 8);
+  to_bf16_heads_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, st>>>(dst, src, B, Tn, Hx,
+                                                                              static_cast<int>(D), Dp);
+  CK(cudaGetLastError());
 }
 
-template <int D>
+template <int Dp>
 void forward_kernels(float* out, float* lse, const Workspace& w, int64_t B, int64_t Tn, int64_t H, int64_t Hkv,
-                     cudaStream_t st) {
-  using S = FwdShape<D>;
-  auto kernel = fwd_kernel<D, S::kWarps, S::kMT>;
+                     int64_t D, cudaStream_t st) {
+  using S = FwdShape<Dp>;
+  auto kernel = fwd_kernel<Dp, S::kWarps, S::kMT>;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::kSmem)));
   const dim3 grid(static_cast<unsigned>((Tn + S::kBlockM - 1) / S::kBlockM), static_cast<unsigned>(H),
                   static_cast<unsigned>(B));
-  const float scale_log2 = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))) * kLog2e;
+  const float scale_log2 = static_cast<float>(kLog2e / std::sqrt(static_cast<double>(D)));
   kernel<<<grid, S::kWarps * 32, S::kSmem, st>>>(out, lse, w.q, w.k, w.v, static_cast<int>(Tn), static_cast<int>(H),
-                                                 static_cast<int>(Hkv), scale_log2);
+                                                 static_cast<int>(Hkv), static_cast<int>(D), scale_log2);
   CK(cudaGetLastError());
 }
 
-template <int D>
+template <int Dp>
 void backward_kernels(float* dq, float* dk, float* dv, const float* lse, const Workspace& w, int64_t B, int64_t Tn,
-                      int64_t H, int64_t Hkv, cudaStream_t st) {
-  constexpr size_t smem = bwd_smem_bytes<D>();
-  CK(cudaFuncSetAttribute(bwd_dkdv_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  CK(cudaFuncSetAttribute(bwd_dq_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  const float scale_log2 = scale * kLog2e;
-  const dim3 grid_kv(static_cast<unsigned>((Tn + kTileN - 1) / kTileN), static_cast<unsigned>(Hkv), static_cast<unsigned>(B));
-  bwd_dkdv_kernel<D><<<grid_kv, 128, smem, st>>>(dk, dv, w.q, w.k, w.v, w.dout, lse, w.delta, static_cast<int>(Tn),
-                                                 static_cast<int>(H), static_cast<int>(Hkv), scale, scale_log2);
+                      int64_t H, int64_t Hkv, int64_t D, cudaStream_t st) {
+  constexpr size_t smem = bwd_smem_bytes<Dp>();
+  CK(cudaFuncSetAttribute(bwd_dkdv_kernel<Dp>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  CK(cudaFuncSetAttribute(bwd_dq_kernel<Dp>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const double scale_d = 1.0 / std::sqrt(static_cast<double>(D));
+  const float scale = static_cast<float>(scale_d), scale_log2 = static_cast<float>(scale_d * kLog2e);
+  const int Ti = static_cast<int>(Tn), Hi = static_cast<int>(H), Hkvi = static_cast<int>(Hkv), Di = static_cast<int>(D);
+  const dim3 grid_kv(static_cast<unsigned>((Tn + kTileN - 1) / kTileN), static_cast<unsigned>(Hkv),
+                     static_cast<unsigned>(B));
+  bwd_dkdv_kernel<Dp><<<grid_kv, 128, smem, st>>>(dk, dv, w.q, w.k, w.v, w.dout, lse, w.delta, Ti, Hi, Hkvi, Di, scale,
+                                                  scale_log2);
   CK(cudaGetLastError());
-  const dim3 grid_q(static_cast<unsigned>((Tn + kTileQ - 1) / kTileQ), static_cast<unsigned>(H), static_cast<unsigned>(B));
-  bwd_dq_kernel<D><<<grid_q, 128, smem, st>>>(dq, w.q, w.k, w.v, w.dout, lse, w.delta, static_cast<int>(Tn),
-                                              static_cast<int>(H), static_cast<int>(Hkv), scale, scale_log2);
+  const dim3 grid_q(static_cast<unsigned>((Tn + kTileQ - 1) / kTileQ), static_cast<unsigned>(H),
+                    static_cast<unsigned>(B));
+  bwd_dq_kernel<Dp><<<grid_q, 128, smem, st>>>(dq, w.q, w.k, w.v, w.dout, lse, w.delta, Ti, Hi, Hkvi, Di, scale,
+                                               scale_log2);
   CK(cudaGetLastError());
 }
 
-// out: (B,T,H,D), lse: (B,H,T); q: (B,T,H,D), k, v: (B,T,Hkv,D), all f32 device memory.
+// out: (B,T,H,D), lse: (B,H,T); q: (B,T,H,D), k, v: (B,T,Hkv,D), all f32 device memory; D <= 128;
+// workspace: workspace_bytes(..., false) bytes.
 void attention_forward_bf16(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
                             int64_t Tn, int64_t H, int64_t Hkv, int64_t D, void* workspace, cudaStream_t st) {
   const Workspace w = carve(workspace, B, Tn, H, Hkv, D, false);
   launch_to_bf16(w.q, q, B, Tn, H, D, st);
   launch_to_bf16(w.k, k, B, Tn, Hkv, D, st);
   launch_to_bf16(w.v, v, B, Tn, Hkv, D, st);
-  CK(cudaGetLastError());
-  if (D == 32) forward_kernels<32>(out, lse, w, B, Tn, H, Hkv, st);
-  else if (D == 64) forward_kernels<64>(out, lse, w, B, Tn, H, Hkv, st);
-  else forward_kernels<128>(out, lse, w, B, Tn, H, Hkv, st);
+  switch (padded_head_dim(D)) {
+    case 16: forward_kernels<16>(out, lse, w, B, Tn, H, Hkv, D, st); break;
+    case 32: forward_kernels<32>(out, lse, w, B, Tn, H, Hkv, D, st); break;
+    case 64: forward_kernels<64>(out, lse, w, B, Tn, H, Hkv, D, st); break;
+    default: forward_kernels<128>(out, lse, w, B, Tn, H, Hkv, D, st); break;
+  }
 }
 
+// dq: (B,T,H,D), dk, dv: (B,T,Hkv,D) overwritten; dout, out: (B,T,H,D); lse: (B,H,T);
+// workspace: workspace_bytes(..., true) bytes.
 void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                              const float* q, const float* k, const float* v, int64_t B, int64_t Tn, int64_t H,
                              int64_t Hkv, int64_t D, void* workspace, cudaStream_t st) {
@@ -698,11 +721,14 @@ void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout,
   launch_to_bf16(w.v, v, B, Tn, Hkv, D, st);
   const int64_t rows = B * Tn * H;
   delta_kernel<<<static_cast<unsigned>((rows + 255) / 256), 256, 0, st>>>(w.delta, w.dout, dout, out, B, Tn, H,
-                                                                         static_cast<int>(D));
+                                                                         static_cast<int>(D), padded_head_dim(D));
   CK(cudaGetLastError());
-  if (D == 32) backward_kernels<32>(dq, dk, dv, lse, w, B, Tn, H, Hkv, st);
-  else if (D == 64) backward_kernels<64>(dq, dk, dv, lse, w, B, Tn, H, Hkv, st);
-  else backward_kernels<128>(dq, dk, dv, lse, w, B, Tn, H, Hkv, st);
+  switch (padded_head_dim(D)) {
+    case 16: backward_kernels<16>(dq, dk, dv, lse, w, B, Tn, H, Hkv, D, st); break;
+    case 32: backward_kernels<32>(dq, dk, dv, lse, w, B, Tn, H, Hkv, D, st); break;
+    case 64: backward_kernels<64>(dq, dk, dv, lse, w, B, Tn, H, Hkv, D, st); break;
+    default: backward_kernels<128>(dq, dk, dv, lse, w, B, Tn, H, Hkv, D, st); break;
+  }
 }
 
 }  // namespace fa
@@ -922,8 +948,8 @@ static void run_timing(const Shape& s) {
   auto bwd_op = [&] {
     fa::attention_backward_bf16(dq_, dk_, dv_, dout_, out_, lse_, q_, k_, v_, s.B, s.T, s.H, s.Hkv, s.D, ws, 0);
   };
-  auto fwd_k = [&] { fa::forward_kernels<64>(out_, lse_, w, s.B, s.T, s.H, s.Hkv, 0); };
-  auto bwd_k = [&] { fa::backward_kernels<64>(dq_, dk_, dv_, lse_, w, s.B, s.T, s.H, s.Hkv, 0); };
+  auto fwd_k = [&] { fa::forward_kernels<64>(out_, lse_, w, s.B, s.T, s.H, s.Hkv, s.D, 0); };
+  auto bwd_k = [&] { fa::backward_kernels<64>(dq_, dk_, dv_, lse_, w, s.B, s.T, s.H, s.Hkv, s.D, 0); };
   const float t_fo = median_ms(fwd_op), t_bo = median_ms(bwd_op);  // bwd_op leaves w filled for bwd_k
   const float t_fk = median_ms(fwd_k), t_bk = median_ms(bwd_k);
   std::printf("time B=%d T=%d H=%d D=%d (median of 7)\n", s.B, s.T, s.H, s.D);
@@ -943,6 +969,8 @@ int main(int argc, char** argv) {
       {2, 200, 4, 1, 64},    // several tiles, odd T, GQA group 4, D = 64
       {1, 300, 6, 2, 64},    // query block of 128 over several K/V tiles, 44-row tail
       {1, 131, 2, 2, 128},   // D = 128
+      {2, 70, 4, 2, 24},     // D = 24: padded to 32 with zero columns
+      {1, 33, 3, 1, 6},      // D = 6 (odd tiles, padded to 16), one GQA group of 3
   };
   bool ok = true;
   uint64_t seed = 1;
