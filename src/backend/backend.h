@@ -68,6 +68,11 @@ struct AdamWStep {
   float grad_scale = 1;   // gradients are multiplied by this first
 };
 
+// Precision of the attention ops (issue #13). kFp32: FP32 throughout. kBf16: q, k, v (backward:
+// dout, out) rounded to BF16, products with FP32 accumulation, the probabilities P (backward: dS)
+// rounded to BF16 before the second product as FlashAttention-2 does; lse FP32, outputs FP32.
+enum class AttentionPrecision : uint8_t { kFp32, kBf16 };
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -135,11 +140,13 @@ class Backend {
   // log-sum-exp of each query row's scaled scores (saved for backward, probabilities are not);
   // q: (B,T,H,D), k, v: (B,T,Hkv,D).
   virtual void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
-                                 int64_t Tn, int64_t H, int64_t Hkv, int64_t D) = 0;
+                                 int64_t Tn, int64_t H, int64_t Hkv, int64_t D,
+                                 AttentionPrecision precision = AttentionPrecision::kFp32) = 0;
   // dq: (B,T,H,D), dk, dv: (B,T,Hkv,D) overwritten; recomputes the probabilities from lse.
   virtual void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out,
                                   const float* lse, const float* q, const float* k, const float* v, int64_t B,
-                                  int64_t Tn, int64_t H, int64_t Hkv, int64_t D) = 0;
+                                  int64_t Tn, int64_t H, int64_t Hkv, int64_t D,
+                                  AttentionPrecision precision = AttentionPrecision::kFp32) = 0;
   // Softmax cross-entropy with z-loss (nn_ops.h semantics). lse: (N); token_ce: (N) or null;
   // logits: (N,V); targets: (N) i32 in backend memory (< 0 ignored). Sums come back to the host.
   virtual CrossEntropySums cross_entropy_forward(float* lse, float* token_ce, const float* logits,

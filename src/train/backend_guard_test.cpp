@@ -3,7 +3,8 @@
 // allocated (host pointers where the contract wants backend memory: on CUDA those would be
 // illegal addresses). Training steps of the tiny dense and MoE configs with every recipe, an
 // eval forward, logits and a checkpoint-style download must pass only backend memory to ops,
-// and give the same bits as the plain CPU backend.
+// and give the same bits as the plain CPU backend; every attention call of these (non-fp32)
+// recipes asks for BF16 precision.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -31,6 +32,7 @@ class GuardBackend final : public backend::Backend {
  public:
   GuardBackend() : cpu_(backend::make_backend("cpu").value()) {}
   std::vector<std::string> violations;
+  std::vector<backend::AttentionPrecision> attention_precisions;  // of every attention call, in order
 
   Device device() const override { return Device::kCPU; }
   std::string name() const override { return "guard(cpu)"; }
@@ -117,15 +119,18 @@ class GuardBackend final : public backend::Backend {
     cpu_->swiglu_backward(dgu, dout, gu, N, I);
   }
   void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
-                         int64_t Tn, int64_t H, int64_t Hkv, int64_t D) override {
+                         int64_t Tn, int64_t H, int64_t Hkv, int64_t D,
+                         backend::AttentionPrecision precision) override {
     all("attention_forward", {out, lse, q, k, v});
-    cpu_->attention_forward(out, lse, q, k, v, B, Tn, H, Hkv, D);
+    attention_precisions.push_back(precision);
+    cpu_->attention_forward(out, lse, q, k, v, B, Tn, H, Hkv, D, precision);
   }
   void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                           const float* q, const float* k, const float* v, int64_t B, int64_t Tn, int64_t H,
-                          int64_t Hkv, int64_t D) override {
+                          int64_t Hkv, int64_t D, backend::AttentionPrecision precision) override {
     all("attention_backward", {dq, dk, dv, dout, out, lse, q, k, v});
-    cpu_->attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D);
+    attention_precisions.push_back(precision);
+    cpu_->attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D, precision);
   }
   backend::CrossEntropySums cross_entropy_forward(float* lse, float* token_ce, const float* logits,
                                                   const int32_t* targets, int64_t N, int64_t V) override {
@@ -361,6 +366,10 @@ TEST(BackendGuard, OpsSeeOnlyBackendMemoryAndTheBitsOfTheCpuBackend) {
       for (const std::string& v : guard.violations)
         if (seen.find(v) == std::string::npos) seen += v + " ";
       EXPECT_TRUE(guard.violations.empty()) << guard.violations.size() << " host pointers passed to: " << seen;
+      // none of these recipes is fp32: the model asks for BF16 attention in every call
+      EXPECT_FALSE(guard.attention_precisions.empty());
+      for (const backend::AttentionPrecision p : guard.attention_precisions)
+        EXPECT_EQ(p, backend::AttentionPrecision::kBf16);
       Outputs c = run(backend::cpu_backend(), cfg, rc);
       EXPECT_EQ(0, std::memcmp(g.losses.data(), c.losses.data(), g.losses.size() * sizeof(double)));
       EXPECT_EQ(0, std::memcmp(g.values.data(), c.values.data(), g.values.size() * sizeof(float)));

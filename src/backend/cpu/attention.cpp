@@ -4,15 +4,18 @@
 // tensors (gemm_serial, one BLAS call per product on the calling thread); the full T x T score
 // matrix of one head is computed in scratch and the causal mask applied before the softmax.
 // Forward work items are (batch, query head); backward items are (batch, kv head) with all query
-// heads of the group, so dk/dv have a single writer.
+// heads of the group, so dk/dv have a single writer. The BF16-precision reference at the end is
+// scalar and readable (no GEMMs): it states the rounding contract the CUDA kernels follow.
 #include "backend/cpu/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/work_grain.h"
+#include "core/bits.h"
 #include "core/check.h"
 #include "core/parallel.h"
 
@@ -106,6 +109,112 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* out, const 
                        H * D);
         gemm_serial<T>(true, false, Tn, D, Tn, T(1), ds.data(), Tn, qb, H * D, beta, dkb, Hkv * D);
       }
+    }
+  });
+}
+
+// ---- BF16 precision: the readable scalar reference --------------------------------------------
+
+namespace {
+
+std::vector<float> rounded_to_bf16(const float* x, int64_t n) {
+  std::vector<float> r(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) r[i] = round_to_bf16(x[i]);
+  return r;
+}
+
+// scale * sum_d a[d] b[d] in double (a, b: D values each).
+double scaled_dot(const float* a, const float* b, int64_t D, double scale) {
+  double acc = 0;
+  for (int64_t d = 0; d < D; ++d) acc += double(a[d]) * b[d];
+  return acc * scale;
+}
+
+}  // namespace
+
+void attention_forward_bf16(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
+                            int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
+  NIB_CHECK(H % Hkv == 0);
+  const int64_t group = H / Hkv;
+  const double scale = 1.0 / std::sqrt(double(D));
+  const std::vector<float> qb = rounded_to_bf16(q, B * Tn * H * D), kb = rounded_to_bf16(k, B * Tn * Hkv * D),
+                           vb = rounded_to_bf16(v, B * Tn * Hkv * D);
+  parallel_for(B * H, grain_for(Tn * Tn * D), [&](int64_t b0, int64_t e0) {
+    std::vector<double> s(static_cast<size_t>(Tn)), o(static_cast<size_t>(D));
+    for (int64_t bh = b0; bh < e0; ++bh) {
+      const int64_t b = bh / H, h = bh % H, hk = h / group;
+      auto q_row = [&](int64_t t) { return &qb[((b * Tn + t) * H + h) * D]; };
+      auto k_row = [&](int64_t t) { return &kb[((b * Tn + t) * Hkv + hk) * D]; };
+      auto v_row = [&](int64_t t) { return &vb[((b * Tn + t) * Hkv + hk) * D]; };
+      for (int64_t i = 0; i < Tn; ++i) {
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j <= i; ++j) {
+          s[j] = scaled_dot(q_row(i), k_row(j), D, scale);
+          mx = std::max(mx, s[j]);
+        }
+        double l = 0;
+        for (int64_t j = 0; j <= i; ++j) l += std::exp(s[j] - mx);
+        const double lse_i = mx + std::log(l);
+        std::fill(o.begin(), o.end(), 0.0);
+        for (int64_t j = 0; j <= i; ++j) {
+          const double p = round_to_bf16(static_cast<float>(std::exp(s[j] - lse_i)));  // P enters P v as BF16
+          for (int64_t d = 0; d < D; ++d) o[d] += p * v_row(j)[d];
+        }
+        float* out_row = out + ((b * Tn + i) * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) out_row[d] = static_cast<float>(o[d]);
+        lse[bh * Tn + i] = static_cast<float>(lse_i);
+      }
+    }
+  });
+}
+
+void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
+                             const float* q, const float* k, const float* v, int64_t B, int64_t Tn, int64_t H,
+                             int64_t Hkv, int64_t D) {
+  NIB_CHECK(H % Hkv == 0);
+  const int64_t group = H / Hkv;
+  const double scale = 1.0 / std::sqrt(double(D));
+  const int64_t nq = B * Tn * H * D, nkv = B * Tn * Hkv * D;
+  const std::vector<float> qb = rounded_to_bf16(q, nq), kb = rounded_to_bf16(k, nkv), vb = rounded_to_bf16(v, nkv),
+                           dob = rounded_to_bf16(dout, nq), ob = rounded_to_bf16(out, nq);
+  // work items (batch, kv head): dk, dv rows of one kv head have this single writer; so do the
+  // dq rows of the group's query heads.
+  parallel_for(B * Hkv, grain_for(group * Tn * Tn * D), [&](int64_t b0, int64_t e0) {
+    std::vector<double> ds(static_cast<size_t>(Tn)), dq_acc(static_cast<size_t>(D));
+    std::vector<double> dk_acc(static_cast<size_t>(Tn * D)), dv_acc(static_cast<size_t>(Tn * D));
+    for (int64_t bk = b0; bk < e0; ++bk) {
+      const int64_t b = bk / Hkv, hk = bk % Hkv;
+      auto k_row = [&](int64_t t) { return &kb[((b * Tn + t) * Hkv + hk) * D]; };
+      auto v_row = [&](int64_t t) { return &vb[((b * Tn + t) * Hkv + hk) * D]; };
+      std::fill(dk_acc.begin(), dk_acc.end(), 0.0);
+      std::fill(dv_acc.begin(), dv_acc.end(), 0.0);
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        for (int64_t i = 0; i < Tn; ++i) {
+          const float* q_i = &qb[((b * Tn + i) * H + h) * D];
+          const float* do_i = &dob[((b * Tn + i) * H + h) * D];
+          const double lse_i = lse[(b * H + h) * Tn + i];
+          const double delta = scaled_dot(do_i, &ob[((b * Tn + i) * H + h) * D], D, 1.0);
+          std::fill(dq_acc.begin(), dq_acc.end(), 0.0);
+          for (int64_t j = 0; j <= i; ++j) {
+            const double p = std::exp(scaled_dot(q_i, k_row(j), D, scale) - lse_i);
+            const double dp = scaled_dot(do_i, v_row(j), D, 1.0);
+            const double ds_ij = round_to_bf16(static_cast<float>(p * (dp - delta)));  // dS enters as BF16
+            const double p_bf = round_to_bf16(static_cast<float>(p));                  // so does P in dv
+            for (int64_t d = 0; d < D; ++d) {
+              dq_acc[d] += ds_ij * k_row(j)[d];
+              dk_acc[j * D + d] += ds_ij * q_i[d];
+              dv_acc[j * D + d] += p_bf * do_i[d];
+            }
+          }
+          float* dq_row = dq + ((b * Tn + i) * H + h) * D;
+          for (int64_t d = 0; d < D; ++d) dq_row[d] = static_cast<float>(dq_acc[d] * scale);
+        }
+      }
+      for (int64_t j = 0; j < Tn; ++j)
+        for (int64_t d = 0; d < D; ++d) {
+          dk[((b * Tn + j) * Hkv + hk) * D + d] = static_cast<float>(dk_acc[j * D + d] * scale);
+          dv[((b * Tn + j) * Hkv + hk) * D + d] = static_cast<float>(dv_acc[j * D + d]);
+        }
     }
   });
 }

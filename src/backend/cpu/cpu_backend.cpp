@@ -175,13 +175,19 @@ void CpuBackend::swiglu_backward(float* dgu, const float* dout, const float* gu,
   cpu::swiglu_backward(dgu, dout, gu, N, I);
 }
 void CpuBackend::attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
-                                   int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
-  cpu::attention_forward(out, lse, q, k, v, B, Tn, H, Hkv, D);
+                                   int64_t Tn, int64_t H, int64_t Hkv, int64_t D, AttentionPrecision precision) {
+  if (precision == AttentionPrecision::kBf16)
+    cpu::attention_forward_bf16(out, lse, q, k, v, B, Tn, H, Hkv, D);
+  else
+    cpu::attention_forward(out, lse, q, k, v, B, Tn, H, Hkv, D);
 }
 void CpuBackend::attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out,
                                     const float* lse, const float* q, const float* k, const float* v, int64_t B,
-                                    int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
-  cpu::attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D);
+                                    int64_t Tn, int64_t H, int64_t Hkv, int64_t D, AttentionPrecision precision) {
+  if (precision == AttentionPrecision::kBf16)
+    cpu::attention_backward_bf16(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D);
+  else
+    cpu::attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D);
 }
 CrossEntropySums CpuBackend::cross_entropy_forward(float* lse, float* token_ce, const float* logits,
                                                    const int32_t* targets, int64_t N, int64_t V) {
