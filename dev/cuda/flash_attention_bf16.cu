@@ -139,7 +139,8 @@ __global__ void to_bf16_heads_kernel(__nv_bfloat16* dst, const float* src, int64
   float f[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) f[i] = d0 + i < D ? x[d0 + i] : 0.f;
-  const uint4 o = make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
+  const uint4 o =
+      make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
   *reinterpret_cast<uint4*>(dst + ((b * Hx + h) * Tn + t) * Dp + d0) = o;
 }
 
@@ -867,7 +868,8 @@ static bool run_check(const Shape& s, uint64_t seed) {
   void* ws;
   CK(cudaMalloc(&q_, nq * 4)); CK(cudaMalloc(&k_, nk * 4)); CK(cudaMalloc(&v_, nk * 4));
   CK(cudaMalloc(&dout_, nq * 4)); CK(cudaMalloc(&out_, nq * 4)); CK(cudaMalloc(&outg_, nq * 4));
-  CK(cudaMalloc(&lse_, nl * 4)); CK(cudaMalloc(&dq_, nq * 4)); CK(cudaMalloc(&dk_, nk * 4)); CK(cudaMalloc(&dv_, nk * 4));
+  CK(cudaMalloc(&lse_, nl * 4)); CK(cudaMalloc(&dq_, nq * 4));
+  CK(cudaMalloc(&dk_, nk * 4)); CK(cudaMalloc(&dv_, nk * 4));
   CK(cudaMalloc(&ws, fa::workspace_bytes(s.B, s.T, s.H, s.Hkv, s.D, true)));
   CK(cudaMemcpy(q_, q.data(), nq * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(k_, k.data(), nk * 4, cudaMemcpyHostToDevice));
@@ -899,7 +901,8 @@ static bool run_check(const Shape& s, uint64_t seed) {
   CK(cudaMemcpy(dq2.data(), dq_, nq * 4, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(dk2.data(), dk_, nk * 4, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(dv2.data(), dv_, nk * 4, cudaMemcpyDeviceToHost));
-  const bool det = std::memcmp(dq2.data(), dq_g.data(), nq * 4) == 0 && std::memcmp(dk2.data(), dk_g.data(), nk * 4) == 0 &&
+  const bool det = std::memcmp(dq2.data(), dq_g.data(), nq * 4) == 0 &&
+                   std::memcmp(dk2.data(), dk_g.data(), nk * 4) == 0 &&
                    std::memcmp(dv2.data(), dv_g.data(), nk * 4) == 0;
   std::printf("  backward bitwise repeatable: %s\n", det ? "ok" : "FAIL");
   ok &= det;

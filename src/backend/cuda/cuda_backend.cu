@@ -13,6 +13,7 @@
 #include <mutex>
 
 #include "backend/cuda/attention.h"
+#include "backend/cuda/attention_bf16.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/format_ops.h"
@@ -327,20 +328,38 @@ void CudaBackend::swiglu_backward(float* dgu, const float* dout, const float* gu
 }
 
 void CudaBackend::attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
-                                    int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
+                                    int64_t Tn, int64_t H, int64_t Hkv, int64_t D,
+                                    backend::AttentionPrecision precision) {
   activate();
   NIB_OP_REQUIRE(Hkv > 0 && H % Hkv == 0 && D <= 256, "attention_forward", "B={} T={} H={} Hkv={} D={}", B, Tn, H,
                  Hkv, D);
+  if (precision == backend::AttentionPrecision::kBf16) {
+    NIB_OP_REQUIRE(D <= cuda::kAttentionBf16MaxHeadDim, "attention_forward", "bf16: D={} (at most {})", D,
+                   cuda::kAttentionBf16MaxHeadDim);
+    void* ws = scratch(cuda::attention_bf16_workspace_bytes(B, Tn, H, Hkv, D, false), "attention_forward");
+    NIB_OP_CALL(cuda::attention_forward_bf16(out, lse, q, k, v, B, Tn, H, Hkv, D, ws, stream_), "attention_forward",
+                "bf16 B={} T={} H={} Hkv={} D={}", B, Tn, H, Hkv, D);
+    return;
+  }
   NIB_OP_CALL(cuda::attention_forward(out, lse, q, k, v, B, Tn, H, Hkv, D, stream_), "attention_forward",
               "B={} T={} H={} Hkv={} D={}", B, Tn, H, Hkv, D);
 }
 
 void CudaBackend::attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out,
                                      const float* lse, const float* q, const float* k, const float* v, int64_t B,
-                                     int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
+                                     int64_t Tn, int64_t H, int64_t Hkv, int64_t D,
+                                     backend::AttentionPrecision precision) {
   activate();
   NIB_OP_REQUIRE(Hkv > 0 && H % Hkv == 0 && D <= 256, "attention_backward", "B={} T={} H={} Hkv={} D={}", B, Tn, H,
                  Hkv, D);
+  if (precision == backend::AttentionPrecision::kBf16) {
+    NIB_OP_REQUIRE(D <= cuda::kAttentionBf16MaxHeadDim, "attention_backward", "bf16: D={} (at most {})", D,
+                   cuda::kAttentionBf16MaxHeadDim);
+    void* ws = scratch(cuda::attention_bf16_workspace_bytes(B, Tn, H, Hkv, D, true), "attention_backward");
+    NIB_OP_CALL(cuda::attention_backward_bf16(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D, ws, stream_),
+                "attention_backward", "bf16 B={} T={} H={} Hkv={} D={}", B, Tn, H, Hkv, D);
+    return;
+  }
   const size_t ws_bytes = cuda::attention_backward_workspace_bytes(B, Tn, H, Hkv, D);
   void* ws = ws_bytes > 0 ? scratch(ws_bytes, "attention_backward") : nullptr;
   NIB_OP_CALL(cuda::attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D, ws, stream_),

@@ -79,10 +79,11 @@ class CudaBackend final : public backend::Backend {
   void swiglu_forward(float* out, const float* gu, int64_t N, int64_t I) override;
   void swiglu_backward(float* dgu, const float* dout, const float* gu, int64_t N, int64_t I) override;
   void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
-                         int64_t Tn, int64_t H, int64_t Hkv, int64_t D) override;
+                         int64_t Tn, int64_t H, int64_t Hkv, int64_t D,
+                         backend::AttentionPrecision precision) override;
   void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                           const float* q, const float* k, const float* v, int64_t B, int64_t Tn, int64_t H,
-                          int64_t Hkv, int64_t D) override;
+                          int64_t Hkv, int64_t D, backend::AttentionPrecision precision) override;
   backend::CrossEntropySums cross_entropy_forward(float* lse, float* token_ce, const float* logits,
                                                   const int32_t* targets, int64_t N, int64_t V) override;
   backend::CrossEntropySums cross_entropy_forward_backward(float* dlogits, float* lse, float* token_ce,
