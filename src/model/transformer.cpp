@@ -60,12 +60,14 @@ struct CpuOpsF64 {
   void swiglu_backward(T* dgu, const T* dout, const T* gu, int64_t N, int64_t I) {
     cpu::swiglu_backward(dgu, dout, gu, N, I);
   }
+  // The double model's attention is exact whatever precision the float model asks for.
   void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v, int64_t B, int64_t Tn, int64_t H,
-                         int64_t Hkv, int64_t D) {
+                         int64_t Hkv, int64_t D, backend::AttentionPrecision) {
     cpu::attention_forward(out, lse, q, k, v, B, Tn, H, Hkv, D);
   }
   void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* out, const T* lse, const T* q, const T* k,
-                          const T* v, int64_t B, int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
+                          const T* v, int64_t B, int64_t Tn, int64_t H, int64_t Hkv, int64_t D,
+                          backend::AttentionPrecision) {
     cpu::attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D);
   }
   static backend::CrossEntropySums sums(const cpu::CrossEntropySums& s) { return {s.ce_sum, s.z_sum, s.n_valid}; }
@@ -196,6 +198,9 @@ struct TransformerT<T>::Impl {
   backend::Backend* mem = nullptr;  // owns the model's memory (the CPU backend for double)
   OpsOf<T>* ops = nullptr;          // runs the ops (== mem for float)
   CpuOpsF64 ops_f64;
+  // Attention is not quantized by any recipe: BF16 (tensor cores on CUDA) for every recipe but
+  // "fp32", which keeps FP32 attention (docs/architecture.md, issue #13).
+  backend::AttentionPrecision attention_precision = backend::AttentionPrecision::kFp32;
   std::vector<LinearSlot<T>> linears;
   std::vector<BlockParams> blocks;
   int64_t embed = -1, final_norm = -1, lm_head = -1;
@@ -243,6 +248,8 @@ Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConf
     im.ops = &im.ops_f64;
   }
   m->be_ = im.mem;
+  im.attention_precision =
+      recipe.name == "fp32" ? backend::AttentionPrecision::kFp32 : backend::AttentionPrecision::kBf16;
   const bool olmo = cfg.arch == Architecture::kOlmo2;
   const int64_t C = cfg.hidden_size, V = cfg.vocab_size, D = cfg.head_dim;
   const int64_t Nq = cfg.q_width(), Nkv = cfg.kv_width(), L = cfg.num_hidden_layers;
@@ -400,6 +407,11 @@ ParamRef<T>* TransformerT<T>::find_param(const std::string& name) {
   for (auto& p : params_)
     if (p.name == name) return &p;
   return nullptr;
+}
+
+template <typename T>
+backend::AttentionPrecision TransformerT<T>::attention_precision() const {
+  return impl_->attention_precision;
 }
 
 template <typename T>
@@ -632,7 +644,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     }
     ops.rope_forward(a.q_rot, a.q_rot, cosp, sinp, nullptr, B, Tn, H, D);
     ops.rope_forward(a.k_rot, a.k_rot, cosp, sinp, nullptr, B, Tn, Hkv, D);
-    ops.attention_forward(a.att_out, a.lse, a.q_rot, a.k_rot, a.v, B, Tn, H, Hkv, D);
+    ops.attention_forward(a.att_out, a.lse, a.q_rot, a.k_rot, a.v, B, Tn, H, Hkv, D, im.attention_precision);
     auto& lo = im.linears[bp.lin_o];
     if (olmo) {
       lo.forward(ops, a.o, a.att_out, W(lo.w_offset), N, call(lo));
@@ -756,7 +768,8 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   auto attention_block_backward = [&](int64_t l) {
     BlockActs<T>& a = im.acts[l];
     const BlockParams& bp = im.blocks[l];
-    ops.attention_backward(im.dq, im.dk, im.dv, im.datt, a.att_out, a.lse, a.q_rot, a.k_rot, a.v, B, Tn, H, Hkv, D);
+    ops.attention_backward(im.dq, im.dk, im.dv, im.datt, a.att_out, a.lse, a.q_rot, a.k_rot, a.v, B, Tn, H, Hkv, D,
+                           im.attention_precision);
     ops.rope_backward(im.dq, im.dq, cosp, sinp, nullptr, B, Tn, H, D);
     ops.rope_backward(im.dk, im.dk, cosp, sinp, nullptr, B, Tn, Hkv, D);
     T* dq_raw = im.datt;  // datt is dead now: reuse it

@@ -129,6 +129,9 @@ class TransformerT {
   // Linear instances in model order; recipes are null for T = double.
   const std::vector<LinearInfo>& linear_infos() const { return linear_infos_; }
   LinearRecipe* linear_recipe(int id);
+  // The attention precision the model runs: kBf16 for every recipe but "fp32" (kFp32); the double
+  // model's attention is exact whatever this says.
+  backend::AttentionPrecision attention_precision() const;
   // Index of each linear's weight view (N,K) in backend memory: q|k|v and gate|up are adjacent parameters.
   T* linear_weight(int id);
 

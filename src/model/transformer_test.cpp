@@ -416,6 +416,20 @@ TEST(Transformer, InitIsDeterministicAndOlmoLike) {
   EXPECT_EQ(a->find_param("model.norm.weight")->value[3], 1.0f);
 }
 
+// Attention is BF16 for every registered recipe but fp32 (docs/architecture.md, issue #13).
+TEST(Transformer, AttentionIsBf16ForEveryRecipeButFp32) {
+  auto cfg = dense_config();
+  for (const std::string& name : linear_recipe_names()) {
+    RecipeConfig rc;
+    rc.name = name;
+    auto m = Model::create(cfg, rc);
+    ASSERT_TRUE(m.is_ok()) << name << ": " << m.status().message();
+    EXPECT_EQ(m.value()->attention_precision(),
+              name == "fp32" ? backend::AttentionPrecision::kFp32 : backend::AttentionPrecision::kBf16)
+        << name;
+  }
+}
+
 // Timing of the tiny-dense config (not a correctness test; run with --gtest_also_run_disabled_tests).
 TEST(Transformer, DISABLED_TinyDenseSpeed) {
   for (const char* file : {"tiny-dense.json", "tiny-moe.json"})
