@@ -1,7 +1,8 @@
 // Tests of `nibble bench quantize`, driving the built binary on a tiny shape: the CPU table has
 // every row with a positive ratio to the memcpy measured in the same run, the GPU part either
 // prints its table or says it was skipped (CPU-only builds and GPU-less CI), and bad --size
-// values are argument errors (exit 2, one line).
+// values are argument errors (exit 2, one line). `nibble bench attention`: rows or the skip line,
+// bad --shape values exit 2.
 #include <sstream>
 
 #include <gtest/gtest.h>
@@ -44,6 +45,39 @@ TEST(BenchCli, BadSizeIsAnArgumentError) {
   }
   RunResult r = run_nibble(dir.path, "bench");  // a subcommand is required
   EXPECT_EQ(r.code, 2);
+}
+
+// `bench attention` on a tiny shape: with a device, the FP32 and BF16 rows with positive TFLOP/s;
+// without one (CPU build, GPU-less CI) the skip line; exit 0 either way. Bad shapes exit 2.
+TEST(BenchCli, AttentionTinyShapeOrSkipped) {
+  ScratchDir dir("bench_attention");
+  RunResult r = run_nibble(dir.path, "bench attention --shape 1x64x2x1x32 --repeats 1");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const bool skipped = r.out.find("no CUDA device: attention bench skipped") != std::string::npos;
+  int rows = 0;
+  std::istringstream lines(r.out);
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream f(line);
+    std::string shape, precision;
+    double fwd_ms, fwd_tf, bwd_ms, bwd_tf, ratio;
+    if (f >> shape >> precision >> fwd_ms >> fwd_tf >> bwd_ms >> bwd_tf >> ratio) {
+      ++rows;
+      EXPECT_EQ(shape, "1x64x2x1x32") << line;
+      EXPECT_GT(fwd_tf, 0.0) << line;
+      EXPECT_GT(bwd_tf, 0.0) << line;
+    }
+  }
+  EXPECT_EQ(rows, skipped ? 0 : 2) << r.out;
+}
+
+TEST(BenchCli, BadAttentionShapeIsAnArgumentError) {
+  ScratchDir dir("bench_attention_bad");
+  for (const std::string shape : {"1x64x2x1", "1x64x3x2x32", "1x64x2x1x256", "0x64x2x1x32", "1x64x2x1x32x5"}) {
+    RunResult r = run_nibble(dir.path, "bench attention --shape " + shape);
+    EXPECT_EQ(r.code, 2) << shape << ": " << r.out << r.err;
+    EXPECT_EQ(r.err_lines(), 1) << r.err;
+  }
 }
 
 }  // namespace

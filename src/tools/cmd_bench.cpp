@@ -5,6 +5,8 @@
 // `nibble bench train`: tokens/s, MFU and peak memory of whole training steps per recipe on a
 // backend (train/train_bench.h), each row next to bf16's tokens/s; `--linear MxNxK` times one
 // linear layer per recipe against cuBLASLt BF16 (backend/cuda/linear_bench.h) on CUDA.
+// `nibble bench attention`: causal GQA attention forward/backward ms and TFLOP/s on CUDA in FP32
+// and BF16 precision (backend/cuda/attention_bench.h), BF16 next to FP32 measured in the same run.
 #include <unistd.h>
 
 #include <cmath>
@@ -22,6 +24,7 @@
 #include "tools/option_check.h"
 #include "train/train_bench.h"
 #ifdef NIBBLE_HAVE_CUDA
+#include "backend/cuda/attention_bench.h"
 #include "backend/cuda/bench.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/device.h"
@@ -50,6 +53,13 @@ struct BenchArgs {
   std::string filter;
   bool cpu_only = false;
   CLI::App* quantize = nullptr;
+};
+
+struct AttentionBenchArgs {
+  std::vector<std::string> shapes;  // "BxTxHxHkvxD"; empty: the OLMo-2 70M and 370M training shapes
+  int repeats = 5;
+  bool json = false;
+  CLI::App* attention = nullptr;
 };
 
 // The machine's physical memory in bytes (0 if unknown).
@@ -206,6 +216,80 @@ int run_bench_linear(const TrainBenchArgs& a, backend::Backend& be, const std::v
   return 0;
 }
 
+struct AttentionShapeArg {
+  int64_t B, Tn, H, Hkv, D;
+};
+
+Status parse_attention_shape(const std::string& s, AttentionShapeArg* out) {
+  long long v[5] = {};
+  char x[4] = {}, extra = 0;
+  const int n = std::sscanf(s.c_str(), "%lld%c%lld%c%lld%c%lld%c%lld%c", &v[0], &x[0], &v[1], &x[1], &v[2], &x[2],
+                            &v[3], &x[3], &v[4], &extra);
+  bool ok = n == 9;
+  for (int i = 0; ok && i < 4; ++i) ok = x[i] == 'x';
+  for (int i = 0; ok && i < 5; ++i) ok = v[i] > 0 && v[i] <= (1ll << 20);
+  if (!ok || v[2] % v[3] != 0 || v[4] > 128)
+    return invalid_argument("--shape {}: expected BxTxHxHkvxD with H a multiple of Hkv and D <= 128, e.g. "
+                            "16x4096x8x8x64",
+                            s);
+  *out = {v[0], v[1], v[2], v[3], v[4]};
+  return Status::ok();
+}
+
+int run_bench_attention(const AttentionBenchArgs& a) {
+  std::vector<AttentionShapeArg> shapes;
+  for (const std::string& s : a.shapes) {
+    AttentionShapeArg sh{};
+    if (Status st = parse_attention_shape(s, &sh); !st) return report_error("bench", st);
+    shapes.push_back(sh);
+  }
+  if (shapes.empty()) shapes = {{16, 4096, 8, 8, 64}, {8, 4096, 16, 16, 64}};
+#ifdef NIBBLE_HAVE_CUDA
+  if (nibble::cuda::device_count() == 0) {
+    std::printf("no CUDA device: attention bench skipped\n");
+    return 0;
+  }
+  if (Status st = nibble::cuda::init(0); !st) {
+    std::printf("no CUDA device: attention bench skipped (%s)\n", st.message().c_str());
+    return 0;
+  }
+  if (!a.json) {
+    if (auto info = nibble::cuda::device_info(0)) std::printf("GPU: %s\n", nibble::cuda::describe(*info).c_str());
+    std::printf("causal attention, median of %d; TFLOP/s at 2 B H T^2 D forward, 2.5x that backward; BF16 includes "
+                "its FP32->BF16 pre-passes; ratio = FP32 time / BF16 time, same run\n",
+                a.repeats);
+    std::printf("  %-22s %-9s %10s %9s %10s %9s %8s\n", "B x T x H x Hkv x D", "precision", "fwd ms", "fwd TF/s",
+                "bwd ms", "bwd TF/s", "ratio");
+  }
+  for (const AttentionShapeArg& s : shapes) {
+    const std::string name = fmt::format("{}x{}x{}x{}x{}", s.B, s.Tn, s.H, s.Hkv, s.D);
+    double fp32_total = NAN;
+    for (const auto precision : {backend::AttentionPrecision::kFp32, backend::AttentionPrecision::kBf16}) {
+      const bool bf16 = precision == backend::AttentionPrecision::kBf16;
+      auto t = nibble::cuda::bench_attention(s.B, s.Tn, s.H, s.Hkv, s.D, a.repeats, nullptr, precision);
+      if (!t) return report_error("bench", t.status());
+      const double total = t->forward_s + t->backward_s;
+      if (!bf16) fp32_total = total;
+      const double ratio = bf16 ? fp32_total / total : 1.0;
+      const double fwd_tf = t->forward_flops / t->forward_s * 1e-12, bwd_tf = t->backward_flops / t->backward_s * 1e-12;
+      if (a.json) {
+        nlohmann::json j{{"shape", name},          {"precision", bf16 ? "bf16" : "fp32"},
+                         {"forward_ms", t->forward_s * 1e3}, {"forward_tflops", fwd_tf},
+                         {"backward_ms", t->backward_s * 1e3}, {"backward_tflops", bwd_tf},
+                         {"ratio_to_fp32", ratio}};
+        std::printf("%s\n", j.dump().c_str());
+      } else {
+        std::printf("  %-22s %-9s %10.4g %9.1f %10.4g %9.1f %8.2f\n", name.c_str(), bf16 ? "bf16" : "fp32",
+                    t->forward_s * 1e3, fwd_tf, t->backward_s * 1e3, bwd_tf, ratio);
+      }
+    }
+  }
+#else
+  std::printf("no CUDA device: attention bench skipped (this nibble was built without CUDA)\n");
+#endif
+  return 0;
+}
+
 int run_bench_train(const TrainBenchArgs& a) {
   auto be = open_device(a.device);
   if (!be) return report_error("bench", be.status());
@@ -299,9 +383,18 @@ CommandRun setup_bench(CLI::App& app) {
   t->train->add_option("--linear", t->linear,
                        "MxNxK: time one linear layer per recipe instead (on CUDA against cuBLASLt BF16)");
   t->train->add_flag("--json", t->json, "One JSON object per row");
-  return [a, t]() -> int {
+  auto at = std::make_shared<AttentionBenchArgs>();
+  at->attention = app.add_subcommand("attention", "Causal attention fwd/bwd TFLOP/s on CUDA, FP32 and BF16");
+  at->attention->add_option("--shape", at->shapes,
+                            "BxTxHxHkvxD (repeatable; default 16x4096x8x8x64 and 8x4096x16x16x64)")
+      ->allow_extra_args(false);
+  at->attention->add_option("--repeats", at->repeats, "Timed runs per pass (median; default 5)")
+      ->check(IntegerIn(1, kMaxRepeats));
+  at->attention->add_flag("--json", at->json, "One JSON object per row");
+  return [a, t, at]() -> int {
     if (a->quantize->parsed()) return run_bench_quantize(*a);
     if (t->train->parsed()) return run_bench_train(*t);
+    if (at->attention->parsed()) return run_bench_attention(*at);
     return 2;
   };
 }
@@ -309,7 +402,8 @@ CommandRun setup_bench(CLI::App& app) {
 }  // namespace
 
 NIBBLE_REGISTER_COMMAND(bench_command, "bench",
-                        "Benchmarks (bench quantize: quantizer bandwidth vs memcpy; bench train: training-step speed)",
+                        "Benchmarks (bench quantize: quantizer bandwidth vs memcpy; bench train: training-step speed; "
+                        "bench attention: attention TFLOP/s)",
                         setup_bench);
 
 }  // namespace nibble::tools

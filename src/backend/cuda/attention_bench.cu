@@ -1,11 +1,13 @@
 // Timing of the CUDA attention op (attention_bench.h): random FP32 operands from a hash of the
-// element index, then forward and backward timed separately with CUDA events (median of repeats).
+// element index, then forward and backward timed separately with CUDA events (median of repeats),
+// in FP32 or BF16 precision.
 #include "backend/cuda/attention_bench.h"
 
 #include <algorithm>
 #include <vector>
 
 #include "backend/cuda/attention.h"
+#include "backend/cuda/attention_bf16.h"
 #include "backend/cuda/cuda_check.h"
 
 namespace nibble::cuda {
@@ -25,12 +27,17 @@ __global__ void fill_uniform_kernel(float* x, int64_t n, uint32_t seed) {
 }  // namespace
 
 Result<AttentionBenchTimes> bench_attention(int64_t B, int64_t Tn, int64_t H, int64_t Hkv, int64_t D, int repeats,
-                                            cudaStream_t stream) {
-  if (B <= 0 || Tn <= 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D > 256 || repeats <= 0)
-    return invalid_argument("attention bench: B={} T={} H={} Hkv={} D={} repeats={} (positive, H % Hkv == 0, D <= 256)",
-                            B, Tn, H, Hkv, D, repeats);
+                                            cudaStream_t stream, backend::AttentionPrecision precision) {
+  const bool bf16 = precision == backend::AttentionPrecision::kBf16;
+  const int64_t max_d = bf16 ? kAttentionBf16MaxHeadDim : 256;
+  if (B <= 0 || Tn <= 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D > max_d || repeats <= 0 ||
+      Tn >= (int64_t{1} << 31))
+    return invalid_argument("attention bench: B={} T={} H={} Hkv={} D={} repeats={} (positive, H % Hkv == 0, D <= {})",
+                            B, Tn, H, Hkv, D, repeats, max_d);
   const int64_t nq = B * Tn * H * D, nkv = B * Tn * Hkv * D, nl = B * H * Tn;
-  const size_t ws_bytes = std::max<size_t>(attention_backward_workspace_bytes(B, Tn, H, Hkv, D), 1);
+  const size_t ws_bytes = std::max<size_t>(bf16 ? attention_bf16_workspace_bytes(B, Tn, H, Hkv, D, true)
+                                                : attention_backward_workspace_bytes(B, Tn, H, Hkv, D),
+                                           1);
   float *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr, *out = nullptr, *lse = nullptr, *dq = nullptr,
         *dk = nullptr, *dv = nullptr;
   void* ws = nullptr;
@@ -60,8 +67,15 @@ Result<AttentionBenchTimes> bench_attention(int64_t B, int64_t Tn, int64_t H, in
     return ms[ms.size() / 2] * 1e-3;
   };
   AttentionBenchTimes t;
-  t.forward_s = time([&] { attention_forward(out, lse, q, k, v, B, Tn, H, Hkv, D, stream); });
-  t.backward_s = time([&] { attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D, ws, stream); });
+  if (bf16) {
+    t.forward_s = time([&] { attention_forward_bf16(out, lse, q, k, v, B, Tn, H, Hkv, D, ws, stream); });
+    t.backward_s =
+        time([&] { attention_backward_bf16(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D, ws, stream); });
+  } else {
+    t.forward_s = time([&] { attention_forward(out, lse, q, k, v, B, Tn, H, Hkv, D, stream); });
+    t.backward_s =
+        time([&] { attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D, ws, stream); });
+  }
   t.forward_flops = 4.0 * static_cast<double>(B * H) * static_cast<double>(Tn) * static_cast<double>(Tn + 1) / 2 *
                     static_cast<double>(D);
   t.backward_flops = 2.5 * t.forward_flops;
