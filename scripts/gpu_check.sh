@@ -301,7 +301,7 @@ if want dist; then
     for w in plain nccl1; do
       env_args=(); [ $w = nccl1 ] && env_args=(WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29531)
       timeout "$(limit 120)" env "${env_args[@]}" "$NIBBLE" pretrain --config configs/pretrain-tiny.json --device cuda \
-        --set steps=20 --no-progress --out "$d/$w" >"$OUT/dist_pretrain_$w.log" 2>&1 || DIST_RC=$?
+        --set steps=20 --set schedule.warmup_steps=5 --no-progress --out "$d/$w" >"$OUT/dist_pretrain_$w.log" 2>&1 || DIST_RC=$?
     done
     if python3 - "$d/plain/metrics.jsonl" "$d/nccl1/metrics.jsonl" >"$OUT/dist_compare.txt" 2>&1 <<'PY'
 import json, sys
