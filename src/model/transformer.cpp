@@ -204,6 +204,13 @@ struct TransformerT<T>::Impl {
   std::vector<LinearSlot<T>> linears;
   std::vector<BlockParams> blocks;
   int64_t embed = -1, final_norm = -1, lm_head = -1;
+  // lm_head (docs/training.md "lm_head"): BF16 operands for every recipe except fp32 (float only);
+  // rows per logits chunk (0: lm_head_chunk_rows()).
+  bool lm_head_bf16 = false;
+  int64_t lm_chunk_rows = 0;
+  backend::Buffer<T> lm_w_bf16;     // (V,C) the lm_head weight rounded to BF16 (lm_head_bf16 only)
+  backend::Buffer<T> logits_chunk;  // (chunk rows, V) logits, then dL/dlogits, of one chunk
+  backend::Buffer<T> logits_full;   // (N,V) only for forward_logits and a custom logits loss
   std::shared_ptr<backend::Buffer<T>> values, grads;  // (num_params) each, backend memory
   backend::Buffer<T> rope_cos, rope_sin;              // (P, D/2)
 
@@ -216,7 +223,7 @@ struct TransformerT<T>::Impl {
   T* aux_extra = nullptr;                                             // (E) aux-loss dL/dprobs
   std::vector<BlockActs<T>> acts;
   std::vector<T*> res;  // L+1 residual streams (N,C)
-  T *qkv = nullptr, *mtmp = nullptr, *sy = nullptr, *xf = nullptr, *xf_rstd = nullptr, *logits = nullptr, *lse = nullptr,
+  T *qkv = nullptr, *mtmp = nullptr, *sy = nullptr, *xf = nullptr, *xf_rstd = nullptr, *lse = nullptr,
     *tok_ce = nullptr;
   T *dres = nullptr, *dt1 = nullptr, *dt2 = nullptr, *dt3 = nullptr, *dqkv = nullptr, *dq = nullptr, *dk = nullptr,
     *dv = nullptr, *datt = nullptr, *dk2 = nullptr, *dgu = nullptr, *dact = nullptr, *dye = nullptr, *dxe = nullptr,
@@ -243,6 +250,7 @@ Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConf
     NIB_CHECK_MSG(be != nullptr, "model: no backend");
     im.mem = be;
     im.ops = be;
+    im.lm_head_bf16 = recipe.name != "fp32";
   } else {
     im.mem = &backend::cpu_backend();  // the double model runs on the CPU whatever `be` is
     im.ops = &im.ops_f64;
@@ -409,6 +417,23 @@ ParamRef<T>* TransformerT<T>::find_param(const std::string& name) {
   return nullptr;
 }
 
+int64_t lm_head_chunk_rows(int64_t N, int64_t V, int64_t budget_bytes) {
+  NIB_CHECK(N > 0 && V > 0 && budget_bytes > 0);
+  const int64_t fit = budget_bytes / (V * static_cast<int64_t>(sizeof(float)));
+  return std::min(N, std::max<int64_t>(128, fit / 128 * 128));
+}
+
+template <typename T>
+void TransformerT<T>::set_lm_head_chunk_rows(int64_t rows) {
+  NIB_CHECK_MSG(rows >= 0, "lm_head chunk rows {} < 0", rows);
+  impl_->lm_chunk_rows = rows;
+}
+
+template <typename T>
+bool TransformerT<T>::lm_head_bf16() const {
+  return impl_->lm_head_bf16;
+}
+
 template <typename T>
 backend::AttentionPrecision TransformerT<T>::attention_precision() const {
   return impl_->attention_precision;
@@ -528,7 +553,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
       }
     }
     need(im.qkv, N * Nqkv); need(im.mtmp, N * C); need(im.sy, N * C);
-    need(im.xf, N * C); need(im.xf_rstd, N); need(im.logits, N * V); need(im.lse, N); need(im.tok_ce, N);
+    need(im.xf, N * C); need(im.xf_rstd, N); need(im.lse, N); need(im.tok_ce, N);
     need(im.dres, N * C); need(im.dt1, N * C); need(im.dt2, N * C); need(im.dt3, N * C);
     need(im.dqkv, N * Nqkv); need(im.dq, N * Nq); need(im.dk, N * Nkv); need(im.dv, N * Nkv);
     need(im.datt, N * Nq); need(im.dk2, N * Nkv);
@@ -662,35 +687,79 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     }
   }
   ops.rmsnorm_forward(im.xf, im.xf_rstd, im.res[L], W(im.final_norm), N, C, eps);
-  ops.matmul_nt(im.logits, im.xf, W(im.lm_head), N, V, C);
-  if (logits_out) {
-    mem.copy_to_host(logits_out, im.logits, static_cast<size_t>(N * V) * sizeof(T));
-    return LossParts{};
+  // ---- lm_head + loss, over row chunks (docs/training.md "lm_head") ----
+  // Per chunk of rows [r0, r0+rows): logits = xf . W^T, the loss (in place: dL/dlogits when
+  // backward), dxf rows (into dt1) = dlogits . W, dW += dlogits^T . xf rows. Only
+  // forward_logits and a custom logits loss, which hand all logits to the caller, hold (N,V).
+  // With BF16 operands xf is rounded in place (nothing else reads it: the final norm's backward
+  // reads res[L] and xf_rstd), W into a copy, dlogits in place after the loss.
+  const bool head_bf16 = im.lm_head_bf16;
+  const T* w_head = W(im.lm_head);
+  if constexpr (std::is_same_v<T, float>) {
+    if (head_bf16) {
+      T* wq = im.lm_w_bf16.ensure(mem, V * C, "lm_head BF16 weight");
+      ops.round_to_bf16(wq, W(im.lm_head), V * C);
+      ops.round_to_bf16(im.xf, im.xf, N * C);
+      w_head = wq;
+    }
   }
+  // logits: (rows,V) <- xf[r0 : r0+rows] . W^T
+  auto head_forward = [&](T* logits, int64_t r0, int64_t rows) {
+    ops.matmul_nt(logits, im.xf + r0 * C, w_head, rows, V, C, /*accumulate=*/false, head_bf16);
+  };
+  // dxf[r0 : r0+rows] (in dt1) = dlogits . W; dW_lm (V,C) += dlogits^T . xf rows; dlogits: (rows,V)
+  auto head_backward = [&](T* dlogits, int64_t r0, int64_t rows) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (head_bf16) ops.round_to_bf16(dlogits, dlogits, rows * V);
+    }
+    ops.matmul_nn(im.dt1 + r0 * C, dlogits, w_head, rows, C, V, /*accumulate=*/false, head_bf16);
+    ops.matmul_tn(G(im.lm_head), dlogits, im.xf + r0 * C, V, C, rows, /*accumulate=*/true, head_bf16);
+  };
 
-  // ---- loss ----
-  // After this block im.logits holds dL/dlogits when backward is set (the fused CE op and the
-  // custom loss both work in place).
   LossParts lp;
-  if (custom_loss) {
-    // host round trip: the custom objective is host code; it gets the logits and returns dL/dlogits
+  if (logits_out || custom_loss) {
+    T* logits = im.logits_full.ensure(mem, N * V, "all logits (forward_logits / custom loss)");
+    head_forward(logits, 0, N);
     const size_t bytes = static_cast<size_t>(N * V) * sizeof(T);
+    if (logits_out) {
+      mem.copy_to_host(logits_out, logits, bytes);
+      return LossParts{};
+    }
+    // host round trip: the custom objective is host code; it gets the logits and returns dL/dlogits
     im.logits_host.resize(static_cast<size_t>(N * V));
-    mem.copy_to_host(im.logits_host.data(), im.logits, bytes);
+    mem.copy_to_host(im.logits_host.data(), logits, bytes);
     lp.ce = (*custom_loss)(im.logits_host.data(), N, V);
-    mem.copy_to_device(im.logits, im.logits_host.data(), bytes);
+    mem.copy_to_device(logits, im.logits_host.data(), bytes);
+    if (backward) head_backward(logits, 0, N);
   } else {
-    backend::CrossEntropySums sums;
+    double inv = 0;
     if (backward) {
       int64_t n_valid = 0;
       for (int64_t n = 0; n < N; ++n) n_valid += targets[n] >= 0;
-      const double inv = n_valid > 0 ? 1.0 / static_cast<double>(n_valid) : 0.0;
-      sums = ops.cross_entropy_forward_backward(im.logits, im.lse, im.tok_ce, im.logits, im.targets, N, V, inv,
-                                                options.z_loss_coef * inv);
-    } else {
-      sums = ops.cross_entropy_forward(im.lse, token_ce ? im.tok_ce : nullptr, im.logits, im.targets, N, V);
-      if (token_ce) mem.copy_to_host(token_ce, im.tok_ce, static_cast<size_t>(N) * sizeof(T));
+      inv = n_valid > 0 ? 1.0 / static_cast<double>(n_valid) : 0.0;
     }
+    const int64_t chunk = im.lm_chunk_rows > 0 ? std::min(im.lm_chunk_rows, N) : lm_head_chunk_rows(N, V);
+    T* logits = im.logits_chunk.ensure(mem, chunk * V, "lm_head logits chunk");
+    // The chunks' sums are added in chunk order (deterministic); within a chunk the backend's
+    // fixed order applies, so the totals depend on the chunk size only by double rounding.
+    backend::CrossEntropySums sums;
+    for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+      const int64_t rows = std::min(chunk, N - r0);
+      head_forward(logits, r0, rows);
+      backend::CrossEntropySums c;
+      if (backward) {
+        c = ops.cross_entropy_forward_backward(logits, im.lse + r0, im.tok_ce + r0, logits, im.targets + r0, rows, V,
+                                               inv, options.z_loss_coef * inv);
+        head_backward(logits, r0, rows);
+      } else {
+        c = ops.cross_entropy_forward(im.lse + r0, token_ce ? im.tok_ce + r0 : nullptr, logits, im.targets + r0,
+                                      rows, V);
+      }
+      sums.ce_sum += c.ce_sum;
+      sums.z_sum += c.z_sum;
+      sums.n_valid += c.n_valid;
+    }
+    if (token_ce) mem.copy_to_host(token_ce, im.tok_ce, static_cast<size_t>(N) * sizeof(T));
     lp.n_tokens = sums.n_valid;
     const double inv_n = sums.n_valid > 0 ? 1.0 / static_cast<double>(sums.n_valid) : 0.0;
     lp.ce = sums.ce_sum * inv_n;
@@ -721,9 +790,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     mem.copy_to_device(im.aux_extra, im.aux_host.data(), static_cast<size_t>(E) * sizeof(T));
     router_z_scale = rz_coef / denom;
   }
-  T* dlogits = im.logits;  // written in place by the loss above
-  ops.matmul_nn(im.dt1, dlogits, W(im.lm_head), N, C, V);               // dxf (N,C)
-  ops.matmul_tn(G(im.lm_head), dlogits, im.xf, V, C, N, true);          // dW_lm (V,C)
+  // dt1 holds dxf (N,C) and the lm_head gradient is accumulated (the chunk loop above)
   ops.rmsnorm_backward(im.dres, G(im.final_norm), im.dt1, im.res[L], W(im.final_norm), im.xf_rstd, N, C);
 
   // dx (N,C) = d MLP(x) / dx applied to dm (N,C)

@@ -60,6 +60,13 @@ struct LossParts {
   int64_t n_tokens = 0;      // non-ignored targets
 };
 
+// The lm_head + cross-entropy run over row chunks of at most this many FP32 logits bytes, so a
+// training or eval step never holds the whole (B*T, V) logits (docs/training.md "lm_head").
+inline constexpr int64_t kLmHeadChunkBytes = int64_t{256} << 20;
+// Rows per lm_head chunk for N rows over a vocabulary of V: the most rows whose FP32 logits fit
+// in budget_bytes, rounded down to a multiple of 128 (at least 128), and at most N.
+int64_t lm_head_chunk_rows(int64_t N, int64_t V, int64_t budget_bytes = kLmHeadChunkBytes);
+
 // MoE routing in/out, both (num_moe_layers, B*T, top_k) i32 expert ids, MoE layers in order.
 struct RoutingIO {
   const int32_t* forced = nullptr;  // R3 replay: use these expert sets (gate = softmax restricted to the set)
@@ -104,6 +111,11 @@ class TransformerT {
   // Step and seed passed to every LinearRecipe call (SR/RHT seeds, calibration windows).
   void set_step(int64_t step, uint64_t seed) { step_ = step; seed_ = seed; }
   int64_t step() const { return step_; }
+  // Rows per lm_head + cross-entropy chunk; 0 (the default) derives it with lm_head_chunk_rows().
+  // Tests set 1, 7, ... to check that results do not depend on it.
+  void set_lm_head_chunk_rows(int64_t rows);
+  // True where the lm_head GEMMs take BF16 operands (every recipe except fp32; never for double).
+  bool lm_head_bf16() const;
   // Forward-call counter passed as LinearCall::micro_step (incremented by every forward). The
   // trainer sets it before each training micro-batch so a resumed run derives the same SR seeds.
   void set_micro_step(int64_t m) { micro_step_ = m; }
