@@ -42,7 +42,7 @@ struct TrainBenchArgs {
   std::vector<std::string> recipes;  // empty: bf16, nvfp4-nvidia, tetrajet-v2
   std::string device, linear;        // linear: "MxNxK"
   int64_t batch = 8, seq = 4096, steps = 5, warmup = 2;
-  bool json = false;
+  bool json = false, profile = false;
   CLI::App* train = nullptr;
 };
 
@@ -291,6 +291,8 @@ int run_bench_attention(const AttentionBenchArgs& a) {
 }
 
 int run_bench_train(const TrainBenchArgs& a) {
+  if (!a.linear.empty() && a.profile)
+    return report_error("bench", invalid_argument("--profile times the ops of training steps, not --linear"));
   auto be = open_device(a.device);
   if (!be) return report_error("bench", be.status());
   std::vector<model::RecipeConfig> recipes;
@@ -316,6 +318,7 @@ int run_bench_train(const TrainBenchArgs& a) {
   o.seq_len = a.seq;
   o.timed_steps = static_cast<int>(a.steps);
   o.warmup_steps = static_cast<int>(a.warmup);
+  o.profile = a.profile;
   const bool gpu = (*be)->device() == Device::kCUDA;  // MFU is against the H200's BF16 peak
   if (!a.json)
     std::printf("training step of %s on %s: batch %lld x seq %lld, %lld warm-up + %lld timed steps (median); MFU "
@@ -346,6 +349,13 @@ int run_bench_train(const TrainBenchArgs& a) {
       j["mfu"] = gpu ? nlohmann::json(r.mfu) : nlohmann::json(nullptr);
       j["peak_bytes"] = r.peak_bytes >= 0 ? nlohmann::json(r.peak_bytes) : nlohmann::json(nullptr);
       j["ratio_to_bf16"] = std::isfinite(ratio) ? nlohmann::json(ratio) : nlohmann::json(nullptr);
+      if (r.profiled) {
+        nlohmann::json ops = nlohmann::json::array();
+        for (const auto& op : r.profile.ops)
+          ops.push_back({{"op", op.name}, {"category", op.category}, {"count", op.count}, {"ms", op.ms},
+                         {"share", op.share}});
+        j["profile"] = {{"step_ms", r.profile.step_ms}, {"op_ms", r.profile.op_ms}, {"ops", ops}};
+      }
       std::printf("%s\n", j.dump().c_str());
     } else {
       std::printf("  %-16s %10.4g %12.4g %7s %9s %10.4f %10.4f %9s\n", r.recipe.c_str(), r.step_seconds * 1e3,
@@ -354,6 +364,11 @@ int run_bench_train(const TrainBenchArgs& a) {
                   std::isfinite(ratio) ? fmt::format("{:.3f}", ratio).c_str() : "-");
     }
   }
+  if (!a.json)
+    for (const auto& r : rows)
+      if (r.profiled)
+        std::printf("\n%s", backend::format_step_profile(r.profile, fmt::format("recipe {} on {}", r.recipe,
+                                                                                  (*be)->name())).c_str());
   return 0;
 }
 
@@ -383,6 +398,9 @@ CommandRun setup_bench(CLI::App& app) {
   t->train->add_option("--linear", t->linear,
                        "MxNxK: time one linear layer per recipe instead (on CUDA against cuBLASLt BF16)");
   t->train->add_flag("--json", t->json, "One JSON object per row");
+  t->train->add_flag("--profile", t->profile,
+                     "After the timed steps, one more step per recipe with every op synchronised and timed: "
+                     "a table of time per op and per op category");
   auto at = std::make_shared<AttentionBenchArgs>();
   at->attention = app.add_subcommand("attention", "Causal attention fwd/bwd TFLOP/s on CUDA, FP32 and BF16");
   at->attention->add_option("--shape", at->shapes,

@@ -204,6 +204,36 @@ TEST(DeviceCli, BenchTrainTableAndJsonOnTinyConfigs) {
   EXPECT_EQ(rows_json[0]["ratio_to_bf16"].get<double>(), 1.0);
 }
 
+// --profile: after the table, the per-category and per-op table of one extra step (text), or a
+// "profile" object per row (--json).
+TEST(DeviceCli, BenchTrainProfile) {
+  ScratchDir d("bench_train_profile");
+  const std::string common =
+      " --config " + q(config_path("tiny-dense.json")) + " --device cpu --batch 1 --seq 16 --steps 1 --warmup 0";
+  RunResult r = run_nibble(d.path, "bench train --recipe bf16 --profile" + common);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const size_t at = r.out.find("profile of one step, recipe bf16 on cpu");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("synchronised", at), std::string::npos) << r.out;
+  for (const char* row : {"GEMM", "cross-entropy", "optimizer", "matmul_nt", "cross_entropy_forward_backward",
+                          "adamw_update", "(between ops"})
+    EXPECT_NE(r.out.find(row, at), std::string::npos) << row << "\n" << r.out;
+  r = run_nibble(d.path, "bench train --json --recipe fp32 --profile" + common);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::vector<json> rows = json_lines(r.out);
+  ASSERT_EQ(rows.size(), 1u) << r.out;
+  const json& p = rows[0]["profile"];
+  EXPECT_GT(p["step_ms"].get<double>(), 0.0) << p.dump();
+  ASSERT_TRUE(p["ops"].is_array() && !p["ops"].empty()) << p.dump();
+  bool found = false;
+  for (const json& op : p["ops"])
+    if (op["op"] == "embedding_forward") found = op["count"] == 1 && op["category"] == "elementwise";
+  EXPECT_TRUE(found) << p.dump();
+  r = run_nibble(d.path, "bench train --json --recipe fp32" + common);  // no profile unless asked
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_FALSE(json_lines(r.out)[0].contains("profile")) << r.out;
+}
+
 TEST(DeviceCli, BenchTrainLinearForEveryRecipe) {
   ScratchDir d("bench_linear");
   RunResult r = run_nibble(d.path, "bench train --device cpu --linear 128x64x128 --steps 1 --json");
@@ -238,6 +268,7 @@ TEST(DeviceCli, BenchTrainBadOptions) {
       {"--recipe '{\"name\": \"bf16\", \"bogus\": 1}'", "--recipe"},
       {"--linear 12x3", "--linear 12x3"},
       {"--linear 0x4x4", "--linear 0x4x4"},
+      {"--linear 128x64x128 --profile", "--profile"},
   };
   for (const auto& [args, expect] : cases) {
     SCOPED_TRACE(args);

@@ -1,7 +1,9 @@
 // Training-step and linear-layer benchmarks on any backend (train_bench.h). Steps run exactly as
 // the trainer runs one optimizer step with grad_accum 1 (zero_grad, forward_backward with the
 // model's z-loss, global-norm clip at 1.0, AdamW at a fixed LR), on Philox random tokens; every
-// timed region ends with a backend synchronize so host clocks measure device work.
+// timed region ends with a backend synchronize so host clocks measure device work. A profiled
+// bench builds the model and optimizer on a ProfilingBackend over `be`, disabled (plain
+// forwarding) for the warm-up and timed steps and enabled for one extra step.
 #include "train/train_bench.h"
 
 #include <algorithm>
@@ -45,7 +47,7 @@ double model_flops_per_token(const model::ModelConfig& c, int64_t seq_len, int64
   return 6.0 * static_cast<double>(active) + 6.0 * static_cast<double>(L * C * seq_len);
 }
 
-Result<TrainBenchResult> bench_train_step(backend::Backend& be, const model::ModelConfig& config,
+Result<TrainBenchResult> bench_train_step(backend::Backend& device_be, const model::ModelConfig& config,
                                           const model::RecipeConfig& recipe, const TrainBenchOptions& o) {
   if (o.batch <= 0 || o.seq_len <= 0 || o.timed_steps <= 0 || o.warmup_steps < 0)
     return invalid_argument("bench train: batch {}, seq {}, steps {} must be positive", o.batch, o.seq_len,
@@ -53,6 +55,8 @@ Result<TrainBenchResult> bench_train_step(backend::Backend& be, const model::Mod
   if (o.seq_len > config.max_position_embeddings)
     return invalid_argument("bench train: --seq {} exceeds the model's max_position_embeddings {}", o.seq_len,
                             config.max_position_embeddings);
+  backend::ProfilingBackend profiler(device_be);
+  backend::Backend& be = o.profile ? static_cast<backend::Backend&>(profiler) : device_be;
   be.synchronize();
   be.reset_peak_memory();
   NIB_ASSIGN_OR_RETURN(std::unique_ptr<model::Model> m, model::Model::create(config, recipe, &be));
@@ -73,7 +77,13 @@ Result<TrainBenchResult> bench_train_step(backend::Backend& be, const model::Mod
   TrainBenchResult r;
   r.recipe = recipe.name;
   std::vector<double> times;
-  for (int s = 0; s < o.warmup_steps + o.timed_steps; ++s) {
+  const int n_steps = o.warmup_steps + o.timed_steps;
+  for (int s = 0; s < n_steps + (o.profile ? 1 : 0); ++s) {
+    const bool profiled_step = s == n_steps;
+    if (profiled_step) {
+      profiler.reset_timings();
+      profiler.set_enabled(true);
+    }
     const auto t0 = Clock::now();
     m->set_step(s, o.seed);
     m->zero_grad();
@@ -82,6 +92,12 @@ Result<TrainBenchResult> bench_train_step(backend::Backend& be, const model::Mod
     if (gn.finite) NIB_RETURN_IF_ERROR(adamw.step(views, 3e-4, gn.clip_scale));
     be.synchronize();
     const double dt = seconds_since(t0);
+    if (profiled_step) {
+      profiler.set_enabled(false);
+      r.profiled = true;
+      r.profile = backend::make_step_profile(profiler, dt);
+      continue;  // the losses and times reported are those of the unprofiled steps
+    }
     if (s == 0) r.first_loss = lp.loss;
     r.last_loss = lp.loss;
     if (s >= o.warmup_steps) times.push_back(dt);

@@ -4,7 +4,8 @@
 // steps (each step synchronised: forward+backward with CE + z-loss, global-norm clip, AdamW).
 // Reports tokens/s, model FLOPs utilisation (6 x non-embedding active params, lm_head included,
 // + 6 x layers x width x seq per token, against a given peak; the formula that reproduces the
-// anchors' PyTorch MFU) and the backend's peak memory.
+// anchors' PyTorch MFU) and the backend's peak memory. With profile set, one more step runs after
+// the timed ones with every op timed (backend/profiling_backend.h).
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/profiling_backend.h"
 #include "core/status.h"
 #include "model/config.h"
 #include "model/linear.h"
@@ -23,6 +25,7 @@ struct TrainBenchOptions {
   int warmup_steps = 2, timed_steps = 5;
   double peak_tflops = 756.0;  // measured H200 BF16 GEMM rate (05-performance-anchors.md)
   uint64_t seed = 1;
+  bool profile = false;  // after the timed steps, one step with every op synchronised and timed
 };
 
 struct TrainBenchResult {
@@ -34,6 +37,8 @@ struct TrainBenchResult {
   int64_t peak_bytes = -1;       // the backend's peak allocated bytes (-1: not tracked)
   double first_loss = 0, last_loss = 0;
   int64_t active_nonembedding_params = 0;
+  bool profiled = false;
+  backend::StepProfile profile;  // the extra profiled step (profiled only)
 };
 
 // Model FLOPs per token of `config` at sequence length seq_len (the anchors' formula).
