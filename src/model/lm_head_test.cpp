@@ -138,10 +138,12 @@ StepResult run_step(Model& m, const Batch& b, int64_t chunk_rows) {
 // (BLAS kernels depend on M), and dW_lm is summed over rows in FP32 chunk by chunk instead of in
 // one GEMM. Any two orders of a length-K FP32 sum differ by at most 2 gamma_K sum|terms|,
 // gamma_K = K u; the longest reduction is over K = max(V, N, C) = 300 terms: 2 gamma = 3.6e-5.
-// That perturbation of dxf and dW_lm passes through the backward of 2 blocks at 0.3-std weights
-// (measured amplification well below 10), so each parameter tensor is allowed 10 x 2 gamma_K of
-// its largest gradient. The loss sums are double per chunk, added in chunk order: besides the
-// logits' FP32 difference (relative 2 gamma_C C^0.5 ... < 2 gamma_V), allowed 2 gamma_V relative.
+// That relative perturbation of dxf and dW_lm passes through the backward of 2 blocks at 0.3-std
+// weights, which may amplify it by a small factor: each parameter tensor is allowed 4 x 2 gamma_K
+// of its largest gradient (measured: at most 0.023 x 2 gamma_K). The losses and per-token CE move
+// with the logits (FP32 order over C terms, below 2 gamma_V relative) and by the double sums'
+// order (1e-16): allowed 2 gamma_K relative. A wrong chunk offset or a dropped chunk moves
+// them by O(1).
 void check_chunk_independence(const std::string& recipe) {
   SCOPED_TRACE(recipe);
   const int64_t V = 300;
@@ -179,7 +181,7 @@ void check_chunk_independence(const std::string& recipe) {
         dmax = std::max(dmax, std::fabs(static_cast<double>(c.grads[at + i]) - all.grads[at + i]));
       }
       EXPECT_GT(gmax, 0) << p.name;
-      EXPECT_LE(dmax, 10 * two_gamma * gmax) << p.name;
+      EXPECT_LE(dmax, 4 * two_gamma * gmax) << p.name;
     }
   }
 }

@@ -98,8 +98,8 @@ TEST(ProfilingBackend, StepsThroughItEqualStepsOnTheWrappedBackend) {
     for (const char* name : {"fp32", "bf16", "nvfp4-nvidia", "tetrajet-v2"}) {
       SCOPED_TRACE(std::string(file) + " " + name);
       prof.reset_timings();
-      const StepOut a = one_step(*cpu.value(), cfg, recipe(name));
-      const StepOut b = one_step(prof, cfg, recipe(name), 0, &prof);
+      const StepOut a = one_step(*cpu.value(), cfg, recipe(name), 0, nullptr, 2, 16);
+      const StepOut b = one_step(prof, cfg, recipe(name), 0, &prof, 2, 16);
       EXPECT_TRUE(std::isfinite(a.loss));
       EXPECT_EQ(0, std::memcmp(&a.loss, &b.loss, sizeof(double)));
       EXPECT_EQ(0, std::memcmp(&a.norm, &b.norm, sizeof(double)));
