@@ -21,7 +21,8 @@ const char* op_name(Op op) {
                                       "rope",          "swiglu",          "attention",
                                       "cross_entropy", "elementwise",     "moe_routing",
                                       "adamw",         "quantize_nvfp4_te", "quantize_nvfp4_2level",
-                                      "quantize_mxfp8", "rht16",          "backward_operand_2level"};
+                                      "quantize_mxfp8", "rht16",          "backward_operand_2level",
+                                      "paged_kv_cache"};
   static_assert(sizeof(names) / sizeof(names[0]) == static_cast<size_t>(Op::kCount));
   const auto i = static_cast<size_t>(op);
   return i < static_cast<size_t>(Op::kCount) ? names[i] : "?";
@@ -29,6 +30,20 @@ const char* op_name(Op op) {
 
 void Backend::require(Op op) const {
   NIB_CHECK_MSG(supports(op), "backend '{}' does not support op '{}'", name(), op_name(op));
+}
+
+const char* kv_page_format_name(KvPageFormat f) { return f == KvPageFormat::kF32 ? "f32" : "bf16"; }
+
+// Backends without the paged KV-cache ops (supports(Op::kPagedKvCache) is false) fail by name.
+void Backend::kv_cache_write(void*, void*, KvPageFormat, const float*, const float*, const int32_t*, int64_t,
+                             int64_t, int64_t) {
+  require(Op::kPagedKvCache);
+  NIB_CHECK_MSG(false, "backend '{}' claims op 'paged_kv_cache' but does not override kv_cache_write", name());
+}
+void Backend::paged_attention(float*, const float*, const void*, const void*, KvPageFormat, const int32_t*, int64_t,
+                              const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t) {
+  require(Op::kPagedKvCache);
+  NIB_CHECK_MSG(false, "backend '{}' claims op 'paged_kv_cache' but does not override paged_attention", name());
 }
 
 int64_t QuantizedTensor::code_bytes(QuantFormat f, int64_t rows, int64_t cols) {

@@ -51,9 +51,16 @@ struct QuantizedTensor {
 enum class Op : uint16_t {
   kGemm, kEmbedding, kRmsNorm, kRope, kSwiglu, kAttention, kCrossEntropy, kElementwise, kMoeRouting,
   kAdamW, kQuantizeNvfp4Te, kQuantizeNvfp4TwoLevel, kQuantizeMxfp8, kRht16, kBackwardOperandTwoLevel,
+  kPagedKvCache,  // kv_cache_write + paged_attention (the rollout engine's decode attention)
   kCount
 };
 const char* op_name(Op op);
+
+// Element format of a paged KV cache's pages (rollout engine). kBf16: BF16 bits (the default);
+// kF32: binary32 (the exact reference the tests compare with). FP8 / NVFP4 pages: issue #15.
+enum class KvPageFormat : uint8_t { kBf16, kF32 };
+inline int64_t kv_page_element_bytes(KvPageFormat f) { return f == KvPageFormat::kF32 ? 4 : 2; }
+const char* kv_page_format_name(KvPageFormat f);
 
 struct CrossEntropySums {
   double ce_sum = 0;   // sum over valid rows of ce
@@ -237,6 +244,23 @@ class Backend {
   // in (M, K) 2-level, M % 128 == 0 (formats::nvfp4_2level_backward_operand_cpu).
   virtual void backward_operand_two_level(QuantizedTensor& out, const QuantizedTensor& in, uint32_t sign_mask,
                                           const formats::SrKey& sr) = 0;
+
+  // ---- paged KV cache (rollout engine, ../shared/spec/06-backends.md §8; Op::kPagedKvCache) ------
+  // Pages of one layer: k_pages, v_pages (num_pages, page_size, Hkv, D) elements of `format`; a
+  // slot is page * page_size + offset. The defaults fail through require(): a backend without
+  // the op says so by name instead of computing anything.
+  // k_pages/v_pages[slots[n]] <- k, v: (N, Hkv*D) f32 rounded to `format` (RNE); slots: (N) i32.
+  virtual void kv_cache_write(void* k_pages, void* v_pages, KvPageFormat format, const float* k, const float* v,
+                              const int32_t* slots, int64_t N, int64_t Hkv, int64_t D);
+  // out: (N,H,D) f32 <- for each row n and head h (kv head h / (H/Hkv)), softmax(scale q.k_j) . v_j
+  // over the row's positions j < context_len[n], scale 1/sqrt(D); position j lives in page
+  // block_table[n * max_blocks + j / page_size] at offset j % page_size. q: (N,H,D) f32;
+  // block_table: (N, max_blocks) i32; context_len: (N) i32, each in [1, max_blocks * page_size].
+  // Each row is computed on its own (no reduction across rows): batch-invariant.
+  virtual void paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages,
+                               KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
+                               const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                               int64_t page_size);
 };
 
 // Thrown when backend memory cannot be had: the message is the backend's one line (what was being

@@ -17,6 +17,7 @@
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/moe.h"
 #include "backend/cpu/nn_ops.h"
+#include "backend/cpu/paged_attention.h"
 #include "core/bits.h"
 #include "core/parallel.h"
 #include "formats/quantize_cpu.h"
@@ -395,6 +396,19 @@ void CpuBackend::backward_operand_two_level(QuantizedTensor& out, const Quantize
   NIB_CHECK(out.rows == in.cols && out.cols == in.rows);
   formats::nvfp4_2level_backward_operand_cpu(out.codes, out.scales, out.outer, in.codes, in.scales, in.outer, in.rows,
                                              in.cols, sign_mask, sr);
+}
+
+// ---- paged KV cache ---------------------------------------------------------------------------------
+void CpuBackend::kv_cache_write(void* k_pages, void* v_pages, KvPageFormat format, const float* k, const float* v,
+                                const int32_t* slots, int64_t N, int64_t Hkv, int64_t D) {
+  cpu::kv_cache_write(k_pages, v_pages, format, k, v, slots, N, Hkv, D);
+}
+void CpuBackend::paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages,
+                                 KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
+                                 const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                                 int64_t page_size) {
+  cpu::paged_attention(out, q, k_pages, v_pages, format, block_table, max_blocks, context_len, N, H, Hkv, D,
+                       page_size);
 }
 
 // ---- registry -----------------------------------------------------------------------------------------

@@ -107,6 +107,13 @@ class CpuBackend final : public Backend {
   void backward_operand_two_level(QuantizedTensor& out, const QuantizedTensor& in, uint32_t sign_mask,
                                   const formats::SrKey& sr) override;
 
+  // paged KV cache (backend/cpu/paged_attention.h)
+  void kv_cache_write(void* k_pages, void* v_pages, KvPageFormat format, const float* k, const float* v,
+                      const int32_t* slots, int64_t N, int64_t Hkv, int64_t D) override;
+  void paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages, KvPageFormat format,
+                       const int32_t* block_table, int64_t max_blocks, const int32_t* context_len, int64_t N,
+                       int64_t H, int64_t Hkv, int64_t D, int64_t page_size) override;
+
  private:
   std::mutex memory_mutex_;
   std::unordered_map<void*, size_t> sizes_;  // live allocations (for memory_stats)

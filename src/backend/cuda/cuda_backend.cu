@@ -129,7 +129,11 @@ CudaBackend::~CudaBackend() {
   (void)cudaGetLastError();
 }
 
-bool CudaBackend::supports(backend::Op op) const { return op != backend::Op::kCount; }
+// The paged KV-cache ops (rollout decode attention) have no CUDA kernels yet (issue #15): the
+// rollout engine refuses this backend by name until they exist.
+bool CudaBackend::supports(backend::Op op) const {
+  return op != backend::Op::kCount && op != backend::Op::kPagedKvCache;
+}
 
 void CudaBackend::activate() const {
   int current = -1;
