@@ -134,10 +134,12 @@ struct LinearSlot {
   std::unique_ptr<LinearRecipe> recipe;
   const T* x = nullptr;  // double path: saved operands
   const T* w = nullptr;
+  LinearOverride* decode_override = nullptr;  // set for the duration of a forward_decode call
 
   // y: (M,N); x: (M,K); w: (N,K)
   void forward(OpsOf<T>& ops, T* y, const T* xx, const T* ww, int64_t M, const LinearCall& call) {
     if constexpr (std::is_same_v<T, float>) {
+      if (decode_override != nullptr) return decode_override->forward(ops, y, xx, ww, M, info);
       recipe->forward(ops, y, xx, ww, M, info.N, info.K, call);
     } else {
       ops.matmul_nt(y, xx, ww, M, info.N, info.K);
@@ -220,6 +222,8 @@ struct TransformerT<T>::Impl {
   backend::Buffer<int32_t> iarena;
   std::vector<int64_t> larena;
   int32_t *tokens = nullptr, *targets = nullptr, *forced = nullptr;  // (N), (N), (Lm,N,k) copies of the host inputs
+  int32_t* positions = nullptr;                                       // (N) decode: each row's position
+  const DecodeBatch* decode = nullptr;                                // set during forward_decode
   T* aux_extra = nullptr;                                             // (E) aux-loss dL/dprobs
   std::vector<BlockActs<T>> acts;
   std::vector<T*> res;  // L+1 residual streams (N,C)
@@ -496,6 +500,35 @@ void TransformerT<T>::forward_logits(T* logits, const int32_t* tokens, int64_t B
 }
 
 template <typename T>
+void TransformerT<T>::forward_decode(T* logits, const DecodeBatch& batch) {
+  NIB_CHECK_MSG((std::is_same_v<T, float>), "forward_decode: float models only");
+  NIB_CHECK(logits != nullptr && batch.kv != nullptr && batch.tokens != nullptr && batch.positions != nullptr);
+  NIB_CHECK_MSG(batch.N > 0, "forward_decode: empty batch");
+  for (int64_t n = 0; n < batch.N; ++n) {
+    NIB_CHECK_MSG(batch.positions[n] >= 0 && batch.positions[n] < config_.max_position_embeddings,
+                  "forward_decode: position {} of row {} outside [0, {})", batch.positions[n], n,
+                  config_.max_position_embeddings);
+    NIB_CHECK_MSG(batch.tokens[n] >= 0 && batch.tokens[n] < config_.vocab_size,
+                  "forward_decode: token {} of row {} outside the vocabulary", batch.tokens[n], n);
+  }
+  Impl& im = *impl_;
+  // The decode state is set for this call only, also when an op throws.
+  struct Scope {
+    Impl& im;
+    Scope(Impl& i, const DecodeBatch& b) : im(i) {
+      im.decode = &b;
+      for (auto& s : im.linears) s.decode_override = b.linears;
+    }
+    ~Scope() {
+      im.decode = nullptr;
+      for (auto& s : im.linears) s.decode_override = nullptr;
+    }
+  } scope(im, batch);
+  run(batch.tokens, nullptr, 1, batch.N, LossOptions{}, RoutingIO{nullptr, batch.routing_record}, /*backward=*/false,
+      logits, nullptr);
+}
+
+template <typename T>
 LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t Tn,
                                const LossOptions& options, const RoutingIO& routing, bool backward, T* logits_out,
                                T* token_ce, const LogitsLossFn* custom_loss) {
@@ -509,7 +542,8 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   const int64_t Im = cfg.moe_intermediate_size, Is = cfg.shared_expert_intermediate_size, Nk = N * K;
   const double eps = cfg.rms_norm_eps;
   NIB_CHECK_MSG(B > 0 && Tn > 0, "empty batch");
-  NIB_CHECK_MSG(Tn <= cfg.max_position_embeddings, "sequence length {} > max_position_embeddings {}", Tn,
+  NIB_CHECK_MSG(impl_->decode != nullptr || Tn <= cfg.max_position_embeddings,  // decode checks positions instead
+                "sequence length {} > max_position_embeddings {}", Tn,
                 cfg.max_position_embeddings);
   auto W = [&](int64_t off) { return values_ + off; };
   auto G = [&](int64_t off) { return grads_ + off; };
@@ -565,6 +599,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     ireq.push_back({&im.tokens, N});
     ireq.push_back({&im.targets, N});
     ireq.push_back({&im.forced, Lm * Nk});
+    ireq.push_back({&im.positions, N});
     auto round16 = [](int64_t n) { return (n + 15) / 16 * 16; };
     int64_t total = 0, itotal = 0, ltotal = 0;
     for (auto& r : req) total += round16(r.second);
@@ -585,7 +620,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     im.Tn = Tn;
   }
 
-  const int64_t call_id = micro_step_++;
+  const int64_t call_id = im.decode != nullptr ? micro_step_ : micro_step_++;  // decode leaves training seeds alone
   auto call = [&](const LinearSlot<T>& s) {
     return LinearCall{step_, seed_, s.info.id, call_id, backward};
   };
@@ -596,6 +631,8 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   if (targets) mem.copy_to_device(im.targets, targets, static_cast<size_t>(N) * sizeof(int32_t));
   if (routing.forced && Lm > 0)
     mem.copy_to_device(im.forced, routing.forced, static_cast<size_t>(Lm * Nk) * sizeof(int32_t));
+  if (im.decode != nullptr)
+    mem.copy_to_device(im.positions, im.decode->positions, static_cast<size_t>(N) * sizeof(int32_t));
   im.load_count.assign(E > 0 ? E : 0, 0.0);
   im.load_prob.assign(E > 0 ? E : 0, 0.0);
   im.router_lse2 = 0;
@@ -667,8 +704,13 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
       ops.rmsnorm_forward(a.q_rot, a.q_rstd, a.q_raw, W(bp.q_norm), N * H, D, eps);
       ops.rmsnorm_forward(a.k_rot, a.k_rstd, a.k_raw, W(bp.k_norm), N * Hkv, D, eps);
     }
-    ops.rope_forward(a.q_rot, a.q_rot, cosp, sinp, nullptr, B, Tn, H, D);
-    ops.rope_forward(a.k_rot, a.k_rot, cosp, sinp, nullptr, B, Tn, Hkv, D);
+    const int32_t* rope_positions = im.decode != nullptr ? im.positions : nullptr;  // decode: each row's own
+    ops.rope_forward(a.q_rot, a.q_rot, cosp, sinp, rope_positions, B, Tn, H, D);
+    ops.rope_forward(a.k_rot, a.k_rot, cosp, sinp, rope_positions, B, Tn, Hkv, D);
+    if (im.decode != nullptr) {  // prefill / decode: keys and values go to the cache, queries read it
+      if constexpr (std::is_same_v<T, float>)
+        im.decode->kv->append_and_attend(mem, l, a.att_out, a.q_rot, a.k_rot, a.v, N);
+    } else
     ops.attention_forward(a.att_out, a.lse, a.q_rot, a.k_rot, a.v, B, Tn, H, Hkv, D, im.attention_precision);
     auto& lo = im.linears[bp.lin_o];
     if (olmo) {

@@ -73,6 +73,40 @@ struct RoutingIO {
   int32_t* record = nullptr;        // filled with the sets actually used
 };
 
+// ---- decode over a KV cache (the rollout engine, ../shared/spec/06-backends.md §8) --------------
+// The cache belongs to the caller (rollout/kv_cache.h): for every layer the model hands it the
+// new rows' rotated keys and values and gets back their attention outputs, so prefill and decode
+// run the same per-layer code as the training forward.
+class KvCacheAttention {
+ public:
+  virtual ~KvCacheAttention() = default;
+  // Stores k, v: (N, Hkv*D) f32 (after QK-norm and RoPE) of this call's rows in layer `layer`'s
+  // cache, then out: (N, H*D) f32 <- each row's query q: (N, H*D) attending to its sequence's
+  // positions [0, its position]. All in be's memory.
+  virtual void append_and_attend(backend::Backend& be, int64_t layer, float* out, const float* q, const float* k,
+                                 const float* v, int64_t N) = 0;
+};
+
+// Runs the block linears of a decode call in place of their recipes (the rollout precision modes).
+class LinearOverride {
+ public:
+  virtual ~LinearOverride() = default;
+  // y: (M, info.N) f32 <- x: (M, info.K) f32 through linear info.id whose master weight is
+  // w: (info.N, info.K) f32; all in be's memory.
+  virtual void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
+                       const LinearInfo& info) = 0;
+};
+
+// One prefill/decode call: N rows, each a token at a position of some sequence of the cache.
+struct DecodeBatch {
+  const int32_t* tokens = nullptr;     // (N) host
+  const int32_t* positions = nullptr;  // (N) host, each in [0, max_position_embeddings)
+  int64_t N = 0;
+  KvCacheAttention* kv = nullptr;      // required
+  LinearOverride* linears = nullptr;   // null: the model's recipes (forward only, needs_backward = false)
+  int32_t* routing_record = nullptr;   // (num_moe_layers, N, top_k) host or null: each row's expert ids
+};
+
 template <typename T>
 class TransformerT {
  public:
@@ -106,6 +140,10 @@ class TransformerT {
                          const LossOptions& options = {}, const RoutingIO& routing = {}, T* token_ce = nullptr);
   // logits: (B,T,V) caller-allocated host array.
   void forward_logits(T* logits, const int32_t* tokens, int64_t B, int64_t Tn, const RoutingIO& routing = {});
+  // Prefill and decode (float models only): logits: (N,V) host <- the model on the rows of
+  // `batch`, attention through batch.kv (see KvCacheAttention). The same per-layer code as the
+  // training forward; no activations are kept for backward and micro_step() does not advance.
+  void forward_decode(T* logits, const DecodeBatch& batch);
 
   void zero_grad();
   // Step and seed passed to every LinearRecipe call (SR/RHT seeds, calibration windows).
