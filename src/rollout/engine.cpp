@@ -1,0 +1,343 @@
+// The rollout engine's scheduler and generation loop (see engine.h).
+#include "rollout/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+
+#include "core/check.h"
+#include "core/philox.h"
+
+namespace nibble::rollout {
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::kStopId: return "eos";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStopString: return "stop";
+  }
+  return "?";
+}
+
+Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const EngineOptions& options) {
+  const model::ModelConfig& cfg = model.config();
+  EngineOptions o = options;
+  if (o.page_size <= 0) return invalid_argument("rollout: page size must be positive (got {})", o.page_size);
+  if (o.max_batch <= 0) return invalid_argument("rollout: max batch must be positive (got {})", o.max_batch);
+  if (o.num_pages < 0 || o.max_step_tokens < 0)
+    return invalid_argument("rollout: page count and step tokens must be >= 0 (0: automatic)");
+  const int64_t ctx = cfg.max_position_embeddings;
+  const int64_t ctx_pages = (ctx + o.page_size - 1) / o.page_size;
+  // enough for a request of max_batch samples over the whole context (see worst_case_pages)
+  if (o.num_pages == 0) o.num_pages = (o.max_batch + 1) * (ctx_pages + 1);
+  if (o.max_step_tokens == 0) o.max_step_tokens = std::max(ctx, o.max_batch);
+  if (o.max_step_tokens < o.max_batch)
+    return invalid_argument("rollout: step tokens ({}) must be at least the max batch ({})", o.max_step_tokens,
+                            o.max_batch);
+  std::unique_ptr<Engine> e(new Engine(model, o));
+  KvCacheConfig kc;
+  kc.num_layers = cfg.num_hidden_layers;
+  kc.num_heads = cfg.num_attention_heads;
+  kc.num_kv_heads = cfg.num_key_value_heads;
+  kc.head_dim = cfg.head_dim;
+  kc.page_size = o.page_size;
+  kc.num_pages = o.num_pages;
+  kc.format = o.kv_format;
+  NIB_ASSIGN_OR_RETURN(e->cache_, PagedKvCache::create(model.backend(), kc));
+  if (o.mode != PrecisionMode::kRecipe) {
+    NIB_ASSIGN_OR_RETURN(e->linears_, QuantizedLinears::create(model, o.mode, o.recipe_name));
+  }
+  return e;
+}
+
+Status Engine::refresh_weights() {
+  if (options_.mode != PrecisionMode::kRecipe) {
+    NIB_ASSIGN_OR_RETURN(linears_, QuantizedLinears::create(*model_, options_.mode, options_.recipe_name));
+  }
+  return Status::ok();
+}
+
+namespace {
+int64_t max_new_of(const Request& r, int64_t ctx) {
+  return std::min<int64_t>(r.params.max_new_tokens, ctx - static_cast<int64_t>(r.prompt.size()));
+}
+}  // namespace
+
+// Pages a request can hold at its largest: with prefix sharing the prompt's pages once plus, per
+// sample, its own pages past the prompt's last full page and one copy-on-write page; without,
+// G whole sequences. Positions written: prompt + new tokens - 1 (the last token is never fed).
+int64_t Engine::worst_case_pages(const Request& r) const {
+  const int64_t ps = options_.page_size, P = static_cast<int64_t>(r.prompt.size());
+  const int64_t n = max_new_of(r, model_->config().max_position_embeddings), G = r.params.num_samples;
+  if (n <= 0) return 0;
+  const int64_t total = (P + n + ps - 1) / ps;
+  if (!options_.share_prefix || G == 1) return G * total;
+  return (P + ps - 1) / ps + G * (total - P / ps + 1);
+}
+
+Status Engine::validate(const std::vector<Request>& requests) const {
+  const model::ModelConfig& cfg = model_->config();
+  const int64_t ctx = cfg.max_position_embeddings;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const Request& r = requests[i];
+    const GenerationParams& g = r.params;
+    if (r.prompt.empty()) return invalid_argument("request {}: empty prompt", i);
+    if (static_cast<int64_t>(r.prompt.size()) > ctx)
+      return invalid_argument("request {}: prompt of {} tokens is longer than the model's context of {} tokens", i,
+                              r.prompt.size(), ctx);
+    for (int32_t t : r.prompt)
+      if (t < 0 || t >= cfg.vocab_size)
+        return invalid_argument("request {}: token id {} outside the vocabulary [0, {})", i, t, cfg.vocab_size);
+    if (g.num_samples < 1 || g.num_samples > options_.max_batch)
+      return invalid_argument("request {}: {} samples, must be in [1, max batch {}]", i, g.num_samples,
+                              options_.max_batch);
+    if (g.num_samples >= (1 << 16) || r.id >= (1u << 16))
+      return invalid_argument("request {}: id {} and samples {} must be below 65536", i, r.id, g.num_samples);
+    if (g.max_new_tokens < 0) return invalid_argument("request {}: max new tokens must be >= 0", i);
+    if (!std::isfinite(g.sampling.temperature) || g.sampling.temperature < 0)
+      return invalid_argument("request {}: temperature must be finite and >= 0", i);
+    if (!(g.sampling.top_p > 0 && g.sampling.top_p <= 1)) return invalid_argument("request {}: top_p must be in (0, 1]", i);
+    if (g.sampling.top_k < 0) return invalid_argument("request {}: top_k must be >= 0", i);
+    for (const std::string& s : g.stop_strings)
+      if (s.empty()) return invalid_argument("request {}: empty stop string", i);
+    const int64_t need = worst_case_pages(r);
+    if (need > options_.num_pages)
+      return invalid_argument("request {}: needs up to {} KV pages, the cache has {} (raise the page count or lower "
+                              "max new tokens / samples)", i, need, options_.num_pages);
+  }
+  return Status::ok();
+}
+
+Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& requests,
+                                                 const EngineCallbacks& callbacks) {
+  NIB_RETURN_IF_ERROR(validate(requests));
+  stats_ = EngineStats{};
+  for (const Request& r : requests)
+    if (!r.params.stop_strings.empty() && !callbacks.detokenize)
+      return invalid_argument("rollout: stop strings need a detokenizer");
+  const model::ModelConfig& cfg = model_->config();
+  const int64_t V = cfg.vocab_size, ctx = cfg.max_position_embeddings;
+  const int64_t Lm = model_->num_moe_layers(), topk = cfg.num_experts_per_tok;
+  using SeqId = PagedKvCache::SeqId;
+
+  struct Sample {
+    int64_t request = 0, index = 0;
+    SeqId seq = -1;
+    PhiloxStream rng;
+    Completion out;
+    int32_t pending = -1;  // sampled, not yet fed
+    bool done = false;
+  };
+  // A prompt being prefilled: its own sequence, handed to (or forked for) its samples when done.
+  struct Prefill {
+    int64_t request = 0;
+    SeqId seq = -1;
+    int64_t fed = 0;
+    std::vector<size_t> samples;  // indices into `samples`
+  };
+  std::vector<Sample> samples;
+  std::vector<Prefill> prefills;
+  std::deque<int64_t> waiting;
+  for (size_t i = 0; i < requests.size(); ++i) waiting.push_back(static_cast<int64_t>(i));
+  // Whatever happens (a callback's error, an exception), no sequence stays in the cache.
+  struct ReleaseOnExit {
+    PagedKvCache& cache;
+    std::vector<Sample>& samples;
+    std::vector<Prefill>& prefills;
+    ~ReleaseOnExit() {
+      for (Sample& s : samples)
+        if (s.seq >= 0) cache.release(s.seq);
+      for (Prefill& p : prefills)
+        if (p.seq >= 0) cache.release(p.seq);
+    }
+  } release_on_exit{*cache_, samples, prefills};
+  std::vector<int64_t> reserved(requests.size(), 0), remaining(requests.size(), 0);
+  std::vector<std::vector<Completion>> done_by_request(requests.size());
+  int64_t budget_used = 0, running = 0;
+
+  // Records a sampled token for sample s from logits row (V); true when s stops.
+  auto take_token = [&](Sample& s, const float* row) -> Result<bool> {
+    const GenerationParams& g = requests[s.request].params;
+    const int32_t tok = sample_token(row, V, g.sampling, &s.rng);
+    s.out.tokens.push_back(tok);
+    s.out.logprobs.push_back(token_logprob(row, V, tok, g.sampling.temperature));
+    ++stats_.generated_tokens;
+    if (callbacks.on_token) NIB_RETURN_IF_ERROR(callbacks.on_token(s.request, s.index, tok));
+    if (std::find(g.stop_ids.begin(), g.stop_ids.end(), tok) != g.stop_ids.end()) {
+      s.out.finish = FinishReason::kStopId;
+      return true;
+    }
+    if (!g.stop_strings.empty()) {
+      NIB_ASSIGN_OR_RETURN(std::string text, callbacks.detokenize(s.out.tokens));
+      for (const std::string& stop : g.stop_strings)
+        if (text.find(stop) != std::string::npos) {
+          s.out.finish = FinishReason::kStopString;
+          return true;
+        }
+    }
+    if (static_cast<int64_t>(s.out.tokens.size()) >= max_new_of(requests[s.request], ctx)) {
+      s.out.finish = FinishReason::kLength;
+      return true;
+    }
+    s.pending = tok;
+    return false;
+  };
+  auto finish = [&](Sample& s) -> Status {
+    s.done = true;
+    if (s.seq >= 0) cache_->release(s.seq);
+    s.seq = -1;
+    --running;
+    if (callbacks.on_finish) NIB_RETURN_IF_ERROR(callbacks.on_finish(s.out));
+    done_by_request[s.request].push_back(std::move(s.out));
+    if (--remaining[s.request] == 0) budget_used -= reserved[s.request];
+    return Status::ok();
+  };
+
+  std::vector<float> logits;
+  std::vector<SeqId> row_seq;
+  std::vector<int32_t> row_pos, row_tok, routing;
+  std::vector<int64_t> row_req, row_sample;
+  while (!waiting.empty() || running > 0) {
+    // ---- admit waiting requests (in order) while the batch and the cache have room ----
+    while (!waiting.empty()) {
+      const int64_t r = waiting.front();
+      const Request& req = requests[r];
+      const int64_t G = req.params.num_samples, need = worst_case_pages(req);
+      if (running + G > options_.max_batch || budget_used + need > options_.num_pages) {
+        ++stats_.waits;
+        break;
+      }
+      waiting.pop_front();
+      reserved[r] = need;
+      remaining[r] = G;
+      budget_used += need;
+      running += G;
+      const bool share = options_.share_prefix;
+      for (int64_t g = 0; g < G; ++g) {
+        Sample s;
+        s.request = r;
+        s.index = g;
+        s.rng = PhiloxStream(req.params.seed, sample_stream(req.id, static_cast<uint64_t>(g)));
+        s.out.request = r;
+        s.out.sample = g;
+        samples.push_back(std::move(s));
+        if (!share || g == 0) prefills.push_back(Prefill{r, cache_->add_sequence(), 0, {}});
+        prefills.back().samples.push_back(samples.size() - 1);
+      }
+      stats_.prompt_tokens += static_cast<int64_t>(req.prompt.size()) * (share ? 1 : G);
+      if (max_new_of(req, ctx) <= 0) {  // nothing to generate: done without a forward
+        const size_t first = prefills.size() - (share ? 1 : static_cast<size_t>(G));
+        for (size_t p = first; p < prefills.size(); ++p) {
+          cache_->release(prefills[p].seq);
+          prefills[p].seq = -1;
+          for (size_t si : prefills[p].samples) NIB_RETURN_IF_ERROR(finish(samples[si]));
+        }
+        prefills.resize(first);
+      }
+    }
+    stats_.peak_running = std::max(stats_.peak_running, running);
+    if (running == 0) break;
+
+    // ---- this step's rows: one per decoding sample, then prompt chunks ----
+    row_seq.clear(), row_pos.clear(), row_tok.clear(), row_req.clear(), row_sample.clear();
+    std::vector<size_t> decode_rows;  // sample index of each decode row
+    for (size_t i = 0; i < samples.size(); ++i) {
+      Sample& s = samples[i];
+      if (s.done || s.pending < 0) continue;
+      NIB_RETURN_IF_ERROR(cache_->grow(s.seq, 1));
+      row_seq.push_back(s.seq);
+      row_pos.push_back(static_cast<int32_t>(cache_->length(s.seq)));
+      row_tok.push_back(s.pending);
+      row_req.push_back(s.request);
+      row_sample.push_back(s.index);
+      decode_rows.push_back(i);
+    }
+    struct Chunk {
+      size_t prefill;
+      int64_t first_row, rows;
+    };
+    std::vector<Chunk> chunks;
+    int64_t budget = options_.max_step_tokens - static_cast<int64_t>(row_seq.size());
+    for (size_t p = 0; p < prefills.size() && budget > 0; ++p) {
+      Prefill& pf = prefills[p];
+      const std::vector<int32_t>& prompt = requests[pf.request].prompt;
+      const int64_t n = std::min<int64_t>(budget, static_cast<int64_t>(prompt.size()) - pf.fed);
+      NIB_RETURN_IF_ERROR(cache_->grow(pf.seq, n));
+      chunks.push_back(Chunk{p, static_cast<int64_t>(row_seq.size()), n});
+      for (int64_t j = 0; j < n; ++j) {
+        row_seq.push_back(pf.seq);
+        row_pos.push_back(static_cast<int32_t>(pf.fed + j));
+        row_tok.push_back(prompt[pf.fed + j]);
+        row_req.push_back(pf.request);
+        row_sample.push_back(pf.samples.size() == 1 ? samples[pf.samples[0]].index : -1);
+      }
+      budget -= n;
+    }
+    const int64_t N = static_cast<int64_t>(row_seq.size());
+    NIB_CHECK(N > 0);
+
+    // ---- one forward over all rows ----
+    NIB_RETURN_IF_ERROR(cache_->begin_batch(row_seq, row_pos));
+    stats_.peak_pages_in_use = std::max(stats_.peak_pages_in_use, cache_->num_pages() - cache_->free_pages());
+    logits.resize(static_cast<size_t>(N * V));
+    model::DecodeBatch batch;
+    batch.tokens = row_tok.data();
+    batch.positions = row_pos.data();
+    batch.N = N;
+    batch.kv = cache_.get();
+    batch.linears = linears_.get();
+    const bool record = callbacks.on_routing && Lm > 0;
+    if (record) {
+      routing.assign(static_cast<size_t>(Lm * N * topk), -1);
+      batch.routing_record = routing.data();
+    }
+    model_->forward_decode(logits.data(), batch);
+    cache_->finish_batch();
+    ++stats_.steps;
+    if (record) {
+      RoutingStep rs{row_req, row_sample, row_pos, routing.data()};
+      NIB_RETURN_IF_ERROR(callbacks.on_routing(rs));
+    }
+
+    // ---- sample: decode rows, then prompts whose last chunk ran ----
+    for (size_t d = 0; d < decode_rows.size(); ++d) {
+      Sample& s = samples[decode_rows[d]];
+      NIB_ASSIGN_OR_RETURN(bool stop, take_token(s, logits.data() + static_cast<int64_t>(d) * V));
+      if (stop) NIB_RETURN_IF_ERROR(finish(s));
+    }
+    std::vector<size_t> finished_prefills;
+    for (const Chunk& c : chunks) {
+      Prefill& pf = prefills[c.prefill];
+      pf.fed += c.rows;
+      if (pf.fed < static_cast<int64_t>(requests[pf.request].prompt.size())) continue;
+      const float* row = logits.data() + (c.first_row + c.rows - 1) * V;  // the last prompt position
+      for (size_t si : pf.samples) samples[si].seq = pf.samples.size() == 1 ? pf.seq : cache_->fork(pf.seq);
+      if (pf.samples.size() > 1) cache_->release(pf.seq);
+      pf.seq = -1;  // handed to the samples
+      for (size_t si : pf.samples) {
+        NIB_ASSIGN_OR_RETURN(bool stop, take_token(samples[si], row));
+        if (stop) NIB_RETURN_IF_ERROR(finish(samples[si]));
+      }
+      finished_prefills.push_back(c.prefill);
+    }
+    for (auto it = finished_prefills.rbegin(); it != finished_prefills.rend(); ++it)
+      prefills.erase(prefills.begin() + static_cast<std::ptrdiff_t>(*it));
+    // drop finished samples from the front (indices of live samples stay valid: only a prefix goes)
+    size_t dead = 0;
+    while (dead < samples.size() && samples[dead].done) ++dead;
+    if (dead > 0) {
+      samples.erase(samples.begin(), samples.begin() + static_cast<std::ptrdiff_t>(dead));
+      for (Prefill& pf : prefills)
+        for (size_t& si : pf.samples) si -= dead;
+    }
+  }
+  NIB_CHECK_MSG(cache_->live_sequences() == 0, "rollout: {} sequences left in the cache", cache_->live_sequences());
+  std::vector<Completion> out;
+  for (auto& v : done_by_request) {
+    std::sort(v.begin(), v.end(), [](const Completion& a, const Completion& b) { return a.sample < b.sample; });
+    for (Completion& c : v) out.push_back(std::move(c));
+  }
+  return out;
+}
+
+}  // namespace nibble::rollout

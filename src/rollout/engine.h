@@ -1,0 +1,132 @@
+// The rollout engine (issue #15, CPU first): generation for many prompts at once on the model's
+// prefill/decode path (model::Model::forward_decode) over a paged KV cache (kv_cache.h).
+// Continuous batching: a request's G samples join the running batch when the cache can hold
+// their worst case (prompt + max_new_tokens) and leave it when they stop, freeing their pages, so
+// the next request starts while others are still decoding; a full cache makes requests wait,
+// never fail (one that could never fit is an error up front). Prefix sharing: a request's prompt
+// is prefilled once and its G samples fork its pages (refcounted, copy-on-write). Every step is
+// one forward_decode over the rows of all running sequences (a decode token each, or a chunk of
+// a prompt). Stop conditions: stop ids (EOS), max tokens, the model's context, stop strings.
+// Sampling (sampler.h) draws from PhiloxStream(seed, sample_stream(request id, sample)): the same
+// seed gives the same tokens whatever else is in the batch. Each sampled token carries its
+// log-probability under log_softmax(logits / temperature), the trainer's transform.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "model/transformer.h"
+#include "rollout/kv_cache.h"
+#include "rollout/precision.h"
+#include "rollout/sampler.h"
+
+namespace nibble::rollout {
+
+// Philox stream tag ("GENR" << 32, as train::kGenerateStream: sample 0 of request 0 draws what
+// `nibble generate` drew before the engine).
+inline constexpr uint64_t kRolloutStreamTag = uint64_t{0x47454E52} << 32;
+// The stream of sample `sample` of request `id` (both < 2^16).
+inline uint64_t sample_stream(uint64_t id, uint64_t sample) { return kRolloutStreamTag + (id << 16) + sample; }
+
+struct EngineOptions {
+  PrecisionMode mode = PrecisionMode::kBf16;
+  std::string recipe_name = "bf16";  // the checkpoint's recipe: picks the NVFP4 layout (precision.h)
+  backend::KvPageFormat kv_format = backend::KvPageFormat::kBf16;
+  int64_t page_size = 16;
+  int64_t num_pages = 0;        // 0: enough for max_batch sequences of the full context
+  int64_t max_batch = 16;       // sequences decoding at once (a request's G samples join together)
+  int64_t max_step_tokens = 0;  // rows per forward (prompt chunks); 0: max(max_position_embeddings, max_batch)
+  bool share_prefix = true;     // prefill a prompt once for its G samples
+};
+
+struct GenerationParams {
+  SamplingParams sampling;
+  int64_t max_new_tokens = 64;             // capped by the context: prompt + new <= max_position_embeddings
+  std::vector<int32_t> stop_ids;           // e.g. {eos}: the token ends the sample (and is part of it)
+  std::vector<std::string> stop_strings;   // the sample ends when its text contains one (needs a detokenizer)
+  uint64_t seed = 0;
+  int64_t num_samples = 1;                 // G
+};
+
+struct Request {
+  std::vector<int32_t> prompt;
+  GenerationParams params;
+  uint64_t id = 0;  // names the request's Philox streams (sample_stream); the CLI uses the line index
+};
+
+enum class FinishReason { kStopId, kLength, kStopString };
+const char* finish_reason_name(FinishReason r);  // "eos" | "length" | "stop"
+
+struct Completion {
+  int64_t request = 0;             // index into the requests given to generate()
+  int64_t sample = 0;              // 0 .. G-1
+  std::vector<int32_t> tokens;     // new tokens (a final stop id included)
+  std::vector<double> logprobs;    // log p of each token under log_softmax(logits / temperature)
+  FinishReason finish = FinishReason::kLength;
+};
+
+// One forward step's rows for the MoE routing recorder hook: row i is position positions[i] of
+// sample samples[i] (-1: a prompt row shared by all samples) of request requests[i];
+// expert_ids: (num_moe_layers, rows, top_k) i32 host.
+struct RoutingStep {
+  std::span<const int64_t> requests, samples;
+  std::span<const int32_t> positions;
+  const int32_t* expert_ids = nullptr;
+};
+
+struct EngineCallbacks {
+  // Each new token as soon as it is sampled (streaming); a non-ok Status stops generate().
+  std::function<Status(int64_t request, int64_t sample, int32_t token)> on_token;
+  // Each sample when it finishes (JSON-lines writers, progress).
+  std::function<Status(const Completion&)> on_finish;
+  // Text of tokens, for stop strings.
+  std::function<Result<std::string>(std::span<const int32_t>)> detokenize;
+  // MoE models: each step's expert ids (the routing-record store's hand-over point).
+  std::function<Status(const RoutingStep&)> on_routing;
+};
+
+// Counters of the last generate() call.
+struct EngineStats {
+  int64_t steps = 0, prompt_tokens = 0, generated_tokens = 0, peak_running = 0, peak_pages_in_use = 0;
+  int64_t waits = 0;  // steps on which a request waited for cache pages or batch room
+};
+
+class Engine {
+ public:
+  // The engine runs `model` (which must outlive it) on the model's backend. Errors: bad options,
+  // a backend without the paged KV-cache ops, a linear the 4-bit modes cannot hold.
+  static Result<std::unique_ptr<Engine>> create(model::Model& model, const EngineOptions& options);
+
+  // All samples of all requests, in (request, sample) order. Errors (one line, nothing generated
+  // for any request): an empty prompt, a prompt longer than the context, a token outside the
+  // vocabulary, G outside [1, max_batch], a request that cannot fit the cache even alone, bad
+  // sampling parameters; or a callback's error.
+  Result<std::vector<Completion>> generate(const std::vector<Request>& requests, const EngineCallbacks& callbacks = {});
+
+  // Re-quantizes the weights after the model's master weights changed (weight sync).
+  Status refresh_weights();
+
+  const PagedKvCache& cache() const { return *cache_; }
+  // The block linears of the bf16 / w4a16 / w4a4 modes (null in the recipe mode).
+  const QuantizedLinears* linears() const { return linears_.get(); }
+  const EngineOptions& options() const { return options_; }
+  const EngineStats& stats() const { return stats_; }
+
+ private:
+  Engine(model::Model& model, const EngineOptions& options) : model_(&model), options_(options) {}
+  Status validate(const std::vector<Request>& requests) const;
+  int64_t worst_case_pages(const Request& r) const;
+
+  model::Model* model_;
+  EngineOptions options_;
+  std::unique_ptr<PagedKvCache> cache_;
+  std::unique_ptr<QuantizedLinears> linears_;
+  EngineStats stats_;
+};
+
+}  // namespace nibble::rollout

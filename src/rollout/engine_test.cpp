@@ -1,0 +1,436 @@
+// Tests of the rollout engine on tiny OLMo-2 and Qwen3-MoE models (CPU): greedy decoding over the
+// paged KV cache gives the tokens of the recompute-everything generation; sampled tokens' log-probs
+// equal a teacher-forced training forward within a derived tolerance; mixed-length batches, prefix
+// sharing and a cache too small for everything at once give each sequence's results alone; pages
+// never leak; w4a16 weights are the trainer's quantizer bits; seeds reproduce and are independent
+// of batch composition; bad inputs are one-line errors; the MoE routing hook sees the training
+// forward's expert ids.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/bits.h"
+#include "formats/quantize_cpu.h"
+#include "model/config.h"
+#include "model/tiny_olmo2_test_util.h"
+#include "rollout/engine.h"
+
+namespace nibble::rollout {
+namespace {
+
+using backend::KvPageFormat;
+
+// Weights of std 0.3 (not the training init's 0.02) so the logits are spread and greedy argmaxes
+// are not decided by rounding.
+std::unique_ptr<model::Model> tiny_olmo(const std::string& recipe = "bf16", int64_t vocab = 48) {
+  nlohmann::json j = model::test::tiny_olmo2_model_json(vocab);
+  j["initializer_range"] = 0.3;
+  auto cfg = model::parse_model_config(j);
+  EXPECT_TRUE(cfg.is_ok()) << cfg.status().message();
+  model::RecipeConfig rc;
+  rc.name = recipe;
+  auto m = model::Model::create(cfg.value(), rc);
+  EXPECT_TRUE(m.is_ok()) << m.status().message();
+  m.value()->init_weights(7);
+  return std::move(m).value();
+}
+
+std::unique_ptr<model::Model> tiny_moe() {
+  nlohmann::json j = nlohmann::json::parse(R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32,
+    "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "vocab_size": 40, "max_position_embeddings": 48, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [1],
+    "initializer_range": 0.3})");
+  auto cfg = model::parse_model_config(j);
+  EXPECT_TRUE(cfg.is_ok()) << cfg.status().message();
+  model::RecipeConfig rc;
+  rc.name = "bf16";
+  auto m = model::Model::create(cfg.value(), rc);
+  EXPECT_TRUE(m.is_ok()) << m.status().message();
+  m.value()->init_weights(3);
+  return std::move(m).value();
+}
+
+std::unique_ptr<Engine> make_engine(model::Model& m, EngineOptions o = {}) {
+  auto e = Engine::create(m, o);
+  EXPECT_TRUE(e.is_ok()) << e.status().message();
+  return std::move(e).value();
+}
+
+std::vector<int32_t> prompt_of(int64_t n, int32_t salt, int64_t vocab = 48) {
+  std::vector<int32_t> p;
+  for (int64_t i = 0; i < n; ++i) p.push_back(static_cast<int32_t>((i * 7 + salt * 13 + 1) % vocab));
+  return p;
+}
+
+// Today's generation: the whole context through the training forward for every token, argmax
+// (lowest id on ties), as train::generate_tokens with temperature 0.
+std::vector<int32_t> recompute_greedy(model::Model& m, std::vector<int32_t> seq, int64_t n) {
+  const int64_t V = m.config().vocab_size;
+  std::vector<int32_t> out;
+  std::vector<float> logits;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t T = static_cast<int64_t>(seq.size());
+    logits.resize(static_cast<size_t>(T * V));
+    m.forward_logits(logits.data(), seq.data(), 1, T);
+    const float* row = logits.data() + (T - 1) * V;
+    int32_t best = 0;
+    for (int32_t v = 1; v < V; ++v)
+      if (row[v] > row[best]) best = v;
+    seq.push_back(best);
+    out.push_back(best);
+  }
+  return out;
+}
+
+// log_softmax(logits / t)[token] of every new token, teacher-forced through the training forward.
+std::vector<double> teacher_forced_logprobs(model::Model& m, const std::vector<int32_t>& prompt,
+                                            const std::vector<int32_t>& tokens, double t) {
+  const int64_t V = m.config().vocab_size;
+  std::vector<int32_t> seq(prompt);
+  seq.insert(seq.end(), tokens.begin(), tokens.end() - 1);
+  const int64_t T = static_cast<int64_t>(seq.size()), P = static_cast<int64_t>(prompt.size());
+  std::vector<float> logits(static_cast<size_t>(T * V));
+  m.forward_logits(logits.data(), seq.data(), 1, T);
+  std::vector<double> lp;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const float* row = logits.data() + (P - 1 + static_cast<int64_t>(i)) * V;
+    double mx = -INFINITY, z = 0;
+    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, row[v] / t);
+    for (int64_t v = 0; v < V; ++v) z += std::exp(row[v] / t - mx);
+    lp.push_back(row[tokens[i]] / t - mx - std::log(z));
+  }
+  return lp;
+}
+
+Request greedy_request(std::vector<int32_t> prompt, int64_t n) {
+  Request r;
+  r.prompt = std::move(prompt);
+  r.params.sampling.temperature = 0;
+  r.params.max_new_tokens = n;
+  return r;
+}
+
+Request sampled_request(std::vector<int32_t> prompt, int64_t n, int64_t G, uint64_t seed, uint64_t id = 0) {
+  Request r;
+  r.prompt = std::move(prompt);
+  r.params.sampling = SamplingParams{0.8, 0, 0.95};
+  r.params.max_new_tokens = n;
+  r.params.num_samples = G;
+  r.params.seed = seed;
+  r.id = id;
+  return r;
+}
+
+// Tolerances. With the fp32 recipe, the engine's recipe mode and F32 pages, the engine and the
+// training forward compute the same FP32 function and differ only in summation orders (GEMMs of
+// another M, the paged attention's scalar loops against BLAS). A logit is a sum over C = 64
+// products after 2 blocks; each reordered FP32 sum of n <= 128 terms moves its result by at most
+// n u |terms| (u = 2^-24, 7.6e-6 relative), and the ~10 reordered ops per block compose to well
+// under 1e-4 |logit| relative with logits |l| <= 8 here: |dl| <= 1e-3, and a log-prob moves by at
+// most 2 max|dl| / t <= 2.5e-3 at t = 0.8.
+// In the bf16 mode with BF16 pages two rounding steps are no longer continuous in the inputs: K
+// and V are stored in BF16 (relative 2^-9 on every score and attention output), and a linear's
+// input element that differs in its last FP32 bits may round to the neighbouring BF16 value
+// (relative 2^-8 on that element). Even if every element moved so, the blocks carry ~2^-8 |l|
+// relative: |dl| <= 8 * 2^-8 * 0.6 (the norms' gain) ~ 0.02, |d logp| <= 2 |dl| / t = 0.05.
+constexpr double kLogprobTolF32 = 2.5e-3;
+constexpr double kLogprobTolBf16 = 0.05;
+
+TEST(RolloutEngine, GreedyDecodeEqualsRecomputeGeneration) {
+  auto m = tiny_olmo();
+  for (KvPageFormat f : {KvPageFormat::kF32, KvPageFormat::kBf16}) {
+    EngineOptions o;
+    o.kv_format = f;
+    o.page_size = 4;
+    auto e = make_engine(*m, o);
+    std::vector<Request> reqs{greedy_request(prompt_of(1, 1), 20), greedy_request(prompt_of(6, 2), 20),
+                              greedy_request(prompt_of(13, 3), 30)};
+    auto out = e->generate(reqs);
+    ASSERT_TRUE(out.is_ok()) << out.status().message();
+    ASSERT_EQ(out->size(), reqs.size());
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ((*out)[i].tokens, recompute_greedy(*m, reqs[i].prompt, reqs[i].params.max_new_tokens))
+          << "request " << i << " pages " << backend::kv_page_format_name(f);
+      EXPECT_EQ((*out)[i].finish, FinishReason::kLength);
+    }
+  }
+}
+
+TEST(RolloutEngine, LogprobsEqualTeacherForcedTrainingForward) {
+  for (KvPageFormat f : {KvPageFormat::kF32, KvPageFormat::kBf16}) {
+    // F32 pages: the fp32 recipe through the engine's recipe mode; BF16 pages: the bf16 recipe
+    // against the engine's bf16 mode
+    const bool exact = f == KvPageFormat::kF32;
+    auto m = tiny_olmo(exact ? "fp32" : "bf16");
+    EngineOptions o;
+    o.kv_format = f;
+    o.mode = exact ? PrecisionMode::kRecipe : PrecisionMode::kBf16;
+    auto e = make_engine(*m, o);
+    std::vector<Request> reqs{sampled_request(prompt_of(5, 4), 24, 2, 11), sampled_request(prompt_of(9, 5), 24, 1, 12)};
+    auto out = e->generate(reqs);
+    ASSERT_TRUE(out.is_ok()) << out.status().message();
+    const double tol = exact ? kLogprobTolF32 : kLogprobTolBf16;
+    double worst = 0;
+    for (const Completion& c : *out) {
+      ASSERT_EQ(c.tokens.size(), c.logprobs.size());
+      auto ref = teacher_forced_logprobs(*m, reqs[c.request].prompt, c.tokens, 0.8);
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_LE(c.logprobs[i], 0.0);
+        worst = std::max(worst, std::fabs(c.logprobs[i] - ref[i]));
+        ASSERT_NEAR(c.logprobs[i], ref[i], tol) << "request " << c.request << " sample " << c.sample << " token " << i;
+      }
+    }
+    std::printf("[ info ] %s pages: max |engine - teacher-forced| log-prob = %.3g (tolerance %.3g)\n",
+                backend::kv_page_format_name(f), worst, tol);
+  }
+}
+
+TEST(RolloutEngine, MixedLengthBatchGivesEachSequenceItsResultAlone) {
+  auto m = tiny_olmo("fp32");
+  EngineOptions o;
+  o.mode = PrecisionMode::kRecipe;
+  o.kv_format = KvPageFormat::kF32;
+  o.page_size = 8;
+  auto e = make_engine(*m, o);
+  std::vector<Request> reqs{sampled_request(prompt_of(3, 6), 12, 1, 5, 0), sampled_request(prompt_of(17, 7), 20, 1, 5, 1),
+                            sampled_request(prompt_of(9, 8), 6, 1, 5, 2)};
+  auto batch = e->generate(reqs);
+  ASSERT_TRUE(batch.is_ok()) << batch.status().message();
+  EXPECT_GE(e->stats().peak_running, 3);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    auto alone = e->generate({reqs[i]});
+    ASSERT_TRUE(alone.is_ok());
+    ASSERT_EQ((*alone)[0].tokens, (*batch)[i].tokens) << "request " << i;
+    // Rows never share a reduction in the paged attention; the GEMMs of another M may sum in
+    // another order (OpenBLAS kernels), hence the reordering tolerance above, not bit equality.
+    for (size_t t = 0; t < (*alone)[0].logprobs.size(); ++t)
+      ASSERT_NEAR((*alone)[0].logprobs[t], (*batch)[i].logprobs[t], kLogprobTolF32) << "request " << i;
+  }
+}
+
+TEST(RolloutEngine, PrefixSharingGivesTheResultsOfUnsharedPrompts) {
+  auto m = tiny_olmo("fp32");
+  std::vector<Request> reqs{sampled_request(prompt_of(11, 9), 16, 4, 21), sampled_request(prompt_of(6, 10), 10, 3, 22, 1)};
+  std::vector<std::vector<Completion>> results;
+  std::vector<int64_t> peak_pages;
+  for (bool share : {true, false}) {
+    EngineOptions o;
+    o.mode = PrecisionMode::kRecipe;
+    o.kv_format = KvPageFormat::kF32;
+    o.page_size = 4;  // prompts end inside a page: the samples copy it on write
+    o.share_prefix = share;
+    auto e = make_engine(*m, o);
+    auto out = e->generate(reqs);
+    ASSERT_TRUE(out.is_ok()) << out.status().message();
+    results.push_back(*out);
+    peak_pages.push_back(e->stats().peak_pages_in_use);
+    EXPECT_EQ(e->cache().free_pages(), e->cache().num_pages());
+  }
+  ASSERT_EQ(results[0].size(), 7u);
+  for (size_t i = 0; i < results[0].size(); ++i) {
+    EXPECT_EQ(results[0][i].tokens, results[1][i].tokens) << "completion " << i;
+    for (size_t t = 0; t < results[0][i].logprobs.size(); ++t)
+      ASSERT_NEAR(results[0][i].logprobs[t], results[1][i].logprobs[t], kLogprobTolF32);
+  }
+  // the G samples of a group differ (own streams) and sharing holds fewer pages
+  EXPECT_NE(results[0][0].tokens, results[0][1].tokens);
+  EXPECT_LT(peak_pages[0], peak_pages[1]);
+}
+
+TEST(RolloutEngine, FullCacheMakesRequestsWaitAndPagesNeverLeak) {
+  auto m = tiny_olmo();
+  std::vector<Request> reqs;
+  for (int i = 0; i < 5; ++i) reqs.push_back(sampled_request(prompt_of(4 + 3 * i, 20 + i), 10, 2, 30, i));
+  EngineOptions roomy;
+  roomy.kv_format = KvPageFormat::kF32;
+  roomy.page_size = 4;
+  auto e1 = make_engine(*m, roomy);
+  auto ref = e1->generate(reqs);
+  ASSERT_TRUE(ref.is_ok()) << ref.status().message();
+  EXPECT_EQ(e1->stats().waits, 0);
+  // room for the largest request alone: the others wait until its pages come back
+  EngineOptions tight = roomy;
+  tight.num_pages = 12;
+  auto e2 = make_engine(*m, tight);
+  auto out = e2->generate(reqs);
+  ASSERT_TRUE(out.is_ok()) << out.status().message();
+  EXPECT_GT(e2->stats().waits, 0);
+  EXPECT_LE(e2->stats().peak_pages_in_use, 12);
+  EXPECT_EQ(e2->cache().free_pages(), 12);
+  EXPECT_EQ(e2->cache().live_sequences(), 0);
+  ASSERT_EQ(out->size(), ref->size());
+  for (size_t i = 0; i < out->size(); ++i) EXPECT_EQ((*out)[i].tokens, (*ref)[i].tokens) << "completion " << i;
+  // a request larger than the whole cache is an error up front, nothing generated
+  EngineOptions tiny = roomy;
+  tiny.num_pages = 3;
+  auto e3 = make_engine(*m, tiny);
+  auto bad = e3->generate(reqs);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("KV pages"), std::string::npos) << bad.status().message();
+  EXPECT_EQ(e3->cache().free_pages(), 3);
+  // a callback's error stops generation and still frees every page
+  EngineCallbacks cb;
+  int calls = 0;
+  cb.on_token = [&](int64_t, int64_t, int32_t) { return ++calls == 7 ? io_error("stop here") : Status::ok(); };
+  auto stopped = e1->generate(reqs, cb);
+  ASSERT_FALSE(stopped.is_ok());
+  EXPECT_EQ(e1->cache().free_pages(), e1->cache().num_pages());
+  EXPECT_EQ(e1->cache().live_sequences(), 0);
+}
+
+TEST(RolloutEngine, StopIdsStopStringsAndContextEndSamples) {
+  auto m = tiny_olmo();
+  auto e = make_engine(*m);
+  Request base = greedy_request(prompt_of(5, 1), 12);
+  auto free_run = e->generate({base});
+  ASSERT_TRUE(free_run.is_ok());
+  const std::vector<int32_t> toks = (*free_run)[0].tokens;
+  ASSERT_EQ(toks.size(), 12u);
+  // a stop id ends the sample at its first occurrence, included
+  Request with_eos = base;
+  with_eos.params.stop_ids = {toks[4]};
+  auto eos = e->generate({with_eos});
+  ASSERT_TRUE(eos.is_ok());
+  const size_t first = static_cast<size_t>(std::find(toks.begin(), toks.end(), toks[4]) - toks.begin());
+  EXPECT_EQ((*eos)[0].tokens, std::vector<int32_t>(toks.begin(), toks.begin() + first + 1));
+  EXPECT_EQ((*eos)[0].finish, FinishReason::kStopId);
+  // a stop string over a detokenizer that spells each id as "<id>"
+  EngineCallbacks cb;
+  cb.detokenize = [](std::span<const int32_t> ids) -> Result<std::string> {
+    std::string s;
+    for (int32_t t : ids) s += "<" + std::to_string(t) + ">";
+    return s;
+  };
+  Request with_stop = base;
+  with_stop.params.stop_strings = {"<" + std::to_string(toks[2]) + "><" + std::to_string(toks[3]) + ">"};
+  auto stop = e->generate({with_stop}, cb);
+  ASSERT_TRUE(stop.is_ok()) << stop.status().message();
+  EXPECT_EQ((*stop)[0].finish, FinishReason::kStopString);
+  EXPECT_LE((*stop)[0].tokens.size(), 4u);
+  // the context (64) caps prompt + new tokens
+  Request at_end = greedy_request(prompt_of(60, 2), 50);
+  auto end = e->generate({at_end});
+  ASSERT_TRUE(end.is_ok()) << end.status().message();
+  EXPECT_EQ((*end)[0].tokens.size(), 4u);
+  EXPECT_EQ((*end)[0].finish, FinishReason::kLength);
+  Request full = greedy_request(prompt_of(64, 3), 5);
+  auto none = e->generate({full});
+  ASSERT_TRUE(none.is_ok()) << none.status().message();
+  EXPECT_TRUE((*none)[0].tokens.empty());
+}
+
+TEST(RolloutEngine, W4A16WeightsAreTheTrainerQuantizerBits) {
+  auto m = tiny_olmo("tetrajet-v2");
+  EngineOptions o;
+  o.mode = PrecisionMode::kW4A16;
+  o.recipe_name = "tetrajet-v2";
+  auto e = make_engine(*m, o);
+  ASSERT_EQ(e->linears()->weight_format(), backend::QuantFormat::kNvfp4TwoLevel);
+  for (const model::LinearInfo& info : m->linear_infos()) {
+    const int64_t N = info.N, K = info.K;
+    // the recipe's forward operand: the master weight rounded to BF16, two-level RTN along K
+    std::vector<float> wb(static_cast<size_t>(N * K));
+    const float* w = m->linear_weight(info.id);
+    for (int64_t i = 0; i < N * K; ++i) wb[i] = round_to_bf16(w[i]);
+    std::vector<uint8_t> codes(N * K / 2), inner(N * K / 16);
+    std::vector<float> outer(N * ((K + 127) / 128));
+    formats::nvfp4_2level_quantize_cpu(codes.data(), inner.data(), outer.data(), wb.data(), N, K, nullptr);
+    const backend::QuantizedTensor& q = e->linears()->quantized_weight(info.id);
+    ASSERT_EQ(std::memcmp(q.codes, codes.data(), codes.size()), 0) << info.name;
+    ASSERT_EQ(std::memcmp(q.scales, inner.data(), inner.size()), 0) << info.name;
+    ASSERT_EQ(std::memcmp(q.outer, outer.data(), outer.size() * sizeof(float)), 0) << info.name;
+  }
+  // the modes change the numbers: greedy w4a16 / w4a4 log-probs differ from bf16's
+  std::vector<std::vector<double>> lps;
+  for (PrecisionMode mode : {PrecisionMode::kBf16, PrecisionMode::kW4A16, PrecisionMode::kW4A4}) {
+    EngineOptions mo = o;
+    mo.mode = mode;
+    auto em = make_engine(*m, mo);
+    auto out = em->generate({greedy_request(prompt_of(7, 4), 6)});
+    ASSERT_TRUE(out.is_ok()) << out.status().message();
+    lps.push_back((*out)[0].logprobs);
+  }
+  EXPECT_NE(lps[0], lps[1]);
+  EXPECT_NE(lps[1], lps[2]);
+}
+
+TEST(RolloutEngine, SamplingIsReproduciblePerSeedAndIndependentOfTheBatch) {
+  auto m = tiny_olmo();
+  auto e = make_engine(*m);
+  Request a = sampled_request(prompt_of(6, 11), 16, 2, 99, 7);
+  auto once = e->generate({a});
+  auto twice = e->generate({a});
+  ASSERT_TRUE(once.is_ok() && twice.is_ok());
+  EXPECT_EQ((*once)[0].tokens, (*twice)[0].tokens);
+  EXPECT_EQ((*once)[1].tokens, (*twice)[1].tokens);
+  // among other requests (before and after it in the batch), request id 7 draws the same tokens
+  auto crowd = e->generate({sampled_request(prompt_of(9, 12), 12, 3, 99, 1), a, sampled_request(prompt_of(2, 13), 8, 1, 5, 2)});
+  ASSERT_TRUE(crowd.is_ok());
+  EXPECT_EQ((*crowd)[3].request, 1);
+  EXPECT_EQ((*crowd)[3].tokens, (*once)[0].tokens);
+  EXPECT_EQ((*crowd)[4].tokens, (*once)[1].tokens);
+  // another seed draws other tokens
+  Request b = a;
+  b.params.seed = 100;
+  auto other = e->generate({b});
+  ASSERT_TRUE(other.is_ok());
+  EXPECT_NE((*other)[0].tokens, (*once)[0].tokens);
+}
+
+TEST(RolloutEngine, BadInputsAreOneLineErrors) {
+  auto m = tiny_olmo();
+  auto e = make_engine(*m);
+  auto check = [&](const Request& r, const std::string& needle) {
+    auto out = e->generate({greedy_request(prompt_of(3, 1), 2), r});
+    ASSERT_FALSE(out.is_ok()) << needle;
+    const std::string msg = out.status().message();
+    EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    EXPECT_EQ(e->cache().free_pages(), e->cache().num_pages());
+  };
+  check(greedy_request({}, 4), "request 1: empty prompt");
+  check(greedy_request(prompt_of(65, 1), 4), "longer than the model's context of 64");
+  check(greedy_request({3, 48}, 4), "outside the vocabulary");
+  Request many = greedy_request(prompt_of(3, 1), 2);
+  many.params.num_samples = 17;
+  check(many, "17 samples");
+  Request top_p = sampled_request(prompt_of(3, 1), 2, 1, 0);
+  top_p.params.sampling.top_p = 0;
+  check(top_p, "top_p");
+  auto mode = parse_precision_mode("fp8");
+  ASSERT_FALSE(mode.is_ok());
+  EXPECT_EQ(mode.status().message(), "unknown precision mode 'fp8' (recipe, bf16, w4a16, w4a4)");
+}
+
+TEST(RolloutEngine, MoeGreedyDecodeAndRoutingHook) {
+  auto m = tiny_moe();
+  auto e = make_engine(*m);
+  const std::vector<int32_t> prompt = prompt_of(7, 3, 40);
+  // the routing hook sees the prompt rows of the prefill step: the training forward's expert ids
+  std::vector<int32_t> first_step;
+  int64_t first_rows = -1;
+  EngineCallbacks cb;
+  cb.on_routing = [&](const RoutingStep& s) {
+    if (first_rows < 0) {
+      first_rows = static_cast<int64_t>(s.positions.size());
+      first_step.assign(s.expert_ids, s.expert_ids + m->num_moe_layers() * first_rows * 2);
+    }
+    return Status::ok();
+  };
+  auto out = e->generate({greedy_request(prompt, 10)}, cb);
+  ASSERT_TRUE(out.is_ok()) << out.status().message();
+  EXPECT_EQ((*out)[0].tokens, recompute_greedy(*m, prompt, 10));
+  ASSERT_EQ(first_rows, 7);
+  std::vector<int32_t> rec(static_cast<size_t>(m->num_moe_layers() * 7 * 2));
+  std::vector<float> logits(7 * 40);
+  m->forward_logits(logits.data(), prompt.data(), 1, 7, model::RoutingIO{nullptr, rec.data()});
+  EXPECT_EQ(first_step, rec);
+}
+
+}  // namespace
+}  // namespace nibble::rollout

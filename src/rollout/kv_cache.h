@@ -1,0 +1,101 @@
+// The rollout engine's paged KV cache (../shared/spec/06-backends.md §8): keys and values of
+// every layer live in fixed-size pages (page_size positions x Hkv x D elements, BF16 by default,
+// F32 as the exact reference) in the backend's memory; each sequence has a page table; pages are
+// refcounted so the G samples of a group share their prompt's pages (fork), a shared page that a
+// sample writes into is copied first (copy-on-write), and a page returns to the free list when no
+// sequence holds it. As model::KvCacheAttention it serves the model's forward_decode: each layer's
+// new keys/values are written through Backend::kv_cache_write and the queries read the pages
+// through Backend::paged_attention (Op::kPagedKvCache).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "model/transformer.h"
+
+namespace nibble::rollout {
+
+struct KvCacheConfig {
+  int64_t num_layers = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  int64_t page_size = 16;  // positions per page
+  int64_t num_pages = 0;   // pages per layer (the same page ids in every layer)
+  backend::KvPageFormat format = backend::KvPageFormat::kBf16;
+};
+
+class PagedKvCache final : public model::KvCacheAttention {
+ public:
+  using SeqId = int64_t;
+  // Allocates the pages on `be` (which must outlive the cache). Errors: bad sizes, a backend
+  // without Op::kPagedKvCache (named), out of memory.
+  static Result<std::unique_ptr<PagedKvCache>> create(backend::Backend& be, const KvCacheConfig& config);
+
+  const KvCacheConfig& config() const { return config_; }
+  int64_t num_pages() const { return config_.num_pages; }
+  int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
+  int64_t live_sequences() const { return live_; }
+  // Bytes of K and V pages over all layers.
+  int64_t bytes() const;
+
+  // A new empty sequence.
+  SeqId add_sequence();
+  // A new sequence holding the same positions as `parent` by sharing its pages (refcounts + 1).
+  SeqId fork(SeqId parent);
+  // Drops the sequence; its pages return to the free list when no other sequence holds them.
+  void release(SeqId seq);
+  int64_t length(SeqId seq) const;  // positions written
+  // Pages grow(seq, n) would take from the free list (new pages + a copy of a shared last page).
+  int64_t pages_needed(SeqId seq, int64_t n) const;
+  // Makes room for n more positions of seq (allocating pages, copying a shared partly filled last
+  // page first). Error (nothing changed) when the free pages do not suffice.
+  Status grow(SeqId seq, int64_t n);
+
+  // The rows of the next forward_decode: row i writes position row_pos[i] of sequence row_seq[i].
+  // The rows of one sequence must be its next positions length .. length + k - 1 in order, with
+  // room made by grow(). Uploads the slots, block tables and context lengths; finish_batch()
+  // then advances the lengths.
+  Status begin_batch(const std::vector<SeqId>& row_seq, const std::vector<int32_t>& row_pos);
+  void finish_batch();
+
+  // model::KvCacheAttention: writes layer `layer`'s rows then attends over the pages.
+  void append_and_attend(backend::Backend& be, int64_t layer, float* out, const float* q, const float* k,
+                         const float* v, int64_t N) override;
+
+  // host copy of one page of one layer (tests): (page_size, Hkv, D) elements as bytes.
+  std::vector<uint8_t> page_bytes(int64_t layer, int32_t page, bool values) const;
+  // The page ids of a sequence (tests, recorders).
+  const std::vector<int32_t>& pages_of(SeqId seq) const;
+
+ private:
+  struct Sequence {
+    std::vector<int32_t> pages;
+    int64_t length = 0;
+    bool live = false;
+  };
+  PagedKvCache(backend::Backend& be, const KvCacheConfig& config) : be_(&be), config_(config) {}
+  Sequence& seq(SeqId id);
+  const Sequence& seq(SeqId id) const;
+  int32_t take_page();
+  void drop_page(int32_t page);
+  void copy_page(int32_t dst, int32_t src);
+  int64_t layer_bytes() const;
+  uint8_t* k_layer(int64_t layer) const;
+  uint8_t* v_layer(int64_t layer) const;
+
+  backend::Backend* be_;
+  KvCacheConfig config_;
+  backend::Buffer<uint8_t> k_, v_;        // (L, num_pages, page_size, Hkv, D) elements of format
+  std::vector<int32_t> refcount_;          // (num_pages)
+  std::vector<int32_t> free_;              // free page ids (a stack: lowest id on top first)
+  std::vector<Sequence> seqs_;
+  int64_t live_ = 0;
+  // the current batch (host copies, then backend memory)
+  std::vector<int32_t> slots_h_, table_h_, ctx_h_;
+  std::vector<std::pair<SeqId, int64_t>> batch_growth_;  // (seq, new length) applied by finish_batch
+  backend::Buffer<int32_t> slots_, table_, ctx_;
+  int64_t batch_rows_ = 0, max_blocks_ = 0;
+};
+
+}  // namespace nibble::rollout

@@ -1,0 +1,90 @@
+// Precision modes of the rollout engine's block linears (see precision.h).
+#include "rollout/precision.h"
+
+#include "core/check.h"
+
+namespace nibble::rollout {
+
+using backend::QuantFormat;
+
+const char* precision_mode_name(PrecisionMode m) {
+  switch (m) {
+    case PrecisionMode::kRecipe: return "recipe";
+    case PrecisionMode::kBf16: return "bf16";
+    case PrecisionMode::kW4A16: return "w4a16";
+    case PrecisionMode::kW4A4: return "w4a4";
+  }
+  return "?";
+}
+
+Result<PrecisionMode> parse_precision_mode(const std::string& s) {
+  if (s == "recipe") return PrecisionMode::kRecipe;
+  if (s == "bf16") return PrecisionMode::kBf16;
+  if (s == "w4a16") return PrecisionMode::kW4A16;
+  if (s == "w4a4") return PrecisionMode::kW4A4;
+  return invalid_argument("unknown precision mode '{}' (recipe, bf16, w4a16, w4a4)", s);
+}
+
+Result<std::unique_ptr<QuantizedLinears>> QuantizedLinears::create(model::Model& model, PrecisionMode mode,
+                                                                   const std::string& recipe_name) {
+  NIB_CHECK_MSG(mode != PrecisionMode::kRecipe, "QuantizedLinears: the recipe mode runs the model's recipes");
+  std::unique_ptr<QuantizedLinears> q(new QuantizedLinears);
+  q->mode_ = mode;
+  const bool te = recipe_name == "nvfp4-nvidia";
+  q->weight_format_ = te ? QuantFormat::kNvfp4Te2d : QuantFormat::kNvfp4TwoLevel;
+  q->act_format_ = te ? QuantFormat::kNvfp4Te : QuantFormat::kNvfp4TwoLevel;
+  backend::Backend& be = model.backend();
+  const bool four_bit = mode != PrecisionMode::kBf16;
+  for (const model::LinearInfo& info : model.linear_infos()) {
+    if (four_bit && (info.K % 16 != 0 || (te && info.N % 16 != 0)))
+      return invalid_argument("{} mode: linear {} is ({}, {}); NVFP4 needs in-features{} a multiple of 16",
+                              precision_mode_name(mode), info.name, info.N, info.K, te ? " and out-features" : "");
+    auto slot = std::make_unique<Slot>();
+    const float* w = model.linear_weight(info.id);  // (N,K) master weight in backend memory
+    float* wb = slot->w.ensure(be, info.N * info.K, "rollout linear weight");
+    be.round_to_bf16(wb, w, info.N * info.K);  // the recipes quantize the BF16 weight
+    if (four_bit) {
+      slot->q = slot->qbuf.view(be, q->weight_format_, info.N, info.K);
+      be.quantize(slot->q, wb);  // RTN, the trainer's forward quantizer
+      be.dequantize(wb, slot->q);
+      q->weight_bytes_ += backend::QuantizedTensor::code_bytes(q->weight_format_, info.N, info.K) +
+                          backend::QuantizedTensor::scale_bytes(q->weight_format_, info.N, info.K) +
+                          4 * backend::QuantizedTensor::outer_count(q->weight_format_, info.N, info.K);
+    } else {
+      q->weight_bytes_ += 2 * info.N * info.K;
+    }
+    q->slots_.push_back(std::move(slot));
+  }
+  return q;
+}
+
+const backend::QuantizedTensor& QuantizedLinears::quantized_weight(int id) const {
+  NIB_CHECK(id >= 0 && id < static_cast<int>(slots_.size()));
+  NIB_CHECK_MSG(mode_ != PrecisionMode::kBf16, "quantized_weight: the bf16 mode keeps no quantized weights");
+  return slots_[id]->q;
+}
+
+void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
+                               const model::LinearInfo& info) {
+  NIB_CHECK(info.id >= 0 && info.id < static_cast<int>(slots_.size()));
+  const int64_t N = info.N, K = info.K;
+  Slot& s = *slots_[info.id];
+  // the BF16 activation (zero rows pad the TE format's 16-row tiles)
+  const int64_t Mp = mode_ == PrecisionMode::kW4A4 ? (M + 15) / 16 * 16 : M;
+  float* xs = xs_.ensure(be, Mp * K, "rollout activation");
+  be.round_to_bf16(xs, x, M * K);
+  if (Mp > M) be.fill_zero(xs + M * K, static_cast<size_t>((Mp - M) * K) * sizeof(float));
+  const float* a = xs;
+  if (mode_ == PrecisionMode::kW4A4) {
+    backend::QuantizedTensor qx = xq_.view(be, act_format_, Mp, K);
+    be.quantize(qx, xs);  // RTN, as the recipes' forward
+    float* xd = xd_.ensure(be, Mp * K, "rollout dequantized activation");
+    be.dequantize(xd, qx);
+    a = xd;
+  }
+  // bf16: both operands are BF16 numbers; the dequantized NVFP4 values carry FP32 scales.
+  be.matmul_nt(y, a, s.w.data(), M, N, K, /*accumulate=*/false, /*operands_bf16=*/mode_ == PrecisionMode::kBf16);
+  if (mode_ != PrecisionMode::kBf16) be.round_to_bf16(y, y, M * N);  // as the 4-bit recipes: the GEMM writes BF16
+}
+
+}  // namespace nibble::rollout

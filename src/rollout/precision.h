@@ -1,0 +1,66 @@
+// The rollout engine's precision modes (issue #15 §2), as the model::LinearOverride its decode
+// calls run every block linear through (the router, embedding and lm_head stay FP32):
+//   recipe the model's own linear recipes, forward only (what `nibble generate` ran before the
+//          engine; no override).
+//   bf16   y = bf16(x) . bf16(W)^T, FP32 accumulation (the `bf16` recipe's forward).
+//   w4a16  W quantized once to NVFP4 by the backend quantizer the trainer's recipes call (same
+//          bits: tetrajet-v2's two-level 1x16 format from the BF16 weight; for a checkpoint of
+//          the nvfp4-nvidia recipe its 16x16-tile TE format), kept as codes + scales, and
+//          dequantized exactly for the GEMM; activations BF16.
+//   w4a4   as w4a16, and the BF16 activation entering each linear quantized (RTN) with the
+//          same quantizer and dequantized.
+// The CPU emulates the math; the dequantized weight is kept beside the codes (the CUDA decode
+// GEMMs that read the packed codes are issue #15's next step).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "model/transformer.h"
+
+namespace nibble::rollout {
+
+enum class PrecisionMode { kRecipe, kBf16, kW4A16, kW4A4 };
+const char* precision_mode_name(PrecisionMode m);
+// "recipe" | "bf16" | "w4a16" | "w4a4"
+Result<PrecisionMode> parse_precision_mode(const std::string& s);
+
+class QuantizedLinears final : public model::LinearOverride {
+ public:
+  // Prepares every block linear of `model` for `mode` (not kRecipe) from its current master weights (call again
+  // after the weights change). recipe_name picks the NVFP4 layout ("nvfp4-nvidia": TE formats;
+  // any other: two-level). Errors: a linear whose in-features (or, for the TE tile format,
+  // out-features) is not a multiple of 16 in a 4-bit mode.
+  static Result<std::unique_ptr<QuantizedLinears>> create(model::Model& model, PrecisionMode mode,
+                                                          const std::string& recipe_name);
+
+  PrecisionMode mode() const { return mode_; }
+  backend::QuantFormat weight_format() const { return weight_format_; }
+  backend::QuantFormat activation_format() const { return act_format_; }
+  // The quantized weight of linear `id` (4-bit modes), a view of backend memory.
+  const backend::QuantizedTensor& quantized_weight(int id) const;
+  // Bytes the weights of the block linears take in this mode's storage (codes + scales, or BF16).
+  int64_t weight_bytes() const { return weight_bytes_; }
+
+  void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
+               const model::LinearInfo& info) override;
+
+ private:
+  struct Slot {
+    backend::QuantizedBuffer qbuf;
+    backend::QuantizedTensor q;  // 4-bit modes
+    backend::Buffer<float> w;    // (N,K): bf16-rounded (bf16) or dequantized (4-bit) weight for the GEMM
+  };
+  PrecisionMode mode_ = PrecisionMode::kBf16;
+  backend::QuantFormat weight_format_ = backend::QuantFormat::kNvfp4TwoLevel;
+  backend::QuantFormat act_format_ = backend::QuantFormat::kNvfp4TwoLevel;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  int64_t weight_bytes_ = 0;
+  backend::Buffer<float> xs_, xd_;        // (Mp, K) activation scratch: bf16-rounded, dequantized
+  backend::QuantizedBuffer xq_;           // (Mp, K) quantized activation
+};
+
+}  // namespace nibble::rollout
