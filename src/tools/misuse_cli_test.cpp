@@ -3,7 +3,8 @@
 // once instead of hanging; each run is bounded by a deadline), numeric options out of range
 // (exit 2, one line naming the option), generate's cap to the model's context and its
 // token-by-token output, a resume with nothing to do, and checkpoints that every command loads
-// the same way (wrong tensor shapes refused by export too; no optimizer state needed but to resume).
+// the same way (wrong tensor shapes refused by export too; no optimizer state needed but to resume);
+// generate on the rollout engine: --prompts to JSON lines, its output guard and option checks.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -411,6 +412,97 @@ TEST_F(MisuseCli, OnlyResumeNeedsTheOptimizerState) {
   BoundedRun x = run_bounded({"export", "--checkpoint", ck, "--to", "hf", at("hf_no_opt")}, 120);
   EXPECT_EQ(x.code, 0) << x.err;
   EXPECT_TRUE(fs::exists(at("hf_no_opt/model.safetensors")));
+}
+
+// ---- generate on the rollout engine: a file of prompts to JSON lines --------------------------
+
+TEST_F(MisuseCli, GeneratePromptsFileWritesJsonLinesAndNeverOverwrites) {
+  std::ofstream(at("prompts.txt")) << "And the sheep\n\n{\"prompt\": \"the shepherd\"}\n";
+  const std::string out = at("gen.jsonl");
+  const std::vector<std::string> args = {"generate", "--checkpoint", run_dir(), "--prompts", at("prompts.txt"),
+                                         "--out", out, "--samples", "2", "--max-new-tokens", "12", "--top-k", "20",
+                                         "--seed", "3"};
+  BoundedRun r = run_bounded(args, 120);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(r.out().empty()) << r.out();
+  EXPECT_NE(r.err.find("4 samples of 2 prompts"), std::string::npos) << r.err;
+  std::ifstream in(out);
+  std::string line;
+  std::vector<json> rows;
+  while (std::getline(in, line)) rows.push_back(json::parse(line));
+  ASSERT_EQ(rows.size(), 4u);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const json& j = rows[i];
+    EXPECT_EQ(j["index"], i / 2);
+    EXPECT_EQ(j["sample"], i % 2);
+    EXPECT_EQ(j["line"], i < 2 ? 1 : 3);
+    EXPECT_EQ(j["prompt"], i < 2 ? "And the sheep" : "the shepherd");
+    ASSERT_EQ(j["tokens"].size(), j["logprobs"].size());
+    ASSERT_GE(j["tokens"].size(), 1u);
+    EXPECT_LE(j["tokens"].size(), 12u);
+    for (double lp : j["logprobs"]) EXPECT_LE(lp, 0.0);
+    const std::string fr = j["finish_reason"];
+    EXPECT_TRUE(fr == "eos" || fr == "length") << fr;
+    EXPECT_EQ(fr == "length", j["tokens"].size() == 12u);
+  }
+  // never over an existing file without --force; with it, the same seed writes the same lines
+  const std::string first = slurp(out);
+  BoundedRun again = run_bounded(args, 120);
+  EXPECT_EQ(again.code, 2) << again.err;
+  EXPECT_NE(again.err.find("--force"), std::string::npos) << again.err;
+  EXPECT_EQ(again.err_lines(), 1) << again.err;
+  std::vector<std::string> forced = args;
+  forced.push_back("--force");
+  BoundedRun f = run_bounded(forced, 120);
+  ASSERT_EQ(f.code, 0) << f.err;
+  EXPECT_EQ(slurp(out), first);
+  // nor over the prompts file, even with --force
+  std::vector<std::string> onto_input = forced;
+  onto_input[6] = at("prompts.txt");
+  BoundedRun o = run_bounded(onto_input, 120);
+  EXPECT_EQ(o.code, 2) << o.err;
+  EXPECT_NE(o.err.find("is the --prompts file"), std::string::npos) << o.err;
+}
+
+TEST_F(MisuseCli, GenerateEngineOptionsAndInputsAreChecked) {
+  std::ofstream(at("prompts2.txt")) << "And\n";
+  expect_bad_option({"generate", "--checkpoint", run_dir(), "--prompt", "And", "--mode", "fp8"}, "fp8");
+  expect_bad_option({"generate", "--checkpoint", run_dir(), "--prompt", "And", "--kv-dtype", "fp8"}, "--kv-dtype");
+  expect_bad_option({"generate", "--checkpoint", run_dir(), "--prompts", at("prompts2.txt")}, "--out");
+  expect_bad_option({"generate", "--checkpoint", run_dir(), "--prompts", at("prompts2.txt"), "--out", at("g2.jsonl"),
+                     "--samples", "4", "--batch", "2"},
+                    "--samples 4 exceeds --batch 2");
+  expect_bad_option({"generate", "--checkpoint", run_dir(), "--prompt", "And", "--top-k", "-1"}, "--top-k");
+  // bad input files: exit 1, one line naming the line
+  std::ofstream(at("prompts_bad.txt")) << "And\n{\"text\": 1}\n";
+  BoundedRun r = run_bounded({"generate", "--checkpoint", run_dir(), "--prompts", at("prompts_bad.txt"), "--out",
+                              at("g3.jsonl")},
+                             120);
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_EQ(r.err_lines(), 1) << r.err;
+  EXPECT_NE(r.err.find("line 2"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(at("g3.jsonl")));
+  std::string long_prompt;
+  for (int i = 0; i < 200; ++i) long_prompt += "sheep ";
+  std::ofstream(at("prompts_long.txt")) << "And\n" << long_prompt << "\n";
+  BoundedRun l = run_bounded({"generate", "--checkpoint", run_dir(), "--prompts", at("prompts_long.txt"), "--out",
+                              at("g4.jsonl")},
+                             120);
+  EXPECT_EQ(l.code, 1) << l.err;
+  EXPECT_NE(l.err.find("line 2: prompt of"), std::string::npos) << l.err;
+  BoundedRun missing = run_bounded({"generate", "--checkpoint", run_dir(), "--prompts", at("nothing.txt"), "--out",
+                                    at("g5.jsonl")},
+                                   120);
+  EXPECT_EQ(missing.code, 1) << missing.err;
+  // one prompt in the bf16, w4a16 and w4a4 modes, greedy: each runs and the modes are deterministic
+  for (const char* mode : {"bf16", "w4a16", "w4a4"}) {
+    std::vector<std::string> a = {"generate", "--checkpoint", run_dir(), "--prompt", "And the", "--mode", mode,
+                                  "--temperature", "0", "--max-new-tokens", "8", "--no-stop"};
+    BoundedRun x = run_bounded(a, 120), y = run_bounded(a, 120);
+    ASSERT_EQ(x.code, 0) << mode << x.err;
+    EXPECT_EQ(x.out(), y.out()) << mode;
+    EXPECT_EQ(x.out().rfind("And the", 0), 0u) << x.out();
+  }
 }
 
 }  // namespace
