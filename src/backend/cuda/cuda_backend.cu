@@ -21,6 +21,7 @@
 #include "backend/cuda/moe.h"
 #include "backend/cuda/nn_ops.h"
 #include "backend/cuda/optimizer_ops.h"
+#include "backend/cuda/paged_attention.h"
 #include "backend/cuda/quantize.h"
 
 namespace nibble::cuda {
@@ -129,11 +130,7 @@ CudaBackend::~CudaBackend() {
   (void)cudaGetLastError();
 }
 
-// The paged KV-cache ops (rollout decode attention) have no CUDA kernels yet (issue #15): the
-// rollout engine refuses this backend by name until they exist.
-bool CudaBackend::supports(backend::Op op) const {
-  return op != backend::Op::kCount && op != backend::Op::kPagedKvCache;
-}
+bool CudaBackend::supports(backend::Op op) const { return op != backend::Op::kCount; }
 
 void CudaBackend::activate() const {
   int current = -1;
@@ -696,6 +693,30 @@ void CudaBackend::backward_operand_two_level(QuantizedTensor& out, const Quantiz
                                                       M, K, sign_mask, &sr, stream_),
                 "backward_operand_two_level", "in {}x{}", M, K);
   NIB_OP_CUDA(cudaGetLastError(), "backward_operand_two_level", "in {}x{}", M, K);
+}
+
+// ---- paged KV cache ------------------------------------------------------------------------------
+void CudaBackend::kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat format, const float* k,
+                                 const float* v, const int32_t* slots, int64_t N, int64_t Hkv, int64_t D) {
+  activate();
+  NIB_OP_REQUIRE(N >= 0 && Hkv > 0 && D > 0, "kv_cache_write", "N={} Hkv={} D={}", N, Hkv, D);
+  NIB_OP_CUDA(cuda::kv_cache_write(k_pages, v_pages, format, k, v, slots, N, Hkv, D, stream_), "kv_cache_write",
+              "N={} Hkv={} D={} {}", N, Hkv, D, backend::kv_page_format_name(format));
+}
+
+void CudaBackend::paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages,
+                                  backend::KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
+                                  const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                                  int64_t page_size) {
+  activate();
+  NIB_OP_REQUIRE(Hkv > 0 && H % Hkv == 0 && D > 0 && page_size > 0 && max_blocks > 0 &&
+                     max_blocks * page_size <= cuda::paged_attention_max_context(D),
+                 "paged_attention", "N={} H={} Hkv={} D={} page={} blocks={} (longest context {})", N, H, Hkv, D,
+                 page_size, max_blocks, cuda::paged_attention_max_context(D));
+  NIB_OP_CUDA(cuda::paged_attention(out, q, k_pages, v_pages, format, block_table, max_blocks, context_len, N, H, Hkv,
+                                    D, page_size, stream_),
+              "paged_attention", "N={} H={} Hkv={} D={} page={} blocks={} {}", N, H, Hkv, D, page_size, max_blocks,
+              backend::kv_page_format_name(format));
 }
 
 }  // namespace nibble::cuda

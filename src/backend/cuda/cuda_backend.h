@@ -140,6 +140,14 @@ class CudaBackend final : public backend::Backend {
   void backward_operand_two_level(backend::QuantizedTensor& out, const backend::QuantizedTensor& in,
                                   uint32_t sign_mask, const formats::SrKey& sr) override;
 
+  // paged KV cache (backend/cuda/paged_attention.h)
+  void kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat format, const float* k, const float* v,
+                      const int32_t* slots, int64_t N, int64_t Hkv, int64_t D) override;
+  void paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages,
+                       backend::KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
+                       const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                       int64_t page_size) override;
+
  private:
   struct HostResults;  // pinned host copies of small device results
   void activate() const;  // makes this backend's device current on the calling thread

@@ -1,0 +1,138 @@
+// Paged KV cache write and paged attention kernels (see paged_attention.h).
+#include "backend/cuda/paged_attention.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/block_reduce.cuh"
+#include "core/bits.h"
+
+namespace nibble::cuda {
+
+namespace {
+
+constexpr int kWriteThreads = 256;
+constexpr int kAttnThreads = 128;  // 4 warps per (row, head)
+
+template <bool kF32>
+__device__ __forceinline__ float load_kv(const void* pages, int64_t i) {
+  if constexpr (kF32) return static_cast<const float*>(pages)[i];
+  else return bf16_bits_to_f32(static_cast<const uint16_t*>(pages)[i]);
+}
+
+template <bool kF32>
+__global__ void kv_cache_write_kernel(void* k_pages, void* v_pages, const float* k, const float* v,
+                                      const int32_t* slots, int64_t N, int64_t W) {
+  const int64_t total = N * W;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = i / W, e = i % W;
+    const int64_t at = static_cast<int64_t>(slots[n]) * W + e;
+    if constexpr (kF32) {
+      static_cast<float*>(k_pages)[at] = k[i];
+      static_cast<float*>(v_pages)[at] = v[i];
+    } else {
+      static_cast<uint16_t*>(k_pages)[at] = f32_to_bf16_bits(k[i]);
+      static_cast<uint16_t*>(v_pages)[at] = f32_to_bf16_bits(v[i]);
+    }
+  }
+}
+
+// One block per (row n, head h) = blockIdx.x. Dynamic shared memory: q (D) then scores (len).
+// Scores: warp w takes positions j = w, w + warps, ...; its lanes split d and a shuffle tree sums
+// (fixed order). Softmax as the CPU: max, exp(s - max), block-sum, times 1/sum. Output: thread d
+// sums p_j v_jd over j in order.
+template <bool kF32>
+__global__ void paged_attention_kernel(float* out, const float* q, const void* k_pages, const void* v_pages,
+                                       const int32_t* block_table, int64_t max_blocks, const int32_t* context_len,
+                                       int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale) {
+  extern __shared__ float smem[];
+  __shared__ float red[33];
+  const int64_t n = blockIdx.x / H, h = blockIdx.x % H, hk = h / (H / Hkv), W = Hkv * D;
+  const int64_t cap = max_blocks * page_size;
+  const int64_t len = context_len[n] < 1 ? 1 : (context_len[n] > cap ? cap : context_len[n]);
+  float* qs = smem;      // (D)
+  float* p = smem + D;   // (len)
+  const float* qr = q + (n * H + h) * D;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) qs[d] = qr[d];
+  __syncthreads();
+  const int32_t* blocks = block_table + n * max_blocks;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int64_t j = warp; j < len; j += warps) {
+    const int64_t base = (static_cast<int64_t>(blocks[j / page_size]) * page_size + j % page_size) * W + hk * D;
+    float s = 0;
+    for (int64_t d = lane; d < D; d += 32) s += qs[d] * load_kv<kF32>(k_pages, base + d);
+    s = warp_reduce(s, SumOp{});
+    if (lane == 0) p[j] = s * scale;
+  }
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < len; j += blockDim.x) mx = p[j] > mx ? p[j] : mx;
+  mx = block_reduce(mx, MaxOp{}, -INFINITY, red);
+  float part = 0;
+  for (int64_t j = threadIdx.x; j < len; j += blockDim.x) {
+    p[j] = expf(p[j] - mx);
+    part += p[j];
+  }
+  const float sum = block_reduce(part, SumOp{}, 0.0f, red);  // ends with a barrier: p is visible
+  const float inv = 1.0f / sum;
+  float* o = out + (n * H + h) * D;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t base = (static_cast<int64_t>(blocks[j / page_size]) * page_size + j % page_size) * W + hk * D;
+      acc += (p[j] * inv) * load_kv<kF32>(v_pages, base + d);
+    }
+    o[d] = acc;
+  }
+}
+
+}  // namespace
+
+cudaError_t kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat format, const float* k, const float* v,
+                           const int32_t* slots, int64_t N, int64_t Hkv, int64_t D, cudaStream_t stream) {
+  const int64_t total = N * Hkv * D;
+  if (total <= 0) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((total + kWriteThreads - 1) / kWriteThreads, 65535));
+  if (format == backend::KvPageFormat::kF32)
+    kv_cache_write_kernel<true><<<grid, kWriteThreads, 0, stream>>>(k_pages, v_pages, k, v, slots, N, Hkv * D);
+  else
+    kv_cache_write_kernel<false><<<grid, kWriteThreads, 0, stream>>>(k_pages, v_pages, k, v, slots, N, Hkv * D);
+  return cudaGetLastError();
+}
+
+int64_t paged_attention_max_context(int64_t D) {
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) return 0;
+  const int64_t static_bytes = 33 * sizeof(float);
+  return std::max<int64_t>(0, (static_cast<int64_t>(optin) - static_bytes) / static_cast<int64_t>(sizeof(float)) - D);
+}
+
+cudaError_t paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages,
+                            backend::KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
+                            const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                            int64_t page_size, cudaStream_t stream) {
+  if (N * H <= 0) return cudaSuccess;
+  const size_t shared = static_cast<size_t>(D + max_blocks * page_size) * sizeof(float);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const unsigned grid = static_cast<unsigned>(N * H);
+  if (format == backend::KvPageFormat::kF32) {
+    cudaError_t e = cudaFuncSetAttribute(paged_attention_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(shared));
+    if (e != cudaSuccess) return e;
+    paged_attention_kernel<true><<<grid, kAttnThreads, shared, stream>>>(
+        out, q, k_pages, v_pages, block_table, max_blocks, context_len, H, Hkv, D, page_size, scale);
+  } else {
+    cudaError_t e = cudaFuncSetAttribute(paged_attention_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(shared));
+    if (e != cudaSuccess) return e;
+    paged_attention_kernel<false><<<grid, kAttnThreads, shared, stream>>>(
+        out, q, k_pages, v_pages, block_table, max_blocks, context_len, H, Hkv, D, page_size, scale);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace nibble::cuda

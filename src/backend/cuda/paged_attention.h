@@ -1,0 +1,33 @@
+// CUDA side of the paged KV-cache ops (Backend::kv_cache_write / paged_attention, backend.h; the
+// rollout engine's decode attention). Pointers are device memory; shapes as in
+// backend/cpu/paged_attention.h. Deterministic: each (row, head) is one block with fixed
+// reduction trees (block_reduce.cuh), no atomics; a row's result does not depend on the other
+// rows of the batch. Scores of one (row, head) are held in shared memory: max_blocks * page_size
+// positions at most paged_attention_max_context() (the device's opt-in shared memory / 4 bytes,
+// minus the query; ~58K positions on an H100/H200).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "backend/backend.h"
+
+namespace nibble::cuda {
+
+// k_pages/v_pages (pages, page_size, Hkv, D) of `format` at slots (N) <- k, v (N, Hkv*D) f32.
+cudaError_t kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat format, const float* k, const float* v,
+                           const int32_t* slots, int64_t N, int64_t Hkv, int64_t D, cudaStream_t stream);
+
+// The longest context (positions) paged_attention takes for head dim D on the current device.
+int64_t paged_attention_max_context(int64_t D);
+
+// out (N,H,D) f32 <- paged causal attention of q (N,H,D); max_blocks * page_size at most
+// paged_attention_max_context(D). A context_len outside [1, max_blocks * page_size] is clamped
+// into it (the CPU backend refuses it; here it must never read past the shared scores).
+cudaError_t paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages,
+                            backend::KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
+                            const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                            int64_t page_size, cudaStream_t stream);
+
+}  // namespace nibble::cuda
