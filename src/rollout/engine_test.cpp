@@ -303,7 +303,11 @@ TEST(RolloutEngine, StopIdsStopStringsAndContextEndSamples) {
   EngineCallbacks cb;
   cb.detokenize = [](std::span<const int32_t> ids) -> Result<std::string> {
     std::string s;
-    for (int32_t t : ids) s += "<" + std::to_string(t) + ">";
+    for (int32_t t : ids) {  // (appended piece by piece: GCC 12 warns falsely on "<" + std::string)
+      s += '<';
+      s += std::to_string(t);
+      s += '>';
+    }
     return s;
   };
   Request with_stop = base;

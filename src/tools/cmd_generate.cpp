@@ -12,6 +12,7 @@
 // paged KV-cache ops streams one prompt through the training forward as before the engine.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -283,6 +284,10 @@ int run_generate(GenerateArgs a) {
   // flushed per token). Pieces are not always whole characters (byte fallback), so the new ids
   // are decoded together and only the text past what was printed is written, holding back a
   // trailing U+FFFD that may be a character whose bytes have not all arrived.
+  // With --stop the last (longest stop string - 1) bytes wait too: the sample ends as soon as
+  // its text holds a stop string, so what was printed never reaches one (the end is cut before it).
+  size_t hold = 0;
+  for (const std::string& st : a.stop) hold = std::max(hold, st.size() - 1);
   std::string printed;
   std::vector<int32_t> shown;
   auto emit = [&](std::string text, bool final) -> Status {
@@ -290,6 +295,7 @@ int run_generate(GenerateArgs a) {
     while (!final && text.size() >= kReplacement.size() &&
            text.compare(text.size() - kReplacement.size(), kReplacement.size(), kReplacement) == 0)
       text.resize(text.size() - kReplacement.size());
+    if (!final) text.resize(text.size() > hold ? text.size() - hold : 0);
     if (text.size() <= printed.size() || text.compare(0, printed.size(), printed) != 0) return Status::ok();
     const std::string more = text.substr(printed.size());
     if (std::fwrite(more.data(), 1, more.size(), stdout) != more.size() || std::fflush(stdout) != 0)

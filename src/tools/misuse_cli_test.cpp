@@ -494,6 +494,19 @@ TEST_F(MisuseCli, GenerateEngineOptionsAndInputsAreChecked) {
                                     at("g5.jsonl")},
                                    120);
   EXPECT_EQ(missing.code, 1) << missing.err;
+  // --stop: the streamed text ends before the first occurrence of the stop string
+  BoundedRun full = run_bounded({"generate", "--checkpoint", run_dir(), "--prompt", "And the", "--temperature", "0",
+                                 "--max-new-tokens", "20", "--no-stop"},
+                                120);
+  ASSERT_EQ(full.code, 0) << full.err;
+  const std::string gen = full.out().substr(7, full.out().size() - 8);  // between the prompt and the newline
+  ASSERT_GE(gen.size(), 4u) << full.out();
+  const std::string stop = gen.substr(2, 2);
+  BoundedRun cut = run_bounded({"generate", "--checkpoint", run_dir(), "--prompt", "And the", "--temperature", "0",
+                                "--max-new-tokens", "20", "--no-stop", "--stop", stop},
+                               120);
+  ASSERT_EQ(cut.code, 0) << cut.err;
+  EXPECT_EQ(cut.out(), "And the" + gen.substr(0, gen.find(stop)) + "\n") << "stop '" << stop << "'";
   // one prompt in the bf16, w4a16 and w4a4 modes, greedy: each runs and the modes are deterministic
   for (const char* mode : {"bf16", "w4a16", "w4a4"}) {
     std::vector<std::string> a = {"generate", "--checkpoint", run_dir(), "--prompt", "And the", "--mode", mode,
