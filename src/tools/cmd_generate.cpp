@@ -284,8 +284,8 @@ int run_generate(GenerateArgs a) {
   // flushed per token). Pieces are not always whole characters (byte fallback), so the new ids
   // are decoded together and only the text past what was printed is written, holding back a
   // trailing U+FFFD that may be a character whose bytes have not all arrived.
-  // With --stop the last (longest stop string - 1) bytes wait too: the sample ends as soon as
-  // its text holds a stop string, so what was printed never reaches one (the end is cut before it).
+  // With --stop the last (longest stop string - 1) bytes wait too, and the text of the token that
+  // completes a stop string is cut before it (the sample ends there): nothing printed reaches one.
   size_t hold = 0;
   for (const std::string& st : a.stop) hold = std::max(hold, st.size() - 1);
   std::string printed;
@@ -295,7 +295,11 @@ int run_generate(GenerateArgs a) {
     while (!final && text.size() >= kReplacement.size() &&
            text.compare(text.size() - kReplacement.size(), kReplacement.size(), kReplacement) == 0)
       text.resize(text.size() - kReplacement.size());
-    if (!final) text.resize(text.size() > hold ? text.size() - hold : 0);
+    if (!final) {  // up to a stop string the last token completed, else all but the held-back bytes
+      size_t cut = std::string::npos;
+      for (const std::string& st : a.stop) cut = std::min(cut, text.find(st));
+      text.resize(cut != std::string::npos ? cut : text.size() > hold ? text.size() - hold : 0);
+    }
     if (text.size() <= printed.size() || text.compare(0, printed.size(), printed) != 0) return Status::ok();
     const std::string more = text.substr(printed.size());
     if (std::fwrite(more.data(), 1, more.size(), stdout) != more.size() || std::fflush(stdout) != 0)
