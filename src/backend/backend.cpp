@@ -41,7 +41,7 @@ void Backend::kv_cache_write(void*, void*, KvPageFormat, const float*, const flo
   NIB_CHECK_MSG(false, "backend '{}' claims op 'paged_kv_cache' but does not override kv_cache_write", name());
 }
 void Backend::paged_attention(float*, const float*, const void*, const void*, KvPageFormat, const int32_t*, int64_t,
-                              const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t) {
+                              const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, AttentionPrecision) {
   require(Op::kPagedKvCache);
   NIB_CHECK_MSG(false, "backend '{}' claims op 'paged_kv_cache' but does not override paged_attention", name());
 }

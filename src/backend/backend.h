@@ -256,11 +256,12 @@ class Backend {
   // over the row's positions j < context_len[n], scale 1/sqrt(D); position j lives in page
   // block_table[n * max_blocks + j / page_size] at offset j % page_size. q: (N,H,D) f32;
   // block_table: (N, max_blocks) i32; context_len: (N) i32, each in [1, max_blocks * page_size].
-  // Each row is computed on its own (no reduction across rows): batch-invariant.
+  // Each row is computed on its own (no reduction across rows): batch-invariant. precision as
+  // attention_forward's: kBf16 rounds q, k, v to BF16 and P = exp(s - lse) to BF16 before P v.
   virtual void paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages,
                                KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
                                const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
-                               int64_t page_size);
+                               int64_t page_size, AttentionPrecision precision = AttentionPrecision::kFp32);
 };
 
 // Thrown when backend memory cannot be had: the message is the backend's one line (what was being

@@ -43,6 +43,7 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
   kc.page_size = o.page_size;
   kc.num_pages = o.num_pages;
   kc.format = o.kv_format;
+  kc.attention = model.attention_precision();
   NIB_ASSIGN_OR_RETURN(e->cache_, PagedKvCache::create(model.backend(), kc));
   if (o.mode != PrecisionMode::kRecipe) {
     NIB_ASSIGN_OR_RETURN(e->linears_, QuantizedLinears::create(model, o.mode, o.recipe_name));

@@ -176,7 +176,7 @@ void PagedKvCache::append_and_attend(backend::Backend& be, int64_t layer, float*
   const int64_t Hkv = config_.num_kv_heads, D = config_.head_dim;
   be.kv_cache_write(k_layer(layer), v_layer(layer), config_.format, k, v, slots_.data(), N, Hkv, D);
   be.paged_attention(out, q, k_layer(layer), v_layer(layer), config_.format, table_.data(), max_blocks_, ctx_.data(),
-                     N, config_.num_heads, Hkv, D, config_.page_size);
+                     N, config_.num_heads, Hkv, D, config_.page_size, config_.attention);
 }
 
 std::vector<uint8_t> PagedKvCache::page_bytes(int64_t layer, int32_t page, bool values) const {

@@ -23,6 +23,8 @@ struct KvCacheConfig {
   int64_t page_size = 16;  // positions per page
   int64_t num_pages = 0;   // pages per layer (the same page ids in every layer)
   backend::KvPageFormat format = backend::KvPageFormat::kBf16;
+  // the model's attention precision (Model::attention_precision): decode attends as training does
+  backend::AttentionPrecision attention = backend::AttentionPrecision::kFp32;
 };
 
 class PagedKvCache final : public model::KvCacheAttention {

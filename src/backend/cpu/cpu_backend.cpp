@@ -406,9 +406,9 @@ void CpuBackend::kv_cache_write(void* k_pages, void* v_pages, KvPageFormat forma
 void CpuBackend::paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages,
                                  KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
                                  const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
-                                 int64_t page_size) {
+                                 int64_t page_size, AttentionPrecision precision) {
   cpu::paged_attention(out, q, k_pages, v_pages, format, block_table, max_blocks, context_len, N, H, Hkv, D,
-                       page_size);
+                       page_size, precision);
 }
 
 // ---- registry -----------------------------------------------------------------------------------------

@@ -112,7 +112,8 @@ class CpuBackend final : public Backend {
                       const int32_t* slots, int64_t N, int64_t Hkv, int64_t D) override;
   void paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages, KvPageFormat format,
                        const int32_t* block_table, int64_t max_blocks, const int32_t* context_len, int64_t N,
-                       int64_t H, int64_t Hkv, int64_t D, int64_t page_size) override;
+                       int64_t H, int64_t Hkv, int64_t D, int64_t page_size,
+                       AttentionPrecision precision) override;
 
  private:
   std::mutex memory_mutex_;

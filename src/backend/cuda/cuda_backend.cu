@@ -707,14 +707,14 @@ void CudaBackend::kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFo
 void CudaBackend::paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages,
                                   backend::KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
                                   const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
-                                  int64_t page_size) {
+                                  int64_t page_size, backend::AttentionPrecision precision) {
   activate();
   NIB_OP_REQUIRE(Hkv > 0 && H % Hkv == 0 && D > 0 && page_size > 0 && max_blocks > 0 &&
                      max_blocks * page_size <= cuda::paged_attention_max_context(D),
                  "paged_attention", "N={} H={} Hkv={} D={} page={} blocks={} (longest context {})", N, H, Hkv, D,
                  page_size, max_blocks, cuda::paged_attention_max_context(D));
   NIB_OP_CUDA(cuda::paged_attention(out, q, k_pages, v_pages, format, block_table, max_blocks, context_len, N, H, Hkv,
-                                    D, page_size, stream_),
+                                    D, page_size, precision == backend::AttentionPrecision::kBf16, stream_),
               "paged_attention", "N={} H={} Hkv={} D={} page={} blocks={} {}", N, H, Hkv, D, page_size, max_blocks,
               backend::kv_page_format_name(format));
 }

@@ -146,7 +146,7 @@ class CudaBackend final : public backend::Backend {
   void paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages,
                        backend::KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
                        const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
-                       int64_t page_size) override;
+                       int64_t page_size, backend::AttentionPrecision precision) override;
 
  private:
   struct HostResults;  // pinned host copies of small device results

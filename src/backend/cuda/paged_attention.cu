@@ -44,7 +44,7 @@ __global__ void kv_cache_write_kernel(void* k_pages, void* v_pages, const float*
 // Scores: warp w takes positions j = w, w + warps, ...; its lanes split d and a shuffle tree sums
 // (fixed order). Softmax as the CPU: max, exp(s - max), block-sum, times 1/sum. Output: thread d
 // sums p_j v_jd over j in order.
-template <bool kF32>
+template <bool kF32, bool kBf16>
 __global__ void paged_attention_kernel(float* out, const float* q, const void* k_pages, const void* v_pages,
                                        const int32_t* block_table, int64_t max_blocks, const int32_t* context_len,
                                        int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale) {
@@ -56,14 +56,17 @@ __global__ void paged_attention_kernel(float* out, const float* q, const void* k
   float* qs = smem;      // (D)
   float* p = smem + D;   // (len)
   const float* qr = q + (n * H + h) * D;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) qs[d] = qr[d];
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) qs[d] = kBf16 ? round_to_bf16(qr[d]) : qr[d];
   __syncthreads();
   const int32_t* blocks = block_table + n * max_blocks;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   for (int64_t j = warp; j < len; j += warps) {
     const int64_t base = (static_cast<int64_t>(blocks[j / page_size]) * page_size + j % page_size) * W + hk * D;
     float s = 0;
-    for (int64_t d = lane; d < D; d += 32) s += qs[d] * load_kv<kF32>(k_pages, base + d);
+    for (int64_t d = lane; d < D; d += 32) {
+      const float kd = load_kv<kF32>(k_pages, base + d);
+      s += qs[d] * (kBf16 ? round_to_bf16(kd) : kd);
+    }
     s = warp_reduce(s, SumOp{});
     if (lane == 0) p[j] = s * scale;
   }
@@ -78,12 +81,18 @@ __global__ void paged_attention_kernel(float* out, const float* q, const void* k
   }
   const float sum = block_reduce(part, SumOp{}, 0.0f, red);  // ends with a barrier: p is visible
   const float inv = 1.0f / sum;
+  if (kBf16) {  // P = bf16(exp(s - lse)) as the BF16 attention (block_reduce ended with a barrier)
+    for (int64_t j = threadIdx.x; j < len; j += blockDim.x) p[j] = round_to_bf16(p[j] * inv);
+    __syncthreads();
+  }
   float* o = out + (n * H + h) * D;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
     float acc = 0;
     for (int64_t j = 0; j < len; ++j) {
       const int64_t base = (static_cast<int64_t>(blocks[j / page_size]) * page_size + j % page_size) * W + hk * D;
-      acc += (p[j] * inv) * load_kv<kF32>(v_pages, base + d);
+      const float vd = load_kv<kF32>(v_pages, base + d);
+      if (kBf16) acc += p[j] * round_to_bf16(vd);
+      else acc += (p[j] * inv) * vd;
     }
     o[d] = acc;
   }
@@ -114,25 +123,23 @@ int64_t paged_attention_max_context(int64_t D) {
 cudaError_t paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages,
                             backend::KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
                             const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
-                            int64_t page_size, cudaStream_t stream) {
+                            int64_t page_size, bool bf16, cudaStream_t stream) {
   if (N * H <= 0) return cudaSuccess;
   const size_t shared = static_cast<size_t>(D + max_blocks * page_size) * sizeof(float);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const unsigned grid = static_cast<unsigned>(N * H);
-  if (format == backend::KvPageFormat::kF32) {
-    cudaError_t e = cudaFuncSetAttribute(paged_attention_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(shared));
+  auto launch = [&](auto kernel) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
     if (e != cudaSuccess) return e;
-    paged_attention_kernel<true><<<grid, kAttnThreads, shared, stream>>>(
-        out, q, k_pages, v_pages, block_table, max_blocks, context_len, H, Hkv, D, page_size, scale);
-  } else {
-    cudaError_t e = cudaFuncSetAttribute(paged_attention_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(shared));
-    if (e != cudaSuccess) return e;
-    paged_attention_kernel<false><<<grid, kAttnThreads, shared, stream>>>(
-        out, q, k_pages, v_pages, block_table, max_blocks, context_len, H, Hkv, D, page_size, scale);
-  }
-  return cudaGetLastError();
+    kernel<<<grid, kAttnThreads, shared, stream>>>(out, q, k_pages, v_pages, block_table, max_blocks, context_len, H,
+                                                   Hkv, D, page_size, scale);
+    return cudaGetLastError();
+  };
+  const bool f32 = format == backend::KvPageFormat::kF32;
+  if (f32 && bf16) return launch(paged_attention_kernel<true, true>);
+  if (f32) return launch(paged_attention_kernel<true, false>);
+  if (bf16) return launch(paged_attention_kernel<false, true>);
+  return launch(paged_attention_kernel<false, false>);
 }
 
 }  // namespace nibble::cuda

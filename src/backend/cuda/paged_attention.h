@@ -24,10 +24,11 @@ int64_t paged_attention_max_context(int64_t D);
 
 // out (N,H,D) f32 <- paged causal attention of q (N,H,D); max_blocks * page_size at most
 // paged_attention_max_context(D). A context_len outside [1, max_blocks * page_size] is clamped
-// into it (the CPU backend refuses it; here it must never read past the shared scores).
+// into it (the CPU backend refuses it; here it must never read past the shared scores). bf16:
+// Backend's AttentionPrecision::kBf16 (q, k, v and P rounded to BF16; FP32 sums here).
 cudaError_t paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages,
                             backend::KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
                             const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
-                            int64_t page_size, cudaStream_t stream);
+                            int64_t page_size, bool bf16, cudaStream_t stream);
 
 }  // namespace nibble::cuda

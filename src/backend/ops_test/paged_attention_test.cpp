@@ -3,7 +3,8 @@
 // round-to-nearest-even of core/bits.h, F32 copies); attention against a readable double
 // reference that walks the block table position by position, within a first-order FP32 bound
 // derived beside the check; the values in slots past a row's context never reach its output
-// (they are NaN here); a row gives the same bits alone as in a batch (batch invariance).
+// (they are NaN here); a row gives the same bits alone as in a batch (batch invariance). Both
+// attention precisions (FP32; BF16 as Backend::attention_forward's kBf16).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -36,6 +37,7 @@ class PagedKvOpsTest : public OpsTest {
 struct PagedCase {
   int64_t N, H, Hkv, D, page_size, pages;
   KvPageFormat format;
+  AttentionPrecision precision = AttentionPrecision::kFp32;
 };
 
 // Host pages as f32 values of `format` (what the backend stores, decoded).
@@ -49,12 +51,17 @@ float decode(const std::vector<uint16_t>& b16, const std::vector<float>& f32, Kv
 //   score s_j = scale q.k_j: es_j = (D + 2) u scale sum_d |q_d k_jd|
 //   probabilities: relative error ep = 2 max_j es_j + u (2 max_j |s_j| + n + 8)
 //   out_d = sum_j p_j v_jd: (ep + (n + 3) u) sum_j p_j |v_jd|
+// kBf16 (q, k, v rounded to BF16 here too; P rounded to BF16 before P v): the reference rounds the
+// exact p_j, an FP32 evaluation may round its p_j (relative error ep) to the neighbouring BF16
+// value, so each p_j may be off by 2^-8 p_j more: out_d bound + 2^-8 sum_j p_j |v_jd|.
 void reference(std::vector<double>* out, std::vector<double>* bound, const PagedCase& c, const std::vector<float>& q,
                const std::vector<uint16_t>& kb, const std::vector<float>& kf, const std::vector<uint16_t>& vb,
                const std::vector<float>& vf, const std::vector<int32_t>& table, int64_t max_blocks,
                const std::vector<int32_t>& len) {
   const int64_t group = c.H / c.Hkv, W = c.Hkv * c.D;
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
+  const bool bf = c.precision == AttentionPrecision::kBf16;
+  auto rb = [&](double x) { return bf ? static_cast<double>(round_to_bf16(static_cast<float>(x))) : x; };
   out->assign(static_cast<size_t>(c.N * c.H * c.D), 0.0);
   bound->assign(out->size(), 0.0);
   for (int64_t n = 0; n < c.N; ++n)
@@ -66,9 +73,10 @@ void reference(std::vector<double>* out, std::vector<double>* bound, const Paged
         const int64_t slot = static_cast<int64_t>(table[n * max_blocks + j / c.page_size]) * c.page_size + j % c.page_size;
         double dot = 0, mag = 0;
         for (int64_t d = 0; d < c.D; ++d) {
-          const double kv = decode(kb, kf, c.format, slot * W + hk * c.D + d);
-          dot += q[(n * c.H + h) * c.D + d] * kv;
-          mag += std::fabs(q[(n * c.H + h) * c.D + d] * kv);
+          const double kv = rb(decode(kb, kf, c.format, slot * W + hk * c.D + d));
+          const double qd = rb(q[(n * c.H + h) * c.D + d]);
+          dot += qd * kv;
+          mag += std::fabs(qd * kv);
         }
         s[j] = dot * scale;
         es[j] = (c.D + 2) * kU * scale * mag;
@@ -84,12 +92,12 @@ void reference(std::vector<double>* out, std::vector<double>* bound, const Paged
         for (int64_t j = 0; j < L; ++j) {
           const int64_t slot =
               static_cast<int64_t>(table[n * max_blocks + j / c.page_size]) * c.page_size + j % c.page_size;
-          const double vv = decode(vb, vf, c.format, slot * W + hk * c.D + d);
-          acc += p[j] / z * vv;
+          const double vv = rb(decode(vb, vf, c.format, slot * W + hk * c.D + d));
+          acc += rb(p[j] / z) * vv;
           mag += p[j] / z * std::fabs(vv);
         }
         (*out)[(n * c.H + h) * c.D + d] = acc;
-        (*bound)[(n * c.H + h) * c.D + d] = (ep + (static_cast<double>(L) + 3) * kU) * mag;
+        (*bound)[(n * c.H + h) * c.D + d] = (ep + (static_cast<double>(L) + 3) * kU + (bf ? 0x1.0p-8 : 0.0)) * mag;
       }
     }
 }
@@ -147,10 +155,13 @@ TEST_P(PagedKvOpsTest, AttentionMatchesTheReferenceWithinTheDerivedBound) {
       {6, 4, 2, 16, 4, 12, KvPageFormat::kBf16},  // GQA 2, lengths across page edges
       {5, 6, 1, 32, 16, 8, KvPageFormat::kF32},   // MQA, a long page
       {7, 8, 8, 64, 8, 20, KvPageFormat::kBf16},  // MHA, D 64
+      {6, 4, 2, 16, 4, 12, KvPageFormat::kBf16, AttentionPrecision::kBf16},  // the BF16 attention
+      {5, 6, 1, 32, 16, 8, KvPageFormat::kF32, AttentionPrecision::kBf16},   // BF16 over F32 pages
   };
   for (const PagedCase& c : cases) {
-    SCOPED_TRACE(fmt::format("N={} H={} Hkv={} D={} page={} {}", c.N, c.H, c.Hkv, c.D, c.page_size,
-                             kv_page_format_name(c.format)));
+    SCOPED_TRACE(fmt::format("N={} H={} Hkv={} D={} page={} {} {}", c.N, c.H, c.Hkv, c.D, c.page_size,
+                             kv_page_format_name(c.format),
+                             c.precision == AttentionPrecision::kBf16 ? "bf16 attention" : "fp32 attention"));
     const int64_t W = c.Hkv * c.D, slots_total = c.pages * c.page_size;
     // every slot written from random K/V (scale 2: scores of a few units)
     std::vector<float> k = normal_vector(slots_total * W, 21, 2.0), v = normal_vector(slots_total * W, 22, 1.0);
@@ -185,7 +196,7 @@ TEST_P(PagedKvOpsTest, AttentionMatchesTheReferenceWithinTheDerivedBound) {
     std::vector<float> q = normal_vector(c.N * c.H * c.D, 23, 1.0);
     float* out = zeros<float>(c.N * c.H * c.D);
     be().paged_attention(out, upload(q), kp, vp, c.format, upload(table), max_blocks, upload(len), c.N, c.H, c.Hkv,
-                         c.D, c.page_size);
+                         c.D, c.page_size, c.precision);
     std::vector<float> got = download(out, c.N * c.H * c.D);
     std::vector<double> ref, bound;
     reference(&ref, &bound, c, q, kb, kf, vb, vf, table, max_blocks, len);
