@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-.gpubin}
-TARGETS=(nibble nibble_backend_cuda_tests nibble_backend_ops_tests nibble_train_tests nibble_model_tests nibble_dist_nccl_tests)
+TARGETS=(nibble nibble_backend_cuda_tests nibble_backend_ops_tests nibble_train_tests nibble_model_tests nibble_dist_nccl_tests nibble_rollout_tests)
 cmake -S . -B build/cuda -G Ninja -DNIBBLE_CUDA=ON -DNIBBLE_BENCH=OFF -DCMAKE_BUILD_TYPE=Release \
   ${NIBBLE_CCACHE:+-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache} >/dev/null
 cmake --build build/cuda -j "${JOBS:-$(nproc)}" --target "${TARGETS[@]}"

@@ -17,7 +17,8 @@
 #   NIBBLE_GPU_PARTS   comma list of parts to run, default "tests,ops,train,bench,torch";
 #                      also "bandwidth" (the format kernels' bandwidth vs device copy), "attn"
 #                      (nibble bench attention + PyTorch SDPA), "dist" (NCCL one-rank tests and a
-#                      one-rank pretrain against a plain one), "profile" (bench train --profile)
+#                      one-rank pretrain against a plain one), "profile" (bench train --profile),
+#                      "rollout" (the rollout engine on CUDA against the CPU)
 #   NIBBLE_GPU_BUDGET_S  seconds the whole script may take (default 540): each part's timeout is cut
 #                      to what is left, so the call returns with its logs; the nibble benches keep
 #                      NIBBLE_GPU_TORCH_RESERVE_S (200) for the PyTorch baseline that follows
@@ -266,7 +267,7 @@ if want bench; then
   fi
 fi
 
-ATTN_RC=skip DIST_RC=skip PROF_RC=skip
+ATTN_RC=skip DIST_RC=skip PROF_RC=skip ROLL_RC=skip
 if want attn; then
   # Causal attention alone: nibble's FP32 and BF16 kernels, then PyTorch's SDPA (BF16) at the same
   # shapes in the same call (bench/torch_attention_baseline.py).
@@ -285,6 +286,20 @@ if want attn; then
     cat "$OUT/torch_attention.jsonl"
   fi
   stamp "attention benches exit code $ATTN_RC"
+fi
+
+if want rollout; then
+  # The rollout engine on CUDA against the CPU (issue #15): greedy BF16 tokens and w4a16 weight bits.
+  ROLL_RC=0
+  if [ -x "$PREBUILT/nibble_rollout_tests" ]; then
+    stamp "rollout engine on CUDA against the CPU (RolloutEngineDevice.*)"
+    timeout "$(limit 120 "$TORCH_RESERVE")" "$PREBUILT/nibble_rollout_tests" --gtest_filter='RolloutEngineDevice.*' \
+      >"$OUT/rollout_tests.log" 2>&1 || ROLL_RC=$?
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure" "$OUT/rollout_tests.log" | head -20
+  else
+    ROLL_RC=missing
+  fi
+  stamp "rollout exit code $ROLL_RC"
 fi
 
 if want dist; then
@@ -389,9 +404,9 @@ fi
   echo "op suite           rc=$OPS_RC ($(count "$OUT/ops_tests.log"))"
   echo "training step      rc=$TRAIN_RC ($(count "$OUT/train_tests.log"))"
   [ "$BENCH_RC" != skip ] && { echo "bandwidth bench    rc=$BENCH_RC"; grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |floor|te rht)' "$OUT/bench.log"; }
-  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC"
+  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC   rollout rc=$ROLL_RC"
   python3 scripts/gpu_table.py "$OUT" 2>&1
 } | tee "$OUT/table.txt"
 ok() { [ "$1" = 0 ] || [ "$1" = skip ]; }
 # A CLI without `bench train` yet, or a python3 without torch, is reported above, not a failure.
-ok "$TEST_RC" && ok "$OPS_RC" && ok "$TRAIN_RC" && ok "$BENCH_RC" && ok "${BENCHT_RC/missing/skip}" && ok "${TORCH_RC/missing/skip}" && ok "$ATTN_RC" && ok "$DIST_RC" && ok "$PROF_RC"
+ok "$TEST_RC" && ok "$OPS_RC" && ok "$TRAIN_RC" && ok "$BENCH_RC" && ok "${BENCHT_RC/missing/skip}" && ok "${TORCH_RC/missing/skip}" && ok "$ATTN_RC" && ok "$DIST_RC" && ok "$PROF_RC" && ok "${ROLL_RC/missing/skip}"
