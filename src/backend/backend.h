@@ -121,6 +121,32 @@ class Backend {
   virtual void matmul_tn(float* y, const float* a, const float* b, int64_t M, int64_t N, int64_t K,
                          bool accumulate = false, bool operands_bf16 = false) = 0;
 
+  // ---- BF16-operand GEMMs and their operands (issue #13; 06-backends.md "Hopper facts") ---------
+  // y (M,N) f32 = alpha · Σ_k a·b, or y + alpha · Σ_k a·b when accumulating: a, b are BF16 bits
+  // (products exact in FP32), FP32 accumulation in the backend's order. alpha: (1) f32 in backend
+  // memory (a per-tensor scale computed there, so nothing waits for the host), null = 1; the CPU
+  // applies it as fl(alpha · sum) or fma(alpha, sum, y).
+  // y: (M,N) = a: (M,K) . b: (N,K)^T
+  virtual void matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                              const float* alpha = nullptr, bool accumulate = false) = 0;
+  // y: (M,N) = a: (M,K) . b: (K,N)
+  virtual void matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                              const float* alpha = nullptr, bool accumulate = false) = 0;
+  // y: (M,N) = a: (K,M)^T . b: (K,N)
+  virtual void matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                              const float* alpha = nullptr, bool accumulate = false) = 0;
+  // y (q.rows, q.cols) bf16 bits <- q as a BF16 GEMM operand (bit-exact across backends):
+  //   kNvfp4Te / kNvfp4Te2d: E2M1 code × E4M3 block scale WITHOUT the per-tensor factor, exact
+  //     (<= 6 significant bits, in range); the factor goes into the GEMM's alpha (nvfp4_te_alpha);
+  //   kNvfp4TwoLevel: the FP32 dequantization (code × fl(inner × outer)) rounded to nearest even,
+  //     relative error <= 2^-8 (BF16's unit roundoff): the outer scale varies along K, so it
+  //     cannot be an alpha (docs/architecture.md, "accepted rounding");
+  //   kMxfp8: the FP32 dequantization (E4M3 × 2^k) rounded to nearest even, exact when normal.
+  virtual void dequantize_bf16(uint16_t* y, const QuantizedTensor& q) = 0;
+  // alpha (1) <- fl(fl(amax_a · fl(1/2688)) · fl(amax_b · fl(1/2688))): the product of the
+  // per-tensor factors of two TE operands (amax_a, amax_b: their `outer`, (1) f32 each).
+  virtual void nvfp4_te_alpha(float* alpha, const float* amax_a, const float* amax_b) = 0;
+
   // ---- per-token layers (conventions of backend/cpu/nn_ops.h: backward overwrites input
   // gradients and accumulates parameter gradients) ------------------------------------------------
   // out: (N,C) = wte: (V,C)[tokens: (N) i32]

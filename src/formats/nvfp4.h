@@ -159,6 +159,17 @@ NIB_HOST_DEVICE void nvfp4_te_dequantize_block16(float* y, const uint8_t* packed
   for (int i = 0; i < 16; ++i) y[i] = nvfp4_te_decode(e2m1_unpack(packed, i), f);
 }
 
+// The TE block split for a BF16 GEMM (issue #13): a dequantized value is
+// e2m1(code) × fl(fl(s × amax) × fl(1/2688)); the GEMM operand is e2m1(code) × s (<= 6
+// significant bits: exact in BF16) and the per-tensor parts of both operands are its alpha.
+NIB_HOST_DEVICE float nvfp4_te_bf16_operand(uint32_t code, uint32_t scale_byte) {
+  return e2m1_decode(code) * e4m3_decode(scale_byte);
+}
+// alpha = fl(fl(amax_a × fl(1/2688)) × fl(amax_b × fl(1/2688))).
+NIB_HOST_DEVICE float nvfp4_te_gemm_alpha(float amax_a, float amax_b) {
+  return (amax_a * kRecip2688) * (amax_b * kRecip2688);
+}
+
 // ---- TetraJet-v2 double block ("nvfp4-2level") -----------------------------------------------
 
 // Outer FP32 scale of a 1x128 block: so = fl(fl(amax * R448) * R6); 0 -> 1.

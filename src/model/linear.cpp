@@ -200,6 +200,27 @@ Result<std::unique_ptr<LinearRecipe>> make_linear_recipe(const RecipeConfig& con
   return f(config, info);
 }
 
+// ---- LinearWorkspace ----------------------------------------------------------------------------
+uint8_t* LinearWorkspace::slot_bytes(backend::Backend& be, int slot, int64_t bytes, const char* what) {
+  NIB_CHECK_MSG(slot >= 0 && slot < kSlots, "linear workspace: slot {} out of range [0, {})", slot, kSlots);
+  return slots_[slot].ensure(be, bytes, what);
+}
+
+backend::QuantizedTensor LinearWorkspace::quantized(backend::Backend& be, int slot, backend::QuantFormat format,
+                                                    int64_t rows, int64_t cols) {
+  NIB_CHECK_MSG(slot >= 0 && slot < kQuantSlots, "linear workspace: quantized slot {} out of range [0, {})", slot,
+                kQuantSlots);
+  return quant_[slot].view(be, format, rows, cols);
+}
+
+int64_t LinearWorkspace::bytes() const {
+  int64_t n = 0;
+  for (const auto& s : slots_) n += s.size();
+  for (const auto& q : quant_)
+    n += q.codes.size() + q.scales.size() + q.outer.size() * static_cast<int64_t>(sizeof(float));
+  return n;
+}
+
 // ---- fp32 -------------------------------------------------------------------------------------
 void Fp32LinearRecipe::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N,
                                int64_t K, const LinearCall& call) {
@@ -222,24 +243,24 @@ void round_to_bf16_array(float* dst, const float* src, int64_t n) {
   });
 }
 
-// The GEMMs below pass operands_bf16 = true: each operand was just rounded to BF16.
+// x and w are saved as BF16 bits for the backward; dY's bits are transient (workspace slot 0).
 void Bf16LinearRecipe::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N,
                                int64_t K, const LinearCall& call) {
-  float* xq = xq_.ensure(be, M * K, "bf16 linear: saved x");
-  float* wq = wq_.ensure(be, N * K, "bf16 linear: saved w");
-  be.round_to_bf16(xq, x, M * K);
-  be.round_to_bf16(wq, w, N * K);
-  be.matmul_nt(y, xq, wq, M, N, K, /*accumulate=*/false, /*operands_bf16=*/true);
+  uint16_t* xb = xb_.ensure(be, M * K, "bf16 linear: saved x");
+  uint16_t* wb = wb_.ensure(be, N * K, "bf16 linear: saved w");
+  be.to_bf16_bits(xb, x, M * K);
+  be.to_bf16_bits(wb, w, N * K);
+  be.matmul_bf16_nt(y, xb, wb, M, N, K);
 }
 
 void Bf16LinearRecipe::backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N,
                                 int64_t K, const LinearCall& call) {
-  NIB_CHECK_MSG(xq_.data() != nullptr && wq_.data() != nullptr && xq_.size() >= M * K && wq_.size() >= N * K,
+  NIB_CHECK_MSG(xb_.data() != nullptr && wb_.data() != nullptr && xb_.size() >= M * K && wb_.size() >= N * K,
                 "bf16 linear: backward without a matching forward");
-  float* dyq = dyq_.ensure(be, M * N, "bf16 linear: dy scratch");
-  be.round_to_bf16(dyq, dy, M * N);
-  be.matmul_nn(dx, dyq, wq_.data(), M, K, N, /*accumulate=*/false, /*operands_bf16=*/true);
-  be.matmul_tn(dw, dyq, xq_.data(), N, K, M, /*accumulate=*/true, /*operands_bf16=*/true);
+  uint16_t* dyb = workspace(call).get<uint16_t>(be, 0, M * N, "bf16 linear: BF16 dY");
+  be.to_bf16_bits(dyb, dy, M * N);
+  be.matmul_bf16_nn(dx, dyb, wb_.data(), M, K, N);                                     // dx (M,K) = dy . w
+  be.matmul_bf16_tn(dw, dyb, xb_.data(), N, K, M, /*alpha=*/nullptr, /*accumulate=*/true);  // dw += dy^T . x
 }
 
 }  // namespace nibble::model

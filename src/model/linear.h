@@ -23,6 +23,33 @@
 
 namespace nibble::model {
 
+// The recipes' shared scratch (issue #13 item 4): the transient operands of a linear's GEMMs
+// (dequantized BF16 operands, padded copies, transposes, quantized scratch), one per model on its
+// backend and shared by all its linears, in numbered grow-only slots: scratch is the largest
+// linear's, not the sum over linears, and a steady-state step allocates nothing. A slot's
+// contents are valid only within one forward() or backward() call; each call asks for a slot
+// once, at its largest size (a second, larger request may move it).
+class LinearWorkspace {
+ public:
+  static constexpr int kSlots = 10;
+  static constexpr int kQuantSlots = 2;
+  // Room for n elements of T in `slot` (0 <= slot < kSlots).
+  template <typename T>
+  T* get(backend::Backend& be, int slot, int64_t n, const char* what) {
+    return reinterpret_cast<T*>(slot_bytes(be, slot, n * static_cast<int64_t>(sizeof(T)), what));
+  }
+  // A quantized operand `format` (rows, cols) backed by quantized slot `slot` (< kQuantSlots).
+  backend::QuantizedTensor quantized(backend::Backend& be, int slot, backend::QuantFormat format, int64_t rows,
+                                     int64_t cols);
+  // Bytes held now in backend memory.
+  int64_t bytes() const;
+
+ private:
+  uint8_t* slot_bytes(backend::Backend& be, int slot, int64_t bytes, const char* what);
+  backend::Buffer<uint8_t> slots_[kSlots];
+  backend::QuantizedBuffer quant_[kQuantSlots];
+};
+
 // Per-call context. The pair (layer_id, micro_step) is unique per forward call of one training
 // run, so recipes derive fresh SR/RHT seeds from (seed, step, layer_id, micro_step).
 struct LinearCall {
@@ -31,6 +58,9 @@ struct LinearCall {
   int layer_id = 0;          // LinearInfo::id of this instance
   int64_t micro_step = 0;    // forward-call counter of the model (one per micro-batch)
   bool needs_backward = true;  // false in eval/generation forwards: no state need be saved
+  // The model's shared scratch; null: the recipe instance's own (tests and tools that call one
+  // recipe by itself).
+  LinearWorkspace* workspace = nullptr;
 };
 
 enum class LinearKind { kQkv, kAttnOut, kGateUp, kDown, kExpertGateUp, kExpertDown, kSharedGateUp, kSharedDown };
@@ -87,6 +117,15 @@ class LinearRecipe {
   // Counters for logging by short name (e.g. "oscireset.resets_total", "outliers.channels").
   // Default: none.
   virtual std::map<std::string, double> stats() const { return {}; }
+
+ protected:
+  // The call's shared workspace, or this instance's own when the caller passed none.
+  LinearWorkspace& workspace(const LinearCall& call) {
+    return call.workspace != nullptr ? *call.workspace : own_workspace_;
+  }
+
+ private:
+  LinearWorkspace own_workspace_;
 };
 
 // A derived recipe re-exposes the host overloads its overrides would hide.
@@ -175,10 +214,10 @@ class Fp32LinearRecipe final : public LinearRecipe {
   const float* w_ = nullptr;
 };
 
-// bf16: the emulation of BF16 GEMMs with FP32 accumulation: every GEMM operand (x, w in the
-// forward; dy, w in dgrad; dy, x in wgrad) is rounded to the nearest bf16 (round_to_bf16), the
-// products and sums are binary32, outputs are binary32. The GEMMs get operands_bf16 = true:
-// every operand is exactly a BF16 number, so a backend may use BF16 tensor cores.
+// bf16: BF16 GEMMs with FP32 accumulation: every GEMM operand (x, w in the forward; dy, w in
+// dgrad; dy, x in wgrad) is rounded to the nearest bf16 (to_bf16_bits) and multiplied by the
+// backend's BF16-operand GEMMs (matmul_bf16_*: tensor cores on CUDA, exact widening + FP32 GEMM
+// on the CPU), outputs are binary32. x and w are saved as BF16 bits (half the FP32 bytes).
 class Bf16LinearRecipe final : public LinearRecipe {
  public:
   NIB_LINEAR_RECIPE_HOST_OVERLOADS;
@@ -189,7 +228,7 @@ class Bf16LinearRecipe final : public LinearRecipe {
                 const LinearCall& call) override;
 
  private:
-  backend::Buffer<float> xq_, wq_, dyq_;  // bf16-rounded x (M,K), w (N,K) saved; dy (M,N) scratch
+  backend::Buffer<uint16_t> xb_, wb_;  // saved BF16 bits of x (M,K), w (N,K); dY's go to the workspace
 };
 
 // dst: (n) = round_to_bf16(src: (n)), host arrays

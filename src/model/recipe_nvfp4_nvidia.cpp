@@ -1,7 +1,9 @@
 // nvfp4-nvidia LinearRecipe (see recipe_nvfp4_nvidia.h): TransformerEngine's NVFP4 recipe as
-// backend ops (quantize / dequantize of QuantizedTensor, the TE RHT-transpose quantizer, FP32
-// GEMMs). No GEMM here passes operands_bf16: a dequantized 1x16 value carries the FP32 global
-// scale amax / (6 * 448), so it is not exactly a BF16 number in general.
+// backend ops (quantize, dequantize_bf16 of QuantizedTensor, the TE RHT-transpose quantizer, BF16
+// GEMMs). The per-tensor factor fl(amax · fl(1/2688)) of each operand is not a BF16 number, so
+// it stays out of the operands and both go into the GEMM's alpha (nvfp4_te_alpha, on the device).
+// Workspace slots: forward 0 bf16 W, 1 X̂ operand, 2 Ŵ operand, 3 alpha; backward 0 bf16 dY,
+// 1 dY operand, 2 X operand, 3 alphas, 4 RHT-transpose scratch, 5 Ŵ operand.
 #include "model/recipe_nvfp4_nvidia.h"
 
 #include <algorithm>
@@ -28,51 +30,61 @@ void Nvfp4NvidiaLinearRecipe::forward(backend::Backend& be, float* y, const floa
   NIB_CHECK_MSG(N % 16 == 0 && K % 16 == 0, "nvfp4-nvidia: N={} and K={} must be multiples of 16", N, K);
   const int64_t Mp = (M + 15) / 16 * 16;
   M_ = M, N_ = N, K_ = K;
-  uint16_t* xb = xb_.ensure(be, Mp * K, "nvfp4-nvidia: bf16 x");
-  float* xq = xq_.ensure(be, M * K, "nvfp4-nvidia: saved X^");
-  float* wq = wq_.ensure(be, N * K, "nvfp4-nvidia: saved W^");
-  float* wb = wb_.ensure(be, N * K, "nvfp4-nvidia: bf16 w");
+  LinearWorkspace& ws = workspace(call);
+  uint16_t* xb = xb_.ensure(be, Mp * K, "nvfp4-nvidia: saved bf16 x");
+  uint16_t* wb = ws.get<uint16_t>(be, 0, N * K, "nvfp4-nvidia: bf16 w");
+  uint16_t* xq = ws.get<uint16_t>(be, 1, M * K, "nvfp4-nvidia: X^ operand");
+  uint16_t* wq = ws.get<uint16_t>(be, 2, N * K, "nvfp4-nvidia: W^ operand");
+  float* alpha = ws.get<float>(be, 3, 1, "nvfp4-nvidia: GEMM alpha");
   // Q(X): 1x16 along K, per-tensor amax, RTN, from the BF16 activation.
   to_bf16_padded(be, xb, x, M, Mp, K);
-  backend::QuantizedTensor qx = q_.view(be, QuantFormat::kNvfp4Te, M, K);
+  backend::QuantizedTensor qx = ws.quantized(be, 0, QuantFormat::kNvfp4Te, M, K);
   be.quantize(qx, xb);
-  be.dequantize(xq, qx);
-  // Q(W): 16x16 2-D tiles, per-tensor amax, RTN, from the BF16 weight.
-  be.round_to_bf16(wb, w, N * K);
-  backend::QuantizedTensor qw = q_.view(be, QuantFormat::kNvfp4Te2d, N, K);
-  be.quantize(qw, wb);
-  be.dequantize(wq, qw);
-  be.matmul_nt(y, xq, wq, M, N, K);
+  be.dequantize_bf16(xq, qx);
+  // Q(W): 16x16 2-D tiles, per-tensor amax, RTN, from the BF16 weight; kept for the dgrad.
+  be.to_bf16_bits(wb, w, N * K);
+  qw_ = w_saved_.view(be, QuantFormat::kNvfp4Te2d, N, K);
+  be.quantize(qw_, wb);
+  be.dequantize_bf16(wq, qw_);
+  be.nvfp4_te_alpha(alpha, qx.outer, qw_.outer);
+  be.matmul_bf16_nt(y, xq, wq, M, N, K, alpha);
   be.round_to_bf16(y, y, M * N);  // the GEMM writes BF16
 }
 
 void Nvfp4NvidiaLinearRecipe::backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M,
                                        int64_t N, int64_t K, const LinearCall& call) {
-  NIB_CHECK_MSG(M == M_ && N == N_ && K == K_, "nvfp4-nvidia: backward without a matching forward");
+  NIB_CHECK_MSG(M == M_ && N == N_ && K == K_ && qw_.codes != nullptr,
+                "nvfp4-nvidia: backward without a matching forward");
   const int64_t Mp = (M + 15) / 16 * 16;
-  uint16_t* dyb = dyb_.ensure(be, Mp * N, "nvfp4-nvidia: bf16 dY");
-  float* a = a_.ensure(be, Mp * std::max(N, K), "nvfp4-nvidia: dequantized operand");
-  float* b = b_.ensure(be, Mp * K, "nvfp4-nvidia: dequantized operand");
-  uint16_t* tb = tb_.ensure(be, Mp * std::max(N, K), "nvfp4-nvidia: RHT-transpose scratch");
+  LinearWorkspace& ws = workspace(call);
+  uint16_t* dyb = ws.get<uint16_t>(be, 0, Mp * N, "nvfp4-nvidia: bf16 dY");
+  uint16_t* a = ws.get<uint16_t>(be, 1, Mp * N, "nvfp4-nvidia: dY operand");
+  uint16_t* b = ws.get<uint16_t>(be, 2, K * Mp, "nvfp4-nvidia: X operand");
+  float* alpha = ws.get<float>(be, 3, 2, "nvfp4-nvidia: GEMM alphas");
+  uint16_t* tb = ws.get<uint16_t>(be, 4, Mp * std::max(N, K), "nvfp4-nvidia: RHT-transpose scratch");
+  uint16_t* wq = ws.get<uint16_t>(be, 5, N * K, "nvfp4-nvidia: W^ operand");
   to_bf16_padded(be, dyb, dy, M, Mp, N);
 
   // dgrad: dX (M,K) = deq(SR 1x16 along N of dY) (M,N) · Ŵ (N,K).
   formats::SrKey kd{call.seed, linear_call_stream(call, kNvidiaStreamDgradDy)};
-  backend::QuantizedTensor qd = q_.view(be, QuantFormat::kNvfp4Te, M, N);
+  backend::QuantizedTensor qd = ws.quantized(be, 0, QuantFormat::kNvfp4Te, M, N);
   be.quantize(qd, dyb, &kd);
-  be.dequantize(a, qd);
-  be.matmul_nn(dx, a, wq_.data(), M, K, N);
+  be.dequantize_bf16(a, qd);
+  be.dequantize_bf16(wq, qw_);
+  be.nvfp4_te_alpha(alpha, qd.outer, qw_.outer);
+  be.matmul_bf16_nn(dx, a, wq, M, K, N, alpha);
   be.round_to_bf16(dx, dx, M * K);
 
   // wgrad: dW (N,K) += deq(SR(RHT(dY^T))) (N,Mp) · deq(RTN(RHT(X^T)))^T (K,Mp), FP32.
   formats::SrKey kw{call.seed, linear_call_stream(call, kNvidiaStreamWgradDy)};
-  backend::QuantizedTensor qg = q_.view(be, QuantFormat::kNvfp4Te, N, Mp);
+  backend::QuantizedTensor qg = ws.quantized(be, 0, QuantFormat::kNvfp4Te, N, Mp);
   be.quantize_te_rht_transpose(qg, tb, dyb, Mp, N, &kw);
-  be.dequantize(a, qg);
-  backend::QuantizedTensor qx = q_.view(be, QuantFormat::kNvfp4Te, K, Mp);
+  be.dequantize_bf16(a, qg);
+  backend::QuantizedTensor qx = ws.quantized(be, 1, QuantFormat::kNvfp4Te, K, Mp);
   be.quantize_te_rht_transpose(qx, tb, xb_.data(), Mp, K);
-  be.dequantize(b, qx);
-  be.matmul_nt(dw, a, b, N, K, Mp, /*accumulate=*/true);
+  be.dequantize_bf16(b, qx);
+  be.nvfp4_te_alpha(alpha + 1, qg.outer, qx.outer);
+  be.matmul_bf16_nt(dw, a, b, N, K, Mp, alpha + 1, /*accumulate=*/true);
 }
 
 Result<std::unique_ptr<LinearRecipe>> make_nvfp4_nvidia_recipe(const RecipeConfig& config, const LinearInfo& info) {

@@ -1,8 +1,9 @@
 // The `nvfp4-nvidia` LinearRecipe: NVIDIA's NVFP4 pretraining recipe as TransformerEngine runs it
-// (02-pretraining-recipes.md §5, 01-formats.md §2, §6), emulated through backend ops. Operands
-// are fake-quantized (backend quantize, dequantize to FP32 exactly) and multiplied with FP32
-// GEMMs; FP4 block values are exact in FP32, so only the accumulation order differs from an FP4
-// tensor-core GEMM. See docs/recipes.md for every choice.
+// (02-pretraining-recipes.md §5, 01-formats.md §2, §6), through backend ops. Each operand is
+// quantized, dequantized to BF16 as E2M1 code × E4M3 block scale (exact) and multiplied by a BF16
+// GEMM whose alpha is the product of the two per-tensor factors, as native FP4 hardware applies
+// them (issue #13); only the accumulation order differs from an FP4 tensor-core GEMM. See
+// docs/recipes.md for every choice.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,9 @@ inline constexpr uint32_t kNvidiaStreamWgradDy = 1;  // RHT(dY^T), 1x16 along to
 //  forward  Y  = BF16( deq(Q_1x16,RTN(X)) · deq(Q_2D16x16,RTN(W))^T )        per-tensor amax each
 //  dgrad    dX = BF16( deq(Q_1x16,SR(dY)) · deq(W columnwise 2-D) )          = the forward Ŵ numbers
 //  wgrad    dW += deq(Q_1x16,SR(RHT_TE(dY^T))) · deq(Q_1x16,RTN(RHT_TE(X^T)))^T   along tokens, FP32
+// where each product deq(A) · deq(B) is alpha · (A_blk · B_blk) with A_blk = code × E4M3 scale in
+// BF16 (backend dequantize_bf16), FP32 sums, alpha = nvfp4_te_alpha(amax_A, amax_B), applied as
+// fl(alpha · sum) (or fma(alpha, sum, dW) in the wgrad).
 // RHT_TE = fixed TE sign vector, result rounded to BF16 (rht16_te_transpose_cpu). The wgrad X
 // operand is a fresh quantization of X (no alignment). Tokens are zero-padded to a multiple of
 // 16 for the along-token operands (zero rows add nothing). Requires N, K multiples of 16.
@@ -33,14 +37,11 @@ class Nvfp4NvidiaLinearRecipe final : public LinearRecipe {
 
  private:
   int64_t M_ = 0, N_ = 0, K_ = 0;
-  // All in backend memory, grow-only. Mp = M rounded up to 16.
-  backend::Buffer<uint16_t> xb_;      // (Mp,K) bf16 bits of x, rows >= M zero
-  backend::Buffer<float> xq_;         // (M,K) dequantized forward X̂
-  backend::Buffer<float> wq_;         // (N,K) dequantized forward Ŵ (= the columnwise W of dgrad)
-  backend::Buffer<float> wb_;         // (N,K) bf16-rounded w
-  backend::QuantizedBuffer q_;        // scratch quantized operand
-  backend::Buffer<uint16_t> dyb_, tb_;  // (Mp,N) bf16 dY; (max(N,K), Mp) bf16 RHT-transpose scratch
-  backend::Buffer<float> a_, b_;        // scratch dequantized operands
+  // Saved for the backward (backend memory, grow-only; Mp = M rounded up to 16); everything
+  // else is transient, in the model's LinearWorkspace.
+  backend::Buffer<uint16_t> xb_;      // (Mp,K) bf16 bits of x, rows >= M zero (the wgrad X^T source)
+  backend::QuantizedBuffer w_saved_;  // Ŵ as 2-D NVFP4 codes (N,K/2) + scales (N,K/16) + amax
+  backend::QuantizedTensor qw_;       // the view of w_saved_ (dgrad uses the forward Ŵ numbers)
 };
 
 // Builds nvfp4-nvidia for one linear, or the bf16 recipe for the last `bf16_last_blocks` blocks.

@@ -1,6 +1,7 @@
 // Tests of the nvfp4-nvidia recipe: forward and backward equal the hand-composed TE pipeline
-// (formats drivers: 1x16 / 2-D quantize, TE RHT transpose, dequantize, FP32 GEMM, BF16 output)
-// bit for bit; the dgrad W operand (2-D columnwise) is the forward Ŵ transposed; SR only in the
+// (formats drivers: 1x16 / 2-D quantize, TE RHT transpose; the BF16 GEMM contract: operands
+// code × E4M3 scale, FP32 sum, alpha = product of the per-tensor factors; BF16 output) bit for
+// bit; the dgrad W operand (2-D columnwise) is the forward Ŵ transposed; SR only in the
 // backward (same seed -> same bits, another seed -> other bits, forward seed-independent);
 // bf16_last_blocks; shape errors; and the estimate of dW is unbiased up to derived bounds.
 #include "model/recipe_nvfp4_nvidia.h"
@@ -30,6 +31,24 @@ std::vector<uint16_t> bf16_bits(const std::vector<float>& v, size_t rows_p_times
   return o;
 }
 bool same_bits(const float* a, const float* b, size_t n) { return std::memcmp(a, b, n * sizeof(float)) == 0; }
+
+// The BF16 GEMM operand of a TE-quantized (rows, cols): e2m1(code) × E4M3 block scale, exact
+// (at most 6 significant bits), without the per-tensor factor.
+std::vector<float> te_operand(const std::vector<uint8_t>& codes, const std::vector<uint8_t>& scales, int64_t rows,
+                              int64_t cols) {
+  std::vector<float> v(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i)
+    v[i] = formats::e2m1_decode(formats::e2m1_unpack(codes.data(), i)) * formats::e4m3_decode(scales[i / 16]);
+  return v;
+}
+// The GEMM's alpha: the two per-tensor factors fl(amax · fl(1/2688)), multiplied.
+float te_alpha(float amax_a, float amax_b) {
+  return (amax_a * formats::kRecip2688) * (amax_b * formats::kRecip2688);
+}
+// y (n) = fl(alpha · sum), or fma(alpha, sum, y) when accumulating (the CPU backend's contract).
+void apply_alpha(float* y, const std::vector<float>& sum, float alpha, bool accumulate) {
+  for (size_t i = 0; i < sum.size(); ++i) y[i] = accumulate ? std::fma(alpha, sum[i], y[i]) : alpha * sum[i];
+}
 
 std::unique_ptr<LinearRecipe> make(const RecipeConfig& c, int64_t N, int64_t K, int block = 0, int nblocks = 1) {
   LinearInfo info;
@@ -63,13 +82,15 @@ TEST(Nvfp4Nvidia, ForwardAndBackwardEqualTheComposedTePipeline) {
   // reference forward
   std::vector<uint8_t> codes(Mp * 128), scales(Mp * 16), codes_t(Mp * 128), scales_t(Mp * 16);
   auto xb = bf16_bits(c.x, Mp * K);
-  std::vector<float> xq(M * K), wb(N * K), wq(N * K), yr(M * N);
+  std::vector<float> wb(N * K), wdeq(N * K), yr(M * N), sum(M * N);
   float ax = formats::nvfp4_te_quantize_cpu(codes.data(), scales.data(), xb.data(), M, K);
-  formats::nvfp4_te_dequantize_cpu(xq.data(), codes.data(), scales.data(), ax, M, K);
+  const std::vector<float> xo = te_operand(codes, scales, M, K);
   for (int64_t i = 0; i < N * K; ++i) wb[i] = round_to_bf16(c.w[i]);
   float aw = formats::nvfp4_te_quantize_2d_cpu(codes.data(), scales.data(), codes_t.data(), scales_t.data(), wb.data(), N, K);
-  formats::nvfp4_te_dequantize_cpu(wq.data(), codes.data(), scales.data(), aw, N, K);
-  cpu::matmul_nt(yr.data(), xq.data(), wq.data(), M, N, K);
+  const std::vector<float> wo = te_operand(codes, scales, N, K);
+  formats::nvfp4_te_dequantize_cpu(wdeq.data(), codes.data(), scales.data(), aw, N, K);
+  cpu::matmul_nt(sum.data(), xo.data(), wo.data(), M, N, K);
+  apply_alpha(yr.data(), sum, te_alpha(ax, aw), false);
   for (auto& v : yr) v = round_to_bf16(v);
   EXPECT_TRUE(same_bits(y.data(), yr.data(), y.size()));
 
@@ -77,27 +98,29 @@ TEST(Nvfp4Nvidia, ForwardAndBackwardEqualTheComposedTePipeline) {
   std::vector<float> wt(K * N);
   formats::nvfp4_te_dequantize_cpu(wt.data(), codes_t.data(), scales_t.data(), aw, K, N);
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) ASSERT_EQ(wt[k * N + n], wq[n * K + k]);
+    for (int64_t k = 0; k < K; ++k) ASSERT_EQ(wt[k * N + n], wdeq[n * K + k]);
 
   // reference dgrad: SR 1x16 along N of BF16 dY, stream kNvidiaStreamDgradDy
   auto dyb = bf16_bits(c.dy, Mp * N);
   formats::SrKey kd{call.seed, linear_call_stream(call, kNvidiaStreamDgradDy)};
-  std::vector<float> a(M * N), dxr(M * K);
+  std::vector<float> dxr(M * K), dsum(M * K);
   float ad = formats::nvfp4_te_quantize_cpu(codes.data(), scales.data(), dyb.data(), M, N, &kd);
-  formats::nvfp4_te_dequantize_cpu(a.data(), codes.data(), scales.data(), ad, M, N);
-  cpu::matmul_nn(dxr.data(), a.data(), wq.data(), M, K, N);
+  const std::vector<float> a = te_operand(codes, scales, M, N);
+  cpu::matmul_nn(dsum.data(), a.data(), wo.data(), M, K, N);
+  apply_alpha(dxr.data(), dsum, te_alpha(ad, aw), false);
   for (auto& v : dxr) v = round_to_bf16(v);
   EXPECT_TRUE(same_bits(dx.data(), dxr.data(), dx.size()));
 
   // reference wgrad: TE RHT along tokens (zero-padded to 112) + SR for dY^T, RTN for X^T
   formats::SrKey kw{call.seed, linear_call_stream(call, kNvidiaStreamWgradDy)};
   std::vector<uint16_t> tb(Mp * 128);
-  std::vector<float> g(N * Mp), xt(K * Mp), dwr(N * K, 0.5f);
+  std::vector<float> wsum(N * K), dwr(N * K, 0.5f);
   float ag = formats::nvfp4_te_quantize_rht_t_cpu(codes.data(), scales.data(), tb.data(), dyb.data(), Mp, N, &kw);
-  formats::nvfp4_te_dequantize_cpu(g.data(), codes.data(), scales.data(), ag, N, Mp);
+  const std::vector<float> g = te_operand(codes, scales, N, Mp);
   float axt = formats::nvfp4_te_quantize_rht_t_cpu(codes.data(), scales.data(), tb.data(), xb.data(), Mp, K);
-  formats::nvfp4_te_dequantize_cpu(xt.data(), codes.data(), scales.data(), axt, K, Mp);
-  cpu::matmul_nt(dwr.data(), g.data(), xt.data(), N, K, Mp, true);
+  const std::vector<float> xt = te_operand(codes, scales, K, Mp);
+  cpu::matmul_nt(wsum.data(), g.data(), xt.data(), N, K, Mp);
+  apply_alpha(dwr.data(), wsum, te_alpha(ag, axt), true);
   EXPECT_TRUE(same_bits(dw.data(), dwr.data(), dw.size()));
 }
 

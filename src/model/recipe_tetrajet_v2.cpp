@@ -1,9 +1,9 @@
 // tetrajet-v2 LinearRecipe and OsciReset (see recipe_tetrajet_v2.h): the six nvfp4-2level
 // quantizers as backend ops (quantize / dequantize of QuantizedTensor, the fused backward-operand
-// op), MXFP8 outlier channels, FP32 GEMMs. Every quantizer is one op on a zero-padded,
-// BF16-rounded FP32 operand, so tests can recompose each step from the drivers. No GEMM passes
-// operands_bf16: a 2-level value carries its FP32 outer scale and an MXFP8 value its E8M0 scale,
-// neither exactly a BF16 number in general.
+// op), MXFP8 outlier channels, BF16 GEMMs of dequantize_bf16 operands. Every quantizer is one op on
+// a zero-padded, BF16-rounded FP32 operand, so tests can recompose each step from the drivers.
+// Only the quantized X̂, Ŵ (codes + scales) are kept between forward and backward; the rest lives
+// in the model's LinearWorkspace, slots numbered where they are taken.
 #include "model/recipe_tetrajet_v2.h"
 
 #include <algorithm>
@@ -37,6 +37,15 @@ QuantizedTensor fake_quant(backend::Backend& be, float* deq, backend::QuantizedB
   QuantizedTensor t = q.view(be, format, rows, cols);
   be.quantize(t, src, sr);
   be.dequantize(deq, t);
+  return t;
+}
+
+// y (rows, cols) bf16 operand <- quantize src (rows, cols) along cols in `format` (RTN or SR) into
+// t (returned), then dequantize_bf16.
+QuantizedTensor quant_operand(backend::Backend& be, uint16_t* y, QuantizedTensor t, const float* src,
+                              const formats::SrKey* sr) {
+  be.quantize(t, src, sr);
+  be.dequantize_bf16(y, t);
   return t;
 }
 
@@ -342,44 +351,48 @@ void TetraJetV2LinearRecipe::forward(backend::Backend& be, float* y, const float
   const int64_t no = static_cast<int64_t>(out_idx_.size()), No = round_up(no, 32);
   const int64_t* midx = no > 0 ? main_idx_dev_.data() : nullptr;  // identity gather without outliers
   M_ = M, N_ = N, K_ = K;
+  x_saved_ = x;
   w_saved_ = w;
+  LinearWorkspace& ws = workspace(call);
   // Q1, Q2: nvfp4-2level RTN along K of the main channels (zero-padded rows Mp, Np).
-  float* xs = xs_.ensure(be, Mp * Km, "tetrajet-v2: bf16 X");
-  float* ws = ws_.ensure(be, Np * Km, "tetrajet-v2: bf16 W");
-  float* xq = xq_.ensure(be, Mp * Km, "tetrajet-v2: X^");
-  float* wq = wq_.ensure(be, Np * Km, "tetrajet-v2: W^");
   if (nm > 0) {
+    float* xs = ws.get<float>(be, 0, Mp * Km, "tetrajet-v2: bf16 X");
+    float* wsrc = ws.get<float>(be, 1, Np * Km, "tetrajet-v2: bf16 W");
+    uint16_t* xq = ws.get<uint16_t>(be, 2, Mp * Km, "tetrajet-v2: X^ operand");
+    uint16_t* wq = ws.get<uint16_t>(be, 3, Np * Km, "tetrajet-v2: W^ operand");
     be.gather_columns_bf16(xs, x, M, Mp, K, midx, nm, Km);
-    be.gather_columns_bf16(ws, w, N, Np, K, midx, nm, Km);
-    xhat_ = fake_quant(be, xq, xhat_buf_, QuantFormat::kNvfp4TwoLevel, xs, Mp, Km, nullptr);
-    what_ = fake_quant(be, wq, what_buf_, QuantFormat::kNvfp4TwoLevel, ws, Np, Km, nullptr);
-    be.matmul_nt(y, xq, wq, M, N, Km);
+    be.gather_columns_bf16(wsrc, w, N, Np, K, midx, nm, Km);
+    xhat_ = quant_operand(be, xq, xhat_buf_.view(be, QuantFormat::kNvfp4TwoLevel, Mp, Km), xs, nullptr);
+    what_ = quant_operand(be, wq, what_buf_.view(be, QuantFormat::kNvfp4TwoLevel, Np, Km), wsrc, nullptr);
+    be.matmul_bf16_nt(y, xq, wq, M, N, Km);
   } else {
     be.fill_zero(y, static_cast<size_t>(M * N) * sizeof(float));
   }
   if (no > 0) {
-    // outlier channels: MXFP8 along the gathered channels, Y += X̂_o Ŵ_o^T
-    float* xos = xos_.ensure(be, Mp * No, "tetrajet-v2: bf16 X outliers");
-    float* wos = wos_.ensure(be, N * No, "tetrajet-v2: bf16 W outliers");
-    float* xoq = xoq_.ensure(be, Mp * No, "tetrajet-v2: X^ outliers");
-    float* woq = woq_.ensure(be, N * No, "tetrajet-v2: W^ outliers");
+    // outlier channels: MXFP8 along the gathered channels, Y += X̂_o Ŵ_o^T (exact BF16 operands)
+    float* xos = ws.get<float>(be, 4, Mp * No, "tetrajet-v2: bf16 X outliers");
+    float* wos = ws.get<float>(be, 5, N * No, "tetrajet-v2: bf16 W outliers");
+    uint16_t* xoq = ws.get<uint16_t>(be, 6, Mp * No, "tetrajet-v2: X^ outlier operand");
+    uint16_t* woq = ws.get<uint16_t>(be, 7, N * No, "tetrajet-v2: W^ outlier operand");
     be.gather_columns_bf16(xos, x, M, Mp, K, out_idx_dev_.data(), no, No);
-    fake_quant(be, xoq, qs_, QuantFormat::kMxfp8, xos, Mp, No, nullptr);
+    xohat_ = quant_operand(be, xoq, xohat_buf_.view(be, QuantFormat::kMxfp8, Mp, No), xos, nullptr);
     be.gather_columns_bf16(wos, w, N, N, K, out_idx_dev_.data(), no, No);
-    fake_quant(be, woq, qs_, QuantFormat::kMxfp8, wos, N, No, nullptr);
-    be.matmul_nt(y, xoq, woq, M, N, No, /*accumulate=*/true);
+    wohat_ = quant_operand(be, woq, wohat_buf_.view(be, QuantFormat::kMxfp8, N, No), wos, nullptr);
+    be.matmul_bf16_nt(y, xoq, woq, M, N, No, /*alpha=*/nullptr, /*accumulate=*/true);
   }
   be.round_to_bf16(y, y, M * N);  // the GEMM writes BF16
 }
 
 void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M,
                                       int64_t N, int64_t K, const LinearCall& call) {
-  NIB_CHECK_MSG(M == M_ && N == N_ && K == K_ && w_saved_ != nullptr, "tetrajet-v2: backward without a matching forward");
+  NIB_CHECK_MSG(M == M_ && N == N_ && K == K_ && w_saved_ != nullptr && x_saved_ != nullptr,
+                "tetrajet-v2: backward without a matching forward");
   be_ = &be;
   upload_channels(be);
   const int64_t Mp = round_up(M, 128), Np = round_up(N, 128);
   const int64_t nm = static_cast<int64_t>(main_idx_.size()), Km = round_up(nm, 16);
   const int64_t no = static_cast<int64_t>(out_idx_.size()), No = round_up(no, 32);
+  const int64_t* midx = no > 0 ? main_idx_dev_.data() : nullptr;
   const bool sr = config_.sr, rht = config_.rht, align = config_.alignment;
   const formats::SrKey k3{call.seed, linear_call_stream(call, kTetraStreamQ3)};
   const formats::SrKey k4{call.seed, linear_call_stream(call, kTetraStreamQ4)};
@@ -388,75 +401,90 @@ void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw
   const uint32_t sign_d = formats::rht_random_sign_mask(call.seed, linear_call_stream(call, kTetraStreamRhtDgrad));
   const uint32_t sign_w = formats::rht_random_sign_mask(call.seed, linear_call_stream(call, kTetraStreamRhtWgrad));
   const QuantFormat f2 = QuantFormat::kNvfp4TwoLevel;
-  // t_ is the staging operand of every quantizer below: large enough for each.
-  float* t = t_.ensure(be, std::max({M * Np, Np * K, K * Np, Np * Mp, Km * Mp, No * Mp}), "tetrajet-v2: operand");
+  // Every slot is taken once, at its largest size in this call.
+  LinearWorkspace& ws = workspace(call);
+  // t: the staging operand of every quantizer below, large enough for each.
+  float* t = ws.get<float>(be, 0, std::max({M * Np, Np * K, K * Np, Np * Mp, Km * Mp, No * Mp}), "tetrajet-v2: operand");
+  float* dyb = ws.get<float>(be, 1, Mp * Np, "tetrajet-v2: bf16 dY");
+  uint16_t* q3 = ws.get<uint16_t>(be, 2, M * Np, "tetrajet-v2: Q3 operand");
+  uint16_t* q4 = ws.get<uint16_t>(be, 3, K * Np, "tetrajet-v2: Q4 operand");
+  // src: Ŵ (Np,K) rebuilt for Q4, later the wgrad partial products (N, Km or No)
+  float* src = ws.get<float>(be, 4, std::max(Np * K, N * std::max(Km, No)), "tetrajet-v2: W source / wgrad part");
+  uint16_t* q5 = ws.get<uint16_t>(be, 5, Np * Mp, "tetrajet-v2: Q5 operand");
+  uint16_t* q6 = ws.get<uint16_t>(be, 6, std::max(Km, No) * Mp, "tetrajet-v2: Q6 operand");
+  // the FP32 sources the unfused paths re-quantize: X̂ / Ŵ dequantized (alignment) or X re-gathered
+  float* main_src = ws.get<float>(be, 7, std::max(Mp, Np) * std::max<int64_t>(Km, 1), "tetrajet-v2: main source");
+  float* out_src = ws.get<float>(be, 8, std::max(Mp, N) * std::max<int64_t>(No, 1), "tetrajet-v2: outlier source");
 
   // dY (Mp, Np), BF16, zero-padded.
-  float* dyb = dyb_.ensure(be, Mp * Np, "tetrajet-v2: bf16 dY");
   be.gather_columns_bf16(dyb, dy, M, Mp, N, nullptr, N, Np);
 
   // ---- dgrad: dX (M,K) = Q3 (M,Np) · Q4 (K,Np)^T ----
   {
-    float* q3 = q3_.ensure(be, M * Np, "tetrajet-v2: Q3");
     if (rht) be.rht16_rows(t, dyb, M, Np, sign_d);
     else be.copy(t, dyb, static_cast<size_t>(M * Np) * sizeof(float));
-    fake_quant(be, q3, qs_, f2, t, M, Np, sr ? &k3 : nullptr);
-    float* q4 = q4_.ensure(be, K * Np, "tetrajet-v2: Q4");
+    quant_operand(be, q3, ws.quantized(be, 0, f2, M, Np), t, sr ? &k3 : nullptr);
     if (align && sr && rht && no == 0) {
       // fused: dequantize Ŵ (Np,K) -> transpose -> RHT along N -> SR requantize along N
-      QuantizedTensor o = qs_.view(be, f2, K, Np);
+      QuantizedTensor o = ws.quantized(be, 0, f2, K, Np);
       be.backward_operand_two_level(o, what_, sign_d, k4);
-      be.dequantize(q4, o);
+      be.dequantize_bf16(q4, o);
     } else {
       // source (Np, K): Ŵ rebuilt from both parts (alignment) or BF16 W (fresh quantization)
-      float* src = part_.ensure(be, Np * K, "tetrajet-v2: W source");
       if (align) {
         be.fill_zero(src, static_cast<size_t>(Np * K) * sizeof(float));
-        be.scatter_columns(src, wq_.data(), N, K, main_idx_dev_.data(), nm, Km);
-        if (no > 0) be.scatter_columns(src, woq_.data(), N, K, out_idx_dev_.data(), no, No);
+        if (nm > 0) {
+          be.dequantize(main_src, what_);  // (Np, Km)
+          be.scatter_columns(src, main_src, N, K, main_idx_dev_.data(), nm, Km);
+        }
+        if (no > 0) {
+          be.dequantize(out_src, wohat_);  // (N, No)
+          be.scatter_columns(src, out_src, N, K, out_idx_dev_.data(), no, No);
+        }
       } else {
         be.gather_columns_bf16(src, w_saved_, N, Np, K, nullptr, K, K);
       }
       be.transpose(t, src, Np, K);
       if (rht) be.rht16_rows(t, t, K, Np, sign_d);
-      fake_quant(be, q4, qs_, f2, t, K, Np, sr ? &k4 : nullptr);
+      quant_operand(be, q4, ws.quantized(be, 0, f2, K, Np), t, sr ? &k4 : nullptr);
     }
-    be.matmul_nt(dx, q3, q4, M, K, Np);
+    be.matmul_bf16_nt(dx, q3, q4, M, K, Np);
     be.round_to_bf16(dx, dx, M * K);
   }
 
   // ---- wgrad: dW (N,K) += Q5 (N,Mp) · Q6 (K,Mp)^T ----
-  float* q5 = q5_.ensure(be, Np * Mp, "tetrajet-v2: Q5");
   be.transpose(t, dyb, Mp, Np);
   if (rht) be.rht16_rows(t, t, Np, Mp, sign_w);
-  fake_quant(be, q5, qs_, f2, t, Np, Mp, sr ? &k5 : nullptr);
+  quant_operand(be, q5, ws.quantized(be, 0, f2, Np, Mp), t, sr ? &k5 : nullptr);
+  float* part = src;
   if (nm > 0) {
-    float* q6 = q6_.ensure(be, Km * Mp, "tetrajet-v2: Q6");
     if (align && sr && rht) {
-      QuantizedTensor o = qs_.view(be, f2, Km, Mp);
+      QuantizedTensor o = ws.quantized(be, 0, f2, Km, Mp);
       be.backward_operand_two_level(o, xhat_, sign_w, k6);
-      be.dequantize(q6, o);
+      be.dequantize_bf16(q6, o);
     } else {
-      be.transpose(t, align ? xq_.data() : xs_.data(), Mp, Km);
+      // X̂ (Mp, Km) dequantized (alignment) or the BF16 X re-gathered from the saved x
+      if (align) be.dequantize(main_src, xhat_);
+      else be.gather_columns_bf16(main_src, x_saved_, M, Mp, K, midx, nm, Km);
+      be.transpose(t, main_src, Mp, Km);
       if (rht) be.rht16_rows(t, t, Km, Mp, sign_w);
-      fake_quant(be, q6, qs_, f2, t, Km, Mp, sr ? &k6 : nullptr);
+      quant_operand(be, q6, ws.quantized(be, 0, f2, Km, Mp), t, sr ? &k6 : nullptr);
     }
     if (no == 0) {
-      be.matmul_nt(dw, q5, q6, N, K, Mp, /*accumulate=*/true);
+      be.matmul_bf16_nt(dw, q5, q6, N, K, Mp, /*alpha=*/nullptr, /*accumulate=*/true);
     } else {
-      float* part = part_.ensure(be, N * Km, "tetrajet-v2: wgrad part");
-      be.matmul_nt(part, q5, q6, N, Km, Mp);
+      be.matmul_bf16_nt(part, q5, q6, N, Km, Mp);
       be.scatter_add_columns(dw, part, N, K, main_idx_dev_.data(), nm, Km);
     }
   }
   if (no > 0) {
     // outlier channels: X operand = MXFP8_RTN(RHT_w(X̂_o^T)) along tokens (aligned) or of X_o^T
-    float* q = q6_.ensure(be, std::max(Km, No) * Mp, "tetrajet-v2: Q6");
-    float* part = part_.ensure(be, N * std::max(Km, No), "tetrajet-v2: wgrad part");
-    be.transpose(t, align ? xoq_.data() : xos_.data(), Mp, No);
+    if (align) be.dequantize(out_src, xohat_);  // (Mp, No)
+    else be.gather_columns_bf16(out_src, x_saved_, M, Mp, K, out_idx_dev_.data(), no, No);
+    be.transpose(t, out_src, Mp, No);
     if (rht) be.rht16_rows(t, t, No, Mp, sign_w);
-    fake_quant(be, q, qs_, QuantFormat::kMxfp8, t, No, Mp, nullptr);
-    be.matmul_nt(part, q5, q, N, No, Mp);
+    quant_operand(be, q6, ws.quantized(be, 0, QuantFormat::kMxfp8, No, Mp), t, nullptr);
+    be.matmul_bf16_nt(part, q5, q6, N, No, Mp);
     be.scatter_add_columns(dw, part, N, K, out_idx_dev_.data(), no, No);
   }
 }

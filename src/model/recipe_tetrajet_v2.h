@@ -2,8 +2,9 @@
 // (Q1/Q2 RTN forward along K; Q3/Q4 SR(RHT) dgrad along N; Q5/Q6 SR(RHT) wgrad along tokens) with
 // tensor alignment (the backward re-quantizes the forward-quantized X̂, Ŵ), OutControl (RHT +
 // static outlier channels kept in MXFP8) and OsciReset (per-element weight-oscillation reset).
-// Emulated through backend ops: operands are fake-quantized to FP32 exactly and multiplied with
-// FP32 GEMMs. Switches come from RecipeConfig; docs/recipes.md maps every spec line to this file.
+// Through backend ops: each quantized operand is dequantized to BF16 and multiplied by a BF16
+// GEMM with FP32 accumulation (issue #13). Switches come from RecipeConfig; docs/recipes.md maps
+// every spec line to this file.
 #pragma once
 
 #include <cstdint>
@@ -83,6 +84,12 @@ class OsciReset {
 // the gathered channels, zero-padded to 32); the rest are gathered into (M, K_m) / (N, K_m) and
 // quantized as above. Y = X̂_m Ŵ_m^T + X̂_o Ŵ_o^T. dgrad rebuilds Ŵ (N,K) from both parts, then
 // Q4 as above. wgrad: dW[:, main] += Q5 Q6_m^T, dW[:, out] += Q5 · MXFP8_RTN(RHT_w(X̂_o^T))^T.
+// GEMM operands: every product above multiplies BF16 operands with FP32 sums (backend
+// matmul_bf16_nt): a 2-level value code × fl(inner × outer) is rounded to the nearest BF16
+// (relative error <= 2^-8: the FP32 outer scale varies per row and per 128 columns along K, so it
+// cannot be a GEMM alpha; docs/architecture.md "accepted rounding"), an MXFP8 value E4M3 × 2^k is
+// exact. The re-quantizations (alignment, Q4/Q6) read the FP32 dequantized values, not the
+// rounded operands.
 class TetraJetV2LinearRecipe final : public LinearRecipe {
  public:
   NIB_LINEAR_RECIPE_HOST_OVERLOADS;
@@ -137,20 +144,15 @@ class TetraJetV2LinearRecipe final : public LinearRecipe {
   // OsciReset
   OsciReset oscireset_;
   std::vector<float> w_host_;          // (N,K) host copy of w while OsciReset works
-  // saved forward state (backend memory, grow-only)
+  // saved forward state (backend memory, grow-only): the quantized operands only; every
+  // dequantized operand, padded copy and transpose is transient, in the model's LinearWorkspace
   int64_t M_ = 0, N_ = 0, K_ = 0;
+  const float* x_saved_ = nullptr;     // (M,K) x of the last forward (alignment off: fresh X^T)
   const float* w_saved_ = nullptr;     // (N,K) w of the last forward (alignment off: fresh W^T)
-  backend::Buffer<float> xs_;          // (Mp, Km) bf16-rounded main-channel X
-  backend::Buffer<float> ws_;          // (Np, Km) bf16-rounded main-channel W
-  backend::QuantizedBuffer xhat_buf_, what_buf_;  // X̂_m (Mp,Km) / Ŵ_m (Np,Km) 2-level
+  backend::QuantizedBuffer xhat_buf_, what_buf_;  // X̂_m (Mp,Km) / Ŵ_m (Np,Km) 2-level codes + scales
   backend::QuantizedTensor xhat_, what_;
-  backend::Buffer<float> xq_, wq_;     // dequantized X̂_m (Mp,Km), Ŵ_m (Np,Km)
-  backend::Buffer<float> xoq_, woq_;   // dequantized MXFP8 X̂_o (Mp,No), Ŵ_o (N,No); No = n_o padded to 32
-  backend::Buffer<float> xos_, wos_;   // (Mp,No) bf16 X_o (alignment off), (N,No) bf16 W_o
-  // backward scratch
-  backend::QuantizedBuffer qs_;        // every backward quantization in turn
-  backend::Buffer<float> dyb_;         // (Mp,Np) bf16 dY, zero-padded
-  backend::Buffer<float> t_, q3_, q4_, q5_, q6_, part_;
+  backend::QuantizedBuffer xohat_buf_, wohat_buf_;  // MXFP8 X̂_o (Mp,No) / Ŵ_o (N,No); No = n_o padded to 32
+  backend::QuantizedTensor xohat_, wohat_;
   // fake_quantize_weight scratch
   mutable backend::Buffer<float> fq_w_, fq_src_, fq_deq_;
   mutable backend::QuantizedBuffer fq_q_;

@@ -204,6 +204,7 @@ struct TransformerT<T>::Impl {
   // "fp32", which keeps FP32 attention (docs/architecture.md, issue #13).
   backend::AttentionPrecision attention_precision = backend::AttentionPrecision::kFp32;
   std::vector<LinearSlot<T>> linears;
+  LinearWorkspace linear_ws;  // the recipes' transient scratch, shared by all linears (issue #13)
   std::vector<BlockParams> blocks;
   int64_t embed = -1, final_norm = -1, lm_head = -1;
   // lm_head (docs/training.md "lm_head"): BF16 operands for every recipe except fp32 (float only);
@@ -622,7 +623,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
 
   const int64_t call_id = im.decode != nullptr ? micro_step_ : micro_step_++;  // decode leaves training seeds alone
   auto call = [&](const LinearSlot<T>& s) {
-    return LinearCall{step_, seed_, s.info.id, call_id, backward};
+    return LinearCall{step_, seed_, s.info.id, call_id, backward, &im.linear_ws};
   };
   const T* cosp = im.rope_cos.data();
   const T* sinp = im.rope_sin.data();

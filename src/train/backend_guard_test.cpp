@@ -80,6 +80,29 @@ class GuardBackend final : public backend::Backend {
     all("matmul_tn", {y, a, b});
     cpu_->matmul_tn(y, a, b, M, N, K, acc, bf16);
   }
+  void matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                      const float* alpha, bool acc) override {
+    all("matmul_bf16_nt", {y, a, b}), opt("matmul_bf16_nt", alpha);
+    cpu_->matmul_bf16_nt(y, a, b, M, N, K, alpha, acc);
+  }
+  void matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                      const float* alpha, bool acc) override {
+    all("matmul_bf16_nn", {y, a, b}), opt("matmul_bf16_nn", alpha);
+    cpu_->matmul_bf16_nn(y, a, b, M, N, K, alpha, acc);
+  }
+  void matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                      const float* alpha, bool acc) override {
+    all("matmul_bf16_tn", {y, a, b}), opt("matmul_bf16_tn", alpha);
+    cpu_->matmul_bf16_tn(y, a, b, M, N, K, alpha, acc);
+  }
+  void dequantize_bf16(uint16_t* y, const QuantizedTensor& in) override {
+    q("dequantize_bf16", in), all("dequantize_bf16", {y});
+    cpu_->dequantize_bf16(y, in);
+  }
+  void nvfp4_te_alpha(float* alpha, const float* amax_a, const float* amax_b) override {
+    all("nvfp4_te_alpha", {alpha, amax_a, amax_b});
+    cpu_->nvfp4_te_alpha(alpha, amax_a, amax_b);
+  }
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t V,
                          int64_t C) override {
     all("embedding_forward", {out, tokens, wte});

@@ -122,6 +122,7 @@ Result<LinearBenchResult> bench_linear(backend::Backend& be, const model::Recipe
   info.K = K;
   NIB_ASSIGN_OR_RETURN(std::unique_ptr<model::LinearRecipe> lin, model::make_linear_recipe(recipe, info));
   backend::Buffer<float> x, w, y, dy, dx, dw;
+  model::LinearWorkspace workspace;  // as the model shares it across its linears
   std::vector<float> host(static_cast<size_t>(std::max({M * K, N * K, M * N})));
   auto fill = [&](float* dst, int64_t n, uint64_t stream, double scale) {
     PhiloxStream rng(7, stream);
@@ -138,7 +139,7 @@ Result<LinearBenchResult> bench_linear(backend::Backend& be, const model::Recipe
   r.recipe = recipe.name;
   std::vector<double> tf, tb;
   for (int i = 0; i < 2 + repeats; ++i) {
-    model::LinearCall call{i, 1, 0, i, true};
+    model::LinearCall call{i, 1, 0, i, true, &workspace};
     auto t0 = Clock::now();
     lin->forward(be, y.data(), x.data(), w.data(), M, N, K, call);
     be.synchronize();

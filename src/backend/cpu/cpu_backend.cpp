@@ -144,6 +144,64 @@ void CpuBackend::matmul_tn(float* y, const float* a, const float* b, int64_t M, 
   cpu::matmul_tn(y, a, b, M, N, K, accumulate);
 }
 
+// ---- BF16-operand GEMMs: exact widening to FP32, today's FP32 GEMM, then alpha ---------------------
+namespace {
+
+enum class Bf16Layout { kNT, kNN, kTN };
+
+// dst (n) f32 <- src (n) bf16 bits (exact).
+void widen_bf16(std::vector<float>& dst, const uint16_t* src, int64_t n) {
+  if (dst.size() < static_cast<size_t>(n)) dst.resize(static_cast<size_t>(n));
+  parallel_for(n, 1 << 15, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = bf16_bits_to_f32(src[i]);
+  });
+}
+
+// y (M,N) = alpha · (a . b in `layout`) [+ y], the CPU contract of backend.h: without alpha the
+// FP32 GEMM accumulates as matmul_* does; with alpha the sum s is formed first, then
+// y = fl(alpha · s) or fma(alpha, s, y).
+void matmul_bf16_cpu(Bf16Layout layout, float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N,
+                     int64_t K, const float* alpha, bool accumulate) {
+  // grow-only per thread: the oracle allocates nothing in a steady-state step
+  thread_local std::vector<float> af, bf, sum;
+  widen_bf16(af, a, M * K);
+  widen_bf16(bf, b, N * K);
+  float* out = y;
+  bool acc = accumulate;
+  if (alpha != nullptr) {
+    if (sum.size() < static_cast<size_t>(M * N)) sum.resize(static_cast<size_t>(M * N));
+    out = sum.data(), acc = false;
+  }
+  switch (layout) {
+    case Bf16Layout::kNT: cpu::matmul_nt(out, af.data(), bf.data(), M, N, K, acc); break;
+    case Bf16Layout::kNN: cpu::matmul_nn(out, af.data(), bf.data(), M, N, K, acc); break;
+    case Bf16Layout::kTN: cpu::matmul_tn(out, af.data(), bf.data(), M, N, K, acc); break;
+  }
+  if (alpha == nullptr) return;
+  const float s = *alpha;
+  parallel_for(M * N, 1 << 15, [&](int64_t b0, int64_t e) {
+    if (accumulate)
+      for (int64_t i = b0; i < e; ++i) y[i] = std::fma(s, sum[i], y[i]);
+    else
+      for (int64_t i = b0; i < e; ++i) y[i] = s * sum[i];
+  });
+}
+
+}  // namespace
+
+void CpuBackend::matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                                const float* alpha, bool accumulate) {
+  matmul_bf16_cpu(Bf16Layout::kNT, y, a, b, M, N, K, alpha, accumulate);
+}
+void CpuBackend::matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                                const float* alpha, bool accumulate) {
+  matmul_bf16_cpu(Bf16Layout::kNN, y, a, b, M, N, K, alpha, accumulate);
+}
+void CpuBackend::matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                                const float* alpha, bool accumulate) {
+  matmul_bf16_cpu(Bf16Layout::kTN, y, a, b, M, N, K, alpha, accumulate);
+}
+
 // ---- per-token layers ---------------------------------------------------------------------------
 void CpuBackend::embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t V,
                                    int64_t C) {
@@ -385,6 +443,37 @@ void CpuBackend::dequantize(float* y, const QuantizedTensor& q) {
       return;
   }
 }
+void CpuBackend::dequantize_bf16(uint16_t* y, const QuantizedTensor& q) {
+  const int64_t rows = q.rows, cols = q.cols;
+  switch (q.format) {
+    case QuantFormat::kNvfp4Te:
+    case QuantFormat::kNvfp4Te2d:
+      NIB_CHECK_MSG(cols % 16 == 0, "dequantize_bf16: {} cols={} must be a multiple of 16", quant_format_name(q.format), cols);
+      // code × E4M3 block scale: exact in FP32 and in BF16; the per-tensor factor is the GEMM's alpha
+      parallel_for(rows * cols / 16, 1024, [&](int64_t b0, int64_t b1) {
+        for (int64_t blk = b0; blk < b1; ++blk) {
+          const uint32_t s = q.scales[blk];
+          for (int i = 0; i < 16; ++i)
+            y[blk * 16 + i] = f32_to_bf16_bits(formats::nvfp4_te_bf16_operand(formats::e2m1_unpack(q.codes + blk * 8, i), s));
+        }
+      });
+      return;
+    case QuantFormat::kNvfp4TwoLevel:
+    case QuantFormat::kMxfp8: {
+      // the FP32 dequantization (grow-only per thread), rounded to nearest even
+      thread_local std::vector<float> deq;
+      if (deq.size() < static_cast<size_t>(rows * cols)) deq.resize(static_cast<size_t>(rows * cols));
+      dequantize(deq.data(), q);
+      to_bf16_bits(y, deq.data(), rows * cols);
+      return;
+    }
+  }
+}
+
+void CpuBackend::nvfp4_te_alpha(float* alpha, const float* amax_a, const float* amax_b) {
+  *alpha = formats::nvfp4_te_gemm_alpha(*amax_a, *amax_b);
+}
+
 void CpuBackend::quantize_te_rht_transpose(QuantizedTensor& out, uint16_t* y_t, const uint16_t* x, int64_t M,
                                            int64_t K, const formats::SrKey* sr) {
   NIB_CHECK(out.format == QuantFormat::kNvfp4Te && out.rows == K && out.cols == M);

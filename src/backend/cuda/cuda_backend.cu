@@ -642,10 +642,54 @@ void CudaBackend::quantize_impl(QuantizedTensor& out, const In* x, const formats
   NIB_OP_CUDA(cudaGetLastError(), op, "{} {}x{}", fmt_name, M, K);
 }
 
+void CudaBackend::matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                                 const float* alpha, bool accumulate) {
+  activate();
+  gemm_->run_bf16(GemmLayout::kNT, y, a, b, M, N, K, alpha, accumulate);
+}
+void CudaBackend::matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                                 const float* alpha, bool accumulate) {
+  activate();
+  gemm_->run_bf16(GemmLayout::kNN, y, a, b, M, N, K, alpha, accumulate);
+}
+void CudaBackend::matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                                 const float* alpha, bool accumulate) {
+  activate();
+  gemm_->run_bf16(GemmLayout::kTN, y, a, b, M, N, K, alpha, accumulate);
+}
+void CudaBackend::nvfp4_te_alpha(float* alpha, const float* amax_a, const float* amax_b) {
+  activate();
+  NIB_OP_CUDA(cuda::nvfp4_te_alpha(alpha, amax_a, amax_b, stream_), "nvfp4_te_alpha", "{}", "(1)");
+}
+
 void CudaBackend::quantize(QuantizedTensor& out, const float* x, const formats::SrKey* sr) { quantize_impl(out, x, sr); }
 
 void CudaBackend::quantize(QuantizedTensor& out, const uint16_t* x_bf16, const formats::SrKey* sr) {
   quantize_impl(out, x_bf16, sr);
+}
+
+// The BF16 GEMM operand (backend.h): TE formats without the per-tensor factor (amax null), the
+// others the FP32 value rounded by the kernels' BF16 output path.
+void CudaBackend::dequantize_bf16(uint16_t* y, const QuantizedTensor& q) {
+  activate();
+  const int64_t M = q.rows, K = q.cols;
+  const char* fmt_name = backend::quant_format_name(q.format);
+  switch (q.format) {
+    case QuantFormat::kNvfp4Te:
+    case QuantFormat::kNvfp4Te2d:
+      NIB_OP_STATUS(dequantize_nvfp4_te<uint16_t>(y, q.codes, q.scales, nullptr, M, K, stream_), "dequantize_bf16",
+                    "{} {}x{}", fmt_name, M, K);
+      break;
+    case QuantFormat::kNvfp4TwoLevel:
+      NIB_OP_STATUS(dequantize_nvfp4_2level<uint16_t>(y, q.codes, q.scales, q.outer, M, K, stream_),
+                    "dequantize_bf16", "{} {}x{}", fmt_name, M, K);
+      break;
+    case QuantFormat::kMxfp8:
+      NIB_OP_STATUS(dequantize_mxfp8<uint16_t>(y, q.codes, q.scales, M, K, stream_), "dequantize_bf16", "{} {}x{}",
+                    fmt_name, M, K);
+      break;
+  }
+  NIB_OP_CUDA(cudaGetLastError(), "dequantize_bf16", "{} {}x{}", fmt_name, M, K);
 }
 
 void CudaBackend::dequantize(float* y, const QuantizedTensor& q) {

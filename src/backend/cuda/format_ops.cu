@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "core/bits.h"
+#include "formats/nvfp4.h"
 
 namespace nibble::cuda {
 
@@ -75,11 +76,20 @@ __global__ void column_sumsq_kernel(double* sums, const float* x, int64_t M, int
   sums[k] = s;
 }
 
+__global__ void nvfp4_te_alpha_kernel(float* alpha, const float* amax_a, const float* amax_b) {
+  *alpha = formats::nvfp4_te_gemm_alpha(*amax_a, *amax_b);
+}
+
 }  // namespace
 
 cudaError_t round_to_bf16(float* dst, const float* src, int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   round_to_bf16_kernel<<<grid_for(n), kThreads, 0, stream>>>(dst, src, n);
+  return cudaGetLastError();
+}
+
+cudaError_t nvfp4_te_alpha(float* alpha, const float* amax_a, const float* amax_b, cudaStream_t stream) {
+  nvfp4_te_alpha_kernel<<<1, 1, 0, stream>>>(alpha, amax_a, amax_b);
   return cudaGetLastError();
 }
 

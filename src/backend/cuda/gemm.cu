@@ -28,6 +28,16 @@ __global__ void f32_to_bf16_operand_kernel(uint16_t* dst, const float* src, int6
     dst[i] = f32_to_bf16_bits(src[i]);
 }
 
+// dst: (n) f32 <- src: (n) bf16 bits (exact).
+__global__ void bf16_to_f32_operand_kernel(float* dst, const uint16_t* src, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = __uint_as_float(static_cast<uint32_t>(src[i]) << 16);
+}
+
+unsigned grid_for(int64_t n, int threads) {
+  return static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 65535 * 8));
+}
+
 int alignment_of(const void* p) {
   const auto a = reinterpret_cast<uintptr_t>(p);
   for (int al = 16; al > 1; al /= 2)
@@ -93,6 +103,9 @@ GemmEngine::~GemmEngine() {
   if (lt_workspace_) owner_.deallocate(lt_workspace_);
   if (a_bf16_) owner_.deallocate(a_bf16_);
   if (b_bf16_) owner_.deallocate(b_bf16_);
+  if (a_f32_) owner_.deallocate(a_f32_);
+  if (b_f32_) owner_.deallocate(b_f32_);
+  if (consts_) owner_.deallocate(consts_);
   if (handle_) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
 }
 
@@ -117,6 +130,10 @@ GemmEngine::Plan& GemmEngine::plan_for(const Key& key, GemmLayout layout, int64_
   const cublasOperation_t tb = layout == GemmLayout::kTN ? CUBLAS_OP_T : CUBLAS_OP_N;
   NIB_GEMM_CHECK_LT(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
   NIB_GEMM_CHECK_LT(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  if (std::get<8>(key)) {  // alpha and beta read from device memory when the kernel runs
+    const cublasLtPointerMode_t mode = CUBLASLT_POINTER_MODE_DEVICE;
+    NIB_GEMM_CHECK_LT(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &mode, sizeof mode));
+  }
   // cuBLAS A = our b: stored (K,N) col-major for nt (ld K), (N,K) col-major for nn/tn (ld N).
   if (layout == GemmLayout::kNT)
     NIB_GEMM_CHECK_LT(cublasLtMatrixLayoutCreate(&plan->a, in_type, K, N, K));
@@ -171,7 +188,7 @@ void GemmEngine::run(GemmLayout layout, float* y, const float* a, const float* b
     // cuBLASLt may lack a BF16 algorithm for an odd leading dimension: the operands are exact BF16
     // values (the caller's promise), so the FP32 product below has the same products and FP32
     // accumulation. The BF16 plan of this shape is looked up with the workspaces' alignment (256).
-    const Key key16{static_cast<int>(layout), M, N, K, true, alignment_of(y), 16, 16};
+    const Key key16{static_cast<int>(layout), M, N, K, true, alignment_of(y), 16, 16, false};
     if (!plan_for(key16, layout, M, N, K, true).found) {
       run(layout, y, a, b, M, N, K, accumulate, /*operands_bf16=*/false);
       return;
@@ -184,19 +201,63 @@ void GemmEngine::run(GemmLayout layout, float* y, const float* a, const float* b
     auto* a16 = static_cast<uint16_t*>(grow(a_bf16_, a_bf16_bytes_, size_t(na) * 2, "GEMM operand a in bf16"));
     auto* b16 = static_cast<uint16_t*>(grow(b_bf16_, b_bf16_bytes_, size_t(nb) * 2, "GEMM operand b in bf16"));
     const int threads = 256;
-    const auto blocks = [&](int64_t n) { return static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 65535 * 8)); };
-    f32_to_bf16_operand_kernel<<<blocks(na), threads, 0, stream_>>>(a16, a, na);
+    f32_to_bf16_operand_kernel<<<grid_for(na, threads), threads, 0, stream_>>>(a16, a, na);
     NIB_GEMM_CHECK_CUDA(cudaGetLastError());
-    f32_to_bf16_operand_kernel<<<blocks(nb), threads, 0, stream_>>>(b16, b, nb);
+    f32_to_bf16_operand_kernel<<<grid_for(nb, threads), threads, 0, stream_>>>(b16, b, nb);
     NIB_GEMM_CHECK_CUDA(cudaGetLastError());
     a_op = a16, b_op = b16;
   }
+  launch(layout, y, a_op, b_op, M, N, K, bf16, nullptr, accumulate);
+}
+
+void GemmEngine::launch(GemmLayout layout, float* y, const void* a, const void* b, int64_t M, int64_t N, int64_t K,
+                        bool bf16, const float* alpha_dev, bool accumulate) {
   void* ws = grow(lt_workspace_, lt_workspace_bytes_, kLtWorkspaceBytes, "cuBLASLt workspace");
-  const Key key{static_cast<int>(layout), M, N, K, bf16, alignment_of(y), alignment_of(a_op), alignment_of(b_op)};
+  const bool device_scalars = alpha_dev != nullptr;
+  const Key key{static_cast<int>(layout), M, N, K, bf16, alignment_of(y), alignment_of(a), alignment_of(b),
+                device_scalars};
   Plan& plan = plan_for(key, layout, M, N, K, bf16);
-  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-  NIB_GEMM_CHECK_LT(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), plan.op, &alpha, b_op, plan.a, a_op, plan.b,
-                                   &beta, y, plan.c, y, plan.c, &plan.algo, ws, kLtWorkspaceBytes, stream_));
+  const float alpha_host = 1.0f, beta_host = accumulate ? 1.0f : 0.0f;
+  const void* alpha_p = &alpha_host;
+  const void* beta_p = &beta_host;
+  if (device_scalars) {
+    if (consts_ == nullptr) {
+      static const float kZeroOne[2] = {0.0f, 1.0f};  // static: the async copy reads it later
+      grow(consts_, consts_bytes_, sizeof kZeroOne, "GEMM scalars");
+      NIB_GEMM_CHECK_CUDA(cudaMemcpyAsync(consts_, kZeroOne, sizeof kZeroOne, cudaMemcpyHostToDevice, stream_));
+    }
+    alpha_p = alpha_dev;
+    beta_p = static_cast<const float*>(consts_) + (accumulate ? 1 : 0);
+  }
+  NIB_GEMM_CHECK_LT(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), plan.op, alpha_p, b, plan.a, a, plan.b,
+                                   beta_p, y, plan.c, y, plan.c, &plan.algo, ws, kLtWorkspaceBytes, stream_));
+}
+
+void GemmEngine::run_bf16(GemmLayout layout, float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N,
+                          int64_t K, const float* alpha, bool accumulate) {
+  const bool bf16 = true;
+  NIB_CHECK_MSG(M >= 0 && N >= 0 && K >= 0, "{}: negative shape M={} N={} K={}", gemm_layout_op_name(layout), M, N, K);
+  if (M == 0 || N == 0) return;
+  if (K == 0) {  // an empty sum: y = 0, or y unchanged when accumulating
+    if (!accumulate) NIB_GEMM_CHECK_CUDA(cudaMemsetAsync(y, 0, size_t(M) * N * sizeof(float), stream_));
+    return;
+  }
+  const Key key{static_cast<int>(layout), M, N, K, true, alignment_of(y), alignment_of(a), alignment_of(b),
+                alpha != nullptr};
+  if (plan_for(key, layout, M, N, K, true).found) {
+    launch(layout, y, a, b, M, N, K, true, alpha, accumulate);
+    return;
+  }
+  // no BF16 algorithm (an odd leading dimension): the same exact values in FP32
+  const int64_t na = M * K, nb = N * K;
+  auto* a32 = static_cast<float*>(grow(a_f32_, a_f32_bytes_, size_t(na) * 4, "GEMM operand a widened to f32"));
+  auto* b32 = static_cast<float*>(grow(b_f32_, b_f32_bytes_, size_t(nb) * 4, "GEMM operand b widened to f32"));
+  const int threads = 256;
+  bf16_to_f32_operand_kernel<<<grid_for(na, threads), threads, 0, stream_>>>(a32, a, na);
+  NIB_GEMM_CHECK_CUDA(cudaGetLastError());
+  bf16_to_f32_operand_kernel<<<grid_for(nb, threads), threads, 0, stream_>>>(b32, b, nb);
+  NIB_GEMM_CHECK_CUDA(cudaGetLastError());
+  launch(layout, y, a32, b32, M, N, K, false, alpha, accumulate);
 }
 
 }  // namespace nibble::cuda

@@ -41,14 +41,24 @@ class GemmEngine {
   void run(GemmLayout layout, float* y, const float* a, const float* b, int64_t M, int64_t N, int64_t K,
            bool accumulate, bool operands_bf16);
 
+  // y: (M,N) f32 row-major = alpha · Σ a·b [+ y] with a and b BF16 bits as the layout says
+  // (backend.h matmul_bf16_*): BF16 tensor cores, FP32 accumulation. alpha: (1) f32 in device
+  // memory (cuBLASLt pointer mode device: no host sync) or null for 1. Where cuBLASLt has no BF16
+  // algorithm for a shape and alignment, the operands are widened (exactly) and multiplied in FP32.
+  void run_bf16(GemmLayout layout, float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                const float* alpha, bool accumulate);
+
   // How many distinct (layout, shape, precision, alignment) plans are cached (tests).
   size_t cached_plans() const { return plans_.size(); }
 
  private:
   struct Plan;
-  // layout, M, N, K, bf16, alignment of y, a, b in bytes (1..16)
-  using Key = std::tuple<int, int64_t, int64_t, int64_t, bool, int, int, int>;
+  // layout, M, N, K, bf16, alignment of y, a, b in bytes (1..16), alpha/beta in device memory
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, bool, int, int, int, bool>;
   Plan& plan_for(const Key& key, GemmLayout layout, int64_t M, int64_t N, int64_t K, bool bf16);
+  // The product of prepared operands (f32 or bf16 as `bf16` says) with host or device scalars.
+  void launch(GemmLayout layout, float* y, const void* a, const void* b, int64_t M, int64_t N, int64_t K, bool bf16,
+              const float* alpha_dev, bool accumulate);
   void* grow(void*& p, size_t& have, size_t bytes, const char* what);
 
   backend::Backend& owner_;
@@ -61,6 +71,12 @@ class GemmEngine {
   size_t a_bf16_bytes_ = 0;
   void* b_bf16_ = nullptr;
   size_t b_bf16_bytes_ = 0;
+  void* a_f32_ = nullptr;  // run_bf16's widened operands where no BF16 algorithm exists
+  size_t a_f32_bytes_ = 0;
+  void* b_f32_ = nullptr;
+  size_t b_f32_bytes_ = 0;
+  void* consts_ = nullptr;  // (2) f32 {0, 1} in device memory: beta for pointer mode device
+  size_t consts_bytes_ = 0;
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };
 

@@ -447,7 +447,8 @@ __global__ void __launch_bounds__(kThreads) nvfp4_te_dequantize_kernel(Out* y, c
   if (b >= nblocks) return;
   const uint2 c = __ldcs(reinterpret_cast<const uint2*>(codes + b * 8));
   float f[16];
-  decode16_mul(f, c, fm::nvfp4_te_dequant_factor(scales[b], *amax));
+  // amax null: the BF16 GEMM operand e2m1 × E4M3 scale (fm::nvfp4_te_bf16_operand), exact
+  decode16_mul(f, c, amax != nullptr ? fm::nvfp4_te_dequant_factor(scales[b], *amax) : fm::e4m3_decode(scales[b]));
   store_values16(y + b * 16, f);
 }
 

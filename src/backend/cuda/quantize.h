@@ -51,7 +51,9 @@ Status quantize_nvfp4_te_2d(uint8_t* codes, uint8_t* scales, uint8_t* codes_t, u
                             const In* x, int64_t M, int64_t K, AmaxMode amax_mode = AmaxMode::kCompute,
                             ScaleLayout layout = ScaleLayout::kLinear, cudaStream_t stream = nullptr);
 
-// y (M, K) f32 or bf16 <- TE dequantization of codes (M, K/2), scales (M, K/16) linear, amax (1).
+// y (M, K) f32 or bf16 <- TE dequantization of codes (M, K/2), scales (M, K/16) linear, amax (1);
+// amax null: e2m1 × E4M3 scale without the per-tensor factor (formats::nvfp4_te_bf16_operand,
+// exact in BF16; the factor becomes the BF16 GEMM's alpha).
 template <typename Out>
 Status dequantize_nvfp4_te(Out* y, const uint8_t* codes, const uint8_t* scales, const float* amax, int64_t M,
                            int64_t K, cudaStream_t stream = nullptr);

@@ -125,9 +125,55 @@ class FormatOpsTest : public OpsTest {
     expect_same(fetch(q), ref, where);
     float* y = zeros<float>(M * K);
     be().dequantize(y, q);
-    EXPECT_TRUE(bits_equal(download(y, M * K), dequantize_reference(f, M, K, ref))) << where << ": dequantize";
+    const std::vector<float> deq = dequantize_reference(f, M, K, ref);
+    EXPECT_TRUE(bits_equal(download(y, M * K), deq)) << where << ": dequantize";
+    // the BF16 GEMM operand: equal bits to the definition, and its accuracy as backend.h states
+    uint16_t* yb = zeros<uint16_t>(M * K);
+    be().dequantize_bf16(yb, q);
+    const std::vector<uint16_t> got = download(yb, M * K);
+    int wrong = 0;
+    for (int64_t i = 0; i < M * K; ++i) {
+      const float v = bf16_bits_to_f32(got[i]);
+      if (f == QuantFormat::kNvfp4Te || f == QuantFormat::kNvfp4Te2d) {
+        // code × E4M3 scale, exactly (the widened BF16 equals the FP32 product), no amax factor
+        const float exact = fm::nvfp4_te_bf16_operand(fm::e2m1_unpack(ref.codes.data(), i), ref.scales[i / 16]);
+        wrong += float_as_u32(v) != float_as_u32(exact);
+      } else {
+        // RNE of the FP32 dequantization; |error| <= 2^-8 |value| (BF16's unit roundoff: 8 significant
+        // bits), exact for MXFP8's E4M3 × 2^k here
+        wrong += got[i] != f32_to_bf16_bits(deq[i]);
+        const double bound = f == QuantFormat::kMxfp8 ? 0.0 : 0x1p-8 * std::fabs(double(deq[i]));
+        wrong += !(std::fabs(double(v) - double(deq[i])) <= bound);
+      }
+    }
+    EXPECT_EQ(wrong, 0) << where << ": dequantize_bf16";
   }
 };
+
+// The TE GEMM alpha on the device equals the host definition bit for bit, and alpha × the BF16
+// operand reproduces the FP32 dequantization: the split rounds once (fl(amax/2688)), the
+// dequantization three times (s·amax, /2688, × code), so they differ by <= 4 u of the value.
+TEST_P(FormatOpsTest, Nvfp4TeAlphaOfTwoOperands) {
+  const std::vector<float> amax = {3.5f, 0.0123f, 448.0f * 6.0f, 1e-30f, 0.0f};
+  const float* ad = upload(amax);
+  float* alpha = zeros<float>(amax.size() * amax.size());
+  for (size_t i = 0; i < amax.size(); ++i)
+    for (size_t j = 0; j < amax.size(); ++j) be().nvfp4_te_alpha(alpha + i * amax.size() + j, ad + i, ad + j);
+  const std::vector<float> got = download(alpha, static_cast<int64_t>(amax.size() * amax.size()));
+  for (size_t i = 0; i < amax.size(); ++i)
+    for (size_t j = 0; j < amax.size(); ++j) {
+      const float want = (amax[i] * fm::kRecip2688) * (amax[j] * fm::kRecip2688);
+      EXPECT_EQ(float_as_u32(got[i * amax.size() + j]), float_as_u32(want)) << i << " " << j;
+    }
+  // one operand's share, every code and scale byte of a normal range
+  for (float a : {3.5f, 0.0123f, 1000.0f})
+    for (uint32_t sb = 8; sb < 0x7F; sb += 3)
+      for (uint32_t code = 0; code < 16; ++code) {
+        const double split = double(fm::nvfp4_te_bf16_operand(code, sb)) * double(a * fm::kRecip2688);
+        const double deq = double(fm::nvfp4_te_decode(code, fm::nvfp4_te_dequant_factor(sb, a)));
+        ASSERT_LE(std::fabs(split - deq), 4.5 * kUnitRoundoff * std::fabs(deq)) << a << " " << sb << " " << code;
+      }
+}
 
 TEST_P(FormatOpsTest, QuantizeDequantizeEveryFormat) {
   const fm::SrKey key{0x5EED, 3};

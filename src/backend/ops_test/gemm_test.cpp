@@ -5,6 +5,9 @@
 // the GPU is within 2 (K+1) u sum|terms|: |y - ref| <= (3K + 6) u (sum_k |a b| + |y0|). A wrong
 // layout exceeds it by orders of magnitude; TF32 products (operands rounded to 2^-11) by 24x,
 // 10x and 2x at K = 53, 96, 257 (simulated, largest element): the FP32 path must be true FP32.
+// The BF16-operand GEMMs (matmul_bf16_*: BF16 bits in, alpha in backend memory) are checked the
+// same way against the FP32 product of the widened operands, alpha applied once more: one more
+// rounding of |alpha s| <= |alpha| sum|terms|, so (3K + 8) u (|alpha| sum_k |a b| + |y0|).
 #include <cmath>
 #include <vector>
 
@@ -66,9 +69,68 @@ class GemmOpsTest : public OpsTest {
         << "layout " << int(layout) << " M=" << M << " N=" << N << " K=" << K << " accumulate=" << accumulate
         << " bf16=" << bf16;
   }
+
+  // matmul_bf16_* with a, b as BF16 bits and alpha (1) in backend memory, or null (1).
+  void check_bf16_bits(Layout layout, GemmCase c, bool accumulate, const float* alpha_host, uint64_t seed) {
+    const int64_t M = c.M, N = c.N, K = c.K;
+    std::vector<float> a = normal_vector(M * K, seed), b = normal_vector(N * K, seed + 1);
+    std::vector<float> y0 = normal_vector(M * N, seed + 2);
+    std::vector<uint16_t> ab(a.size()), bb(b.size());
+    for (size_t i = 0; i < a.size(); ++i) ab[i] = f32_to_bf16_bits(a[i]), a[i] = bf16_bits_to_f32(ab[i]);
+    for (size_t i = 0; i < b.size(); ++i) bb[i] = f32_to_bf16_bits(b[i]), b[i] = bf16_bits_to_f32(bb[i]);
+    std::vector<float> sum(static_cast<size_t>(M * N), 0.0f);
+    std::vector<double> abs_a(a.begin(), a.end()), abs_b(b.begin(), b.end());
+    for (double& v : abs_a) v = std::fabs(v);
+    for (double& v : abs_b) v = std::fabs(v);
+    std::vector<double> mag(static_cast<size_t>(M * N), 0.0);  // sum_k |a_ik b_kj|
+    float* y = upload(accumulate ? y0 : std::vector<float>(static_cast<size_t>(M * N), 7.0f));
+    const uint16_t* ad = upload(ab);
+    const uint16_t* bd = upload(bb);
+    const float* alpha = alpha_host ? upload(std::vector<float>{*alpha_host}) : nullptr;
+    switch (layout) {
+      case Layout::kNT:
+        cpu::matmul_nt(sum.data(), a.data(), b.data(), M, N, K);
+        cpu::matmul_nt(mag.data(), abs_a.data(), abs_b.data(), M, N, K, false);
+        be().matmul_bf16_nt(y, ad, bd, M, N, K, alpha, accumulate);
+        break;
+      case Layout::kNN:
+        cpu::matmul_nn(sum.data(), a.data(), b.data(), M, N, K);
+        cpu::matmul_nn(mag.data(), abs_a.data(), abs_b.data(), M, N, K, false);
+        be().matmul_bf16_nn(y, ad, bd, M, N, K, alpha, accumulate);
+        break;
+      case Layout::kTN:
+        cpu::matmul_tn(sum.data(), a.data(), b.data(), M, N, K);
+        cpu::matmul_tn(mag.data(), abs_a.data(), abs_b.data(), M, N, K, false);
+        be().matmul_bf16_tn(y, ad, bd, M, N, K, alpha, accumulate);
+        break;
+    }
+    const double s = alpha_host ? *alpha_host : 1.0;
+    std::vector<float> ref(sum.size());
+    std::vector<double> bound(mag.size());
+    for (size_t i = 0; i < ref.size(); ++i) {
+      ref[i] = static_cast<float>(s * sum[i] + (accumulate ? double(y0[i]) : 0.0));
+      bound[i] = double(3 * K + 8) * kUnitRoundoff * (std::fabs(s) * mag[i] + (accumulate ? std::fabs(double(y0[i])) : 0.0));
+    }
+    EXPECT_TRUE(within_bound(download(y, M * N), ref, bound))
+        << "layout " << int(layout) << " M=" << M << " N=" << N << " K=" << K << " accumulate=" << accumulate
+        << " alpha=" << (alpha_host ? *alpha_host : 1.0f);
+  }
 };
 
 const GemmCase kCases[] = {{1, 1, 1}, {37, 29, 53}, {64, 48, 96}, {130, 70, 257}, {3, 200, 17}};
+
+// Every layout, overwrite and accumulate, alpha absent, a power of two, and a general value
+// (a scale of 1e-5: an alpha left out or applied twice is off by orders of magnitude).
+TEST_P(GemmOpsTest, Bf16BitsOperandsWithDeviceAlpha) {
+  uint64_t seed = 1700;
+  const float alphas[] = {0.25f, 3.7e-5f};
+  for (Layout l : {Layout::kNT, Layout::kNN, Layout::kTN})
+    for (const GemmCase& c : kCases)
+      for (bool acc : {false, true}) {
+        check_bf16_bits(l, c, acc, nullptr, seed += 3);
+        for (const float& al : alphas) check_bf16_bits(l, c, acc, &al, seed += 3);
+      }
+}
 
 TEST_P(GemmOpsTest, Fp32AllLayoutsOverwriteAndAccumulate) {
   uint64_t seed = 100;
