@@ -408,13 +408,19 @@ void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw
   float* dyb = ws.get<float>(be, 1, Mp * Np, "tetrajet-v2: bf16 dY");
   uint16_t* q3 = ws.get<uint16_t>(be, 2, M * Np, "tetrajet-v2: Q3 operand");
   uint16_t* q4 = ws.get<uint16_t>(be, 3, K * Np, "tetrajet-v2: Q4 operand");
-  // src: Ŵ (Np,K) rebuilt for Q4, later the wgrad partial products (N, Km or No)
-  float* src = ws.get<float>(be, 4, std::max(Np * K, N * std::max(Km, No)), "tetrajet-v2: W source / wgrad part");
   uint16_t* q5 = ws.get<uint16_t>(be, 5, Np * Mp, "tetrajet-v2: Q5 operand");
   uint16_t* q6 = ws.get<uint16_t>(be, 6, std::max(Km, No) * Mp, "tetrajet-v2: Q6 operand");
+  // Only the unfused paths need these (the default switches with no outliers take none):
+  const bool fused_dgrad = align && sr && rht && no == 0, fused_wgrad = align && sr && rht;
+  // src: Ŵ (Np,K) rebuilt for Q4, later the wgrad partial products (N, Km or No)
+  float* src = !fused_dgrad || no > 0 ? ws.get<float>(be, 4, std::max(Np * K, N * std::max(Km, No)),
+                                                       "tetrajet-v2: W source / wgrad part")
+                                      : nullptr;
   // the FP32 sources the unfused paths re-quantize: X̂ / Ŵ dequantized (alignment) or X re-gathered
-  float* main_src = ws.get<float>(be, 7, std::max(Mp, Np) * std::max<int64_t>(Km, 1), "tetrajet-v2: main source");
-  float* out_src = ws.get<float>(be, 8, std::max(Mp, N) * std::max<int64_t>(No, 1), "tetrajet-v2: outlier source");
+  float* main_src = nm > 0 && (!fused_dgrad || !fused_wgrad)
+                        ? ws.get<float>(be, 7, std::max(Mp, Np) * Km, "tetrajet-v2: main source")
+                        : nullptr;
+  float* out_src = no > 0 ? ws.get<float>(be, 8, std::max(Mp, N) * No, "tetrajet-v2: outlier source") : nullptr;
 
   // dY (Mp, Np), BF16, zero-padded.
   be.gather_columns_bf16(dyb, dy, M, Mp, N, nullptr, N, Np);
@@ -424,7 +430,7 @@ void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw
     if (rht) be.rht16_rows(t, dyb, M, Np, sign_d);
     else be.copy(t, dyb, static_cast<size_t>(M * Np) * sizeof(float));
     quant_operand(be, q3, ws.quantized(be, 0, f2, M, Np), t, sr ? &k3 : nullptr);
-    if (align && sr && rht && no == 0) {
+    if (fused_dgrad) {
       // fused: dequantize Ŵ (Np,K) -> transpose -> RHT along N -> SR requantize along N
       QuantizedTensor o = ws.quantized(be, 0, f2, K, Np);
       be.backward_operand_two_level(o, what_, sign_d, k4);
@@ -458,7 +464,7 @@ void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw
   quant_operand(be, q5, ws.quantized(be, 0, f2, Np, Mp), t, sr ? &k5 : nullptr);
   float* part = src;
   if (nm > 0) {
-    if (align && sr && rht) {
+    if (fused_wgrad) {
       QuantizedTensor o = ws.quantized(be, 0, f2, Km, Mp);
       be.backward_operand_two_level(o, xhat_, sign_w, k6);
       be.dequantize_bf16(q6, o);

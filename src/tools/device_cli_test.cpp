@@ -250,6 +250,11 @@ TEST(DeviceCli, BenchTrainLinearForEveryRecipe) {
   }
   EXPECT_EQ(rows[0]["recipe"], "bf16");
   EXPECT_EQ(rows[0]["ratio"].get<double>(), 1.0);
+  // the layer's bytes: bf16 keeps x and w as BF16 bits (multiples of the CPU's 64-byte unit here)
+  // and borrows dY's bits from the shared workspace
+  EXPECT_EQ(rows[0]["saved_bytes"], 2 * 128 * 128 + 2 * 64 * 128) << rows[0].dump();
+  EXPECT_EQ(rows[0]["workspace_bytes"], 2 * 128 * 64) << rows[0].dump();
+  for (const json& j : rows) EXPECT_GT(j["workspace_bytes"].get<int64_t>(), 0) << j.dump();
   r = run_nibble(d.path, "bench train --device cpu --linear 128x64x128 --steps 1 --recipe nvfp4-nvidia");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("nvfp4-nvidia"), std::string::npos) << r.out;

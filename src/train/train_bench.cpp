@@ -138,7 +138,12 @@ Result<LinearBenchResult> bench_linear(backend::Backend& be, const model::Recipe
   LinearBenchResult r;
   r.recipe = recipe.name;
   std::vector<double> tf, tb;
+  const int64_t in_use_before = be.memory_stats().in_use_bytes;
   for (int i = 0; i < 2 + repeats; ++i) {
+    if (i == 1 && in_use_before >= 0) {  // after one forward + backward: saved operands + workspace
+      r.workspace_bytes = workspace.bytes();
+      r.saved_bytes = be.memory_stats().in_use_bytes - in_use_before - r.workspace_bytes;
+    }
     model::LinearCall call{i, 1, 0, i, true, &workspace};
     auto t0 = Clock::now();
     lin->forward(be, y.data(), x.data(), w.data(), M, N, K, call);

@@ -51,11 +51,15 @@ Result<TrainBenchResult> bench_train_step(backend::Backend& be, const model::Mod
 struct LinearBenchResult {
   std::string recipe;
   double forward_s = 0, backward_s = 0;  // medians
+  // Backend bytes the recipe keeps between forward and backward (its saved operands), and the
+  // model-shared LinearWorkspace scratch the layer needed (-1 where memory is not tracked).
+  int64_t saved_bytes = -1, workspace_bytes = -1;
   double total_s() const { return forward_s + backward_s; }
 };
 
-// One linear layer Y = X W^T, X (M,K), W (N,K), through `recipe` on `be`: median forward and
-// backward (dgrad + wgrad) times over `repeats` runs after 2 warm-up runs.
+// One linear layer Y = X W^T, X (M,K), W (N,K), through `recipe` on `be` (BF16-operand GEMMs,
+// transient scratch from a LinearWorkspace as in a model): median forward and backward (dgrad +
+// wgrad) times over `repeats` runs after 2 warm-up runs, and the layer's bytes.
 Result<LinearBenchResult> bench_linear(backend::Backend& be, const model::RecipeConfig& recipe, int64_t M, int64_t N,
                                        int64_t K, int repeats);
 

@@ -152,8 +152,9 @@ enum class Bf16Layout { kNT, kNN, kTN };
 // dst (n) f32 <- src (n) bf16 bits (exact).
 void widen_bf16(std::vector<float>& dst, const uint16_t* src, int64_t n) {
   if (dst.size() < static_cast<size_t>(n)) dst.resize(static_cast<size_t>(n));
+  float* d = dst.data();
   parallel_for(n, 1 << 15, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) dst[i] = bf16_bits_to_f32(src[i]);
+    for (int64_t i = b; i < e; ++i) d[i] = bf16_bits_to_f32(src[i]);
   });
 }
 
@@ -179,11 +180,12 @@ void matmul_bf16_cpu(Bf16Layout layout, float* y, const uint16_t* a, const uint1
   }
   if (alpha == nullptr) return;
   const float s = *alpha;
+  const float* t = sum.data();  // this thread's buffer (a thread_local named in the lambda would be the worker's)
   parallel_for(M * N, 1 << 15, [&](int64_t b0, int64_t e) {
     if (accumulate)
-      for (int64_t i = b0; i < e; ++i) y[i] = std::fma(s, sum[i], y[i]);
+      for (int64_t i = b0; i < e; ++i) y[i] = std::fma(s, t[i], y[i]);
     else
-      for (int64_t i = b0; i < e; ++i) y[i] = s * sum[i];
+      for (int64_t i = b0; i < e; ++i) y[i] = s * t[i];
   });
 }
 
