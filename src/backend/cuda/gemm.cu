@@ -228,6 +228,9 @@ void GemmEngine::launch(GemmLayout layout, float* y, const void* a, const void* 
     }
     alpha_p = alpha_dev;
     beta_p = static_cast<const float*>(consts_) + (accumulate ? 1 : 0);
+    // With beta in device memory cuBLASLt cannot know at launch that it is 0, and 0 · C is NaN
+    // where C holds a NaN or Inf left from earlier use: clear y first (one write of y).
+    if (!accumulate) NIB_GEMM_CHECK_CUDA(cudaMemsetAsync(y, 0, size_t(M) * N * sizeof(float), stream_));
   }
   NIB_GEMM_CHECK_LT(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), plan.op, alpha_p, b, plan.a, a, plan.b,
                                    beta_p, y, plan.c, y, plan.c, &plan.algo, ws, kLtWorkspaceBytes, stream_));

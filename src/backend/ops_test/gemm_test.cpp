@@ -83,7 +83,8 @@ class GemmOpsTest : public OpsTest {
     for (double& v : abs_a) v = std::fabs(v);
     for (double& v : abs_b) v = std::fabs(v);
     std::vector<double> mag(static_cast<size_t>(M * N), 0.0);  // sum_k |a_ik b_kj|
-    float* y = upload(accumulate ? y0 : std::vector<float>(static_cast<size_t>(M * N), 7.0f));
+    // overwrite must not read y: NaN there (beta = 0 read from device memory would give 0 · NaN)
+    float* y = upload(accumulate ? y0 : std::vector<float>(static_cast<size_t>(M * N), std::nanf("")));
     const uint16_t* ad = upload(ab);
     const uint16_t* bd = upload(bb);
     const float* alpha = alpha_host ? upload(std::vector<float>{*alpha_host}) : nullptr;
