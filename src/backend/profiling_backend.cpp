@@ -66,6 +66,11 @@ constexpr OpInfo kOps[] = {
     {"dequantize", OpCategory::kQuantize},
     {"quantize_te_rht_transpose", OpCategory::kQuantize},
     {"backward_operand_two_level", OpCategory::kQuantize},
+    {"matmul_bf16_nt", OpCategory::kGemm},
+    {"matmul_bf16_nn", OpCategory::kGemm},
+    {"matmul_bf16_tn", OpCategory::kGemm},
+    {"dequantize_bf16", OpCategory::kQuantize},
+    {"nvfp4_te_alpha", OpCategory::kQuantize},
 };
 static_assert(sizeof(kOps) / sizeof(kOps[0]) == static_cast<size_t>(ProfiledOp::kCount));
 using Clock = std::chrono::steady_clock;
@@ -375,6 +380,29 @@ void ProfilingBackend::quantize(QuantizedTensor& out, const float* x, const form
 void ProfilingBackend::quantize(QuantizedTensor& out, const uint16_t* x_bf16, const formats::SrKey* sr) {
   Timed timed(*this, ProfiledOp::kQuantizeBf16);
   inner_->quantize(out, x_bf16, sr);
+}
+void ProfilingBackend::matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                                      const float* alpha, bool accumulate) {
+  Timed timed(*this, ProfiledOp::kMatmulBf16Nt);
+  inner_->matmul_bf16_nt(y, a, b, M, N, K, alpha, accumulate);
+}
+void ProfilingBackend::matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                                      const float* alpha, bool accumulate) {
+  Timed timed(*this, ProfiledOp::kMatmulBf16Nn);
+  inner_->matmul_bf16_nn(y, a, b, M, N, K, alpha, accumulate);
+}
+void ProfilingBackend::matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                                      const float* alpha, bool accumulate) {
+  Timed timed(*this, ProfiledOp::kMatmulBf16Tn);
+  inner_->matmul_bf16_tn(y, a, b, M, N, K, alpha, accumulate);
+}
+void ProfilingBackend::dequantize_bf16(uint16_t* y, const QuantizedTensor& q) {
+  Timed timed(*this, ProfiledOp::kDequantizeBf16);
+  inner_->dequantize_bf16(y, q);
+}
+void ProfilingBackend::nvfp4_te_alpha(float* alpha, const float* amax_a, const float* amax_b) {
+  Timed timed(*this, ProfiledOp::kNvfp4TeAlpha);
+  inner_->nvfp4_te_alpha(alpha, amax_a, amax_b);
 }
 void ProfilingBackend::dequantize(float* y, const QuantizedTensor& q) {
   Timed timed(*this, ProfiledOp::kDequantize);

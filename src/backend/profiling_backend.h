@@ -65,6 +65,11 @@ enum class ProfiledOp : uint8_t {
   kDequantize,
   kQuantizeTeRhtTranspose,
   kBackwardOperandTwoLevel,
+  kMatmulBf16Nt,
+  kMatmulBf16Nn,
+  kMatmulBf16Tn,
+  kDequantizeBf16,
+  kNvfp4TeAlpha,
   kCount
 };
 
@@ -118,6 +123,14 @@ class ProfilingBackend final : public Backend {
                  bool operands_bf16 = false) override;
   void matmul_tn(float* y, const float* a, const float* b, int64_t M, int64_t N, int64_t K, bool accumulate = false,
                  bool operands_bf16 = false) override;
+  void matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                      const float* alpha = nullptr, bool accumulate = false) override;
+  void matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                      const float* alpha = nullptr, bool accumulate = false) override;
+  void matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                      const float* alpha = nullptr, bool accumulate = false) override;
+  void dequantize_bf16(uint16_t* y, const QuantizedTensor& q) override;
+  void nvfp4_te_alpha(float* alpha, const float* amax_a, const float* amax_b) override;
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t V, int64_t C) override;
   void embedding_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t V,
                           int64_t C) override;
