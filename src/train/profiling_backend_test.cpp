@@ -116,8 +116,9 @@ TEST(ProfilingBackend, StepsThroughItEqualStepsOnTheWrappedBackend) {
 // The op counts of one step of the tiny dense OLMo-2 (L = 2 blocks, bf16 recipe), N = 2 x 32 = 64
 // rows in lm_head chunks of 24 rows (nc = 3 chunks), P parameter tensors, derived from the layer
 // sequence (transformer.cpp) and the bf16 recipe (linear.cpp):
-//  - 4 linears per block (qkv, o, gate_up, down): a forward matmul_nt and a backward matmul_nn +
-//    matmul_tn each, rounding x and w forward and dy backward to BF16 (3 round_to_bf16);
+//  - 4 linears per block (qkv, o, gate_up, down): a forward matmul_bf16_nt and a backward
+//    matmul_bf16_nn + matmul_bf16_tn each, x and w forward and dy backward to BF16 bits
+//    (3 to_bf16_bits);
 //  - lm_head (BF16 operands): W and xf rounded once, per chunk matmul_nt, the fused CE, dlogits
 //    rounded, matmul_nn, matmul_tn;
 //  - OLMo-2 norms: q, k, post-attention, post-feed-forward per block + the final norm, forward
@@ -141,10 +142,14 @@ TEST(ProfilingBackend, OpCountsOfATinyStepAreExact) {
   ASSERT_TRUE(created.is_ok());
   const int64_t P = static_cast<int64_t>(created.value()->param_refs().size());
   std::vector<std::pair<ProfiledOp, int64_t>> expected = {
-      {ProfiledOp::kMatmulNt, 4 * L + nc},
-      {ProfiledOp::kMatmulNn, 4 * L + nc},
-      {ProfiledOp::kMatmulTn, 4 * L + nc},
-      {ProfiledOp::kRoundToBf16, 3 * 4 * L + 2 + nc},
+      {ProfiledOp::kMatmulBf16Nt, 4 * L},
+      {ProfiledOp::kMatmulBf16Nn, 4 * L},
+      {ProfiledOp::kMatmulBf16Tn, 4 * L},
+      {ProfiledOp::kToBf16Bits, 3 * 4 * L},
+      {ProfiledOp::kMatmulNt, nc},
+      {ProfiledOp::kMatmulNn, nc},
+      {ProfiledOp::kMatmulTn, nc},
+      {ProfiledOp::kRoundToBf16, 2 + nc},
       {ProfiledOp::kCrossEntropyForwardBackward, nc},
       {ProfiledOp::kRmsnormForward, 4 * L + 1},
       {ProfiledOp::kRmsnormBackward, 4 * L + 1},
