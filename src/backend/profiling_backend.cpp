@@ -71,6 +71,8 @@ constexpr OpInfo kOps[] = {
     {"matmul_bf16_tn", OpCategory::kGemm},
     {"dequantize_bf16", OpCategory::kQuantize},
     {"nvfp4_te_alpha", OpCategory::kQuantize},
+    {"kv_cache_write", OpCategory::kCopies},
+    {"paged_attention", OpCategory::kAttention},
 };
 static_assert(sizeof(kOps) / sizeof(kOps[0]) == static_cast<size_t>(ProfiledOp::kCount));
 using Clock = std::chrono::steady_clock;
@@ -403,6 +405,19 @@ void ProfilingBackend::dequantize_bf16(uint16_t* y, const QuantizedTensor& q) {
 void ProfilingBackend::nvfp4_te_alpha(float* alpha, const float* amax_a, const float* amax_b) {
   Timed timed(*this, ProfiledOp::kNvfp4TeAlpha);
   inner_->nvfp4_te_alpha(alpha, amax_a, amax_b);
+}
+void ProfilingBackend::kv_cache_write(void* k_pages, void* v_pages, KvPageFormat format, const float* k,
+                                      const float* v, const int32_t* slots, int64_t N, int64_t Hkv, int64_t D) {
+  Timed timed(*this, ProfiledOp::kKvCacheWrite);
+  inner_->kv_cache_write(k_pages, v_pages, format, k, v, slots, N, Hkv, D);
+}
+void ProfilingBackend::paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages,
+                                       KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
+                                       const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                                       int64_t page_size, AttentionPrecision precision) {
+  Timed timed(*this, ProfiledOp::kPagedAttention);
+  inner_->paged_attention(out, q, k_pages, v_pages, format, block_table, max_blocks, context_len, N, H, Hkv, D,
+                          page_size, precision);
 }
 void ProfilingBackend::dequantize(float* y, const QuantizedTensor& q) {
   Timed timed(*this, ProfiledOp::kDequantize);

@@ -70,6 +70,8 @@ enum class ProfiledOp : uint8_t {
   kMatmulBf16Tn,
   kDequantizeBf16,
   kNvfp4TeAlpha,
+  kKvCacheWrite,
+  kPagedAttention,
   kCount
 };
 
@@ -131,6 +133,12 @@ class ProfilingBackend final : public Backend {
                       const float* alpha = nullptr, bool accumulate = false) override;
   void dequantize_bf16(uint16_t* y, const QuantizedTensor& q) override;
   void nvfp4_te_alpha(float* alpha, const float* amax_a, const float* amax_b) override;
+  void kv_cache_write(void* k_pages, void* v_pages, KvPageFormat format, const float* k, const float* v,
+                      const int32_t* slots, int64_t N, int64_t Hkv, int64_t D) override;
+  void paged_attention(float* out, const float* q, const void* k_pages, const void* v_pages, KvPageFormat format,
+                       const int32_t* block_table, int64_t max_blocks, const int32_t* context_len, int64_t N,
+                       int64_t H, int64_t Hkv, int64_t D, int64_t page_size,
+                       AttentionPrecision precision = AttentionPrecision::kFp32) override;
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t V, int64_t C) override;
   void embedding_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t V,
                           int64_t C) override;

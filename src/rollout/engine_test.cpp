@@ -17,6 +17,7 @@
 #include "formats/quantize_cpu.h"
 #include "model/config.h"
 #include "model/tiny_olmo2_test_util.h"
+#include "backend/profiling_backend.h"
 #include "rollout/engine.h"
 
 namespace nibble::rollout {
@@ -436,6 +437,31 @@ TEST(RolloutEngine, MoeGreedyDecodeAndRoutingHook) {
   std::vector<float> logits(7 * 40);
   m->forward_logits(logits.data(), prompt.data(), 1, 7, model::RoutingIO{nullptr, rec.data()});
   EXPECT_EQ(first_step, rec);
+}
+
+// The engine's decode ops go through a decorating backend (bench train --profile's): the same
+// tokens as on the plain CPU backend, and the paged KV-cache ops are forwarded and counted.
+TEST(RolloutEngine, DecodeThroughTheProfilingBackendIsForwardedAndCounted) {
+  backend::ProfilingBackend profiler(backend::cpu_backend());
+  profiler.set_enabled(true);
+  nlohmann::json j = model::test::tiny_olmo2_model_json(48);
+  j["initializer_range"] = 0.3;
+  auto cfg = model::parse_model_config(j);
+  ASSERT_TRUE(cfg.is_ok()) << cfg.status().message();
+  model::RecipeConfig rc;
+  rc.name = "bf16";
+  auto profiled = model::Model::create(cfg.value(), rc, &profiler);
+  ASSERT_TRUE(profiled.is_ok()) << profiled.status().message();
+  profiled.value()->init_weights(7);
+  auto plain = tiny_olmo();
+  std::vector<Request> reqs{greedy_request(prompt_of(5, 1), 12), greedy_request(prompt_of(9, 2), 12)};
+  auto a = make_engine(*plain)->generate(reqs);
+  auto b = make_engine(*profiled.value())->generate(reqs);
+  ASSERT_TRUE(a.is_ok()) << a.status().message();
+  ASSERT_TRUE(b.is_ok()) << b.status().message();
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ((*a)[i].tokens, (*b)[i].tokens) << "request " << i;
+  EXPECT_GT(profiler.timing(backend::ProfiledOp::kPagedAttention).count, 0);
+  EXPECT_GT(profiler.timing(backend::ProfiledOp::kKvCacheWrite).count, 0);
 }
 
 }  // namespace
