@@ -313,10 +313,12 @@ if want dist; then
   fi
   if [ -n "$NIBBLE" ]; then
     d=$(mktemp -d)
+    # The bare GPU image lacks the default corpus (a Debian package): train on this repository's docs.
+    corpus=$(ls "$ROOT"/docs/*.md "$ROOT"/README.md | python3 -c 'import sys, json; print(json.dumps([l.strip() for l in sys.stdin]))')
     for w in plain nccl1; do
       env_args=(); [ $w = nccl1 ] && env_args=(WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29531)
       timeout "$(limit 120)" env "${env_args[@]}" "$NIBBLE" pretrain --config configs/pretrain-tiny.json --device cuda \
-        --set steps=20 --set schedule.warmup_steps=5 --no-progress --out "$d/$w" >"$OUT/dist_pretrain_$w.log" 2>&1 || DIST_RC=$?
+        --set steps=20 --set schedule.warmup_steps=5 --set "data.files=$corpus" --no-progress --out "$d/$w" >"$OUT/dist_pretrain_$w.log" 2>&1 || DIST_RC=$?
     done
     if python3 - "$d/plain/metrics.jsonl" "$d/nccl1/metrics.jsonl" >"$OUT/dist_compare.txt" 2>&1 <<'PY'
 import json, sys
