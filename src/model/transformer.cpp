@@ -211,7 +211,9 @@ struct TransformerT<T>::Impl {
   // rows per logits chunk (0: lm_head_chunk_rows()).
   bool lm_head_bf16 = false;
   int64_t lm_chunk_rows = 0;
-  backend::Buffer<T> lm_w_bf16;     // (V,C) the lm_head weight rounded to BF16 (lm_head_bf16 only)
+  // lm_head_bf16 only (float): BF16 bits of W (V,C) and xf (N,C), made once per forward, and of one
+  // chunk's dL/dlogits (chunk rows, V), the operands of matmul_bf16_* (no per-GEMM conversions).
+  backend::Buffer<uint16_t> lm_w_bits, lm_xf_bits, lm_dlogits_bits;
   backend::Buffer<T> logits_chunk;  // (chunk rows, V) logits, then dL/dlogits, of one chunk
   backend::Buffer<T> logits_full;   // (N,V) only for forward_logits and a custom logits loss
   std::shared_ptr<backend::Buffer<T>> values, grads;  // (num_params) each, backend memory
@@ -734,29 +736,44 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   // Per chunk of rows [r0, r0+rows): logits = xf . W^T, the loss (in place: dL/dlogits when
   // backward), dxf rows (into dt1) = dlogits . W, dW += dlogits^T . xf rows. Only
   // forward_logits and a custom logits loss, which hand all logits to the caller, hold (N,V).
-  // With BF16 operands xf is rounded in place (nothing else reads it: the final norm's backward
-  // reads res[L] and xf_rstd), W into a copy, dlogits in place after the loss.
-  const bool head_bf16 = im.lm_head_bf16;
-  const T* w_head = W(im.lm_head);
+  // With BF16 operands (float only) W and xf are converted to BF16 bits once per forward and each
+  // chunk's dlogits after its loss; the GEMMs take the bits (matmul_bf16_*: exact products, FP32
+  // accumulation), so no GEMM converts an operand again per chunk.
+  const bool head_bf16 = im.lm_head_bf16 && std::is_same_v<T, float>;
+  const uint16_t* w_bits = nullptr;
+  const uint16_t* xf_bits = nullptr;
   if constexpr (std::is_same_v<T, float>) {
     if (head_bf16) {
-      T* wq = im.lm_w_bf16.ensure(mem, V * C, "lm_head BF16 weight");
-      ops.round_to_bf16(wq, W(im.lm_head), V * C);
-      ops.round_to_bf16(im.xf, im.xf, N * C);
-      w_head = wq;
+      uint16_t* wb = im.lm_w_bits.ensure(mem, V * C, "lm_head BF16 weight");
+      uint16_t* xb = im.lm_xf_bits.ensure(mem, N * C, "lm_head BF16 input");
+      mem.to_bf16_bits(wb, W(im.lm_head), V * C);
+      mem.to_bf16_bits(xb, im.xf, N * C);
+      w_bits = wb, xf_bits = xb;
     }
   }
   // logits: (rows,V) <- xf[r0 : r0+rows] . W^T
   auto head_forward = [&](T* logits, int64_t r0, int64_t rows) {
-    ops.matmul_nt(logits, im.xf + r0 * C, w_head, rows, V, C, /*accumulate=*/false, head_bf16);
+    if constexpr (std::is_same_v<T, float>) {
+      if (head_bf16) {
+        mem.matmul_bf16_nt(logits, xf_bits + r0 * C, w_bits, rows, V, C);
+        return;
+      }
+    }
+    ops.matmul_nt(logits, im.xf + r0 * C, W(im.lm_head), rows, V, C);
   };
   // dxf[r0 : r0+rows] (in dt1) = dlogits . W; dW_lm (V,C) += dlogits^T . xf rows; dlogits: (rows,V)
   auto head_backward = [&](T* dlogits, int64_t r0, int64_t rows) {
     if constexpr (std::is_same_v<T, float>) {
-      if (head_bf16) ops.round_to_bf16(dlogits, dlogits, rows * V);
+      if (head_bf16) {
+        uint16_t* db = im.lm_dlogits_bits.ensure(mem, rows * V, "lm_head BF16 dlogits chunk");
+        mem.to_bf16_bits(db, dlogits, rows * V);
+        mem.matmul_bf16_nn(im.dt1 + r0 * C, db, w_bits, rows, C, V);
+        mem.matmul_bf16_tn(G(im.lm_head), db, xf_bits + r0 * C, V, C, rows, /*alpha=*/nullptr, /*accumulate=*/true);
+        return;
+      }
     }
-    ops.matmul_nn(im.dt1 + r0 * C, dlogits, w_head, rows, C, V, /*accumulate=*/false, head_bf16);
-    ops.matmul_tn(G(im.lm_head), dlogits, im.xf + r0 * C, V, C, rows, /*accumulate=*/true, head_bf16);
+    ops.matmul_nn(im.dt1 + r0 * C, dlogits, W(im.lm_head), rows, C, V);
+    ops.matmul_tn(G(im.lm_head), dlogits, im.xf + r0 * C, V, C, rows, /*accumulate=*/true);
   };
 
   LossParts lp;

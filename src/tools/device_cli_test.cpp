@@ -215,7 +215,7 @@ TEST(DeviceCli, BenchTrainProfile) {
   const size_t at = r.out.find("profile of one step, recipe bf16 on cpu");
   ASSERT_NE(at, std::string::npos) << r.out;
   EXPECT_NE(r.out.find("synchronised", at), std::string::npos) << r.out;
-  for (const char* row : {"GEMM", "cross-entropy", "optimizer", "matmul_nt", "cross_entropy_forward_backward",
+  for (const char* row : {"GEMM", "cross-entropy", "optimizer", "matmul_bf16_nt", "cross_entropy_forward_backward",
                           "adamw_update", "(between ops"})
     EXPECT_NE(r.out.find(row, at), std::string::npos) << row << "\n" << r.out;
   r = run_nibble(d.path, "bench train --json --recipe fp32 --profile" + common);
