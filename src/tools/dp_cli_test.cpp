@@ -17,6 +17,7 @@
 
 #include "model/tiny_olmo2_test_util.h"
 #include "tools/cli_test_util.h"
+#include "tools/tiny_run_test_util.h"
 
 namespace nibble::tools::test {
 namespace {
@@ -25,25 +26,6 @@ using nlohmann::json;
 
 constexpr double kU = 1.0 / (1 << 24);  // FP32 unit roundoff
 
-std::string write_config(const ScratchDir& d) {
-  json cfg{{"model", model::test::tiny_olmo2_model_json(300)},
-           {"recipe", "bf16"},
-           {"batch_size", 4},
-           {"seq_len", 32},
-           {"steps", 6},
-           {"optimizer", {{"lr", 1e-2}}},
-           {"schedule", {{"type", "cosine"}, {"warmup_steps", 1}}},
-           {"eval", {{"interval", 3}, {"batches", 2}}},
-           {"checkpoint", {{"interval", 3}, {"keep_last", 2}}},
-           {"threads", 1}};
-  std::ofstream(d / "run.json") << cfg.dump(2);
-  std::string text;
-  for (int i = 0; i < 600; ++i)
-    text += "And the " + std::to_string(i % 37) + " sheep went over the hill, and the shepherd followed them.\n" +
-            (i % 20 == 19 ? "\n" : "");
-  std::ofstream(d / "corpus.txt") << text;
-  return d / "run.json";
-}
 
 // "" when data-parallel runs can be tested here, else why not (the skip message).
 std::string why_no_mpirun() {
@@ -136,7 +118,7 @@ void expect_same_curve(const Curve& one, const Curve& dp, int64_t first_step, do
 TEST(DataParallelCliTest, TwoRanksMatchOneProcessAndResumeInAnotherWorldSize) {
   if (const std::string why = why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
   ScratchDir d("dp_curve");
-  const std::string cfg = write_config(d), corpus = d / "corpus.txt";
+  const std::string cfg = write_tiny_config(d), corpus = d / "corpus.txt";
   const std::string base = "pretrain --config '" + cfg + "' --data '" + corpus + "' --no-progress ";
   RunResult r = run_nibble(d.path, base + "--out '" + (d / "one") + "'");
   ASSERT_EQ(r.code, 0) << r.err;
@@ -192,7 +174,7 @@ TEST(DataParallelCliTest, TwoRanksMatchOneProcessAndResumeInAnotherWorldSize) {
 TEST(DataParallelCliTest, RanksThatDisagreeOrABatchThatDoesNotSplitFailWithOneLine) {
   if (const std::string why = why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
   ScratchDir d("dp_errors");
-  const std::string cfg = write_config(d), corpus = d / "corpus.txt";
+  const std::string cfg = write_tiny_config(d), corpus = d / "corpus.txt";
   const std::string cmd = "'" + nibble_binary() + "' pretrain --config '" + cfg + "' --data '" + corpus +
                           "' --no-progress --out '" + (d / "run") + "'";
   // Two ranks started with different seeds (mpirun's MPMD form: one command per rank).
