@@ -116,6 +116,22 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& req
   for (const Request& r : requests)
     if (!r.params.stop_strings.empty() && !callbacks.detokenize)
       return invalid_argument("rollout: stop strings need a detokenizer");
+  const RolloutRecorders* recorders = callbacks.recorders;
+  std::unique_ptr<GuidanceRecorder> guidance;
+  if (recorders != nullptr && recorders->guidance != nullptr) {
+    if (options_.mode != PrecisionMode::kW4A4)
+      return invalid_argument("rollout: guidance recording needs the w4a4 mode (the engine runs {})",
+                              precision_mode_name(options_.mode));
+    guidance = std::make_unique<GuidanceRecorder>(*recorders, model_->config().num_hidden_layers);
+  }
+  // the observer is this call's: detach it whatever way generate() returns
+  struct DetachObserver {
+    QuantizedLinears* linears;
+    ~DetachObserver() {
+      if (linears != nullptr) linears->set_observer(nullptr);
+    }
+  } detach_observer{guidance ? linears_.get() : nullptr};
+  if (guidance) linears_->set_observer(guidance.get());
   const model::ModelConfig& cfg = model_->config();
   const int64_t V = cfg.vocab_size, ctx = cfg.max_position_embeddings;
   const int64_t Lm = model_->num_moe_layers(), topk = cfg.num_experts_per_tok;
@@ -197,7 +213,8 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& req
   std::vector<float> logits;
   std::vector<SeqId> row_seq;
   std::vector<int32_t> row_pos, row_tok, routing;
-  std::vector<int64_t> row_req, row_sample;
+  std::vector<int64_t> row_req, row_sample, row_samples_of;
+  std::vector<uint64_t> row_id;
   while (!waiting.empty() || running > 0) {
     // ---- admit waiting requests (in order) while the batch and the cache have room ----
     while (!waiting.empty()) {
@@ -287,7 +304,18 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& req
     batch.N = N;
     batch.kv = cache_.get();
     batch.linears = linears_.get();
-    const bool record = callbacks.on_routing && Lm > 0;
+    const bool record_routing = recorders != nullptr && recorders->routing != nullptr && Lm > 0;
+    const bool record = (callbacks.on_routing || record_routing) && Lm > 0;
+    RecordedRows rec_rows;
+    if (record_routing || guidance) {
+      row_id.clear(), row_samples_of.clear();
+      for (int64_t r : row_req) {
+        row_id.push_back(requests[r].id);
+        row_samples_of.push_back(requests[r].params.num_samples);
+      }
+      rec_rows = RecordedRows{row_id, row_sample, row_samples_of, row_pos};
+      if (guidance) guidance->set_rows(rec_rows);
+    }
     if (record) {
       routing.assign(static_cast<size_t>(Lm * N * topk), -1);
       batch.routing_record = routing.data();
@@ -295,7 +323,10 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& req
     model_->forward_decode(logits.data(), batch);
     cache_->finish_batch();
     ++stats_.steps;
-    if (record) {
+    if (guidance) NIB_RETURN_IF_ERROR(guidance->status());
+    if (record_routing)
+      NIB_RETURN_IF_ERROR(record_routing_step(*recorders->routing, rec_rows, routing.data(), Lm, topk, cfg.num_experts));
+    if (record && callbacks.on_routing) {
       RoutingStep rs{row_req, row_sample, row_pos, routing.data()};
       NIB_RETURN_IF_ERROR(callbacks.on_routing(rs));
     }

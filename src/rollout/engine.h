@@ -23,6 +23,7 @@
 #include "model/transformer.h"
 #include "rollout/kv_cache.h"
 #include "rollout/precision.h"
+#include "rollout/recorders.h"
 #include "rollout/sampler.h"
 
 namespace nibble::rollout {
@@ -88,6 +89,9 @@ struct EngineCallbacks {
   std::function<Result<std::string>(std::span<const int32_t>)> detokenize;
   // MoE models: each step's expert ids (the routing-record store's hand-over point).
   std::function<Status(const RoutingStep&)> on_routing;
+  // R3 routing and TRACE guidance records (recorders.h), keyed by recorded_sequence(Request::id,
+  // sample); null: none. Guidance needs the w4a4 mode.
+  const RolloutRecorders* recorders = nullptr;
 };
 
 // Counters of the last generate() call.

@@ -78,6 +78,7 @@ void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, c
   if (mode_ == PrecisionMode::kW4A4) {
     backend::QuantizedTensor qx = xq_.view(be, act_format_, Mp, K);
     be.quantize(qx, xs);  // RTN, as the recipes' forward
+    if (observer_ != nullptr) observer_->on_quantized_activation(be, info, qx, M);
     float* xd = xd_.ensure(be, Mp * K, "rollout dequantized activation");
     be.dequantize(xd, qx);
     a = xd;

@@ -24,6 +24,16 @@
 namespace nibble::rollout {
 
 enum class PrecisionMode { kRecipe, kBf16, kW4A16, kW4A4 };
+
+// Sees each activation the w4a4 mode quantizes (the TRACE guidance recorder, recorders.h).
+class ActivationObserver {
+ public:
+  virtual ~ActivationObserver() = default;
+  // qx: the quantized activation entering linear `info` (backend memory; rows [0, M) are the
+  // call's rows, any further rows are the TE tiles' zero padding).
+  virtual void on_quantized_activation(backend::Backend& be, const model::LinearInfo& info,
+                                       const backend::QuantizedTensor& qx, int64_t M) = 0;
+};
 const char* precision_mode_name(PrecisionMode m);
 // "recipe" | "bf16" | "w4a16" | "w4a4"
 Result<PrecisionMode> parse_precision_mode(const std::string& s);
@@ -47,6 +57,8 @@ class QuantizedLinears final : public model::LinearOverride {
 
   void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
                const model::LinearInfo& info) override;
+  // w4a4: every quantized activation is shown to `observer` (null: none) right after quantizing.
+  void set_observer(ActivationObserver* observer) { observer_ = observer; }
 
  private:
   struct Slot {
@@ -61,6 +73,7 @@ class QuantizedLinears final : public model::LinearOverride {
   int64_t weight_bytes_ = 0;
   backend::Buffer<float> xs_, xd_;        // (Mp, K) activation scratch: bf16-rounded, dequantized
   backend::QuantizedBuffer xq_;           // (Mp, K) quantized activation
+  ActivationObserver* observer_ = nullptr;
 };
 
 }  // namespace nibble::rollout

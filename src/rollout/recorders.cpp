@@ -1,0 +1,93 @@
+// The rollout engine's R3 routing and TRACE guidance recorders (see recorders.h).
+#include "rollout/recorders.h"
+
+#include "rollout/routing_record.h"
+
+namespace nibble::rollout {
+
+std::optional<uint16_t> guidance_site(model::LinearKind kind) {
+  switch (kind) {
+    case model::LinearKind::kQkv: return kAttnInput;
+    case model::LinearKind::kAttnOut: return kAttnOutputInput;
+    case model::LinearKind::kGateUp: return kMlpInput;
+    case model::LinearKind::kSharedGateUp: return kMlpInput;
+    case model::LinearKind::kDown: return kMlpDownInput;
+    case model::LinearKind::kSharedDown: return kSharedExpertDownInput;
+    case model::LinearKind::kExpertGateUp:
+    case model::LinearKind::kExpertDown: return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+namespace {
+// Calls fn(sequence id) for every sample that row r belongs to.
+template <typename Fn>
+Status for_each_sample_of_row(const RecordedRows& rows, size_t r, Fn&& fn) {
+  if (rows.samples[r] >= 0) return fn(recorded_sequence(rows.ids[r], rows.samples[r]));
+  for (int64_t g = 0; g < rows.samples_of[r]; ++g) NIB_RETURN_IF_ERROR(fn(recorded_sequence(rows.ids[r], g)));
+  return Status::ok();
+}
+}  // namespace
+
+GuidanceRecorder::GuidanceRecorder(const RolloutRecorders& recorders, int64_t num_layers)
+    : recorders_(recorders), layer_on_(static_cast<size_t>(num_layers), recorders.guidance_layers.empty()) {
+  for (int64_t l : recorders.guidance_layers)
+    if (l >= 0 && l < num_layers) layer_on_[static_cast<size_t>(l)] = true;
+}
+
+void GuidanceRecorder::on_quantized_activation(backend::Backend& be, const model::LinearInfo& info,
+                                               const backend::QuantizedTensor& qx, int64_t M) {
+  if (!status_.is_ok() || recorders_.guidance == nullptr) return;
+  status_ = record(be, info, qx, M);
+}
+
+Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& info,
+                                const backend::QuantizedTensor& qx, int64_t M) {
+  const std::optional<uint16_t> site = guidance_site(info.kind);
+  if (!site || info.block < 0 || info.block >= static_cast<int>(layer_on_.size()) ||
+      !layer_on_[static_cast<size_t>(info.block)])
+    return Status::ok();
+  if (M != static_cast<int64_t>(rows_.positions.size()))
+    return Status(StatusCode::kInternal, fmt::format("guidance recorder: linear {} ran on {} rows, the step has {}",
+                                                     info.name, M, rows_.positions.size()));
+  // the record reader works on host memory: a device activation is copied first
+  backend::QuantizedTensor q = qx;
+  q.rows = M;
+  if (be.device() != Device::kCPU) {
+    const int64_t cb = backend::QuantizedTensor::code_bytes(qx.format, M, qx.cols);
+    const int64_t sb = backend::QuantizedTensor::scale_bytes(qx.format, M, qx.cols);
+    const int64_t no = backend::QuantizedTensor::outer_count(qx.format, M, qx.cols);
+    codes_.resize(static_cast<size_t>(cb)), scales_.resize(static_cast<size_t>(sb)), outer_.resize(static_cast<size_t>(no));
+    be.copy_to_host(codes_.data(), qx.codes, static_cast<size_t>(cb));
+    be.copy_to_host(scales_.data(), qx.scales, static_cast<size_t>(sb));
+    be.copy_to_host(outer_.data(), qx.outer, sizeof(float) * static_cast<size_t>(no));
+    q.codes = codes_.data(), q.scales = scales_.data(), q.outer = outer_.data();
+  }
+  RecordStore& store = *recorders_.guidance;
+  for (int64_t r = 0; r < M; ++r) {
+    NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec, extract_guidance(q, r, recorders_.guidance_mode));
+    const auto pos = static_cast<uint32_t>(rows_.positions[static_cast<size_t>(r)]);
+    NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows_, static_cast<size_t>(r), [&](uint64_t seq) {
+      return store.append(RecordKey{seq, pos, static_cast<uint16_t>(info.block), *site}, std::vector<uint8_t>(rec));
+    }));
+  }
+  return Status::ok();
+}
+
+Status record_routing_step(RecordStore& store, const RecordedRows& rows, const int32_t* expert_ids,
+                           int64_t num_moe_layers, int64_t top_k, int64_t num_experts) {
+  const int64_t N = static_cast<int64_t>(rows.positions.size());
+  for (int64_t m = 0; m < num_moe_layers; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      const int32_t* ids = expert_ids + (m * N + n) * top_k;
+      NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec,
+                           encode_routing(std::span<const int32_t>(ids, static_cast<size_t>(top_k)), num_experts));
+      const auto pos = static_cast<uint32_t>(rows.positions[static_cast<size_t>(n)]);
+      NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows, static_cast<size_t>(n), [&](uint64_t seq) {
+        return store.append(RecordKey{seq, pos, static_cast<uint16_t>(m), 0}, std::vector<uint8_t>(rec));
+      }));
+    }
+  return Status::ok();
+}
+
+}  // namespace nibble::rollout

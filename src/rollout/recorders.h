@@ -1,0 +1,74 @@
+// The rollout engine's recorders (issue #15 item 3; ../shared/spec/03-rl-and-trace.md §2.2, §4):
+// what a generate() call hands to the RL trainer besides tokens and log-probs. R3: each token's
+// top-k expert ids per MoE layer (routing_record.h) into a RecordStore. TRACE (w4a4 mode only):
+// at the chosen layers, the NVFP4 codes (or only their mantissa bits) and block scales of each
+// activation entering a quantized linear (guidance_store.h), prompt tokens included. Both are
+// keyed by (recorded_sequence(request id, sample), position, layer, site): a prompt row the G
+// samples share is stored once per sample, so the trainer reads every sequence alone.
+// Routed experts' linears (their rows are the tokens routed to one expert) and the KV cache are
+// not guided sites yet: the sites recorded are kAttnInput, kAttnOutputInput, kMlpInput (dense
+// MLP or shared expert), kMlpDownInput and kSharedExpertDownInput.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "core/status.h"
+#include "model/transformer.h"
+#include "rollout/guidance_store.h"
+#include "rollout/precision.h"
+
+namespace nibble::rollout {
+
+// The record sequence id of sample `sample` of the request whose Request::id is `request_id`.
+inline uint64_t recorded_sequence(uint64_t request_id, int64_t sample) {
+  return (request_id << 16) | static_cast<uint64_t>(sample);
+}
+
+struct RolloutRecorders {
+  RecordStore* routing = nullptr;   // MoE expert ids (null: not recorded)
+  RecordStore* guidance = nullptr;  // TRACE guidance (null: not recorded); needs the w4a4 mode
+  GuidanceMode guidance_mode = GuidanceMode::kTraceFull;
+  std::vector<int64_t> guidance_layers;  // blocks recorded; empty: all
+};
+
+// The guidance site of a linear's input, or nullopt where it is not a recorded site (routed experts).
+std::optional<uint16_t> guidance_site(model::LinearKind kind);
+
+// One step's rows as the engine lays them out: row i is position positions[i] of sample
+// samples[i] (-1: a prompt row shared by all samples_of[i] samples) of the request with id ids[i].
+struct RecordedRows {
+  std::span<const uint64_t> ids;
+  std::span<const int64_t> samples;
+  std::span<const int64_t> samples_of;
+  std::span<const int32_t> positions;
+};
+
+// The TRACE guidance recorder: an ActivationObserver on the engine's QuantizedLinears that appends
+// the records of each step's rows. Errors (a failed append) are kept and returned by status().
+class GuidanceRecorder final : public ActivationObserver {
+ public:
+  GuidanceRecorder(const RolloutRecorders& recorders, int64_t num_layers);
+  void set_rows(const RecordedRows& rows) { rows_ = rows; }
+  void on_quantized_activation(backend::Backend& be, const model::LinearInfo& info, const backend::QuantizedTensor& qx,
+                               int64_t M) override;
+  const Status& status() const { return status_; }
+
+ private:
+  Status record(backend::Backend& be, const model::LinearInfo& info, const backend::QuantizedTensor& qx, int64_t M);
+  RolloutRecorders recorders_;
+  std::vector<bool> layer_on_;
+  RecordedRows rows_;
+  Status status_;
+  std::vector<uint8_t> codes_, scales_;  // host copies of a device activation
+  std::vector<float> outer_;
+};
+
+// Appends the routing records of one step: expert_ids (num_moe_layers, N, top_k) i32 host.
+Status record_routing_step(RecordStore& store, const RecordedRows& rows, const int32_t* expert_ids,
+                           int64_t num_moe_layers, int64_t top_k, int64_t num_experts);
+
+}  // namespace nibble::rollout

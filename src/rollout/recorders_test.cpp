@@ -1,0 +1,238 @@
+// Tests of the rollout engine's recorders (issue #15 items 3 and 6): in w4a4 the codes and scales
+// recorded at guided sites equal the trainer's quantizer (formats::nvfp4_2level_quantize_cpu, what
+// the tetrajet-v2 recipe runs) on the same inputs bit for bit; the engine records every position
+// of every sample (prompt rows shared by G samples once per sample), only the chosen layers,
+// mantissa-bit records that are the full records' bit 0; R3 routing records equal the expert ids
+// the routing hook sees; guidance outside w4a4 is refused.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "formats/quantize_cpu.h"
+#include "model/tiny_olmo2_test_util.h"
+#include "rollout/engine.h"
+#include "rollout/routing_record.h"
+
+namespace nibble::rollout {
+namespace {
+
+std::unique_ptr<model::Model> tiny_model(bool moe) {
+  nlohmann::json j = moe ? nlohmann::json::parse(R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32,
+    "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "vocab_size": 40, "max_position_embeddings": 48, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [1]})")
+                         : model::test::tiny_olmo2_model_json(40);
+  j["initializer_range"] = 0.3;
+  auto cfg = model::parse_model_config(j);
+  EXPECT_TRUE(cfg.is_ok()) << cfg.status().message();
+  model::RecipeConfig rc;
+  rc.name = "bf16";
+  auto m = model::Model::create(cfg.value(), rc);
+  EXPECT_TRUE(m.is_ok()) << m.status().message();
+  m.value()->init_weights(5);
+  return std::move(m).value();
+}
+
+std::unique_ptr<RecordStore> open_store(const char* name) {
+  RecordStoreOptions o;
+  o.name = name;
+  auto s = RecordStore::open(o);
+  EXPECT_TRUE(s.is_ok()) << s.status().message();
+  return std::move(s).value();
+}
+
+// Passes every call on to the w4a4 linears and keeps each call's BF16-rounded input by linear id.
+class InputTap final : public model::LinearOverride {
+ public:
+  explicit InputTap(QuantizedLinears& q) : q_(q) {}
+  void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
+               const model::LinearInfo& info) override {
+    std::vector<float>& xb = inputs[info.id];
+    xb.resize(static_cast<size_t>(M * info.K));
+    model::round_to_bf16_array(xb.data(), x, M * info.K);
+    q_.forward(be, y, x, w, M, info);
+  }
+  std::map<int, std::vector<float>> inputs;
+
+ private:
+  QuantizedLinears& q_;
+};
+
+TEST(RolloutRecorders, W4a4GuidanceCodesEqualTheTrainerQuantizerOnTheSameInputs) {
+  auto m = tiny_model(false);
+  auto q = QuantizedLinears::create(*m, PrecisionMode::kW4A4, "tetrajet-v2");
+  ASSERT_TRUE(q.is_ok()) << q.status().message();
+  auto store = open_store("guidance store");
+  RolloutRecorders rec;
+  rec.guidance = store.get();
+  GuidanceRecorder recorder(rec, m->config().num_hidden_layers);
+  q.value()->set_observer(&recorder);
+  InputTap tap(*q.value());
+  // one prefill of 9 prompt rows of request id 3, shared by 2 samples
+  KvCacheConfig kc{m->config().num_hidden_layers, m->config().num_attention_heads, m->config().num_key_value_heads,
+                   m->config().head_dim, 16, 4, backend::KvPageFormat::kF32, backend::AttentionPrecision::kFp32};
+  auto cache = PagedKvCache::create(m->backend(), kc);
+  ASSERT_TRUE(cache.is_ok());
+  const int64_t N = 9;
+  std::vector<int32_t> tokens, pos;
+  for (int64_t i = 0; i < N; ++i) tokens.push_back(static_cast<int32_t>((5 * i + 2) % 40)), pos.push_back(static_cast<int32_t>(i));
+  auto seq = cache.value()->add_sequence();
+  ASSERT_TRUE(cache.value()->grow(seq, N).is_ok());
+  ASSERT_TRUE(cache.value()->begin_batch(std::vector<PagedKvCache::SeqId>(N, seq), pos).is_ok());
+  std::vector<uint64_t> ids(N, 3);
+  std::vector<int64_t> samples(N, -1), samples_of(N, 2);
+  recorder.set_rows(RecordedRows{ids, samples, samples_of, pos});
+  std::vector<float> logits(static_cast<size_t>(N * m->config().vocab_size));
+  model::DecodeBatch b;
+  b.tokens = tokens.data(), b.positions = pos.data(), b.N = N, b.kv = cache.value().get(), b.linears = &tap;
+  m->forward_decode(logits.data(), b);
+  cache.value()->finish_batch();
+  ASSERT_TRUE(recorder.status().is_ok()) << recorder.status().message();
+  ASSERT_TRUE(store->flush().is_ok());
+
+  int64_t checked = 0;
+  for (const model::LinearInfo& info : m->linear_infos()) {
+    const auto site = guidance_site(info.kind);
+    ASSERT_TRUE(site.has_value());
+    const std::vector<float>& x = tap.inputs.at(info.id);
+    const int64_t K = info.K;
+    std::vector<uint8_t> codes(static_cast<size_t>(N * K / 2)), inner(static_cast<size_t>(N * K / 16));
+    std::vector<float> outer(static_cast<size_t>(N * ((K + 127) / 128)));
+    formats::nvfp4_2level_quantize_cpu(codes.data(), inner.data(), outer.data(), x.data(), N, K);
+    for (int64_t sample = 0; sample < 2; ++sample) {
+      const std::vector<uint64_t> row_seq(N, recorded_sequence(3, sample));
+      std::vector<uint32_t> row_pos(pos.begin(), pos.end());
+      auto g = gather_guidance(*store, row_seq.data(), row_pos.data(), N, static_cast<uint16_t>(info.block), *site);
+      ASSERT_TRUE(g.is_ok()) << info.name << ": " << g.status().message();
+      EXPECT_EQ(g.value().guide, codes) << info.name;
+      EXPECT_EQ(g.value().scales, inner) << info.name;
+      EXPECT_EQ(g.value().outer, outer) << info.name;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 2 * static_cast<int64_t>(m->linear_infos().size()));
+}
+
+Request sampled(std::vector<int32_t> prompt, uint64_t id, int64_t G, int64_t n) {
+  Request r;
+  r.prompt = std::move(prompt);
+  r.id = id;
+  r.params.sampling = SamplingParams{0.9, 0, 1.0};
+  r.params.max_new_tokens = n;
+  r.params.num_samples = G;
+  r.params.seed = 11;
+  return r;
+}
+
+TEST(RolloutRecorders, EngineRecordsEveryPositionOfEverySampleAtTheChosenLayers) {
+  auto m = tiny_model(false);
+  EngineOptions o;
+  o.mode = PrecisionMode::kW4A4;
+  o.recipe_name = "tetrajet-v2";
+  auto e = Engine::create(*m, o);
+  ASSERT_TRUE(e.is_ok()) << e.status().message();
+  auto full = open_store("guidance store");
+  std::vector<Request> reqs = {sampled({1, 2, 3, 4, 5}, 7, 3, 6), sampled({9, 8, 7}, 2, 2, 4)};
+  RolloutRecorders rec;
+  rec.guidance = full.get();
+  rec.guidance_layers = {1};
+  EngineCallbacks cb;
+  cb.recorders = &rec;
+  auto out = e.value()->generate(reqs, cb);
+  ASSERT_TRUE(out.is_ok()) << out.status().message();
+  ASSERT_TRUE(full->flush().is_ok());
+  // the last token is never fed: prompt + new - 1 positions per sample, 4 sites in layer 1 only
+  int64_t want = 0;
+  for (const Completion& c : out.value()) {
+    const uint64_t seq = recorded_sequence(reqs[c.request].id, c.sample);
+    const int64_t positions = static_cast<int64_t>(reqs[c.request].prompt.size() + c.tokens.size()) - 1;
+    want += positions * 4;
+    for (int64_t p = 0; p < positions; ++p) {
+      EXPECT_TRUE(full->read(RecordKey{seq, static_cast<uint32_t>(p), 1, kMlpDownInput}).is_ok()) << seq << " " << p;
+      EXPECT_FALSE(full->read(RecordKey{seq, static_cast<uint32_t>(p), 0, kAttnInput}).is_ok());
+    }
+  }
+  EXPECT_EQ(full->stats().records, want);
+
+  // the same run in mantissa-bit mode: each record's bits are bit 0 of the full record's codes
+  auto mbit = open_store("guidance store");
+  rec.guidance = mbit.get();
+  rec.guidance_mode = GuidanceMode::kTrace;
+  auto out2 = e.value()->generate(reqs, cb);
+  ASSERT_TRUE(out2.is_ok()) << out2.status().message();
+  ASSERT_EQ(mbit->stats().records, want);
+  for (uint64_t seq : full->sequences()) {
+    ASSERT_TRUE(full->for_each_in_sequence(seq, [&](const RecordKey& key, std::span<const uint8_t> payload) -> Status {
+      auto f = parse_guidance_record(payload, "full");
+      NIB_RETURN_IF_ERROR(f.status());
+      NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> other, mbit->read(key));
+      auto b = parse_guidance_record(other, "mbit");
+      NIB_RETURN_IF_ERROR(b.status());
+      for (int64_t i = 0; i < f.value().cols; ++i) EXPECT_EQ(f.value().guide_at(i) & 1u, b.value().guide_at(i));
+      EXPECT_EQ(0, std::memcmp(f.value().scales, b.value().scales, static_cast<size_t>(f.value().cols / 16)));
+      return Status::ok();
+    }).is_ok());
+  }
+}
+
+TEST(RolloutRecorders, RoutingRecordsEqualTheRoutingHookIds) {
+  auto m = tiny_model(true);
+  auto e = Engine::create(*m, EngineOptions{});
+  ASSERT_TRUE(e.is_ok()) << e.status().message();
+  auto store = open_store("routing store");
+  RolloutRecorders rec;
+  rec.routing = store.get();
+  EngineCallbacks cb;
+  cb.recorders = &rec;
+  const int64_t topk = m->config().num_experts_per_tok, Lm = m->num_moe_layers();
+  // (request, sample or -1, position, moe layer) -> ids seen by the hook
+  std::map<std::tuple<int64_t, int64_t, int32_t, int64_t>, std::vector<int32_t>> seen;
+  cb.on_routing = [&](const RoutingStep& s) -> Status {
+    const int64_t N = static_cast<int64_t>(s.positions.size());
+    for (int64_t l = 0; l < Lm; ++l)
+      for (int64_t n = 0; n < N; ++n)
+        seen[{s.requests[n], s.samples[n], s.positions[n], l}] =
+            std::vector<int32_t>(s.expert_ids + (l * N + n) * topk, s.expert_ids + (l * N + n + 1) * topk);
+    return Status::ok();
+  };
+  std::vector<Request> reqs = {sampled({1, 2, 3, 4}, 4, 2, 5)};
+  auto out = e.value()->generate(reqs, cb);
+  ASSERT_TRUE(out.is_ok()) << out.status().message();
+  int64_t compared = 0;
+  for (const Completion& c : out.value()) {
+    const int64_t T = 4 + static_cast<int64_t>(c.tokens.size()) - 1;
+    std::vector<int32_t> forced(static_cast<size_t>(Lm * T * topk));
+    const uint64_t seq = recorded_sequence(4, c.sample);
+    ASSERT_TRUE(gather_routing(forced.data(), *store, &seq, nullptr, 1, T, Lm, topk, m->config().num_experts).is_ok());
+    for (int64_t l = 0; l < Lm; ++l)
+      for (int32_t t = 0; t < T; ++t) {
+        auto it = seen.find({0, t < 4 ? -1 : c.sample, t, l});
+        ASSERT_NE(it, seen.end());
+        EXPECT_EQ(std::vector<int32_t>(forced.begin() + (l * T + t) * topk, forced.begin() + (l * T + t + 1) * topk),
+                  it->second);
+        ++compared;
+      }
+  }
+  EXPECT_GT(compared, 0);
+}
+
+TEST(RolloutRecorders, GuidanceOutsideW4a4IsRefused) {
+  auto m = tiny_model(false);
+  EngineOptions o;
+  o.mode = PrecisionMode::kW4A16;
+  auto e = Engine::create(*m, o);
+  ASSERT_TRUE(e.is_ok());
+  auto store = open_store("guidance store");
+  RolloutRecorders rec;
+  rec.guidance = store.get();
+  EngineCallbacks cb;
+  cb.recorders = &rec;
+  auto out = e.value()->generate({sampled({1, 2}, 0, 1, 2)}, cb);
+  ASSERT_FALSE(out.is_ok());
+  EXPECT_NE(out.status().message().find("w4a4"), std::string::npos) << out.status().message();
+}
+
+}  // namespace
+}  // namespace nibble::rollout
