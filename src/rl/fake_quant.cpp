@@ -1,0 +1,160 @@
+// The RL trainer's fake-quantized linear with TRACE guided rounding (see fake_quant.h).
+#include "rl/fake_quant.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/check.h"
+#include "formats/e2m1.h"
+#include "formats/quantize_cpu.h"
+#include "model/transformer.h"
+#include "rollout/recorders.h"
+
+namespace nibble::rl {
+
+using backend::QuantFormat;
+
+bool e2m1_one_step_apart(uint32_t a, uint32_t b) {
+  // signed grid index: magnitude index, negated when the sign bit is set (-0 == +0)
+  auto s = [](uint32_t c) { return (c & 8u) ? -static_cast<int>(c & 7u) : static_cast<int>(c & 7u); };
+  return std::abs(s(a) - s(b)) == 1;
+}
+
+void FakeQuantLinear::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N,
+                              int64_t K, const model::LinearCall& call) {
+  NIB_CHECK_MSG(K % 16 == 0, "{}: linear {} has in-features {}, NVFP4 needs a multiple of 16", kFakeQuantRecipe,
+                info_.name, K);
+  float* wq = wq_.ensure(be, N * K, "rl-fake-quant: saved weight");
+  be.round_to_bf16(wq, w, N * K);  // the rollout quantizes the BF16 weight (rollout/precision.cpp)
+  if (options_.weights) {
+    backend::QuantizedTensor q = qbuf_.view(be, QuantFormat::kNvfp4TwoLevel, N, K);
+    be.quantize(q, wq);
+    be.dequantize(wq, q);
+  }
+  float* xq = xq_.ensure(be, M * K, "rl-fake-quant: saved input");
+  be.round_to_bf16(xq, x, M * K);
+  const bool four_bit = options_.weights || options_.activations;
+  if (options_.activations) {
+    backend::QuantizedTensor q = qbuf_.view(be, QuantFormat::kNvfp4TwoLevel, M, K);
+    be.quantize(q, xq);  // RTN with its own scales, the rollout's w4a4 quantizer
+    TraceGuidance* g = options_.guidance;
+    const auto site = rollout::guidance_site(info_.kind);
+    const bool guided = g != nullptr && g->store != nullptr && g->status.is_ok() && site.has_value() &&
+                        info_.block < static_cast<int>(g->layers.size()) && g->layers[static_cast<size_t>(info_.block)] &&
+                        static_cast<int64_t>(g->row_sequence.size()) == M;
+    if (guided) {
+      // keep the BF16 input for the guided rows, then dequantize the RTN codes and overwrite them
+      std::vector<float> xb(static_cast<size_t>(M * K));
+      be.copy_to_host(xb.data(), xq, sizeof(float) * static_cast<size_t>(M * K));
+      be.dequantize(xq, q);
+      Status s = apply_guidance(be, xq, xb.data(), q.codes, M, K);
+      if (!s.is_ok()) g->status = s;
+    } else {
+      be.dequantize(xq, q);
+    }
+  }
+  be.matmul_nt(y, xq, wq, M, N, K, /*accumulate=*/false, /*operands_bf16=*/!four_bit);
+  if (four_bit) be.round_to_bf16(y, y, M * N);  // as the rollout's 4-bit modes: the GEMM writes BF16
+}
+
+Status FakeQuantLinear::apply_guidance(backend::Backend& be, float* xq, const float* xb, const uint8_t* rtn_codes_dev,
+                                       int64_t M, int64_t K) {
+  TraceGuidance& g = *options_.guidance;
+  std::vector<int64_t> rows;
+  std::vector<uint64_t> seqs;
+  std::vector<uint32_t> poss;
+  for (int64_t r = 0; r < M; ++r)
+    if (g.row_recorded[static_cast<size_t>(r)]) {
+      rows.push_back(r);
+      seqs.push_back(g.row_sequence[static_cast<size_t>(r)]);
+      poss.push_back(g.row_position[static_cast<size_t>(r)]);
+    }
+  if (rows.empty()) return Status::ok();
+  const int64_t R = static_cast<int64_t>(rows.size());
+  NIB_ASSIGN_OR_RETURN(rollout::GuidanceBatch gb,
+                       rollout::gather_guidance(*g.store, seqs.data(), poss.data(), R, static_cast<uint16_t>(info_.block),
+                                                *rollout::guidance_site(info_.kind)));
+  if (gb.cols != K || gb.format != QuantFormat::kNvfp4TwoLevel)
+    return invalid_argument("{}: guidance of linear {} is {} cols={}, the trainer quantizes {} cols={}",
+                            kFakeQuantRecipe, info_.name, backend::quant_format_name(gb.format), gb.cols,
+                            backend::quant_format_name(QuantFormat::kNvfp4TwoLevel), K);
+  std::vector<float> xr(static_cast<size_t>(R * K));
+  std::vector<uint8_t> rtn_all(static_cast<size_t>(M * K / 2)), guided(static_cast<size_t>(R * K / 2));
+  be.copy_to_host(rtn_all.data(), rtn_codes_dev, rtn_all.size());
+  for (int64_t i = 0; i < R; ++i)
+    std::memcpy(xr.data() + i * K, xb + rows[static_cast<size_t>(i)] * K, sizeof(float) * static_cast<size_t>(K));
+  rollout::guided_quantize_cpu(guided.data(), xr.data(), gb);
+  std::vector<float> deq(static_cast<size_t>(R * K));
+  formats::nvfp4_2level_dequantize_cpu(deq.data(), guided.data(), gb.scales.data(), gb.outer.data(), R, K);
+  GuidedSiteStats st;
+  const rollout::GuidanceMode mode = gb.mode;
+  for (int64_t i = 0; i < R; ++i) {
+    const uint8_t* rtn = rtn_all.data() + rows[static_cast<size_t>(i)] * (K / 2);
+    for (int64_t k = 0; k < K; ++k) {
+      const uint32_t own = formats::e2m1_unpack(rtn, k);
+      const uint32_t gc = formats::e2m1_unpack(guided.data() + i * (K / 2), k);
+      uint32_t roll = gc;  // trace: the guided code stands for the rollout's
+      bool same;
+      if (mode == rollout::GuidanceMode::kTraceFull) {
+        roll = formats::e2m1_unpack(gb.guide.data() + i * (K / 2), k);
+        same = gc == roll || ((gc & 7u) == 0 && (roll & 7u) == 0);  // +0 == -0
+      } else {
+        same = (gc & 1u) == ((gb.guide[static_cast<size_t>(i * (K / 8) + k / 8)] >> (k & 7)) & 1u);
+      }
+      const bool mism = own != roll && !((own & 7u) == 0 && (roll & 7u) == 0);
+      st.rtn_mismatch += mism;
+      st.one_step += mism && e2m1_one_step_apart(own, roll);
+      st.reproduced += same;
+    }
+    be.copy_to_device(xq + rows[static_cast<size_t>(i)] * K, deq.data() + i * K, sizeof(float) * static_cast<size_t>(K));
+  }
+  st.elements = R * K;
+  g.stats.add(st);
+  return Status::ok();
+}
+
+void FakeQuantLinear::backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N,
+                               int64_t K, const model::LinearCall& call) {
+  NIB_CHECK_MSG(xq_.data() != nullptr && wq_.size() >= N * K && xq_.size() >= M * K,
+                "rl-fake-quant: backward without a matching forward");
+  // straight-through: the quantizers' derivative is taken as 1
+  be.matmul_nn(dx, dy, wq_.data(), M, K, N);                                // dx (M,K) = dy . ŵ
+  be.matmul_tn(dw, dy, xq_.data(), N, K, M, /*accumulate=*/true);          // dw += dy^T . x̂
+}
+
+void register_fake_quant_recipe() {
+  if (model::has_linear_recipe(kFakeQuantRecipe)) return;
+  model::register_linear_recipe(
+      kFakeQuantRecipe,
+      [](const model::RecipeConfig& cfg, const model::LinearInfo& info) -> Result<std::unique_ptr<model::LinearRecipe>> {
+        FakeQuantOptions o;
+        if (cfg.raw.is_object()) {
+          for (auto it = cfg.raw.begin(); it != cfg.raw.end(); ++it) {
+            if (it.key() == "name") continue;
+            if (it.key() != "weights" && it.key() != "activations")
+              return invalid_argument("{}: unknown key '{}' (weights, activations)", kFakeQuantRecipe, it.key());
+            if (!it.value().is_boolean()) return invalid_argument("{}: '{}' must be true or false", kFakeQuantRecipe, it.key());
+          }
+          o.weights = cfg.raw.value("weights", true);
+          o.activations = cfg.raw.value("activations", true);
+        }
+        if (info.K % 16 != 0)
+          return invalid_argument("{}: linear {} has in-features {}, NVFP4 needs a multiple of 16", kFakeQuantRecipe,
+                                  info.name, info.K);
+        return std::unique_ptr<model::LinearRecipe>(new FakeQuantLinear(o, info));
+      });
+}
+
+model::RecipeConfig fake_quant_recipe_config(bool weights, bool activations) {
+  model::RecipeConfig rc;
+  rc.name = kFakeQuantRecipe;
+  rc.raw = nlohmann::json{{"name", kFakeQuantRecipe}, {"weights", weights}, {"activations", activations}};
+  return rc;
+}
+
+void attach_guidance(model::Model& model, TraceGuidance* guidance) {
+  for (const model::LinearInfo& info : model.linear_infos())
+    if (auto* f = dynamic_cast<FakeQuantLinear*>(model.linear_recipe(info.id))) f->set_guidance(guidance);
+}
+
+}  // namespace nibble::rl

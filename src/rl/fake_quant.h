@@ -1,0 +1,87 @@
+// The RL trainer's fake-quantized linear (../shared/spec/03-rl-and-trace.md §2-3): the recipe
+// "rl-fake-quant" that the qat, quads, trace-full and trace arms train with. Forward: the master
+// weight rounded to BF16 and, when `weights` is on, quantized to NVFP4 (two-level, RTN) and
+// dequantized; the input rounded to BF16 and, when `activations` is on, quantized the same way
+// — by the very backend quantizer the rollout engine's w4a4 mode runs (rollout/precision.h), so
+// the two paths agree bit for bit on equal inputs — then y = x̂ ŵ^T with y rounded to BF16 as in
+// the rollout. TRACE: at a guided site (TraceGuidance: a recorded layer and site, a row with a
+// rollout record) the input is instead rounded under the rollout's block scales to the E2M1
+// neighbour the rollout's code (trace-full) or mantissa bit (trace) names (formats/guided.h).
+// Backward is straight-through: dx = dy ŵ, dw += dy^T x̂. Routed experts' linears are not guided
+// sites (their rows are the tokens routed to one expert; rollout/recorders.h).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/linear.h"
+#include "model/transformer.h"
+#include "rollout/guidance_store.h"
+
+namespace nibble::rl {
+
+inline constexpr const char* kFakeQuantRecipe = "rl-fake-quant";
+
+// Counters of one or more forwards over guided sites (elements).
+struct GuidedSiteStats {
+  int64_t elements = 0;        // guided elements (rows with a record x columns)
+  int64_t rtn_mismatch = 0;    // the trainer's own RTN code differs from the rollout's (trace-full) or from the
+                               // guided code (trace: the rollout's code as far as its mantissa bit says)
+  int64_t one_step = 0;        // of those, the two codes are adjacent values of the E2M1 grid
+  int64_t reproduced = 0;      // guided code == the rollout's code (trace-full) / its mantissa bit == the rollout's (trace)
+  void add(const GuidedSiteStats& o) {
+    elements += o.elements, rtn_mismatch += o.rtn_mismatch, one_step += o.one_step, reproduced += o.reproduced;
+  }
+};
+
+// What the RL loop tells the model's fake-quantized linears about the batch being run (shared
+// by all of them). Rows are the (B, T) batch's token rows b*T + t.
+struct TraceGuidance {
+  rollout::RecordStore* store = nullptr;  // null: RTN everywhere
+  std::vector<bool> layers;               // guided blocks
+  std::vector<uint64_t> row_sequence;     // (B*T) record sequence of each row
+  std::vector<uint32_t> row_position;     // (B*T) its position
+  std::vector<uint8_t> row_recorded;      // (B*T) 1 where the rollout recorded the row (not padding)
+  GuidedSiteStats stats;                  // accumulated by every guided forward
+  Status status;                          // the first error (a missing record); forward() cannot return one
+};
+
+struct FakeQuantOptions {
+  bool weights = true;      // W4: NVFP4 weights
+  bool activations = true;  // A4: NVFP4 inputs (RTN or guided)
+  TraceGuidance* guidance = nullptr;
+};
+
+class FakeQuantLinear final : public model::LinearRecipe {
+ public:
+  NIB_LINEAR_RECIPE_HOST_OVERLOADS;
+  FakeQuantLinear(const FakeQuantOptions& options, const model::LinearInfo& info) : options_(options), info_(info) {}
+  std::string name() const override { return kFakeQuantRecipe; }
+  void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
+               const model::LinearCall& call) override;
+  void backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
+                const model::LinearCall& call) override;
+  void set_guidance(TraceGuidance* g) { options_.guidance = g; }
+
+ private:
+  // Rows of xq (M, K) whose rollout record exists are re-rounded under the rollout's scales.
+  Status apply_guidance(backend::Backend& be, float* xq, const float* xb, const uint8_t* rtn_codes_dev, int64_t M,
+                        int64_t K);
+  FakeQuantOptions options_;
+  model::LinearInfo info_;
+  backend::Buffer<float> wq_, xq_;  // saved ŵ (N,K), x̂ (M,K) for backward
+  backend::QuantizedBuffer qbuf_;
+};
+
+// Registers "rl-fake-quant" (idempotent). RecipeConfig::raw may hold {"weights": b, "activations": b};
+// guidance is attached afterwards with attach_guidance.
+void register_fake_quant_recipe();
+// The recipe config of an arm's trainer: weights/activations switches.
+model::RecipeConfig fake_quant_recipe_config(bool weights, bool activations);
+// Points every fake-quantized linear of `model` at `guidance` (null: detach). Other recipes: ignored.
+void attach_guidance(model::Model& model, TraceGuidance* guidance);
+
+// True when E2M1 codes a and b (sign | magnitude index) are adjacent values of the signed grid.
+bool e2m1_one_step_apart(uint32_t a, uint32_t b);
+
+}  // namespace nibble::rl

@@ -1,0 +1,106 @@
+// The RL loop of `nibble rl` (issue #16 items 3-5; ../shared/spec/03-rl-and-trace.md): per step,
+// P prompts of a task x G samples rolled out by the rollout engine (rollout/engine.h) in the arm's
+// precision with its recorders (R3 routing, TRACE guidance), exact rewards, group-normalised
+// advantages, the trainer's log-probs of the rollout tokens (π_old: R3-forced routing, guided
+// rounding) and optionally the frozen reference's, then GRPO/TIS minibatch updates (grpo.h)
+// with AdamW, then the weight sync: the trainer's block linears quantized (codes + scales) for
+// the engine, timed and counted. Colocated and synchronous: the engine runs the trainer's model
+// object (rollouts are on-policy, 0 versions stale). Per step a metrics.jsonl line (spec 03 §5);
+// reward.png and logp_gap.png; atomic checkpoints; a resume reproduces the uninterrupted run's
+// metrics bit for bit on the CPU (rollout seeds are a function of (seed, step)).
+//
+// The arms (spec 03 §3) set the rollout's precision and the trainer's linears:
+//   bf16-rollout  rollout bf16,  trainer bf16
+//   fp4-naive     rollout w4a4,  trainer bf16
+//   qat           rollout w4a4,  trainer rl-fake-quant W4A4, RTN with its own scales
+//   quads         rollout w4a4,  trainer rl-fake-quant W4A16 (weights only)
+//   trace-full    rollout w4a4 + full-code guidance at every layer; trainer W4A4 guided
+//   trace         rollout w4a4 + mantissa-bit guidance on `guidance_layers` (default: later half)
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "rl/grpo.h"
+#include "rl/task.h"
+
+namespace nibble::rl {
+
+enum class Arm { kBf16Rollout, kFp4Naive, kQat, kQuads, kTraceFull, kTrace };
+Result<Arm> parse_arm(const std::string& s);
+const char* arm_name(Arm a);
+
+struct RlConfig {
+  // what is trained: a checkpoint folder (pretrain/sft run or step folder; its tokenizer), or a
+  // model config JSON with a seeded init and a tokenizer trained on the task's texts
+  std::string init;
+  nlohmann::json model;  // HF config object (used when init is empty)
+  uint64_t model_seed = 1;
+  int64_t tokenizer_vocab_size = 320;
+  // the task
+  std::string task = "arithmetic";
+  int64_t level = 0;
+  uint64_t task_seed = 1;
+  // the arm
+  Arm arm = Arm::kTrace;
+  std::vector<int64_t> guidance_layers;  // trace: empty = later half; trace-full: empty = all
+  bool r3 = true;                         // MoE: routing replay
+  // GRPO
+  int64_t steps = 10;
+  int64_t prompts_per_step = 4;  // P
+  int64_t group_size = 4;        // G
+  int64_t max_new_tokens = 16;
+  int64_t minibatches = 1;       // updates per step (each over B / minibatches sequences)
+  GrpoConfig grpo;
+  // optimizer
+  double lr = 1e-4;
+  double weight_decay = 0.0;
+  double grad_clip = 1.0;
+  uint64_t seed = 1;             // rollout sampling seed base
+  int64_t checkpoint_every = 0;  // 0: only at the end
+  int64_t keep_checkpoints = 2;
+
+  nlohmann::json to_json() const;
+};
+// The config file: a JSON object with the fields above ("grpo" fields at top level: clip_eps,
+// aggregation, kl_coef, tis, tis_cap, temperature); unknown keys and bad values are errors.
+Result<RlConfig> parse_rl_config(const nlohmann::json& j);
+Result<RlConfig> load_rl_config(const std::string& path);
+
+struct RlOptions {
+  std::string run_dir;        // must not hold a run unless resume
+  bool resume = false;
+  int64_t stop_after_step = -1;  // > 0: stop (with a checkpoint) after this step, as if interrupted
+  backend::Backend* backend = nullptr;  // null: the CPU backend
+  bool progress = false;
+};
+
+// Per-step metrics (also written to metrics.jsonl).
+struct RlStepMetrics {
+  int64_t step = 0;
+  double reward_mean = 0, reward_std = 0, response_len = 0, entropy = 0;
+  double logp_diff_mean = 0, logp_diff_max = 0, kl_rollout_train = 0;
+  double guided_mismatch = 0, guided_one_step = 0, guided_reproduced = 0;  // NaN without guidance
+  double moe_set_mismatch = 0;  // NaN for a dense model
+  double guidance_bytes_per_token = 0, rollout_tokens_per_s = 0, train_tokens_per_s = 0;
+  double sync_seconds = 0, sync_bytes = 0, step_seconds = 0;
+  double loss = 0, clip_fraction = 0, tis_fraction = 0, kl_ref = 0, grad_norm = 0;
+  nlohmann::json to_json() const;
+};
+
+struct RlResult {
+  int64_t start_step = 0, end_step = 0;
+  std::vector<RlStepMetrics> steps;  // this call's
+  std::string checkpoint_dir;
+};
+
+// Runs (or resumes) the RL job. `task` makes the prompts and scores the completions.
+Result<RlResult> run_rl(const RlConfig& config, const Task& task, const RlOptions& options);
+
+}  // namespace nibble::rl
