@@ -15,6 +15,7 @@ const char* finish_reason_name(FinishReason r) {
     case FinishReason::kStopId: return "eos";
     case FinishReason::kLength: return "length";
     case FinishReason::kStopString: return "stop";
+    case FinishReason::kCancelled: return "cancelled";
   }
   return "?";
 }
@@ -109,13 +110,19 @@ Status Engine::validate(const std::vector<Request>& requests) const {
   return Status::ok();
 }
 
-Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& requests,
+Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& given,
                                                  const EngineCallbacks& callbacks) {
-  NIB_RETURN_IF_ERROR(validate(requests));
+  NIB_RETURN_IF_ERROR(validate(given));
+  // given, then what callbacks.admit hands over (a deque: references stay valid as it grows)
+  std::deque<Request> requests(given.begin(), given.end());
   stats_ = EngineStats{};
-  for (const Request& r : requests)
-    if (!r.params.stop_strings.empty() && !callbacks.detokenize)
-      return invalid_argument("rollout: stop strings need a detokenizer");
+  auto check_stops = [&](const std::vector<Request>& rs) -> Status {
+    for (const Request& r : rs)
+      if (!r.params.stop_strings.empty() && !callbacks.detokenize)
+        return invalid_argument("rollout: stop strings need a detokenizer");
+    return Status::ok();
+  };
+  NIB_RETURN_IF_ERROR(check_stops(given));
   const RolloutRecorders* recorders = callbacks.recorders;
   std::unique_ptr<GuidanceRecorder> guidance;
   if (recorders != nullptr && recorders->guidance != nullptr) {
@@ -205,8 +212,11 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& req
     s.seq = -1;
     --running;
     if (callbacks.on_finish) NIB_RETURN_IF_ERROR(callbacks.on_finish(s.out));
-    done_by_request[s.request].push_back(std::move(s.out));
-    if (--remaining[s.request] == 0) budget_used -= reserved[s.request];
+    if (!callbacks.admit) done_by_request[s.request].push_back(std::move(s.out));
+    if (--remaining[s.request] == 0) {
+      budget_used -= reserved[s.request];
+      if (callbacks.admit) requests[s.request].prompt = {};
+    }
     return Status::ok();
   };
 
@@ -215,7 +225,20 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& req
   std::vector<int32_t> row_pos, row_tok, routing;
   std::vector<int64_t> row_req, row_sample, row_samples_of;
   std::vector<uint64_t> row_id;
-  while (!waiting.empty() || running > 0) {
+  while (true) {
+    // ---- requests arriving while running (serving) ----
+    if (callbacks.admit) {
+      NIB_ASSIGN_OR_RETURN(std::vector<Request> more, callbacks.admit(waiting.empty() && running == 0));
+      NIB_RETURN_IF_ERROR(validate(more));
+      NIB_RETURN_IF_ERROR(check_stops(more));
+      for (Request& r : more) {
+        waiting.push_back(static_cast<int64_t>(requests.size()));
+        requests.push_back(std::move(r));
+      }
+      reserved.resize(requests.size(), 0), remaining.resize(requests.size(), 0);
+      done_by_request.resize(requests.size());
+    }
+    if (waiting.empty() && running == 0) break;
     // ---- admit waiting requests (in order) while the batch and the cache have room ----
     while (!waiting.empty()) {
       const int64_t r = waiting.front();
@@ -253,8 +276,26 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& req
         prefills.resize(first);
       }
     }
+    // ---- cancelled requests stop here (prompts being prefilled, then decoding samples) ----
+    if (callbacks.cancelled) {
+      for (size_t p = prefills.size(); p-- > 0;) {
+        if (!callbacks.cancelled(prefills[p].request)) continue;
+        cache_->release(prefills[p].seq);
+        const std::vector<size_t> of = std::move(prefills[p].samples);
+        prefills.erase(prefills.begin() + static_cast<std::ptrdiff_t>(p));
+        for (size_t si : of) {
+          samples[si].out.finish = FinishReason::kCancelled;
+          NIB_RETURN_IF_ERROR(finish(samples[si]));
+        }
+      }
+      for (Sample& s : samples)
+        if (!s.done && s.seq >= 0 && callbacks.cancelled(s.request)) {
+          s.out.finish = FinishReason::kCancelled;
+          NIB_RETURN_IF_ERROR(finish(s));
+        }
+    }
     stats_.peak_running = std::max(stats_.peak_running, running);
-    if (running == 0) break;
+    if (running == 0) continue;  // all cancelled, or nothing left: back to admit / the loop's end
 
     // ---- this step's rows: one per decoding sample, then prompt chunks ----
     row_seq.clear(), row_pos.clear(), row_tok.clear(), row_req.clear(), row_sample.clear();

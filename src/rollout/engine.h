@@ -60,8 +60,8 @@ struct Request {
   uint64_t id = 0;  // names the request's Philox streams (sample_stream); the CLI uses the line index
 };
 
-enum class FinishReason { kStopId, kLength, kStopString };
-const char* finish_reason_name(FinishReason r);  // "eos" | "length" | "stop"
+enum class FinishReason { kStopId, kLength, kStopString, kCancelled };
+const char* finish_reason_name(FinishReason r);  // "eos" | "length" | "stop" | "cancelled"
 
 struct Completion {
   int64_t request = 0;             // index into the requests given to generate()
@@ -92,6 +92,16 @@ struct EngineCallbacks {
   // R3 routing and TRACE guidance records (recorders.h), keyed by recorded_sequence(Request::id,
   // sample); null: none. Guidance needs the w4a4 mode.
   const RolloutRecorders* recorders = nullptr;
+  // Serving (`nibble serve`): requests that arrive while generate() runs. Called before every
+  // step with idle = nothing running or waiting; the requests it returns are numbered after those
+  // before them (Completion::request) and validated like them. An empty answer while idle ends
+  // generate(), so a caller may block in admit(true) until work arrives. With admit set,
+  // completions go only to on_finish (generate returns none) and a finished request's prompt is
+  // freed: memory stays bounded however long generate() runs.
+  std::function<Result<std::vector<Request>>(bool idle)> admit;
+  // Checked for each running request before every step: true stops its samples there
+  // (FinishReason::kCancelled, through on_finish) and frees their pages.
+  std::function<bool(int64_t request)> cancelled;
 };
 
 // Counters of the last generate() call.
@@ -112,6 +122,10 @@ class Engine {
   // sampling parameters; or a callback's error.
   Result<std::vector<Completion>> generate(const std::vector<Request>& requests, const EngineCallbacks& callbacks = {});
 
+  // The checks generate() applies to a request (for callers that queue requests and must refuse
+  // a bad one alone rather than fail a whole generate()).
+  Status check_request(const Request& request) const { return validate({request}); }
+
   // Re-quantizes the weights after the model's master weights changed (weight sync).
   Status refresh_weights();
 
@@ -119,6 +133,7 @@ class Engine {
   // The block linears of the bf16 / w4a16 / w4a4 modes (null in the recipe mode).
   const QuantizedLinears* linears() const { return linears_.get(); }
   const EngineOptions& options() const { return options_; }
+  const model::ModelConfig& model_config() const { return model_->config(); }
   const EngineStats& stats() const { return stats_; }
 
  private:

@@ -464,5 +464,89 @@ TEST(RolloutEngine, DecodeThroughTheProfilingBackendIsForwardedAndCounted) {
   EXPECT_GT(profiler.timing(backend::ProfiledOp::kKvCacheWrite).count, 0);
 }
 
+// Serving: requests handed over by EngineCallbacks::admit while others run give each its result
+// alone (same seed and id: same tokens), completions come only through on_finish, and an empty
+// answer while idle ends generate().
+TEST(RolloutEngine, AdmitHandsOverRequestsWhileOthersRun) {
+  auto m = tiny_olmo();
+  auto e = make_engine(*m);
+  const Request a = sampled_request(prompt_of(5, 21), 20, 2, 11, 3), b = greedy_request(prompt_of(9, 22), 12);
+  auto alone_a = e->generate({a});
+  auto alone_b = e->generate({b});
+  ASSERT_TRUE(alone_a.is_ok() && alone_b.is_ok());
+  int calls = 0, idle_calls = 0;
+  bool b_joined_while_running = false;
+  std::vector<Completion> finished;
+  EngineCallbacks cb;
+  cb.admit = [&](bool idle) -> Result<std::vector<Request>> {
+    ++calls;
+    idle_calls += idle;
+    if (calls == 1) return std::vector<Request>{a};
+    if (calls == 4) {
+      b_joined_while_running = !idle;
+      return std::vector<Request>{b};
+    }
+    return std::vector<Request>{};
+  };
+  cb.on_finish = [&](const Completion& c) {
+    finished.push_back(c);
+    return Status::ok();
+  };
+  auto out = e->generate({}, cb);
+  ASSERT_TRUE(out.is_ok()) << out.status().message();
+  EXPECT_TRUE(out->empty());
+  EXPECT_TRUE(b_joined_while_running);
+  EXPECT_EQ(idle_calls, 2);  // the first call and the last
+  EXPECT_EQ(e->stats().peak_running, 3);
+  ASSERT_EQ(finished.size(), 3u);
+  for (const Completion& c : finished) {
+    const Completion& alone = c.request == 0 ? (*alone_a)[static_cast<size_t>(c.sample)] : (*alone_b)[0];
+    EXPECT_EQ(c.tokens, alone.tokens) << "request " << c.request << " sample " << c.sample;
+  }
+  EXPECT_EQ(e->cache().free_pages(), e->cache().num_pages());
+  // a bad request handed over is the same one-line error as one given up front
+  cb.admit = [&](bool) -> Result<std::vector<Request>> { return std::vector<Request>{greedy_request({}, 3)}; };
+  auto bad = e->generate({}, cb);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("empty prompt"), std::string::npos) << bad.status().message();
+}
+
+// EngineCallbacks::cancelled stops a request's samples before the next step, while its prompt is
+// being prefilled or while it decodes, freeing their pages; the others go on unchanged.
+TEST(RolloutEngine, CancelledRequestsStopAtTheNextStep) {
+  auto m = tiny_olmo();
+  EngineOptions o;
+  o.max_step_tokens = 16;  // request 1's 40-token prompt takes 3 steps to prefill
+  auto e = make_engine(*m, o);
+  const std::vector<Request> reqs{sampled_request(prompt_of(4, 31), 30, 2, 5, 0), greedy_request(prompt_of(40, 32), 10),
+                                  greedy_request(prompt_of(7, 33), 15)};
+  auto alone = e->generate({reqs[2]});
+  ASSERT_TRUE(alone.is_ok());
+  std::vector<int64_t> tokens_of(3, 0);
+  EngineCallbacks cb;
+  cb.on_token = [&](int64_t r, int64_t, int32_t) {
+    ++tokens_of[static_cast<size_t>(r)];
+    return Status::ok();
+  };
+  int64_t asked_about_0 = 0;  // once per step while prefilling, then once per sample and step
+  cb.cancelled = [&](int64_t r) {
+    if (r == 0) ++asked_about_0;
+    return (r == 0 && tokens_of[0] >= 6) || (r == 1 && asked_about_0 >= 2);  // request 1: at its 3rd step
+  };
+  auto out = e->generate(reqs, cb);
+  ASSERT_TRUE(out.is_ok()) << out.status().message();
+  ASSERT_EQ(out->size(), 4u);
+  for (int s = 0; s < 2; ++s) {  // both samples of request 0 cancelled after 3 tokens each (6 in all)
+    EXPECT_EQ((*out)[static_cast<size_t>(s)].finish, FinishReason::kCancelled);
+    EXPECT_EQ((*out)[static_cast<size_t>(s)].tokens.size(), 3u);
+  }
+  EXPECT_EQ((*out)[2].finish, FinishReason::kCancelled);  // during its prefill: no token
+  EXPECT_TRUE((*out)[2].tokens.empty());
+  EXPECT_EQ((*out)[3].tokens, (*alone)[0].tokens);
+  EXPECT_EQ((*out)[3].finish, FinishReason::kLength);
+  EXPECT_EQ(e->cache().free_pages(), e->cache().num_pages());
+  EXPECT_STREQ(finish_reason_name(FinishReason::kCancelled), "cancelled");
+}
+
 }  // namespace
 }  // namespace nibble::rollout
