@@ -10,6 +10,7 @@ PACKAGES=(
   libopenblas-dev                            # CPU GEMM
   libsentencepiece-dev sentencepiece         # tokenizer
   libcli11-dev nlohmann-json3-dev libfmt-dev libspdlog-dev
+  libcpp-httplib-dev                         # `nibble serve` (HTTP server; the tests' client)
   libpng-dev zlib1g-dev                      # loss-curve plots
   libopenmpi-dev openmpi-bin                 # data-parallel training across processes (mpirun)
   bible-kjv bible-kjv-text                   # the default public-domain training corpus

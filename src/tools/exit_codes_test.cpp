@@ -122,6 +122,13 @@ TEST_F(ExitCodesTest, EveryCommandBadFlagBadValueMissingFileCorruptFile) {
       {"generate: missing checkpoint", "generate --checkpoint " + q("nothing"), 1, "does not exist"},
       {"generate: corrupt tokenizer", "generate --checkpoint " + q("badtok"), 1, "tokenizer"},
       {"generate: corrupt model", "generate --checkpoint " + q("badmodel"), 1, "model.safetensors"},
+      // serve (all before it binds a port)
+      {"serve: bad flag", "serve --checkpoint " + run + " --bogus", 2, "--bogus"},
+      {"serve: bad value", "serve --checkpoint " + run + " --port 70000", 2, "--port"},
+      {"serve: bad mode", "serve --checkpoint " + run + " --mode fp8", 2, "fp8"},
+      {"serve: missing checkpoint", "serve --checkpoint " + q("nothing"), 1, "does not exist"},
+      {"serve: corrupt tokenizer", "serve --checkpoint " + q("badtok"), 1, "tokenizer"},
+      {"serve: corrupt model", "serve --checkpoint " + q("badmodel"), 1, "model.safetensors"},
       // export
       {"export: bad flag", "export --checkpoint " + run + " --to hf " + q("e1") + " --bogus", 2, "--bogus"},
       {"export: bad value", "export --checkpoint " + run + " --to onnx " + q("e2"), 2, "--to"},
