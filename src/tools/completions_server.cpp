@@ -549,11 +549,11 @@ void CompletionsServer::Impl::routes() {
     res.set_content(dump({{"object", "list"}, {"data", json::array({m})}}), "application/json");
   });
   http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    const ServeCounters c = [&] {
-      std::lock_guard<std::mutex> lk(mu);
-      return counters;
-    }();
-    res.set_content(dump({{"status", "ok"}, {"sequences_in_flight", c.sequences_in_flight}, {"completed", c.completed},
+    std::unique_lock<std::mutex> lk(mu);
+    const ServeCounters c = counters;
+    const bool ok = accepting;
+    lk.unlock();
+    res.set_content(dump({{"status", ok ? "ok" : "stopping"}, {"sequences_in_flight", c.sequences_in_flight}, {"completed", c.completed},
                           {"cancelled", c.cancelled}, {"rejected", c.rejected}, {"failed", c.failed}}),
                     "application/json");
   });
