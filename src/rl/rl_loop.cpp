@@ -492,6 +492,11 @@ Result<RlStepMetrics> RlRun::step(int64_t s) {
     set_guidance_rows(guidance_, tb);
     model_->zero_grad();
     model_->set_step(s, cfg_.seed);
+    // RL optimises the policy alone: the MoE load-balancing and router z-losses of pretraining
+    // are off (their gradients would swamp a policy loss of order 1e-2)
+    model::LossOptions no_router_losses;
+    no_router_losses.router_aux_loss_coef = 0.0;
+    no_router_losses.router_z_loss_coef = 0.0;
     PolicyLossStats ls;
     model_->forward_backward_custom(
         tb.inputs.data(), mb, T,
@@ -500,7 +505,7 @@ Result<RlStepMetrics> RlRun::step(int64_t s) {
           ls = policy_loss_and_grad(lg, sub, V, cfg_.grpo);
           return ls.loss;
         },
-        {}, sub_routing);
+        no_router_losses, sub_routing);
     NIB_RETURN_IF_ERROR(guidance_.status);
     const train::GradNorm gn = train::global_grad_norm(views, cfg_.grad_clip, 1.0f, be_);
     if (!gn.finite) return data_loss("step {}: non-finite gradient norm", s + 1);
