@@ -8,7 +8,10 @@
 #include <vector>
 
 #include "core/philox.h"
+#include "model/tiny_olmo2_test_util.h"
+#include "model/transformer.h"
 #include "rl/grpo.h"
+#include "train/optimizer.h"
 
 namespace nibble::rl {
 namespace {
@@ -107,6 +110,57 @@ TEST(Grpo, ClippedTokensGiveNoPolicyGradient) {
   for (int64_t v = 0; v < Case::V; ++v) g1 += std::abs(grad[1 * Case::V + v]);
   EXPECT_GT(g1, 0.0);
   check_gradient(c, g);
+}
+
+}  // namespace
+}  // namespace nibble::rl
+
+namespace nibble::rl {
+namespace {
+
+// One AdamW step on the GRPO loss through the model raises the log-prob of the sequence with a
+// positive advantage and lowers the other's (the objective's sign, end to end through
+// Model::forward_backward_custom).
+TEST(Grpo, OneUpdateMovesLogprobsWithTheAdvantage) {
+  auto cfg = model::parse_model_config(model::test::tiny_olmo2_model_json(40));
+  ASSERT_TRUE(cfg.is_ok());
+  model::RecipeConfig rc;
+  rc.name = "bf16";
+  auto m = std::move(model::Model::create(cfg.value(), rc)).value();
+  m->init_weights(4);
+  const int64_t B = 2, T = 6, V = 40;
+  const std::vector<int32_t> tokens = {1, 5, 9, 3, 7, 2, 1, 5, 9, 11, 13, 17};
+  PolicyBatch pb;
+  pb.B = B, pb.T = T;
+  pb.targets.assign(B * T, -1);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 2; t < T - 1; ++t) pb.targets[b * T + t] = tokens[b * T + t + 1];
+  pb.advantage = {1.0, -1.0};
+  pb.response_len = {3, 3};
+  auto logps = [&] {
+    std::vector<float> logits(B * T * V);
+    m->forward_logits(logits.data(), tokens.data(), B, T);
+    std::vector<double> lp(B * T, 0.0), seq(B, 0.0);
+    for (int64_t n = 0; n < B * T; ++n)
+      if (pb.targets[n] >= 0) {
+        lp[n] = token_logprob_entropy(logits.data() + n * V, V, pb.targets[n], 1.0).logp;
+        seq[n / T] += lp[n];
+      }
+    return std::make_pair(lp, seq);
+  };
+  auto [lp0, seq0] = logps();
+  pb.logp_old = lp0, pb.logp_rollout = lp0;
+  m->zero_grad();
+  m->forward_backward_custom(tokens.data(), B, T, [&](float* lg, int64_t N, int64_t Vv) {
+    return policy_loss_and_grad(lg, pb, Vv, GrpoConfig{}).loss;
+  });
+  std::vector<train::ParamView> views;
+  for (auto& p : m->param_refs()) views.push_back({p.name, p.value, p.grad, p.numel, p.weight_decay});
+  train::AdamW opt(train::AdamWConfig{0.9, 0.95, 1e-8, 0.0});
+  ASSERT_TRUE(opt.step(views, 1e-3).is_ok());
+  auto [lp1, seq1] = logps();
+  EXPECT_GT(seq1[0], seq0[0]);
+  EXPECT_LT(seq1[1], seq0[1]);
 }
 
 }  // namespace
