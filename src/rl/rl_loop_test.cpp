@@ -11,7 +11,6 @@
 #include <cstring>
 #include <unistd.h>
 #include <filesystem>
-#include <iostream>
 #include <string>
 
 #include "rl/rl_loop.h"
@@ -117,7 +116,6 @@ TEST(RlLoop, TraceFullGuidedSitesReproduceTheRolloutCodes) {
   auto r = run(config_for("trace-full", dense_model()), d.path);
   ASSERT_TRUE(r.is_ok()) << r.status().message();
   for (const RlStepMetrics& m : r.value().steps) {
-    std::cout << m.to_json().dump() << "\n";
     expect_finite(m, true, false);
     EXPECT_EQ(m.guided_reproduced, 1.0);
     EXPECT_GT(m.guidance_bytes_per_token, 0.0);
@@ -179,6 +177,21 @@ TEST(RlLoop, ResumeReproducesTheUninterruptedRunBitForBit) {
   auto lines = train::read_metrics((b.path / "metrics.jsonl").string());
   ASSERT_TRUE(lines.is_ok());
   EXPECT_EQ(lines.value().size(), 5u);
+}
+
+// The mechanics learn: on the shaped next-letter reward a random tiny model's mean reward over
+// its last 3 of 25 steps is at least 0.1 above its first 3 steps' (trace arm: W4A4 rollout, guided
+// trainer; measured 0.09 -> 0.32; ~6 s of CPU).
+TEST(RlLoop, RewardRisesOnAnEasyTask) {
+  RlConfig c = config_for("trace", dense_model(), 25);
+  c.prompts_per_step = 4, c.group_size = 8, c.lr = 1e-2;
+  TempDir d("rises");
+  auto r = run(c, d.path);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  const auto& s = r.value().steps;
+  double first = 0, last = 0;
+  for (int i = 0; i < 3; ++i) first += s[i].reward_mean, last += s[s.size() - 1 - i].reward_mean;
+  EXPECT_GT(last, first + 0.3) << "first 3 steps " << first / 3 << ", last 3 " << last / 3;
 }
 
 TEST(RlLoop, RefusesAFolderHoldingARunWithoutResume) {
