@@ -12,6 +12,8 @@
 namespace nibble::tools {
 namespace {
 
+using namespace test;
+
 constexpr const char* kConfig = R"({"model": {"architectures": ["Olmo2ForCausalLM"], "hidden_size": 32,
   "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
   "head_dim": 8, "vocab_size": 512, "max_position_embeddings": 64, "rope_theta": 10000.0,
