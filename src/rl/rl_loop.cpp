@@ -532,6 +532,10 @@ Result<RlStepMetrics> RlRun::step(int64_t s) {
 Result<RlResult> RlRun::run() {
   NIB_RETURN_IF_ERROR(build_models());
   if (opt_.resume) NIB_RETURN_IF_ERROR(resume_state());
+  if (opt_.progress)
+    NIB_LOG_INFO("rl: {} on {}, task {} level {}, steps {}..{} of {}x{} samples, out {}", arm_name(cfg_.arm), be_.name(),
+                 task_.name(), cfg_.level, start_ + 1, cfg_.steps, cfg_.prompts_per_step, cfg_.group_size,
+                 run_.string());
   rollout::EngineOptions eo;
   eo.mode = rollout_mode(cfg_.arm);
   eo.recipe_name = "tetrajet-v2";  // two-level NVFP4, the trainer's rl-fake-quant format

@@ -56,8 +56,6 @@ int run_rl_command(const RlArgs& a) {
   o.stop_after_step = a.stop_after;
   o.backend = be->get();
   o.progress = true;
-  NIB_LOG_INFO("rl: {} on {}, task {} level {}, {} steps of {}x{} samples, out {}", rl::arm_name(cfg->arm),
-               (*be)->name(), cfg->task, cfg->level, cfg->steps, cfg->prompts_per_step, cfg->group_size, a.out);
   auto r = rl::run_rl(*cfg, **task, o);
   if (!r) return report_error("rl", r.status());
   const double reward = r->steps.empty() ? 0.0 : r->steps.back().reward_mean;
