@@ -22,8 +22,7 @@ Status validate(const AdamWConfig& c) {
   return Status::ok();
 }
 
-GradNorm global_grad_norm(const std::vector<ParamView>& params, double max_norm, float grad_scale,
-                          backend::Backend& be) {
+double grad_sum_squares(const std::vector<ParamView>& params, float grad_scale, backend::Backend& be) {
   double total = 0;
   std::vector<double> partial;
   for (const ParamView& p : params) {
@@ -33,14 +32,23 @@ GradNorm global_grad_norm(const std::vector<ParamView>& params, double max_norm,
     if (p.numel > 0) be.sum_squares_chunks(partial.data(), p.grad, p.numel, kChunk, grad_scale);
     for (double s : partial) total += s;
   }
+  return total;
+}
+
+GradNorm grad_norm_from_sum_squares(double sum_squares, double max_norm) {
   GradNorm r;
-  r.norm = std::sqrt(total);
+  r.norm = std::sqrt(sum_squares);
   r.finite = std::isfinite(r.norm);
   if (max_norm > 0 && r.finite) {
     const double coef = max_norm / (r.norm + 1e-6);
     r.clip_scale = coef < 1.0 ? static_cast<float>(coef) : 1.0f;
   }
   return r;
+}
+
+GradNorm global_grad_norm(const std::vector<ParamView>& params, double max_norm, float grad_scale,
+                          backend::Backend& be) {
+  return grad_norm_from_sum_squares(grad_sum_squares(params, grad_scale, be), max_norm);
 }
 
 void accumulate_grad(float* acc, const float* g, int64_t n) {
@@ -58,13 +66,16 @@ void scale_grad(float* g, int64_t n, float s) {
 Status AdamW::step(const std::vector<ParamView>& params, double lr, float grad_scale) {
   NIB_RETURN_IF_ERROR(validate(config_));
   if (!std::isfinite(lr) || lr < 0) return invalid_argument("adamw: learning rate {} must be finite and >= 0", lr);
-  std::set<std::string> seen;
+  std::set<Key> seen;
   for (const ParamView& p : params) {
-    if (!seen.insert(p.name).second) return invalid_argument("adamw: parameter {} given twice", p.name);
+    if (!seen.insert({p.name, p.offset}).second) return invalid_argument("adamw: parameter {} given twice", p.name);
     if (p.numel < 0 || (p.numel > 0 && (!p.value || !p.grad)))
       return invalid_argument("adamw: parameter {} has no data", p.name);
-    auto it = state_.find(p.name);
-    if (it != state_.end() && it->second.numel != p.numel)
+    if (p.offset < 0 || p.offset + p.numel > p.parameter_numel())
+      return invalid_argument("adamw: slice [{}, {}) outside parameter {} of {} elements", p.offset,
+                              p.offset + p.numel, p.name, p.parameter_numel());
+    auto it = state_.find({p.name, p.offset});
+    if (it != state_.end() && (it->second.numel != p.numel || it->second.full_numel != p.parameter_numel()))
       return invalid_argument("adamw: parameter {} has {} elements, its optimizer state {}", p.name, p.numel,
                               it->second.numel);
   }
@@ -76,10 +87,11 @@ Status AdamW::step(const std::vector<ParamView>& params, double lr, float grad_s
   hp.step = ++step_;
   hp.grad_scale = grad_scale;
   for (const ParamView& p : params) {
-    auto [it, fresh] = state_.try_emplace(p.name);
+    auto [it, fresh] = state_.try_emplace(Key{p.name, p.offset});
     Moments& st = it->second;
     if (fresh) {
       st.numel = p.numel;
+      st.full_numel = p.parameter_numel();
       const size_t bytes = static_cast<size_t>(p.numel) * sizeof(float);
       be_->fill_zero(st.m.ensure(*be_, p.numel, "AdamW exp_avg"), bytes);
       be_->fill_zero(st.v.ensure(*be_, p.numel, "AdamW exp_avg_sq"), bytes);
@@ -91,24 +103,43 @@ Status AdamW::step(const std::vector<ParamView>& params, double lr, float grad_s
   return Status::ok();
 }
 
-const std::vector<float>* AdamW::host_copy(const std::string& name, bool second) const {
-  auto it = state_.find(name);
+const std::vector<float>* AdamW::host_copy(const Key& key, bool second) const {
+  auto it = state_.find(key);
   if (it == state_.end()) return nullptr;
-  std::vector<float>& h = (second ? host_v_ : host_m_)[name];
+  std::vector<float>& h = (second ? host_v_ : host_m_)[key];
   h.resize(static_cast<size_t>(it->second.numel));
   const backend::Buffer<float>& b = second ? it->second.v : it->second.m;
   if (!h.empty()) be_->copy_to_host(h.data(), b.data(), h.size() * sizeof(float));
   return &h;
 }
-const std::vector<float>* AdamW::exp_avg(const std::string& name) const { return host_copy(name, false); }
-const std::vector<float>* AdamW::exp_avg_sq(const std::string& name) const { return host_copy(name, true); }
+const std::vector<float>* AdamW::exp_avg(const std::string& name, int64_t offset) const {
+  return host_copy({name, offset}, false);
+}
+const std::vector<float>* AdamW::exp_avg_sq(const std::string& name, int64_t offset) const {
+  return host_copy({name, offset}, true);
+}
+
+const float* AdamW::moment_data(const std::string& name, int64_t offset, bool second) const {
+  auto it = state_.find({name, offset});
+  if (it == state_.end() || it->second.numel == 0) return nullptr;
+  return second ? it->second.v.data() : it->second.m.data();
+}
+
+int64_t AdamW::moment_elems() const {
+  int64_t n = 0;
+  for (const auto& [key, st] : state_) n += st.numel;
+  return n;
+}
 
 std::vector<io::NamedTensor> AdamW::export_state() const {
   std::vector<io::NamedTensor> out;
   Tensor step(DType::kI64, {1});
   step.data<int64_t>()[0] = step_;
   out.push_back({"optimizer.step", step});
-  for (const auto& [name, st] : state_) {
+  for (const auto& [key, st] : state_) {
+    const std::string& name = key.first;
+    NIB_CHECK_MSG(key.second == 0 && st.numel == st.full_numel,
+                  "adamw export_state: {} holds a slice (ZeRO-1 state is exported by Zero1::gather_state)", name);
     const int64_t n = st.numel;
     Tensor m(DType::kF32, {n}), v(DType::kF32, {n});
     if (n > 0) {
@@ -135,11 +166,15 @@ Status AdamW::import_state(const std::vector<io::NamedTensor>& tensors, const st
   const int64_t step = st.data<int64_t>()[0];
   if (step < 0) return invalid_argument("optimizer state: negative step {}", step);
 
-  std::map<std::string, Moments> state;
+  std::map<Key, Moments> state;
   std::set<std::string> used = {"optimizer.step"};
   for (const ParamView& p : params) {
+    if (p.numel < 0 || p.offset < 0 || p.offset + p.numel > p.parameter_numel())
+      return invalid_argument("optimizer state: slice [{}, {}) outside parameter {} of {} elements", p.offset,
+                              p.offset + p.numel, p.name, p.parameter_numel());
     Moments mo;
     mo.numel = p.numel;
+    mo.full_numel = p.parameter_numel();
     for (int which = 0; which < 2; ++which) {
       const std::string key = "optimizer." + p.name + (which == 0 ? ".exp_avg" : ".exp_avg_sq");
       auto it = by_name.find(key);
@@ -147,15 +182,16 @@ Status AdamW::import_state(const std::vector<io::NamedTensor>& tensors, const st
       const Tensor& t = *it->second;
       if (t.dtype() != DType::kF32 || t.device() != Device::kCPU)
         return invalid_argument("optimizer state: {} must be F32 on the CPU (is {})", key, dtype_name(t.dtype()));
-      if (t.numel() != p.numel)
+      if (t.numel() != p.parameter_numel())
         return invalid_argument("optimizer state: {} has {} elements, parameter {} has {}", key, t.numel(), p.name,
-                                p.numel);
+                                p.parameter_numel());
       backend::Buffer<float>& dst = which == 0 ? mo.m : mo.v;
       float* d = dst.ensure(*be_, p.numel, which == 0 ? "AdamW exp_avg" : "AdamW exp_avg_sq");
-      if (p.numel > 0) be_->copy_to_device(d, t.data<float>(), p.numel * sizeof(float));
+      if (p.numel > 0) be_->copy_to_device(d, t.data<float>() + p.offset, p.numel * sizeof(float));
       used.insert(key);
     }
-    state[p.name] = std::move(mo);
+    if (!state.emplace(Key{p.name, p.offset}, std::move(mo)).second)
+      return invalid_argument("optimizer state: parameter {} given twice", p.name);
   }
   for (const auto& [name, t] : by_name)
     if (!used.count(name)) return invalid_argument("optimizer state: tensor {} matches no parameter", name);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -27,6 +28,12 @@ struct ParamView {
   const float* grad = nullptr;
   int64_t numel = 0;
   bool weight_decay = true;  // false for norms' gains and (by convention) embeddings if wanted
+  // ZeRO-1 (train/zero.h): this view is the elements [offset, offset + numel) of parameter `name`,
+  // which has full_numel elements (value and grad point at element `offset`). A parameter may
+  // appear once per disjoint slice. full_numel < 0: the whole parameter (offset 0).
+  int64_t offset = 0;
+  int64_t full_numel = -1;
+  int64_t parameter_numel() const { return full_numel < 0 ? numel : full_numel; }
 };
 
 struct AdamWConfig {
@@ -45,6 +52,10 @@ struct GradNorm {
 // the host in double.
 GradNorm global_grad_norm(const std::vector<ParamView>& params, double max_norm, float grad_scale = 1.0f,
                           backend::Backend& be = backend::cpu_backend());
+// The two halves of global_grad_norm: the sum of squares (in that order), and the norm and clip
+// factor from a sum of squares (ZeRO-1 sums the ranks' owned parts in between).
+double grad_sum_squares(const std::vector<ParamView>& params, float grad_scale, backend::Backend& be);
+GradNorm grad_norm_from_sum_squares(double sum_squares, double max_norm);
 
 // Gradient accumulation over micro-batches: acc += g, then scale once by 1/n (or pass 1/n as
 // the step's grad_scale instead). acc, g: (n) f32 host arrays.
@@ -65,29 +76,38 @@ class AdamW {
   int64_t step_count() const { return step_; }
   const AdamWConfig& config() const { return config_; }
   // A host copy of m or v of a param (nullptr if unknown): (numel) f32, valid until the next
-  // call of the same accessor for the same name.
-  const std::vector<float>* exp_avg(const std::string& name) const;
-  const std::vector<float>* exp_avg_sq(const std::string& name) const;
+  // call of the same accessor for the same name. offset: the slice's (ZeRO-1 views).
+  const std::vector<float>* exp_avg(const std::string& name, int64_t offset = 0) const;
+  const std::vector<float>* exp_avg_sq(const std::string& name, int64_t offset = 0) const;
+  // m (second = false) or v of the slice of `name` at `offset`, in the backend's memory: (numel of
+  // that view) f32; nullptr if unknown or empty.
+  const float* moment_data(const std::string& name, int64_t offset, bool second) const;
+  // Elements of moments held (each of m and v): the sum of the views' numel.
+  int64_t moment_elems() const;
 
   // State as named tensors for a checkpoint: "optimizer.step" (I64, shape (1)), and per param
   // "optimizer.<name>.exp_avg", "optimizer.<name>.exp_avg_sq" (F32, shape (numel)).
   std::vector<io::NamedTensor> export_state() const;
   // Restores what export_state wrote. Every param in `params` must have both moments with its
-  // numel; tensors for names not in `params`, missing tensors, wrong dtypes or sizes are errors.
+  // numel (parameter_numel(): the full size; a slice view takes its elements of them); tensors
+  // for names not in `params`, missing tensors, wrong dtypes or sizes are errors. export_state needs
+  // whole-parameter state (a slice is a checked error): ZeRO-1 checkpoints go through
+  // Zero1::gather_state, which writes the same tensors.
   Status import_state(const std::vector<io::NamedTensor>& tensors, const std::vector<ParamView>& params);
 
  private:
   struct Moments {
     backend::Buffer<float> m, v;  // (numel) each, backend memory
-    int64_t numel = 0;
+    int64_t numel = 0, full_numel = 0;  // the slice's and its parameter's elements
   };
-  const std::vector<float>* host_copy(const std::string& name, bool second) const;
+  using Key = std::pair<std::string, int64_t>;  // (parameter name, slice offset)
+  const std::vector<float>* host_copy(const Key& key, bool second) const;
 
   AdamWConfig config_;
   backend::Backend* be_;
   int64_t step_ = 0;
-  std::map<std::string, Moments> state_;
-  mutable std::map<std::string, std::vector<float>> host_m_, host_v_;  // exp_avg / exp_avg_sq copies
+  std::map<Key, Moments> state_;
+  mutable std::map<Key, std::vector<float>> host_m_, host_v_;  // exp_avg / exp_avg_sq copies
 };
 
 }  // namespace nibble::train
