@@ -115,7 +115,8 @@ Result<std::string> write_checkpoint(const std::string& run_dir, int64_t step, c
   NIB_RETURN_IF_ERROR(run_hook(w.hook, "model.safetensors"));
   NIB_RETURN_IF_ERROR(io::write_safetensors((tmp / "model.safetensors").string(), model_named_tensors(*w.model), meta));
   NIB_RETURN_IF_ERROR(run_hook(w.hook, "optimizer.safetensors"));
-  NIB_RETURN_IF_ERROR(io::write_safetensors((tmp / "optimizer.safetensors").string(), w.optimizer->export_state()));
+  NIB_RETURN_IF_ERROR(io::write_safetensors((tmp / "optimizer.safetensors").string(),
+                                            w.optimizer_state != nullptr ? *w.optimizer_state : w.optimizer->export_state()));
   NIB_RETURN_IF_ERROR(run_hook(w.hook, "recipe_state.safetensors"));
   NIB_RETURN_IF_ERROR(io::write_safetensors((tmp / "recipe_state.safetensors").string(), recipe_state_tensors(*w.model)));
   NIB_RETURN_IF_ERROR(run_hook(w.hook, "config.json"));

@@ -36,6 +36,9 @@ using CheckpointHook = std::function<Status(const std::string& stage)>;
 struct CheckpointWrite {
   const model::Model* model = nullptr;      // parameters and recipe states
   const AdamW* optimizer = nullptr;
+  // When set, written as optimizer.safetensors instead of optimizer->export_state(): ZeRO-1's
+  // state gathered from every rank (Zero1::gather_state; the same tensors, full moments).
+  const std::vector<io::NamedTensor>* optimizer_state = nullptr;
   nlohmann::json trainer;                   // trainer.json (must hold "step")
   nlohmann::json run_config;                // run_config.json
   std::string tokenizer_path;               // copied as tokenizer.model

@@ -145,6 +145,7 @@ json default_run_config_json() {
       {"max_bad_steps", 5},
       {"threads", 0},
       {"log_interval", 10},
+      {"dist", {{"zero", 1}, {"bucket_elems", 4194304}}},
   };
 }
 
@@ -295,6 +296,9 @@ Result<RunConfig> resolve_run_config(const json& user, const std::vector<std::st
   NIB_ASSIGN_OR_RETURN(int64_t threads, get_int(j, "threads", 0));
   c.threads = static_cast<int>(threads);
   NIB_ASSIGN_OR_RETURN(c.log_interval, get_int(j, "log_interval", 1));
+  NIB_ASSIGN_OR_RETURN(c.zero, get_int(j, "dist.zero", 0));
+  if (c.zero > 1) return invalid_argument("run config: bad value for 'dist.zero': must be 0 (off) or 1 (ZeRO-1)");
+  NIB_ASSIGN_OR_RETURN(c.bucket_elems, get_int(j, "dist.bucket_elems", 1));
   return c;
 }
 

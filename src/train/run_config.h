@@ -47,6 +47,8 @@ struct RunConfig {
   int64_t max_bad_steps = 5;      // consecutive NaN/Inf steps before aborting
   int threads = 0;                // OpenMP threads (0: leave the default)
   int64_t log_interval = 10;      // plain progress lines at its multiples (plus the first and last step)
+  int64_t zero = 1;               // dist.zero: 1 = ZeRO-1 in a data-parallel run (train/zero.h), 0 = off
+  int64_t bucket_elems = int64_t{1} << 22;  // dist.bucket_elems: FP32 elements per gradient bucket (16 MiB)
 };
 
 // The defaults, as a JSON object (the schema: keys outside it are unknown, except inside

@@ -24,6 +24,7 @@
 #include "train/progress.h"
 #include "train/run_lock.h"
 #include "train/schedule.h"
+#include "train/zero.h"
 
 namespace nibble::train {
 
@@ -261,6 +262,31 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
 
   std::vector<ParamView> views;
   for (auto& p : model->param_refs()) views.push_back({p.name, p.value, p.grad, p.numel, p.weight_decay});
+  // ZeRO-1 (dist.zero = 1, a data-parallel run whose group reaches the model's memory): the
+  // optimizer sees this rank's owned slices (owned), else every parameter (views).
+  std::optional<Zero1> zero;
+  std::vector<ParamView> owned;
+  if (dp && cfg.zero == 1) {
+    if (group->device_memory() == (model->backend().device() != Device::kCPU)) {
+      std::vector<int64_t> numels;
+      int64_t at = 0;
+      for (const ParamView& v : views) {
+        if (v.value != model->flat_values() + at || v.grad != model->flat_grads() + at)
+          return Status(StatusCode::kInternal, "zero: the parameters are not one contiguous buffer in order");
+        numels.push_back(v.numel);
+        at += v.numel;
+      }
+      NIB_ASSIGN_OR_RETURN(ZeroLayout layout, ZeroLayout::create(numels, cfg.bucket_elems, world, rank));
+      zero.emplace(*group, model->backend(), std::move(layout));
+      owned = owned_views(views, zero->layout());
+    } else {
+      NIB_LOG_INFO("ZeRO-1 off: the {} process group cannot reach the model's memory on {} (gradients are "
+                   "all-reduced through the host)", group->kind(), model->backend().name());
+    }
+  }
+  const std::vector<ParamView>& optimizer_views = zero ? owned : views;
+  const int64_t moment_bytes = 2 * static_cast<int64_t>(sizeof(float)) *
+                               (zero ? zero->layout().owned_elems() : model->num_params());
 
   int64_t start = 0, bad_in_row = 0, skipped_total = 0;
   // The newest checkpoint whose weights are trained (at least one optimizer update) and finite:
@@ -287,7 +313,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
       NIB_ASSIGN_OR_RETURN(Tensor t, of->get(n));
       ostate.push_back({n, t});
     }
-    Status s = adamw.import_state(ostate, views);
+    Status s = adamw.import_state(ostate, optimizer_views);
     if (!s) return data_loss("checkpoint '{}': optimizer state: {}", opath, s.message());
     s = loader.restore_json(ck.trainer.value("loader", json::object()));
     if (!s) return data_loss("checkpoint '{}': data loader state: {}", ck.dir, s.message());
@@ -312,8 +338,14 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
                  {"starting step", std::to_string(start)},
                  {"weights", weight_bytes}}));
     NIB_LOG_INFO("data parallel: {} ranks over {}; rank {} takes rows [{}, {}) of every {}-row micro-batch; "
-                 "gradients summed in rank order after backward",
-                 world, group->kind(), rank, rows.begin, rows.end, B);
+                 "gradients {} after backward",
+                 world, group->kind(), rank, rows.begin, rows.end, B,
+                 zero ? "reduce-scattered (ZeRO-1)" : "all-reduced (summed in rank order)");
+    if (zero)
+      NIB_LOG_INFO("ZeRO-1: rank {} holds AdamW moments for {} of {} parameters: {:.3f} MiB (unsharded {:.3f} MiB); "
+                   "{} buckets reduce-scattered, the updated weights all-gathered",
+                   rank, zero->layout().owned_elems(), model->num_params(), moment_bytes / 1048576.0,
+                   8.0 * static_cast<double>(model->num_params()) / 1048576.0, zero->layout().buckets().size());
   }
 
   // ---- metrics and plot ----
@@ -341,11 +373,13 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     NIB_RETURN_IF_ERROR(write_metrics(json{{"event", "start"}, {"step", 0}, {"recipe", cfg.recipe.name},
                                            {"params", model->num_params()}, {"threads", num_threads()},
                                            {"device", be.name()}, {"world_size", world},
-                                           {"process_group", dp ? group->kind() : std::string("single")}}));
+                                           {"process_group", dp ? group->kind() : std::string("single")},
+                                           {"zero", zero ? 1 : 0}, {"adamw_moment_bytes", moment_bytes}}));
   } else {  // the device (and the world) may differ from the ones the run started on
     NIB_RETURN_IF_ERROR(write_metrics(json{{"event", "resume"}, {"step", start}, {"device", be.name()},
                                            {"threads", num_threads()}, {"world_size", world},
-                                           {"process_group", dp ? group->kind() : std::string("single")}}));
+                                           {"process_group", dp ? group->kind() : std::string("single")},
+                                           {"zero", zero ? 1 : 0}, {"adamw_moment_bytes", moment_bytes}}));
   }
 
   TrainResult res;
@@ -356,6 +390,11 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   const std::string tokenizer_path = ds.tokenizer_path;
   json run_config_json = cfg.json;
   auto save = [&](int64_t step_done) -> Status {
+    // ZeRO-1: every rank sends its moments; the writer gets the full per-parameter state.
+    std::vector<io::NamedTensor> zero_state;
+    if (zero && adamw.step_count() > 0) {
+      NIB_ASSIGN_OR_RETURN(zero_state, zero->gather_state(adamw, views, writer));
+    }
     if (!writer) {  // rank 0 writes the checkpoint (the same weights on every rank)
       saved_step = step_done;
       return Status::ok();
@@ -368,6 +407,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     CheckpointWrite w;
     w.model = model.get();
     w.optimizer = &adamw;
+    w.optimizer_state = zero ? &zero_state : nullptr;
     w.trainer = json{{"format", "nibble-trainer-1"},
                      {"loader", loader.state_json()},
                      {"bad_steps_in_row", bad_in_row},
@@ -434,8 +474,11 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     if (dp) {
       // Gradients and losses summed over ranks (each rank's are means over its rows: the sum over
       // ranks is world times the global mean, folded into grad_scale and the divisions below).
-      NIB_RETURN_IF_ERROR(all_reduce_gradients(*group, model->backend(), model->flat_grads(), model->num_params(),
-                                               &grad_stage));
+      if (zero)
+        NIB_RETURN_IF_ERROR(zero->reduce_scatter(model->flat_grads()));
+      else
+        NIB_RETURN_IF_ERROR(all_reduce_gradients(*group, model->backend(), model->flat_grads(), model->num_params(),
+                                                 &grad_stage, cfg.bucket_elems));
       double sums[4] = {loss, ce, zl, interrupt_signal() != 0 ? 1.0 : 0.0};
       NIB_RETURN_IF_ERROR(group->all_reduce_sum_host(sums, 4));
       loss = sums[0] / world;
@@ -454,7 +497,13 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
       model->upload_gradients(hook_grads.data());
     }
     const float grad_scale = static_cast<float>(1.0 / static_cast<double>(cfg.grad_accum * world));
-    GradNorm gn = global_grad_norm(views, cfg.grad_clip, grad_scale, model->backend());
+    GradNorm gn;
+    if (zero) {  // the owned slices' sums of squares, summed over ranks
+      NIB_ASSIGN_OR_RETURN(const double sum_squares, zero->grad_sum_squares(owned, grad_scale));
+      gn = grad_norm_from_sum_squares(sum_squares, cfg.grad_clip);
+    } else {
+      gn = global_grad_norm(views, cfg.grad_clip, grad_scale, model->backend());
+    }
     const double lr = schedule.lr(s);
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double tps = elapsed > 0 ? tokens_per_step * static_cast<double>(s + 1 - start) / elapsed : 0;
@@ -477,7 +526,8 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
       }
     } else {
       bad_in_row = 0;
-      NIB_RETURN_IF_ERROR(adamw.step(views, lr, grad_scale * gn.clip_scale));
+      NIB_RETURN_IF_ERROR(adamw.step(optimizer_views, lr, grad_scale * gn.clip_scale));
+      if (zero) NIB_RETURN_IF_ERROR(zero->all_gather(model->flat_values()));  // every rank's updated slices
       const int64_t resets = recipe_after_optimizer_step(*model, s);  // OsciReset may move weights
       if (resets > 0) NIB_LOG_DEBUG("step {}: OsciReset moved {} weights onto their grid points", s + 1, resets);
       res.losses.push_back(loss);
