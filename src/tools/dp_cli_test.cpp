@@ -2,8 +2,10 @@
 // same tiny config (the tiny OLMo-2 of train_cli_test.cpp, global batch 4x32, 6 steps): the loss
 // curve, the step-1 gradient norm and the validation loss agree within the tolerances derived
 // below; rank 0 alone writes the run folder; a 2-rank run stopped at step 3 resumes in one process
-// onto the 1-process curve, and a 1-process run resumes under 2 ranks; ranks with different configs and a batch that does not split fail
-// with one line. Skipped (ctest: skipped, not passed) when mpirun is absent or nibble was built
+// onto the 1-process curve, and a 1-process run resumes under 2 ranks (ZeRO-1 is on by default
+// in these runs); ZeRO-1 against the plain data-parallel path (a tighter tolerance, derived
+// there), its halved AdamW moments, and a ZeRO checkpoint resumed in a world of 2 with ZeRO on
+// and off; ranks with different configs and a batch that does not split fail with one line. Skipped (ctest: skipped, not passed) when mpirun is absent or nibble was built
 // without MPI.
 #include <unistd.h>
 
@@ -15,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "io/safetensors.h"
 #include "model/tiny_olmo2_test_util.h"
 #include "tools/cli_test_util.h"
 #include "tools/tiny_run_test_util.h"
@@ -93,26 +96,41 @@ Curve read_curve(const std::string& metrics) {
 // gradient reduce fails the step-1 grad norm (off by 2x) and the curve (off by >1e-2).
 double gamma_k(double k) { return k * kU / (1 - k * kU); }
 
-void expect_same_curve(const Curve& one, const Curve& dp, int64_t first_step, double n_params) {
-  const double K = 4 * 32, lr = 1e-2;
+// How far a curve may drift from a reference: per_update bounds each update's extra move of a
+// weight relative to lr (2*gamma_K above), so after s-1 updates the loss may differ by
+// tol_s = 2 * G * lr * sqrt(n) * per_update * (s-1) / L_s relative; step 1 by 1e-12 and its grad
+// norm by step1_grad_norm relative; the validation losses (check_val) by the same bound at s.
+struct CurveTolerance {
+  double per_update;
+  double step1_grad_norm;
+  bool check_val;
+};
+
+void expect_same_curve(const Curve& ref, const Curve& got, double n_params, const CurveTolerance& t) {
+  const double lr = 1e-2;
   double G = 0;
-  for (const auto& [s, e] : one.steps) G = std::max(G, e["grad_norm"].get<double>());
-  for (const auto& [s, e] : one.steps) {
-    if (s < first_step) continue;
-    ASSERT_TRUE(dp.steps.count(s)) << "step " << s << " missing from the data-parallel run";
-    const double a = e["loss"].get<double>(), b = dp.steps.at(s)["loss"].get<double>();
-    const double tol = s == 1 ? 1e-12 : 2 * G * 2 * gamma_k(K) * lr * std::sqrt(n_params) * static_cast<double>(s - 1) / a;
+  for (const auto& [s, e] : ref.steps) G = std::max(G, e["grad_norm"].get<double>());
+  const double per_step = 2 * G * lr * std::sqrt(n_params) * t.per_update;
+  for (const auto& [s, e] : ref.steps) {
+    ASSERT_TRUE(got.steps.count(s)) << "step " << s << " missing from the compared run";
+    const double a = e["loss"].get<double>(), b = got.steps.at(s)["loss"].get<double>();
+    const double tol = s == 1 ? 1e-12 : per_step * static_cast<double>(s - 1) / a;
     EXPECT_LE(std::fabs(a - b), tol * std::fabs(a)) << "step " << s << ": " << a << " vs " << b << " (rel tol " << tol << ")";
     if (s == 1) {
-      const double ga = e["grad_norm"].get<double>(), gb = dp.steps.at(s)["grad_norm"].get<double>();
-      EXPECT_LE(std::fabs(ga - gb), 4 * gamma_k(K) * ga) << "step-1 grad norm " << ga << " vs " << gb;
+      const double ga = e["grad_norm"].get<double>(), gb = got.steps.at(s)["grad_norm"].get<double>();
+      EXPECT_LE(std::fabs(ga - gb), t.step1_grad_norm * ga) << "step-1 grad norm " << ga << " vs " << gb;
     }
   }
-  for (const auto& [s, v] : one.val) {
-    if (s < first_step || !dp.val.count(s)) continue;
-    const double tol = 2 * G * 2 * gamma_k(K) * lr * std::sqrt(n_params) * static_cast<double>(s) / v;
-    EXPECT_LE(std::fabs(v - dp.val.at(s)), tol * v) << "val loss at step " << s;
+  for (const auto& [s, v] : ref.val) {
+    if (!t.check_val || !got.val.count(s)) continue;
+    EXPECT_LE(std::fabs(v - got.val.at(s)), per_step * static_cast<double>(s)) << "val loss at step " << s;
   }
+}
+
+// A data-parallel run against one process (K = 4*32 rows per step).
+void expect_same_as_one_process(const Curve& one, const Curve& dp, double n_params) {
+  const double K = 4 * 32;
+  expect_same_curve(one, dp, n_params, {2 * gamma_k(K), 4 * gamma_k(K), true});
 }
 
 TEST(DataParallelCliTest, TwoRanksMatchOneProcessAndResumeInAnotherWorldSize) {
@@ -138,7 +156,7 @@ TEST(DataParallelCliTest, TwoRanksMatchOneProcessAndResumeInAnotherWorldSize) {
   EXPECT_EQ(two.events.front()["world_size"], 2);
   EXPECT_EQ(two.events.front()["process_group"], "mpi");
   const double n_params = one.events.front()["params"].get<double>();
-  expect_same_curve(one, two, 1, n_params);
+  expect_same_as_one_process(one, two, n_params);
 
   // A 2-rank run stopped after step 3 resumes in one process (the checkpoint format is the same)
   // and continues on the 1-process curve.
@@ -157,7 +175,7 @@ TEST(DataParallelCliTest, TwoRanksMatchOneProcessAndResumeInAnotherWorldSize) {
       EXPECT_EQ(e["world_size"], 1);
     }
   EXPECT_TRUE(saw_resume);
-  expect_same_curve(one, resumed, 1, n_params);
+  expect_same_as_one_process(one, resumed, n_params);
 
   // And the other way: a 1-process run stopped after step 3 resumes under mpirun -np 2.
   r = run_nibble(d.path, base + "--out '" + (d / "grown") + "' --stop-after 3");
@@ -168,7 +186,83 @@ TEST(DataParallelCliTest, TwoRanksMatchOneProcessAndResumeInAnotherWorldSize) {
   const Curve grown = read_curve(d / "grown/metrics.jsonl");
   ASSERT_EQ(grown.steps.size(), 6u);
   EXPECT_EQ(grown.events.back()["event"], "end");
-  expect_same_curve(one, grown, 1, n_params);
+  expect_same_as_one_process(one, grown, n_params);
+}
+
+// ZeRO-1 against the plain data-parallel path, both in a world of 2. Their reduced gradients are
+// the same bits (the MPI group's reduce-scatter and all-reduce both add rank 0's then rank 1's
+// contribution) and the sliced AdamW is the unsharded one element by element (zero_test.cpp); the
+// one difference is the global norm's double sum: the owned slices' sums of squares, then their
+// sum over ranks, against one sum in parameter order: n terms reordered differ by at most
+// 2*n*2^-53 relative (Higham 3.1), so the step-1 grad norms agree to that. The clip factor
+// max_norm/(norm + 1e-6), rounded to FP32, then differs by at most one ulp (2^-23 relative); AdamW's
+// m/(sqrt(v) + eps) is invariant to a gradient scale up to eps and its FP32 roundings (a few
+// units of 2^-24), so each update moves each weight by at most lr * 2^-21 more, and the loss by at
+// most G * lr * sqrt(n) * 2^-21 per update (G the largest gradient norm):
+//   tol_s = 2 * G * lr * sqrt(n) * 2^-21 * (s - 1) / L_s     (factor 2: second-order slack)
+// 32x tighter than the 1-process tolerance above (measured: equal losses, grad norms 1e-15 apart).
+// A ZeRO step that lost a slice's update or summed a bucket twice moves the loss by > 1e-2.
+void expect_same_as_plain(const Curve& plain, const Curve& zero, double n_params) {
+  expect_same_curve(plain, zero, n_params, {std::ldexp(1.0, -21), 2 * n_params * std::ldexp(1.0, -53), false});
+}
+
+// Rank 0's AdamW moment bytes under ZeRO-1 in a world of 2: both moments of the first
+// ceil(m/2) elements of every bucket of m (buckets of `bucket` elements over n).
+int64_t zero_rank0_moment_bytes(int64_t n, int64_t bucket) {
+  int64_t owned = 0;
+  for (int64_t b = 0; b < n; b += bucket) owned += (std::min(bucket, n - b) + 1) / 2;
+  return 8 * owned;
+}
+
+TEST(DataParallelCliTest, ZeroOneMatchesThePlainPathHalvesTheMomentsAndResumes) {
+  if (const std::string why = why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
+  ScratchDir d("dp_zero");
+  const std::string cfg = write_tiny_config(d), corpus = d / "corpus.txt";
+  // Buckets of 10007 over the tiny model's 120896 parameters: 13 buckets, parameters straddling
+  // them, each full bucket odd (split unevenly over 2 ranks: the zero-padded staging path).
+  const std::string base = "pretrain --config '" + cfg + "' --data '" + corpus +
+                           "' --no-progress --set dist.bucket_elems=10007 ";
+  const std::string nib = mpirun(2) + "'" + nibble_binary() + "' ";
+  RunResult r = run_shell(d.path, nib + base + "--set dist.zero=0 --out '" + (d / "plain") + "'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  // ZeRO-1 (the default) stopped after step 3, then resumed in a world of 2 with ZeRO on and,
+  // from a copy, with it off: both continue on the plain curve.
+  r = run_shell(d.path, nib + base + "--out '" + (d / "zero") + "' --stop-after 3");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("ZeRO-1: rank 0 holds AdamW moments"), std::string::npos) << r.err;
+  fs::copy(d / "zero", d / "zero_then_off", fs::copy_options::recursive);
+  r = run_shell(d.path, nib + "pretrain --out '" + (d / "zero") + "' --resume --no-progress");
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run_shell(d.path, nib + "pretrain --out '" + (d / "zero_then_off") + "' --resume --no-progress --set dist.zero=0");
+  ASSERT_EQ(r.code, 0) << r.err;
+
+  const Curve plain = read_curve(d / "plain/metrics.jsonl");
+  const double n = plain.events.front()["params"].get<double>();
+  for (const char* run : {"zero", "zero_then_off"}) {
+    const Curve c = read_curve(d / (std::string(run) + "/metrics.jsonl"));
+    ASSERT_EQ(c.steps.size(), 6u) << run;
+    EXPECT_EQ(c.events.back()["event"], "end") << run;
+    expect_same_as_plain(plain, c, n);
+    // The moments: all of them without ZeRO, rank 0's slices (half) with it.
+    EXPECT_EQ(c.events.front()["zero"], 1) << run;
+    EXPECT_EQ(c.events.front()["adamw_moment_bytes"].get<int64_t>(), zero_rank0_moment_bytes(static_cast<int64_t>(n), 10007));
+    int resumes = 0;
+    for (const json& e : c.events)
+      if (e["event"] == "resume") {
+        ++resumes;
+        EXPECT_EQ(e["world_size"], 2) << run;
+        EXPECT_EQ(e["zero"], std::string(run) == "zero" ? 1 : 0) << run;
+      }
+    EXPECT_EQ(resumes, 1) << run;
+  }
+  EXPECT_EQ(plain.events.front()["zero"], 0);
+  EXPECT_EQ(plain.events.front()["adamw_moment_bytes"].get<int64_t>(), 8 * static_cast<int64_t>(n));
+  // A ZeRO checkpoint holds the full per-parameter moments, as one without ZeRO.
+  auto zo = io::SafetensorsFile::open((d / "zero_then_off/checkpoints/step_000003/optimizer.safetensors"));
+  auto po = io::SafetensorsFile::open((d / "plain/checkpoints/step_000003/optimizer.safetensors"));
+  ASSERT_TRUE(zo && po);
+  ASSERT_EQ(zo->names(), po->names());
+  for (const std::string& name : po->names()) EXPECT_EQ(zo->get(name)->numel(), po->get(name)->numel()) << name;
 }
 
 TEST(DataParallelCliTest, RanksThatDisagreeOrABatchThatDoesNotSplitFailWithOneLine) {
