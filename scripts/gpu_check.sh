@@ -304,7 +304,9 @@ fi
 
 if want dist; then
   # The NCCL group as a one-rank world (issue #17): its tests, then a tiny pretrain under
-  # WORLD_SIZE=1 against a plain run: metrics.jsonl losses and gradient norms must match exactly.
+  # WORLD_SIZE=1 against a plain run: metrics.jsonl losses and gradient norms must match exactly,
+  # with ZeRO-1 on (the default), off, and on over buckets of 100003 elements (the bucketed
+  # in-place reduce-scatter / all-gather on device buffers; one rank owns each parameter whole).
   DIST_RC=0
   if [ -x "$PREBUILT/nibble_dist_nccl_tests" ]; then
     stamp "NCCL one-rank tests"
@@ -315,21 +317,29 @@ if want dist; then
     d=$(mktemp -d)
     # The bare GPU image lacks the default corpus (a Debian package): train on this repository's docs.
     corpus=$(ls "$ROOT"/docs/*.md "$ROOT"/README.md | python3 -c 'import sys, json; print(json.dumps([l.strip() for l in sys.stdin]))')
-    for w in plain nccl1; do
-      env_args=(); [ $w = nccl1 ] && env_args=(WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29531)
+    for w in plain nccl1 nccl1_nozero nccl1_buckets; do
+      env_args=(); [ $w != plain ] && env_args=(WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29531)
+      set_args=(); [ $w = nccl1_nozero ] && set_args=(--set dist.zero=0)
+      [ $w = nccl1_buckets ] && set_args=(--set dist.bucket_elems=100003)
       timeout "$(limit 120)" env "${env_args[@]}" "$NIBBLE" pretrain --config configs/pretrain-tiny.json --device cuda \
-        --set steps=20 --set schedule.warmup_steps=5 --set "data.files=$corpus" --no-progress --out "$d/$w" >"$OUT/dist_pretrain_$w.log" 2>&1 || DIST_RC=$?
+        --set steps=20 --set schedule.warmup_steps=5 --set "data.files=$corpus" "${set_args[@]}" --no-progress \
+        --out "$d/$w" >"$OUT/dist_pretrain_$w.log" 2>&1 || DIST_RC=$?
     done
-    if python3 - "$d/plain/metrics.jsonl" "$d/nccl1/metrics.jsonl" >"$OUT/dist_compare.txt" 2>&1 <<'PY'
+    if python3 - "$d/plain/metrics.jsonl" "$d/nccl1/metrics.jsonl" "$d/nccl1_nozero/metrics.jsonl" \
+        "$d/nccl1_buckets/metrics.jsonl" >"$OUT/dist_compare.txt" 2>&1 <<'PY'
 import json, sys
 def rows(p):
     return [(r.get("step"), r.get("loss"), r.get("grad_norm")) for r in map(json.loads, open(p)) if "loss" in r]
-a, b = rows(sys.argv[1]), rows(sys.argv[2])
-print(f"{len(a)} rows plain, {len(b)} rows one-rank NCCL, identical: {a == b}")
-sys.exit(0 if a == b and a else 1)
+a = rows(sys.argv[1])
+ok = bool(a)
+for name, p in zip(["one-rank NCCL ZeRO-1", "one-rank NCCL no ZeRO", "one-rank NCCL ZeRO-1 buckets"], sys.argv[2:]):
+    b = rows(p)
+    print(f"{len(a)} rows plain, {len(b)} rows {name}, identical: {a == b}")
+    ok = ok and a == b
+sys.exit(0 if ok else 1)
 PY
     then :; else DIST_RC=1; fi
-    cat "$OUT/dist_compare.txt"; grep -h "world" "$OUT"/dist_pretrain_*.log | head -2
+    cat "$OUT/dist_compare.txt"; grep -h "world\|ZeRO-1" "$OUT"/dist_pretrain_*.log | head -6
     rm -rf "$d"
   fi
   stamp "dist exit code $DIST_RC"
