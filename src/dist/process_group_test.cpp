@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "dist/mpi_test_util.h"
 #include "dist/process_group.h"
 
 namespace nibble::dist {
@@ -47,7 +48,7 @@ class EnvVars {
   std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
 };
 
-bool under_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr; }
+using test::under_mpirun;
 
 TEST(SingleGroupTest, CollectivesAreIdentities) {
   auto g = make_single_group();
@@ -244,23 +245,13 @@ TEST(MpiGroupTest, CollectivesAcrossThreeProcesses) {
     mpi_worker_checks();
     return;
   }
-  if (!mpi_available()) GTEST_SKIP() << "nibble was built without MPI (install libopenmpi-dev openmpi-bin and re-run cmake)";
-  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found (install openmpi-bin)";
-  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  // LeakSanitizer off for the workers (sanitizer CI): OpenMPI keeps allocations past MPI_Finalize.
-  const std::string cmd = "ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0 mpirun --oversubscribe" + std::string(::geteuid() == 0 ? " --allow-run-as-root" : "") +
-                          " -np 3 '" + self + "' --gtest_color=no --gtest_filter=MpiGroupTest.CollectivesAcrossThreeProcesses 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  char buf[4096];
-  while (size_t k = std::fread(buf, 1, sizeof buf, p)) out.append(buf, k);
-  const int status = ::pclose(p);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  if (const std::string why = dist::test::why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
+  bool ok = false;
+  int passed = 0;
+  const std::string out = test::run_self_under_mpirun(3, "MpiGroupTest.CollectivesAcrossThreeProcesses", &ok, &passed);
+  EXPECT_TRUE(ok) << out;
   // Each of the three workers ran the checks (and passed them).
-  size_t passed = 0;
-  for (size_t at = out.find("[  PASSED  ] 1 test"); at != std::string::npos; at = out.find("[  PASSED  ] 1 test", at + 1)) ++passed;
-  EXPECT_EQ(passed, 3u) << out;
+  EXPECT_EQ(passed, 3) << out;
 }
 
 }  // namespace

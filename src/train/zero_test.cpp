@@ -5,18 +5,15 @@
 // imported into slices), and the collectives under `mpirun -np 3` (this program re-launched as
 // its workers; skipped where mpirun or MPI is absent): reduce-scatter sums, all-gather, the
 // gathered checkpoint state equal to one process's unsharded AdamW, and the grad norm.
-#include <unistd.h>
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <vector>
 
 #include "core/philox.h"
+#include "dist/mpi_test_util.h"
 #include "train/zero.h"
 
 namespace nibble::train {
@@ -178,7 +175,7 @@ TEST(ZeroAdamWTest, OwnedSumsOfSquaresAddUpToTheGlobalNorm) {
 
 // ---- the collectives across 3 MPI processes ----------------------------------------------------
 
-bool under_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr; }
+using dist::test::under_mpirun;
 
 // The worker body (each of 3 ranks): buckets of 4 over 21 elements (shards 2, the last bucket
 // of 1 owned by rank 0 alone: padded buckets everywhere). ASSERTs: a failing rank exits non-zero.
@@ -251,24 +248,12 @@ TEST(ZeroMpiTest, CollectivesAcrossThreeProcessesMatchOneProcess) {
     zero_worker_checks();
     return;
   }
-  if (!dist::mpi_available()) GTEST_SKIP() << "nibble was built without MPI (install libopenmpi-dev openmpi-bin)";
-  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found (install openmpi-bin)";
-  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  // LeakSanitizer off for the workers (sanitizer CI): OpenMPI keeps allocations past MPI_Finalize.
-  const std::string cmd = "ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0 mpirun --oversubscribe" +
-                          std::string(::geteuid() == 0 ? " --allow-run-as-root" : "") + " -np 3 '" + self +
-                          "' --gtest_color=no --gtest_filter=ZeroMpiTest.* 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  char buf[4096];
-  while (size_t k = std::fread(buf, 1, sizeof buf, p)) out.append(buf, k);
-  const int status = ::pclose(p);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
-  size_t passed = 0;
-  for (size_t at = out.find("[  PASSED  ] 1 test"); at != std::string::npos; at = out.find("[  PASSED  ] 1 test", at + 1))
-    ++passed;
-  EXPECT_EQ(passed, 3u) << out;
+  if (const std::string why = dist::test::why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
+  bool ok = false;
+  int passed = 0;
+  const std::string out = dist::test::run_self_under_mpirun(3, "ZeroMpiTest.*", &ok, &passed);
+  EXPECT_TRUE(ok) << out;
+  EXPECT_EQ(passed, 3) << out;
 }
 
 }  // namespace
