@@ -4,6 +4,8 @@
 // always links the CPU backend too.
 #include "backend/backend.h"
 
+#include "backend/kv_page_codec.h"
+
 namespace nibble::backend {
 
 const char* quant_format_name(QuantFormat f) {
@@ -32,7 +34,16 @@ void Backend::require(Op op) const {
   NIB_CHECK_MSG(supports(op), "backend '{}' does not support op '{}'", name(), op_name(op));
 }
 
-const char* kv_page_format_name(KvPageFormat f) { return f == KvPageFormat::kF32 ? "f32" : "bf16"; }
+const char* kv_page_format_name(KvPageFormat f) {
+  switch (f) {
+    case KvPageFormat::kBf16: return "bf16";
+    case KvPageFormat::kF32: return "f32";
+    case KvPageFormat::kFp8: return "fp8";
+    case KvPageFormat::kNvfp4: return "nvfp4";
+  }
+  return "?";
+}
+int64_t kv_token_bytes(KvPageFormat f, int64_t Hkv, int64_t D) { return kv::token_layout(f, Hkv, D).bytes; }
 
 // Backends without the paged KV-cache ops (supports(Op::kPagedKvCache) is false) fail by name.
 void Backend::kv_cache_write(void*, void*, KvPageFormat, const float*, const float*, const int32_t*, int64_t,

@@ -57,10 +57,13 @@ enum class Op : uint16_t {
 const char* op_name(Op op);
 
 // Element format of a paged KV cache's pages (rollout engine). kBf16: BF16 bits (the default);
-// kF32: binary32 (the exact reference the tests compare with). FP8 / NVFP4 pages: issue #15.
-enum class KvPageFormat : uint8_t { kBf16, kF32 };
-inline int64_t kv_page_element_bytes(KvPageFormat f) { return f == KvPageFormat::kF32 ? 4 : 2; }
-const char* kv_page_format_name(KvPageFormat f);
+// kF32: binary32 (the exact reference the tests compare with); kFp8: E4M3 codes with an FP32
+// scale per (position, kv head); kNvfp4: the two-level NVFP4 of each (position, kv head) row
+// (E2M1 codes, E4M3 1x16 scales, FP32 1x128 scales; D % 16 == 0). Layouts: backend/kv_page_codec.h.
+enum class KvPageFormat : uint8_t { kBf16, kF32, kFp8, kNvfp4 };
+// Bytes of one slot (one position of one layer: Hkv heads of D elements, with its scales).
+int64_t kv_token_bytes(KvPageFormat f, int64_t Hkv, int64_t D);
+const char* kv_page_format_name(KvPageFormat f);  // "bf16" | "f32" | "fp8" | "nvfp4"
 
 struct CrossEntropySums {
   double ce_sum = 0;   // sum over valid rows of ce
@@ -272,10 +275,11 @@ class Backend {
                                           const formats::SrKey& sr) = 0;
 
   // ---- paged KV cache (rollout engine, ../shared/spec/06-backends.md §8; Op::kPagedKvCache) ------
-  // Pages of one layer: k_pages, v_pages (num_pages, page_size, Hkv, D) elements of `format`; a
-  // slot is page * page_size + offset. The defaults fail through require(): a backend without
-  // the op says so by name instead of computing anything.
-  // k_pages/v_pages[slots[n]] <- k, v: (N, Hkv*D) f32 rounded to `format` (RNE); slots: (N) i32.
+  // Pages of one layer: k_pages, v_pages (num_pages * page_size) slots of kv_token_bytes(format,
+  // Hkv, D) bytes; a slot is page * page_size + offset. The defaults fail through require(): a
+  // backend without the op says so by name instead of computing anything.
+  // k_pages/v_pages[slots[n]] <- k, v: (N, Hkv*D) f32 rounded (RNE) or quantized to `format`
+  // (kv_page_codec.h; the same bytes on every backend); slots: (N) i32. nvfp4 needs D % 16 == 0.
   virtual void kv_cache_write(void* k_pages, void* v_pages, KvPageFormat format, const float* k, const float* v,
                               const int32_t* slots, int64_t N, int64_t Hkv, int64_t D);
   // out: (N,H,D) f32 <- for each row n and head h (kv head h / (H/Hkv)), softmax(scale q.k_j) . v_j

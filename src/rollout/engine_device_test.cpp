@@ -1,13 +1,12 @@
 // The rollout engine on the device backend against the CPU (issue #15 §6): the same tiny OLMo-2
-// weights on both, greedy decoding in the bf16 mode with BF16 KV pages gives the same tokens and
-// log-probs within the tolerance derived in engine_test.cpp (the backends sum GEMMs and the paged
-// attention in other orders, and a BF16 rounding of an activation may fall on the other side);
-// the w4a16 weights are the same bits (the quantizers are bit-exact across backends); every page
-// comes back. Sampled decoding may differ where the two backends' logits straddle a sampling
-// boundary (a Philox uniform between two cumulative masses), and the 4-bit modes where an
-// activation or output rounds differently; both only through those summation-order differences.
-// Skips without a device (NIBBLE_ENGINE_TEST_DEVICE=cpu runs the cases CPU against CPU, so the
-// test's own logic runs in a CPU-only build too).
+// weights on both, greedy decoding in the bf16 mode with BF16, FP8 or NVFP4 KV pages gives the
+// same tokens and log-probs within the tolerance derived in engine_test.cpp (the backends sum
+// GEMMs and the paged attention in other orders, and a BF16 rounding of an activation may fall on
+// the other side); the w4a16 weights are the same bits (the quantizers are bit-exact across
+// backends); every page comes back. Sampled decoding may differ where the two backends' logits
+// straddle a sampling boundary, and the 4-bit modes where an activation or output rounds
+// differently; both only through those summation-order differences. Skips without a device
+// (NIBBLE_ENGINE_TEST_DEVICE=cpu runs the cases CPU against CPU in a CPU-only build too).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -101,6 +100,41 @@ TEST(RolloutEngineDevice, GreedyBf16TokensMatchTheCpu) {
       EXPECT_NEAR((*c)[i].logprobs[t], (*d)[i].logprobs[t], 0.05) << "request " << i << " token " << t;
   }
   EXPECT_EQ((*de)->cache().free_pages(), (*de)->cache().num_pages());
+}
+
+// FP8 / NVFP4 pages: both backends quantize with the same codec (kv_page_codec.h, bit-exact in the
+// op suite), so the pages differ only where a K/V element's FP32 value (different GEMM orders)
+// crosses a rounding boundary of the format; the greedy tokens agree wherever the logits do, and
+// the log-probs within the bf16 tolerance above (a flipped code moves a score by ~ the step of the
+// format, rare at these sizes: measured equal).
+TEST(RolloutEngineDevice, GreedyTokensWithQuantizedKvPagesMatchTheCpu) {
+  std::string why;
+  auto dev = make_device_backend(&why);
+  if (!dev) GTEST_SKIP() << why;
+  auto cpu_model = tiny_olmo(&backend::cpu_backend());
+  auto dev_model = tiny_olmo(dev.get(), cpu_model.get());
+  for (backend::KvPageFormat f : {backend::KvPageFormat::kFp8, backend::KvPageFormat::kNvfp4}) {
+    SCOPED_TRACE(backend::kv_page_format_name(f));
+    EngineOptions o;
+    o.mode = PrecisionMode::kBf16;
+    o.kv_format = f;
+    o.page_size = 8;
+    auto ce = Engine::create(*cpu_model, o);
+    auto de = Engine::create(*dev_model, o);
+    ASSERT_TRUE(ce.is_ok()) << ce.status().message();
+    ASSERT_TRUE(de.is_ok()) << de.status().message();
+    auto c = (*ce)->generate(greedy_requests());
+    auto d = (*de)->generate(greedy_requests());
+    ASSERT_TRUE(c.is_ok()) << c.status().message();
+    ASSERT_TRUE(d.is_ok()) << d.status().message();
+    ASSERT_EQ(c->size(), d->size());
+    for (size_t i = 0; i < c->size(); ++i) {
+      EXPECT_EQ((*c)[i].tokens, (*d)[i].tokens) << "request " << i << " on " << dev->name();
+      for (size_t t = 0; t < std::min((*c)[i].logprobs.size(), (*d)[i].logprobs.size()); ++t)
+        EXPECT_NEAR((*c)[i].logprobs[t], (*d)[i].logprobs[t], 0.05) << "request " << i << " token " << t;
+    }
+    EXPECT_EQ((*de)->cache().free_pages(), (*de)->cache().num_pages());
+  }
 }
 
 TEST(RolloutEngineDevice, W4A16WeightsAreTheSameBitsAsOnTheCpu) {

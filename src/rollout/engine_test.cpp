@@ -195,54 +195,95 @@ TEST(RolloutEngine, LogprobsEqualTeacherForcedTrainingForward) {
 
 TEST(RolloutEngine, MixedLengthBatchGivesEachSequenceItsResultAlone) {
   auto m = tiny_olmo("fp32");
-  EngineOptions o;
-  o.mode = PrecisionMode::kRecipe;
-  o.kv_format = KvPageFormat::kF32;
-  o.page_size = 8;
-  auto e = make_engine(*m, o);
-  std::vector<Request> reqs{sampled_request(prompt_of(3, 6), 12, 1, 5, 0), sampled_request(prompt_of(17, 7), 20, 1, 5, 1),
-                            sampled_request(prompt_of(9, 8), 6, 1, 5, 2)};
-  auto batch = e->generate(reqs);
-  ASSERT_TRUE(batch.is_ok()) << batch.status().message();
-  EXPECT_GE(e->stats().peak_running, 3);
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    auto alone = e->generate({reqs[i]});
-    ASSERT_TRUE(alone.is_ok());
-    ASSERT_EQ((*alone)[0].tokens, (*batch)[i].tokens) << "request " << i;
-    // Rows never share a reduction in the paged attention; the GEMMs of another M may sum in
-    // another order (OpenBLAS kernels), hence the reordering tolerance above, not bit equality.
-    for (size_t t = 0; t < (*alone)[0].logprobs.size(); ++t)
-      ASSERT_NEAR((*alone)[0].logprobs[t], (*batch)[i].logprobs[t], kLogprobTolF32) << "request " << i;
+  // FP8 / NVFP4 pages: each position's scales come from that position alone, so a row's pages do
+  // not depend on the batch either
+  for (KvPageFormat f : {KvPageFormat::kF32, KvPageFormat::kFp8, KvPageFormat::kNvfp4}) {
+    SCOPED_TRACE(backend::kv_page_format_name(f));
+    EngineOptions o;
+    o.mode = PrecisionMode::kRecipe;
+    o.kv_format = f;
+    o.page_size = 8;
+    auto e = make_engine(*m, o);
+    std::vector<Request> reqs{sampled_request(prompt_of(3, 6), 12, 1, 5, 0), sampled_request(prompt_of(17, 7), 20, 1, 5, 1),
+                              sampled_request(prompt_of(9, 8), 6, 1, 5, 2)};
+    auto batch = e->generate(reqs);
+    ASSERT_TRUE(batch.is_ok()) << batch.status().message();
+    EXPECT_GE(e->stats().peak_running, 3);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      auto alone = e->generate({reqs[i]});
+      ASSERT_TRUE(alone.is_ok());
+      ASSERT_EQ((*alone)[0].tokens, (*batch)[i].tokens) << "request " << i;
+      // Rows never share a reduction in the paged attention; the GEMMs of another M may sum in
+      // another order (OpenBLAS kernels), hence the reordering tolerance above, not bit equality.
+      for (size_t t = 0; t < (*alone)[0].logprobs.size(); ++t)
+        ASSERT_NEAR((*alone)[0].logprobs[t], (*batch)[i].logprobs[t], kLogprobTolF32) << "request " << i;
+    }
   }
 }
 
 TEST(RolloutEngine, PrefixSharingGivesTheResultsOfUnsharedPrompts) {
   auto m = tiny_olmo("fp32");
   std::vector<Request> reqs{sampled_request(prompt_of(11, 9), 16, 4, 21), sampled_request(prompt_of(6, 10), 10, 3, 22, 1)};
-  std::vector<std::vector<Completion>> results;
-  std::vector<int64_t> peak_pages;
-  for (bool share : {true, false}) {
+  // quantized pages: the copy-on-write copies the scales with the codes
+  for (KvPageFormat f : {KvPageFormat::kF32, KvPageFormat::kFp8, KvPageFormat::kNvfp4}) {
+    SCOPED_TRACE(backend::kv_page_format_name(f));
+    std::vector<std::vector<Completion>> results;
+    std::vector<int64_t> peak_pages;
+    for (bool share : {true, false}) {
+      EngineOptions o;
+      o.mode = PrecisionMode::kRecipe;
+      o.kv_format = f;
+      o.page_size = 4;  // prompts end inside a page: the samples copy it on write
+      o.share_prefix = share;
+      auto e = make_engine(*m, o);
+      auto out = e->generate(reqs);
+      ASSERT_TRUE(out.is_ok()) << out.status().message();
+      results.push_back(*out);
+      peak_pages.push_back(e->stats().peak_pages_in_use);
+      EXPECT_EQ(e->cache().free_pages(), e->cache().num_pages());
+    }
+    ASSERT_EQ(results[0].size(), 7u);
+    for (size_t i = 0; i < results[0].size(); ++i) {
+      EXPECT_EQ(results[0][i].tokens, results[1][i].tokens) << "completion " << i;
+      for (size_t t = 0; t < results[0][i].logprobs.size(); ++t)
+        ASSERT_NEAR(results[0][i].logprobs[t], results[1][i].logprobs[t], kLogprobTolF32);
+    }
+    // the G samples of a group differ (own streams) and sharing holds fewer pages
+    EXPECT_NE(results[0][0].tokens, results[0][1].tokens);
+    EXPECT_LT(peak_pages[0], peak_pages[1]);
+  }
+}
+
+TEST(RolloutEngine, QuantizedKvPagesTakeTheirBytesAndNeedHeadDimsOf16ForNvfp4) {
+  auto m = tiny_olmo();  // head dim 32
+  for (KvPageFormat f : {KvPageFormat::kBf16, KvPageFormat::kFp8, KvPageFormat::kNvfp4}) {
     EngineOptions o;
-    o.mode = PrecisionMode::kRecipe;
-    o.kv_format = KvPageFormat::kF32;
-    o.page_size = 4;  // prompts end inside a page: the samples copy it on write
-    o.share_prefix = share;
+    o.kv_format = f;
+    o.page_size = 4;
+    o.num_pages = 10;
     auto e = make_engine(*m, o);
-    auto out = e->generate(reqs);
-    ASSERT_TRUE(out.is_ok()) << out.status().message();
-    results.push_back(*out);
-    peak_pages.push_back(e->stats().peak_pages_in_use);
-    EXPECT_EQ(e->cache().free_pages(), e->cache().num_pages());
+    const model::ModelConfig& c = m->config();
+    // per position and layer: BF16 2 bytes an element; FP8 1 + a 4-byte scale per kv head;
+    // NVFP4 1/2 + 1/16 + a 4-byte scale per kv head (D 32 <= 128)
+    const int64_t W = c.num_key_value_heads * c.head_dim, Hkv = c.num_key_value_heads;
+    const int64_t token = f == KvPageFormat::kBf16 ? 2 * W : f == KvPageFormat::kFp8 ? W + 4 * Hkv : W / 2 + W / 16 + 4 * Hkv;
+    EXPECT_EQ(e->cache().bytes(), 2 * c.num_hidden_layers * 10 * 4 * token) << backend::kv_page_format_name(f);
   }
-  ASSERT_EQ(results[0].size(), 7u);
-  for (size_t i = 0; i < results[0].size(); ++i) {
-    EXPECT_EQ(results[0][i].tokens, results[1][i].tokens) << "completion " << i;
-    for (size_t t = 0; t < results[0][i].logprobs.size(); ++t)
-      ASSERT_NEAR(results[0][i].logprobs[t], results[1][i].logprobs[t], kLogprobTolF32);
-  }
-  // the G samples of a group differ (own streams) and sharing holds fewer pages
-  EXPECT_NE(results[0][0].tokens, results[0][1].tokens);
-  EXPECT_LT(peak_pages[0], peak_pages[1]);
+  nlohmann::json j = model::test::tiny_olmo2_model_json(48);
+  j["num_attention_heads"] = 8;  // head dim 8
+  j["num_key_value_heads"] = 8;
+  auto cfg = model::parse_model_config(j);
+  ASSERT_TRUE(cfg.is_ok()) << cfg.status().message();
+  model::RecipeConfig rc;
+  auto small = model::Model::create(cfg.value(), rc);
+  ASSERT_TRUE(small.is_ok()) << small.status().message();
+  EngineOptions o;
+  o.kv_format = KvPageFormat::kNvfp4;
+  auto e = Engine::create(*small.value(), o);
+  ASSERT_FALSE(e.is_ok());
+  EXPECT_NE(e.status().message().find("multiple of 16"), std::string::npos) << e.status().message();
+  o.kv_format = KvPageFormat::kFp8;
+  EXPECT_TRUE(Engine::create(*small.value(), o).is_ok());
 }
 
 TEST(RolloutEngine, FullCacheMakesRequestsWaitAndPagesNeverLeak) {

@@ -12,6 +12,8 @@ Result<std::unique_ptr<PagedKvCache>> PagedKvCache::create(backend::Backend& be,
   if (c.num_layers <= 0 || c.num_heads <= 0 || c.num_kv_heads <= 0 || c.head_dim <= 0 || c.num_heads % c.num_kv_heads)
     return invalid_argument("kv cache: bad model shape (layers {}, heads {}, kv heads {}, head dim {})", c.num_layers,
                             c.num_heads, c.num_kv_heads, c.head_dim);
+  if (c.format == backend::KvPageFormat::kNvfp4 && c.head_dim % 16 != 0)
+    return invalid_argument("kv cache: nvfp4 pages need a head dim that is a multiple of 16 (got {})", c.head_dim);
   if (c.page_size <= 0 || c.num_pages <= 0)
     return invalid_argument("kv cache: page size ({}) and page count ({}) must be positive", c.page_size, c.num_pages);
   if (!be.supports(backend::Op::kPagedKvCache))
@@ -31,8 +33,8 @@ Result<std::unique_ptr<PagedKvCache>> PagedKvCache::create(backend::Backend& be,
 }
 
 int64_t PagedKvCache::layer_bytes() const {
-  return config_.num_pages * config_.page_size * config_.num_kv_heads * config_.head_dim *
-         backend::kv_page_element_bytes(config_.format);
+  return config_.num_pages * config_.page_size *
+         backend::kv_token_bytes(config_.format, config_.num_kv_heads, config_.head_dim);
 }
 int64_t PagedKvCache::bytes() const { return 2 * config_.num_layers * layer_bytes(); }
 uint8_t* PagedKvCache::k_layer(int64_t l) const { return k_.data() + l * layer_bytes(); }

@@ -1,11 +1,11 @@
 // The rollout engine's paged KV cache (../shared/spec/06-backends.md §8): keys and values of
-// every layer live in fixed-size pages (page_size positions x Hkv x D elements, BF16 by default,
-// F32 as the exact reference) in the backend's memory; each sequence has a page table; pages are
-// refcounted so the G samples of a group share their prompt's pages (fork), a shared page that a
-// sample writes into is copied first (copy-on-write), and a page returns to the free list when no
-// sequence holds it. As model::KvCacheAttention it serves the model's forward_decode: each layer's
-// new keys/values are written through Backend::kv_cache_write and the queries read the pages
-// through Backend::paged_attention (Op::kPagedKvCache).
+// every layer live in fixed-size pages of page_size positions (BF16 by default, F32 as the exact
+// reference, FP8 or NVFP4 with their scales: backend/kv_page_codec.h) in the backend's memory;
+// each sequence has a page table; pages are refcounted so the G samples of a group share their
+// prompt's pages (fork), a shared page that a sample writes into is copied first (copy-on-write),
+// and a page is freed when no sequence holds it. As model::KvCacheAttention it serves forward_decode:
+// each layer's new keys/values go through Backend::kv_cache_write (quantized there) and the
+// queries read the pages through Backend::paged_attention (Op::kPagedKvCache).
 #pragma once
 
 #include <cstdint>
@@ -88,7 +88,7 @@ class PagedKvCache final : public model::KvCacheAttention {
 
   backend::Backend* be_;
   KvCacheConfig config_;
-  backend::Buffer<uint8_t> k_, v_;        // (L, num_pages, page_size, Hkv, D) elements of format
+  backend::Buffer<uint8_t> k_, v_;        // (L, num_pages, page_size) slots of kv_token_bytes each
   std::vector<int32_t> refcount_;          // (num_pages)
   std::vector<int32_t> free_;              // free page ids (a stack: lowest id on top first)
   std::vector<Sequence> seqs_;

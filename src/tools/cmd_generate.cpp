@@ -99,7 +99,9 @@ Result<rollout::EngineOptions> engine_options(const GenerateArgs& a, const std::
   NIB_ASSIGN_OR_RETURN(o.mode, rollout::parse_precision_mode(a.mode));
   o.recipe_name = recipe_name;
   if (a.kv_dtype == "f32") o.kv_format = backend::KvPageFormat::kF32;
-  else if (a.kv_dtype != "bf16") return invalid_argument("--kv-dtype '{}': bf16 or f32", a.kv_dtype);
+  else if (a.kv_dtype == "fp8") o.kv_format = backend::KvPageFormat::kFp8;
+  else if (a.kv_dtype == "nvfp4") o.kv_format = backend::KvPageFormat::kNvfp4;
+  else if (a.kv_dtype != "bf16") return invalid_argument("--kv-dtype '{}': bf16, fp8, nvfp4 or f32", a.kv_dtype);
   o.max_batch = a.batch;
   return o;
 }
@@ -380,7 +382,7 @@ NIBBLE_REGISTER_COMMAND(kGenerateCommand, "generate", "Sample text from a checkp
                           app.add_option("--stop", a->stop, "Stop a sample when its text contains this string (repeatable)");
                           app.add_option("--mode", a->mode,
                                          "Linear precision: recipe (the run's, default), bf16, w4a16, w4a4");
-                          app.add_option("--kv-dtype", a->kv_dtype, "KV cache pages: bf16 (default) or f32");
+                          app.add_option("--kv-dtype", a->kv_dtype, "KV cache pages: bf16 (default), fp8, nvfp4 or f32");
                           app.add_option("--prompts", a->prompts,
                                          "File of prompts (one per line, or JSON lines with \"prompt\"): JSON lines to --out");
                           app.add_option("--out", a->out, "JSON lines output of --prompts (text, tokens, logprobs, finish_reason)");

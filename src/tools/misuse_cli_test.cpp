@@ -467,7 +467,7 @@ TEST_F(MisuseCli, GeneratePromptsFileWritesJsonLinesAndNeverOverwrites) {
 TEST_F(MisuseCli, GenerateEngineOptionsAndInputsAreChecked) {
   std::ofstream(at("prompts2.txt")) << "And\n";
   expect_bad_option({"generate", "--checkpoint", run_dir(), "--prompt", "And", "--mode", "fp8"}, "fp8");
-  expect_bad_option({"generate", "--checkpoint", run_dir(), "--prompt", "And", "--kv-dtype", "fp8"}, "--kv-dtype");
+  expect_bad_option({"generate", "--checkpoint", run_dir(), "--prompt", "And", "--kv-dtype", "fp4"}, "--kv-dtype");
   expect_bad_option({"generate", "--checkpoint", run_dir(), "--prompts", at("prompts2.txt")}, "--out");
   expect_bad_option({"generate", "--checkpoint", run_dir(), "--prompts", at("prompts2.txt"), "--out", at("g2.jsonl"),
                      "--samples", "4", "--batch", "2"},

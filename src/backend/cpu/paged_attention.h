@@ -14,7 +14,8 @@
 
 namespace nibble::cpu {
 
-// k_pages/v_pages (pages, page_size, Hkv, D) of `format` at slots (N) <- k, v (N, Hkv*D) f32.
+// k_pages/v_pages slots (N) <- k, v (N, Hkv*D) f32 rounded or quantized to `format`
+// (backend/kv_page_codec.h; one (row, kv head) at a time).
 void kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat format, const float* k, const float* v,
                     const int32_t* slots, int64_t N, int64_t Hkv, int64_t D);
 

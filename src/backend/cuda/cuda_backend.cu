@@ -743,7 +743,8 @@ void CudaBackend::backward_operand_two_level(QuantizedTensor& out, const Quantiz
 void CudaBackend::kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat format, const float* k,
                                  const float* v, const int32_t* slots, int64_t N, int64_t Hkv, int64_t D) {
   activate();
-  NIB_OP_REQUIRE(N >= 0 && Hkv > 0 && D > 0, "kv_cache_write", "N={} Hkv={} D={}", N, Hkv, D);
+  NIB_OP_REQUIRE(N >= 0 && Hkv > 0 && D > 0 && (format != backend::KvPageFormat::kNvfp4 || D % 16 == 0),
+                 "kv_cache_write", "N={} Hkv={} D={} {}", N, Hkv, D, backend::kv_page_format_name(format));
   NIB_OP_CUDA(cuda::kv_cache_write(k_pages, v_pages, format, k, v, slots, N, Hkv, D, stream_), "kv_cache_write",
               "N={} Hkv={} D={} {}", N, Hkv, D, backend::kv_page_format_name(format));
 }
@@ -754,6 +755,7 @@ void CudaBackend::paged_attention(float* out, const float* q, const void* k_page
                                   int64_t page_size, backend::AttentionPrecision precision) {
   activate();
   NIB_OP_REQUIRE(Hkv > 0 && H % Hkv == 0 && D > 0 && page_size > 0 && max_blocks > 0 &&
+                     (format != backend::KvPageFormat::kNvfp4 || D % 16 == 0) &&
                      max_blocks * page_size <= cuda::paged_attention_max_context(D),
                  "paged_attention", "N={} H={} Hkv={} D={} page={} blocks={} (longest context {})", N, H, Hkv, D,
                  page_size, max_blocks, cuda::paged_attention_max_context(D));

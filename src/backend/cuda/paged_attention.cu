@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "backend/cuda/block_reduce.cuh"
+#include "backend/kv_page_codec.h"
 #include "core/bits.h"
 
 namespace nibble::cuda {
@@ -16,13 +17,10 @@ namespace {
 constexpr int kWriteThreads = 256;
 constexpr int kAttnThreads = 128;  // 4 warps per (row, head)
 
-template <bool kF32>
-__device__ __forceinline__ float load_kv(const void* pages, int64_t i) {
-  if constexpr (kF32) return static_cast<const float*>(pages)[i];
-  else return bf16_bits_to_f32(static_cast<const uint16_t*>(pages)[i]);
-}
+using backend::KvPageFormat;
 
-template <bool kF32>
+// BF16 / F32 pages: one thread per element (the rounding is per element).
+template <KvPageFormat F>
 __global__ void kv_cache_write_kernel(void* k_pages, void* v_pages, const float* k, const float* v,
                                       const int32_t* slots, int64_t N, int64_t W) {
   const int64_t total = N * W;
@@ -30,7 +28,7 @@ __global__ void kv_cache_write_kernel(void* k_pages, void* v_pages, const float*
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = i / W, e = i % W;
     const int64_t at = static_cast<int64_t>(slots[n]) * W + e;
-    if constexpr (kF32) {
+    if constexpr (F == KvPageFormat::kF32) {
       static_cast<float*>(k_pages)[at] = k[i];
       static_cast<float*>(v_pages)[at] = v[i];
     } else {
@@ -40,17 +38,40 @@ __global__ void kv_cache_write_kernel(void* k_pages, void* v_pages, const float*
   }
 }
 
+// FP8 / NVFP4 pages: one thread per (row n, kv head hk) quantizes its D elements with the
+// codec's scale (kv_page_codec.h, the CPU backend's function: the same bytes).
+template <KvPageFormat F>
+__global__ void kv_cache_quantize_kernel(uint8_t* k_pages, uint8_t* v_pages, const float* k, const float* v,
+                                         const int32_t* slots, int64_t N, int64_t Hkv, int64_t D,
+                                         backend::kv::TokenLayout L) {
+  const int64_t total = N * Hkv;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = i / Hkv, hk = i % Hkv, at = static_cast<int64_t>(slots[n]) * L.bytes;
+    const int64_t from = n * Hkv * D + hk * D;
+    backend::kv::encode_head(k_pages + at, L, F, D, hk, k + from);
+    backend::kv::encode_head(v_pages + at, L, F, D, hk, v + from);
+  }
+}
+
+template <KvPageFormat F>
+__device__ __forceinline__ float load_kv(const void* pages, const backend::kv::TokenLayout& L, int64_t slot,
+                                         int64_t hk, int64_t D, int64_t d) {
+  return backend::kv::decode_element(static_cast<const uint8_t*>(pages) + slot * L.bytes, L, F, D, hk, d);
+}
+
 // One block per (row n, head h) = blockIdx.x. Dynamic shared memory: q (D) then scores (len).
 // Scores: warp w takes positions j = w, w + warps, ...; its lanes split d and a shuffle tree sums
 // (fixed order). Softmax as the CPU: max, exp(s - max), block-sum, times 1/sum. Output: thread d
 // sums p_j v_jd over j in order.
-template <bool kF32, bool kBf16>
+template <KvPageFormat F, bool kBf16>
 __global__ void paged_attention_kernel(float* out, const float* q, const void* k_pages, const void* v_pages,
                                        const int32_t* block_table, int64_t max_blocks, const int32_t* context_len,
-                                       int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale) {
+                                       int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,
+                                       backend::kv::TokenLayout L) {
   extern __shared__ float smem[];
   __shared__ float red[33];
-  const int64_t n = blockIdx.x / H, h = blockIdx.x % H, hk = h / (H / Hkv), W = Hkv * D;
+  const int64_t n = blockIdx.x / H, h = blockIdx.x % H, hk = h / (H / Hkv);
   const int64_t cap = max_blocks * page_size;
   const int64_t len = context_len[n] < 1 ? 1 : (context_len[n] > cap ? cap : context_len[n]);
   float* qs = smem;      // (D)
@@ -61,10 +82,10 @@ __global__ void paged_attention_kernel(float* out, const float* q, const void* k
   const int32_t* blocks = block_table + n * max_blocks;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   for (int64_t j = warp; j < len; j += warps) {
-    const int64_t base = (static_cast<int64_t>(blocks[j / page_size]) * page_size + j % page_size) * W + hk * D;
+    const int64_t slot = static_cast<int64_t>(blocks[j / page_size]) * page_size + j % page_size;
     float s = 0;
     for (int64_t d = lane; d < D; d += 32) {
-      const float kd = load_kv<kF32>(k_pages, base + d);
+      const float kd = load_kv<F>(k_pages, L, slot, hk, D, d);
       s += qs[d] * (kBf16 ? round_to_bf16(kd) : kd);
     }
     s = warp_reduce(s, SumOp{});
@@ -89,8 +110,8 @@ __global__ void paged_attention_kernel(float* out, const float* q, const void* k
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
     float acc = 0;
     for (int64_t j = 0; j < len; ++j) {
-      const int64_t base = (static_cast<int64_t>(blocks[j / page_size]) * page_size + j % page_size) * W + hk * D;
-      const float vd = load_kv<kF32>(v_pages, base + d);
+      const int64_t slot = static_cast<int64_t>(blocks[j / page_size]) * page_size + j % page_size;
+      const float vd = load_kv<F>(v_pages, L, slot, hk, D, d);
       if (kBf16) acc += p[j] * round_to_bf16(vd);
       else acc += (p[j] * inv) * vd;
     }
@@ -102,13 +123,32 @@ __global__ void paged_attention_kernel(float* out, const float* q, const void* k
 
 cudaError_t kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat format, const float* k, const float* v,
                            const int32_t* slots, int64_t N, int64_t Hkv, int64_t D, cudaStream_t stream) {
-  const int64_t total = N * Hkv * D;
+  const bool per_element = format == KvPageFormat::kF32 || format == KvPageFormat::kBf16;
+  const int64_t total = per_element ? N * Hkv * D : N * Hkv;
   if (total <= 0) return cudaSuccess;
+  if (format == KvPageFormat::kNvfp4 && D % 16 != 0) return cudaErrorInvalidValue;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>((total + kWriteThreads - 1) / kWriteThreads, 65535));
-  if (format == backend::KvPageFormat::kF32)
-    kv_cache_write_kernel<true><<<grid, kWriteThreads, 0, stream>>>(k_pages, v_pages, k, v, slots, N, Hkv * D);
-  else
-    kv_cache_write_kernel<false><<<grid, kWriteThreads, 0, stream>>>(k_pages, v_pages, k, v, slots, N, Hkv * D);
+  const backend::kv::TokenLayout L = backend::kv::token_layout(format, Hkv, D);
+  auto* kp = static_cast<uint8_t*>(k_pages);
+  auto* vp = static_cast<uint8_t*>(v_pages);
+  switch (format) {
+    case KvPageFormat::kF32:
+      kv_cache_write_kernel<KvPageFormat::kF32><<<grid, kWriteThreads, 0, stream>>>(k_pages, v_pages, k, v, slots, N,
+                                                                                   Hkv * D);
+      break;
+    case KvPageFormat::kBf16:
+      kv_cache_write_kernel<KvPageFormat::kBf16><<<grid, kWriteThreads, 0, stream>>>(k_pages, v_pages, k, v, slots, N,
+                                                                                    Hkv * D);
+      break;
+    case KvPageFormat::kFp8:
+      kv_cache_quantize_kernel<KvPageFormat::kFp8><<<grid, kWriteThreads, 0, stream>>>(kp, vp, k, v, slots, N, Hkv, D,
+                                                                                      L);
+      break;
+    case KvPageFormat::kNvfp4:
+      kv_cache_quantize_kernel<KvPageFormat::kNvfp4><<<grid, kWriteThreads, 0, stream>>>(kp, vp, k, v, slots, N, Hkv,
+                                                                                        D, L);
+      break;
+  }
   return cudaGetLastError();
 }
 
@@ -128,18 +168,30 @@ cudaError_t paged_attention(float* out, const float* q, const void* k_pages, con
   const size_t shared = static_cast<size_t>(D + max_blocks * page_size) * sizeof(float);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const unsigned grid = static_cast<unsigned>(N * H);
+  const backend::kv::TokenLayout L = backend::kv::token_layout(format, Hkv, D);
+  if (format == KvPageFormat::kNvfp4 && D % 16 != 0) return cudaErrorInvalidValue;
   auto launch = [&](auto kernel) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
     if (e != cudaSuccess) return e;
     kernel<<<grid, kAttnThreads, shared, stream>>>(out, q, k_pages, v_pages, block_table, max_blocks, context_len, H,
-                                                   Hkv, D, page_size, scale);
+                                                   Hkv, D, page_size, scale, L);
     return cudaGetLastError();
   };
-  const bool f32 = format == backend::KvPageFormat::kF32;
-  if (f32 && bf16) return launch(paged_attention_kernel<true, true>);
-  if (f32) return launch(paged_attention_kernel<true, false>);
-  if (bf16) return launch(paged_attention_kernel<false, true>);
-  return launch(paged_attention_kernel<false, false>);
+  switch (format) {
+    case KvPageFormat::kF32:
+      return bf16 ? launch(paged_attention_kernel<KvPageFormat::kF32, true>)
+                  : launch(paged_attention_kernel<KvPageFormat::kF32, false>);
+    case KvPageFormat::kBf16:
+      return bf16 ? launch(paged_attention_kernel<KvPageFormat::kBf16, true>)
+                  : launch(paged_attention_kernel<KvPageFormat::kBf16, false>);
+    case KvPageFormat::kFp8:
+      return bf16 ? launch(paged_attention_kernel<KvPageFormat::kFp8, true>)
+                  : launch(paged_attention_kernel<KvPageFormat::kFp8, false>);
+    case KvPageFormat::kNvfp4:
+      return bf16 ? launch(paged_attention_kernel<KvPageFormat::kNvfp4, true>)
+                  : launch(paged_attention_kernel<KvPageFormat::kNvfp4, false>);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace nibble::cuda

@@ -15,7 +15,8 @@
 
 namespace nibble::cuda {
 
-// k_pages/v_pages (pages, page_size, Hkv, D) of `format` at slots (N) <- k, v (N, Hkv*D) f32.
+// k_pages/v_pages slots (N) <- k, v (N, Hkv*D) f32 rounded or quantized to `format`
+// (backend/kv_page_codec.h: BF16/F32 one thread per element, FP8/NVFP4 one per (row, kv head)).
 cudaError_t kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat format, const float* k, const float* v,
                            const int32_t* slots, int64_t N, int64_t Hkv, int64_t D, cudaStream_t stream);
 

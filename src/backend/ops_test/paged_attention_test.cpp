@@ -1,10 +1,10 @@
 // Op tests of the paged KV cache (Backend::kv_cache_write, Backend::paged_attention) on every
 // backend that has Op::kPagedKvCache (the others skip, saying so): the write bit for bit (BF16
-// round-to-nearest-even of core/bits.h, F32 copies); attention against a readable double
-// reference that walks the block table position by position, within a first-order FP32 bound
-// derived beside the check; the values in slots past a row's context never reach its output
-// (they are NaN here); a row gives the same bits alone as in a batch (batch invariance). Both
-// attention precisions (FP32; BF16 as Backend::attention_forward's kBf16).
+// RNE, F32 copies, FP8 against the codec's formula written out here, NVFP4 against the trainer's
+// CPU quantizer formats::nvfp4_2level_quantize_cpu), so every backend stores the same bytes;
+// attention against a readable double reference within a first-order FP32 bound; attention over
+// FP8/NVFP4 pages against the exact F32 attention within a bound derived from the format's error;
+// slots past a row's context never reach its output; batch invariance. Both attention precisions.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,14 +15,31 @@
 
 #include <fmt/format.h>
 
+#include "backend/kv_page_codec.h"
 #include "backend/ops_test/ops_test_util.h"
 #include "core/bits.h"
 #include "core/philox.h"
+#include "formats/quantize_cpu.h"
 
 namespace nibble::backend::testing {
 namespace {
 
 constexpr double kU = 0x1.0p-24;  // binary32 unit roundoff
+
+struct PagedCase {
+  int64_t N, H, Hkv, D, page_size, pages;
+  KvPageFormat format;
+  AttentionPrecision precision = AttentionPrecision::kFp32;
+};
+
+// A cache of `pages` pages of random K/V written through kv_cache_write at every slot, and rows
+// with block tables of shuffled page ids and context lengths 1 .. all slots.
+struct FilledCache {
+  std::vector<float> k, v, q;  // k, v: (slots, Hkv*D) f32 as given; q: (N,H,D)
+  std::vector<int32_t> table, len;
+  std::vector<uint8_t> kh, vh;  // the pages as stored
+  void *kp = nullptr, *vp = nullptr;
+};
 
 class PagedKvOpsTest : public OpsTest {
  protected:
@@ -32,17 +49,17 @@ class PagedKvOpsTest : public OpsTest {
     if (!be().supports(Op::kPagedKvCache))
       GTEST_SKIP() << "backend '" << be().name() << "' has no paged KV-cache ops yet (issue #15)";
   }
+  // K/V, q, block tables and lengths for case c written to pages of `format` on this backend
+  FilledCache fill_cache(const PagedCase& c, KvPageFormat format);
+  // out (N,H,D) of paged_attention over fc's pages in c.format
+  std::vector<float> attend(const PagedCase& c, const FilledCache& fc);
 };
 
-struct PagedCase {
-  int64_t N, H, Hkv, D, page_size, pages;
-  KvPageFormat format;
-  AttentionPrecision precision = AttentionPrecision::kFp32;
-};
-
-// Host pages as f32 values of `format` (what the backend stores, decoded).
-float decode(const std::vector<uint16_t>& b16, const std::vector<float>& f32, KvPageFormat f, int64_t i) {
-  return f == KvPageFormat::kF32 ? f32[i] : bf16_bits_to_f32(b16[i]);
+// Element d of kv head hk at `slot` of host pages (bytes) of `format`, as f32.
+float decode(const std::vector<uint8_t>& pages, KvPageFormat f, int64_t Hkv, int64_t D, int64_t slot, int64_t hk,
+             int64_t d) {
+  const kv::TokenLayout L = kv::token_layout(f, Hkv, D);
+  return kv::decode_element(pages.data() + slot * L.bytes, L, f, D, hk, d);
 }
 
 // The readable reference: for each row and head, gather the row's positions through its block
@@ -55,10 +72,9 @@ float decode(const std::vector<uint16_t>& b16, const std::vector<float>& f32, Kv
 // exact p_j, an FP32 evaluation may round its p_j (relative error ep) to the neighbouring BF16
 // value, so each p_j may be off by 2^-8 p_j more: out_d bound + 2^-8 sum_j p_j |v_jd|.
 void reference(std::vector<double>* out, std::vector<double>* bound, const PagedCase& c, const std::vector<float>& q,
-               const std::vector<uint16_t>& kb, const std::vector<float>& kf, const std::vector<uint16_t>& vb,
-               const std::vector<float>& vf, const std::vector<int32_t>& table, int64_t max_blocks,
-               const std::vector<int32_t>& len) {
-  const int64_t group = c.H / c.Hkv, W = c.Hkv * c.D;
+               const std::vector<uint8_t>& kh, const std::vector<uint8_t>& vh, const std::vector<int32_t>& table,
+               int64_t max_blocks, const std::vector<int32_t>& len) {
+  const int64_t group = c.H / c.Hkv;
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
   const bool bf = c.precision == AttentionPrecision::kBf16;
   auto rb = [&](double x) { return bf ? static_cast<double>(round_to_bf16(static_cast<float>(x))) : x; };
@@ -73,7 +89,7 @@ void reference(std::vector<double>* out, std::vector<double>* bound, const Paged
         const int64_t slot = static_cast<int64_t>(table[n * max_blocks + j / c.page_size]) * c.page_size + j % c.page_size;
         double dot = 0, mag = 0;
         for (int64_t d = 0; d < c.D; ++d) {
-          const double kv = rb(decode(kb, kf, c.format, slot * W + hk * c.D + d));
+          const double kv = rb(decode(kh, c.format, c.Hkv, c.D, slot, hk, d));
           const double qd = rb(q[(n * c.H + h) * c.D + d]);
           dot += qd * kv;
           mag += std::fabs(qd * kv);
@@ -92,7 +108,7 @@ void reference(std::vector<double>* out, std::vector<double>* bound, const Paged
         for (int64_t j = 0; j < L; ++j) {
           const int64_t slot =
               static_cast<int64_t>(table[n * max_blocks + j / c.page_size]) * c.page_size + j % c.page_size;
-          const double vv = rb(decode(vb, vf, c.format, slot * W + hk * c.D + d));
+          const double vv = rb(decode(vh, c.format, c.Hkv, c.D, slot, hk, d));
           acc += rb(p[j] / z) * vv;
           mag += p[j] / z * std::fabs(vv);
         }
@@ -102,51 +118,156 @@ void reference(std::vector<double>* out, std::vector<double>* bound, const Paged
     }
 }
 
-// A filled cache: `pages` pages of random K/V written through kv_cache_write at every slot,
-// rows with context lengths 1 .. max and block tables of shuffled page ids (rows of one
-// "sequence" share a table prefix). Slots past a row's context are NaN in the f32 case.
-struct Filled {
-  std::vector<float> q;
-  std::vector<int32_t> table, len;
-  int64_t max_blocks = 0;
-  void *k = nullptr, *v = nullptr;
-  std::vector<uint16_t> kb, vb;
-  std::vector<float> kf, vf;
-};
-
-TEST_P(PagedKvOpsTest, WriteRoundsToTheFormatBitForBit) {
-  for (KvPageFormat f : {KvPageFormat::kBf16, KvPageFormat::kF32}) {
-    const int64_t Hkv = 2, D = 8, W = Hkv * D, slots_total = 24, N = 5;
-    std::vector<float> k = normal_vector(N * W, 11, 3.0), v = normal_vector(N * W, 12, 3.0);
-    const std::vector<int32_t> slots{7, 0, 23, 12, 13};
-    const int64_t eb = kv_page_element_bytes(f);
-    auto* kp = zeros<uint8_t>(slots_total * W * eb);
-    auto* vp = zeros<uint8_t>(slots_total * W * eb);
-    be().kv_cache_write(kp, vp, f, upload(k), upload(v), upload(slots), N, Hkv, D);
-    std::vector<uint8_t> kh = download(kp, slots_total * W * eb), vh = download(vp, slots_total * W * eb);
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t i = 0; i < W; ++i) {
-        const int64_t at = (slots[n] * W + i) * eb;
-        if (f == KvPageFormat::kF32) {
-          float kg, vg;
-          std::memcpy(&kg, &kh[at], 4);
-          std::memcpy(&vg, &vh[at], 4);
-          ASSERT_EQ(float_as_u32(kg), float_as_u32(k[n * W + i])) << "row " << n << " elem " << i;
-          ASSERT_EQ(float_as_u32(vg), float_as_u32(v[n * W + i])) << "row " << n << " elem " << i;
-        } else {
-          uint16_t kg, vg;
-          std::memcpy(&kg, &kh[at], 2);
-          std::memcpy(&vg, &vh[at], 2);
-          ASSERT_EQ(kg, f32_to_bf16_bits(k[n * W + i])) << "row " << n << " elem " << i;
-          ASSERT_EQ(vg, f32_to_bf16_bits(v[n * W + i])) << "row " << n << " elem " << i;
-        }
+// Per-element error bound of a quantized page format for x (D) of one (position, kv head) row,
+// from the format's definition (kv_page_codec.h):
+//   fp8: s = amax/448; |x/s| rounds to E4M3 with relative error <= 2^-4 in the normal range and
+//        absolute error <= 2^-10 below 2^-6 (subnormal step 2^-9): |x^ - x| <= 2^-4 |x| + 2^-9 s
+//        (2^-9 s covers the subnormal half step and the binary32 division and product).
+//   nvfp4: a 16-block with amax b inside a 128-block with scale so = amax128/2688 gets sp =
+//        e4m3(b/(6 so)) so. Normal E4M3 (relative error <= 2^-4): b/sp <= 6/(1 - 2^-4) = 6.4, so
+//        values clamp at 6 by at most 0.4 sp, and the E2M1 rounding errs by at most one scaled
+//        unit (the step 4 -> 6 is 2): |x^ - x| <= sp <= (1 + 2^-4) b/6 < 3/16 b. Subnormal E4M3
+//        (b/(6 so) < 2^-6): sp is off by at most 2^-10 so, so the error is at most
+//        (2^-6 + 2^-10) so + 6 * 2^-10 so < 2^-5 so. Together: 3/16 b + 2^-5 so.
+std::vector<double> format_error_bound(KvPageFormat f, const float* x, int64_t D) {
+  std::vector<double> e(static_cast<size_t>(D), 0.0);
+  if (f == KvPageFormat::kFp8) {
+    double amax = 0;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(double(x[d])));
+    for (int64_t d = 0; d < D; ++d) e[d] = 0x1.0p-4 * std::fabs(double(x[d])) + 0x1.0p-9 * amax / 448;
+  } else if (f == KvPageFormat::kNvfp4) {
+    for (int64_t o = 0; o < D; o += 128) {
+      double a128 = 0;
+      for (int64_t d = o; d < std::min<int64_t>(D, o + 128); ++d) a128 = std::max(a128, std::fabs(double(x[d])));
+      for (int64_t b = o; b < std::min<int64_t>(D, o + 128); b += 16) {
+        double a16 = 0;
+        for (int64_t d = b; d < b + 16; ++d) a16 = std::max(a16, std::fabs(double(x[d])));
+        for (int64_t d = b; d < b + 16; ++d) e[d] = 3.0 / 16 * a16 + 0x1.0p-5 * a128 / 2688;
       }
-    // untouched slots stay zero
-    for (int64_t s = 0; s < slots_total; ++s) {
-      if (std::find(slots.begin(), slots.end(), s) != slots.end()) continue;
-      for (int64_t b = 0; b < W * eb; ++b) ASSERT_EQ(kh[s * W * eb + b], 0) << "slot " << s;
     }
   }
+  return e;
+}
+
+// (rows, cols) values with a spread of magnitudes: N(0, 3) times 2^(-8 .. 7) per 16-block, and an
+// all-zero row (scale 0 -> 1) when there are several rows.
+std::vector<float> spread_vector(int64_t rows, int64_t cols, uint64_t seed) {
+  std::vector<float> x = normal_vector(rows * cols, seed, 3.0);
+  for (int64_t i = 0; i < rows * cols; ++i) x[i] = std::ldexp(x[i], static_cast<int>((i / 16 * 7) % 16) - 8);
+  if (rows > 1)
+    for (int64_t c = 0; c < cols; ++c) x[cols + c] = 0.0f;
+  return x;
+}
+
+TEST_P(PagedKvOpsTest, WriteStoresTheFormatBitForBit) {
+  struct Shape {
+    int64_t Hkv, D;
+  };
+  for (KvPageFormat f : {KvPageFormat::kBf16, KvPageFormat::kF32, KvPageFormat::kFp8, KvPageFormat::kNvfp4})
+    for (Shape sh : {Shape{2, 16}, Shape{3, 160}}) {  // D 160: an outer 128-block and a partial one
+      SCOPED_TRACE(fmt::format("{} Hkv={} D={}", kv_page_format_name(f), sh.Hkv, sh.D));
+      const int64_t Hkv = sh.Hkv, D = sh.D, W = Hkv * D, slots_total = 24, N = 5;
+      const kv::TokenLayout L = kv::token_layout(f, Hkv, D);
+      ASSERT_EQ(kv_token_bytes(f, Hkv, D), L.bytes);
+      std::vector<float> k = spread_vector(N * Hkv, D, 11), v = spread_vector(N * Hkv, D, 12);
+      const std::vector<int32_t> slots{7, 0, 23, 12, 13};
+      const int64_t TB = L.bytes;
+      auto* kp = zeros<uint8_t>(slots_total * TB);
+      auto* vp = zeros<uint8_t>(slots_total * TB);
+      be().kv_cache_write(kp, vp, f, upload(k), upload(v), upload(slots), N, Hkv, D);
+      const std::vector<uint8_t> kh = download(kp, slots_total * TB), vh = download(vp, slots_total * TB);
+      for (int pass = 0; pass < 2; ++pass) {
+        const std::vector<float>& x = pass == 0 ? k : v;
+        const std::vector<uint8_t>& got = pass == 0 ? kh : vh;
+        // the expected record of each row, built independently of the codec
+        std::vector<uint8_t> want(static_cast<size_t>(N * TB), 0);
+        if (f == KvPageFormat::kNvfp4) {  // the trainer's quantizer over the (N*Hkv, D) matrix
+          const int64_t no = (D + 127) / 128;
+          std::vector<uint8_t> codes(N * W / 2), inner(N * W / 16);
+          std::vector<float> outer(N * Hkv * no);
+          formats::nvfp4_2level_quantize_cpu(codes.data(), inner.data(), outer.data(), x.data(), N * Hkv, D);
+          for (int64_t n = 0; n < N; ++n) {
+            std::memcpy(&want[n * TB], &outer[n * Hkv * no], 4 * Hkv * no);
+            std::memcpy(&want[n * TB + 4 * Hkv * no], &inner[n * W / 16], W / 16);
+            std::memcpy(&want[n * TB + 4 * Hkv * no + W / 16], &codes[n * W / 2], W / 2);
+          }
+        } else {
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t hk = 0; hk < Hkv; ++hk) {
+              const float* xr = &x[n * W + hk * D];
+              uint8_t* rec = &want[n * TB];
+              if (f == KvPageFormat::kF32) {
+                std::memcpy(rec + 4 * hk * D, xr, 4 * D);
+              } else if (f == KvPageFormat::kBf16) {
+                for (int64_t d = 0; d < D; ++d) {
+                  const uint16_t b = f32_to_bf16_bits(xr[d]);
+                  std::memcpy(rec + 2 * (hk * D + d), &b, 2);
+                }
+              } else {  // fp8: [Hkv f32 scales][(Hkv, D) codes]
+                float amax = 0;
+                for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(xr[d]));
+                float s = amax * 0x1.24924Ap-9f;  // fl(1/448)
+                if (s == 0.0f) s = 1.0f;
+                std::memcpy(rec + 4 * hk, &s, 4);
+                for (int64_t d = 0; d < D; ++d) rec[4 * Hkv + hk * D + d] = formats::e4m3_rne_sat(xr[d] / s);
+              }
+            }
+        }
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t b = 0; b < TB; ++b)
+            ASSERT_EQ(got[slots[n] * TB + b], want[n * TB + b]) << (pass ? "v" : "k") << " row " << n << " byte " << b;
+        // decoded values within the format's error bound (exact for f32)
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t hk = 0; hk < Hkv; ++hk) {
+            const float* xr = &x[n * W + hk * D];
+            const std::vector<double> e = format_error_bound(f, xr, D);
+            for (int64_t d = 0; d < D; ++d) {
+              const double err = std::fabs(double(decode(got, f, Hkv, D, slots[n], hk, d)) - xr[d]);
+              const double lim = f == KvPageFormat::kBf16 ? 0x1.0p-8 * std::fabs(double(xr[d])) : e[d];  // BF16: u = 2^-8
+              ASSERT_LE(err, lim) << "row " << n << " head " << hk << " elem " << d << " x " << xr[d];
+            }
+          }
+      }
+      // untouched slots stay zero
+      for (int64_t s = 0; s < slots_total; ++s) {
+        if (std::find(slots.begin(), slots.end(), s) != slots.end()) continue;
+        for (int64_t b = 0; b < TB; ++b) ASSERT_EQ(kh[s * TB + b], 0) << "slot " << s;
+      }
+    }
+}
+
+FilledCache PagedKvOpsTest::fill_cache(const PagedCase& c, KvPageFormat format) {
+  FilledCache fc;
+  const int64_t W = c.Hkv * c.D, slots_total = c.pages * c.page_size, TB = kv_token_bytes(format, c.Hkv, c.D);
+  fc.k = normal_vector(slots_total * W, 21, 2.0);  // scale 2: scores of a few units
+  fc.v = normal_vector(slots_total * W, 22, 1.0);
+  std::vector<int32_t> all(static_cast<size_t>(slots_total));
+  for (int64_t s = 0; s < slots_total; ++s) all[s] = static_cast<int32_t>(s);
+  fc.kp = zeros<uint8_t>(slots_total * TB);
+  fc.vp = zeros<uint8_t>(slots_total * TB);
+  be().kv_cache_write(fc.kp, fc.vp, format, upload(fc.k), upload(fc.v), upload(all), slots_total, c.Hkv, c.D);
+  fc.kh = download(static_cast<uint8_t*>(fc.kp), slots_total * TB);
+  fc.vh = download(static_cast<uint8_t*>(fc.vp), slots_total * TB);
+  fc.table.resize(static_cast<size_t>(c.N * c.pages));
+  fc.len.resize(static_cast<size_t>(c.N));
+  PhiloxStream rng(5, 0);
+  for (int64_t n = 0; n < c.N; ++n) {
+    std::vector<int32_t> perm(static_cast<size_t>(c.pages));
+    for (int64_t i = 0; i < c.pages; ++i) perm[i] = static_cast<int32_t>(i);
+    for (int64_t i = c.pages - 1; i > 0; --i) std::swap(perm[i], perm[rng.next_u32() % (i + 1)]);
+    std::copy(perm.begin(), perm.end(), fc.table.begin() + n * c.pages);
+    fc.len[n] = n == 0 ? 1 : static_cast<int32_t>(1 + rng.next_u32() % slots_total);
+  }
+  fc.len[c.N - 1] = static_cast<int32_t>(slots_total);  // one row reads every slot
+  fc.q = normal_vector(c.N * c.H * c.D, 23, 1.0);
+  return fc;
+}
+
+std::vector<float> PagedKvOpsTest::attend(const PagedCase& c, const FilledCache& fc) {
+  float* out = zeros<float>(c.N * c.H * c.D);
+  be().paged_attention(out, upload(fc.q), fc.kp, fc.vp, c.format, upload(fc.table), c.pages, upload(fc.len),
+                         c.N, c.H, c.Hkv, c.D, c.page_size, c.precision);
+  return download(out, c.N * c.H * c.D);
 }
 
 TEST_P(PagedKvOpsTest, AttentionMatchesTheReferenceWithinTheDerivedBound) {
@@ -157,51 +278,70 @@ TEST_P(PagedKvOpsTest, AttentionMatchesTheReferenceWithinTheDerivedBound) {
       {7, 8, 8, 64, 8, 20, KvPageFormat::kBf16},  // MHA, D 64
       {6, 4, 2, 16, 4, 12, KvPageFormat::kBf16, AttentionPrecision::kBf16},  // the BF16 attention
       {5, 6, 1, 32, 16, 8, KvPageFormat::kF32, AttentionPrecision::kBf16},   // BF16 over F32 pages
+      {6, 4, 2, 16, 4, 12, KvPageFormat::kFp8},                              // FP8 pages
+      {5, 4, 2, 32, 8, 6, KvPageFormat::kNvfp4},                             // NVFP4 pages
+      {4, 4, 1, 160, 4, 5, KvPageFormat::kNvfp4},                            // two outer blocks per head
+      {5, 6, 2, 32, 8, 6, KvPageFormat::kFp8, AttentionPrecision::kBf16},    // BF16 attention, FP8 pages
+      {5, 4, 2, 32, 8, 6, KvPageFormat::kNvfp4, AttentionPrecision::kBf16},  // BF16 attention, NVFP4 pages
   };
   for (const PagedCase& c : cases) {
     SCOPED_TRACE(fmt::format("N={} H={} Hkv={} D={} page={} {} {}", c.N, c.H, c.Hkv, c.D, c.page_size,
                              kv_page_format_name(c.format),
                              c.precision == AttentionPrecision::kBf16 ? "bf16 attention" : "fp32 attention"));
-    const int64_t W = c.Hkv * c.D, slots_total = c.pages * c.page_size;
-    // every slot written from random K/V (scale 2: scores of a few units)
-    std::vector<float> k = normal_vector(slots_total * W, 21, 2.0), v = normal_vector(slots_total * W, 22, 1.0);
-    std::vector<int32_t> all(static_cast<size_t>(slots_total));
-    for (int64_t s = 0; s < slots_total; ++s) all[s] = static_cast<int32_t>(s);
-    const int64_t eb = kv_page_element_bytes(c.format);
-    auto* kp = zeros<uint8_t>(slots_total * W * eb);
-    auto* vp = zeros<uint8_t>(slots_total * W * eb);
-    be().kv_cache_write(kp, vp, c.format, upload(k), upload(v), upload(all), slots_total, c.Hkv, c.D);
-    std::vector<uint8_t> kh = download(kp, slots_total * W * eb), vh = download(vp, slots_total * W * eb);
-    std::vector<uint16_t> kb, vb;
-    std::vector<float> kf, vf;
-    if (c.format == KvPageFormat::kF32) {
-      kf.resize(slots_total * W), vf.resize(slots_total * W);
-      std::memcpy(kf.data(), kh.data(), kh.size()), std::memcpy(vf.data(), vh.data(), vh.size());
-    } else {
-      kb.resize(slots_total * W), vb.resize(slots_total * W);
-      std::memcpy(kb.data(), kh.data(), kh.size()), std::memcpy(vb.data(), vh.data(), vh.size());
-    }
-    // block tables: a pseudo-random permutation of the pages per row; lengths 1 .. all pages
-    const int64_t max_blocks = c.pages;
-    std::vector<int32_t> table(static_cast<size_t>(c.N * max_blocks)), len(static_cast<size_t>(c.N));
-    PhiloxStream rng(5, 0);
-    for (int64_t n = 0; n < c.N; ++n) {
-      std::vector<int32_t> perm(static_cast<size_t>(c.pages));
-      for (int64_t i = 0; i < c.pages; ++i) perm[i] = static_cast<int32_t>(i);
-      for (int64_t i = c.pages - 1; i > 0; --i) std::swap(perm[i], perm[rng.next_u32() % (i + 1)]);
-      std::copy(perm.begin(), perm.end(), table.begin() + n * max_blocks);
-      len[n] = n == 0 ? 1 : static_cast<int32_t>(1 + rng.next_u32() % slots_total);
-    }
-    len[c.N - 1] = static_cast<int32_t>(slots_total);  // one row reads every slot
-    std::vector<float> q = normal_vector(c.N * c.H * c.D, 23, 1.0);
-    float* out = zeros<float>(c.N * c.H * c.D);
-    be().paged_attention(out, upload(q), kp, vp, c.format, upload(table), max_blocks, upload(len), c.N, c.H, c.Hkv,
-                         c.D, c.page_size, c.precision);
-    std::vector<float> got = download(out, c.N * c.H * c.D);
+    const FilledCache fc = fill_cache(c, c.format);
+    const std::vector<float> got = attend(c, fc);
     std::vector<double> ref, bound;
-    reference(&ref, &bound, c, q, kb, kf, vb, vf, table, max_blocks, len);
+    reference(&ref, &bound, c, fc.q, fc.kh, fc.vh, fc.table, c.pages, fc.len);
     for (size_t i = 0; i < got.size(); ++i)
       ASSERT_LE(std::fabs(got[i] - ref[i]), 2 * bound[i] + 1e-30) << "element " << i << " got " << got[i] << " ref " << ref[i];
+  }
+}
+
+// Attention over FP8 / NVFP4 pages against the exact attention over the unquantized K/V (double),
+// within the propagation of the format's per-element bound e (format_error_bound): a score moves
+// by at most delta_j = scale sum_d |q_d| e(k_jd), so each softmax weight moves by a factor in
+// [exp(-2 delta), exp(2 delta)] (delta = max_j delta_j) and sum_j |p^_j - p_j| <= exp(2 delta) - 1;
+// out_d = sum_j p_j v_jd then moves by at most max_j e(v_jd) + (exp(2 delta) - 1) max_j |v_jd|,
+// plus the FP32 evaluation bound of the reference (twice, as above).
+TEST_P(PagedKvOpsTest, QuantizedPagesAttendWithinTheFormatErrorOfExactAttention) {
+  const PagedCase cases[] = {
+      {6, 4, 2, 16, 4, 12, KvPageFormat::kFp8},
+      {5, 4, 2, 32, 8, 6, KvPageFormat::kNvfp4},
+  };
+  for (const PagedCase& c : cases) {
+    SCOPED_TRACE(kv_page_format_name(c.format));
+    const FilledCache fc = fill_cache(c, c.format);
+    const std::vector<float> got = attend(c, fc);
+    PagedCase exact = c;
+    exact.format = KvPageFormat::kF32;
+    const FilledCache fe = fill_cache(exact, KvPageFormat::kF32);  // the same K/V, q, tables
+    std::vector<double> ref, bound;
+    reference(&ref, &bound, exact, fe.q, fe.kh, fe.vh, fe.table, c.pages, fe.len);
+    const int64_t W = c.Hkv * c.D, group = c.H / c.Hkv;
+    const double scale = 1.0 / std::sqrt(double(c.D));
+    for (int64_t n = 0; n < c.N; ++n)
+      for (int64_t h = 0; h < c.H; ++h) {
+        const int64_t hk = h / group;
+        double delta = 0;
+        std::vector<double> ev_max(static_cast<size_t>(c.D), 0.0), v_max(static_cast<size_t>(c.D), 0.0);
+        for (int64_t j = 0; j < fe.len[n]; ++j) {
+          const int64_t slot = static_cast<int64_t>(fe.table[n * c.pages + j / c.page_size]) * c.page_size + j % c.page_size;
+          const std::vector<double> ek = format_error_bound(c.format, &fe.k[slot * W + hk * c.D], c.D);
+          const std::vector<double> ev = format_error_bound(c.format, &fe.v[slot * W + hk * c.D], c.D);
+          double dj = 0;
+          for (int64_t d = 0; d < c.D; ++d) {
+            dj += std::fabs(double(fe.q[(n * c.H + h) * c.D + d])) * ek[d];
+            ev_max[d] = std::max(ev_max[d], ev[d]);
+            v_max[d] = std::max(v_max[d], std::fabs(double(fe.v[slot * W + hk * c.D + d])));
+          }
+          delta = std::max(delta, dj * scale);
+        }
+        for (int64_t d = 0; d < c.D; ++d) {
+          const size_t i = static_cast<size_t>((n * c.H + h) * c.D + d);
+          const double lim = ev_max[d] + std::expm1(2 * delta) * v_max[d] + 2 * bound[i] + 1e-6;
+          ASSERT_LE(std::fabs(got[i] - ref[i]), lim) << "row " << n << " head " << h << " d " << d;
+        }
+      }
   }
 }
 
