@@ -24,7 +24,7 @@ const char* op_name(Op op) {
                                       "cross_entropy", "elementwise",     "moe_routing",
                                       "adamw",         "quantize_nvfp4_te", "quantize_nvfp4_2level",
                                       "quantize_mxfp8", "rht16",          "backward_operand_2level",
-                                      "paged_kv_cache"};
+                                      "paged_kv_cache", "nvfp4_weight_gemm"};
   static_assert(sizeof(names) / sizeof(names[0]) == static_cast<size_t>(Op::kCount));
   const auto i = static_cast<size_t>(op);
   return i < static_cast<size_t>(Op::kCount) ? names[i] : "?";
@@ -55,6 +55,12 @@ void Backend::paged_attention(float*, const float*, const void*, const void*, Kv
                               const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, AttentionPrecision) {
   require(Op::kPagedKvCache);
   NIB_CHECK_MSG(false, "backend '{}' claims op 'paged_kv_cache' but does not override paged_attention", name());
+}
+
+void Backend::matmul_nt_nvfp4_weight(float*, const float*, const QuantizedTensor&, int64_t) {
+  require(Op::kNvfp4WeightGemm);
+  NIB_CHECK_MSG(false, "backend '{}' claims op 'nvfp4_weight_gemm' but does not override matmul_nt_nvfp4_weight",
+                name());
 }
 
 int64_t QuantizedTensor::code_bytes(QuantFormat f, int64_t rows, int64_t cols) {

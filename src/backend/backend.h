@@ -52,6 +52,7 @@ enum class Op : uint16_t {
   kGemm, kEmbedding, kRmsNorm, kRope, kSwiglu, kAttention, kCrossEntropy, kElementwise, kMoeRouting,
   kAdamW, kQuantizeNvfp4Te, kQuantizeNvfp4TwoLevel, kQuantizeMxfp8, kRht16, kBackwardOperandTwoLevel,
   kPagedKvCache,  // kv_cache_write + paged_attention (the rollout engine's decode attention)
+  kNvfp4WeightGemm,  // matmul_nt_nvfp4_weight (the rollout engine's decode GEMV on packed weights)
   kCount
 };
 const char* op_name(Op op);
@@ -292,6 +293,13 @@ class Backend {
                                KvPageFormat format, const int32_t* block_table, int64_t max_blocks,
                                const int32_t* context_len, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                                int64_t page_size, AttentionPrecision precision = AttentionPrecision::kFp32);
+
+  // ---- packed-NVFP4 weight GEMM (rollout decode, issue #15 §4; Op::kNvfp4WeightGemm) ------------
+  // y (M, N) f32 <- x (M, K) f32 . dequantize(w)^T for a two-level NVFP4 weight w (N, K), K % 32
+  // == 0: the weight is read packed and dequantized in registers to the values dequantize()
+  // gives, so y equals dequantize + matmul_nt within FP32 summation order. For decode batches
+  // (small M; CUDA: backend/cuda/fp4_gemv.cuh). The default fails through require().
+  virtual void matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M);
 };
 
 // Thrown when backend memory cannot be had: the message is the backend's one line (what was being

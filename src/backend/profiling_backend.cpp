@@ -73,6 +73,7 @@ constexpr OpInfo kOps[] = {
     {"nvfp4_te_alpha", OpCategory::kQuantize},
     {"kv_cache_write", OpCategory::kCopies},
     {"paged_attention", OpCategory::kAttention},
+    {"matmul_nt_nvfp4_weight", OpCategory::kGemm},
 };
 static_assert(sizeof(kOps) / sizeof(kOps[0]) == static_cast<size_t>(ProfiledOp::kCount));
 using Clock = std::chrono::steady_clock;
@@ -418,6 +419,10 @@ void ProfilingBackend::paged_attention(float* out, const float* q, const void* k
   Timed timed(*this, ProfiledOp::kPagedAttention);
   inner_->paged_attention(out, q, k_pages, v_pages, format, block_table, max_blocks, context_len, N, H, Hkv, D,
                           page_size, precision);
+}
+void ProfilingBackend::matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M) {
+  Timed timed(*this, ProfiledOp::kMatmulNtNvfp4Weight);
+  inner_->matmul_nt_nvfp4_weight(y, x, w, M);
 }
 void ProfilingBackend::dequantize(float* y, const QuantizedTensor& q) {
   Timed timed(*this, ProfiledOp::kDequantize);

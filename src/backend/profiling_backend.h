@@ -72,6 +72,7 @@ enum class ProfiledOp : uint8_t {
   kNvfp4TeAlpha,
   kKvCacheWrite,
   kPagedAttention,
+  kMatmulNtNvfp4Weight,
   kCount
 };
 
@@ -139,6 +140,7 @@ class ProfilingBackend final : public Backend {
                        const int32_t* block_table, int64_t max_blocks, const int32_t* context_len, int64_t N,
                        int64_t H, int64_t Hkv, int64_t D, int64_t page_size,
                        AttentionPrecision precision = AttentionPrecision::kFp32) override;
+  void matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M) override;
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t V, int64_t C) override;
   void embedding_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t V,
                           int64_t C) override;

@@ -502,6 +502,15 @@ void CpuBackend::paged_attention(float* out, const float* q, const void* k_pages
                        page_size, precision);
 }
 
+void CpuBackend::matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M) {
+  NIB_CHECK_MSG(w.format == QuantFormat::kNvfp4TwoLevel && w.cols % 32 == 0,
+                "matmul_nt_nvfp4_weight: a two-level NVFP4 weight with K % 32 == 0 (got {} ({}, {}))",
+                quant_format_name(w.format), w.rows, w.cols);
+  nvfp4_weight_scratch_.resize(static_cast<size_t>(w.rows * w.cols));
+  dequantize(nvfp4_weight_scratch_.data(), w);
+  matmul_nt(y, x, nvfp4_weight_scratch_.data(), M, w.rows, w.cols, /*accumulate=*/false, /*operands_bf16=*/false);
+}
+
 // ---- registry -----------------------------------------------------------------------------------------
 namespace {
 std::mutex& registry_mutex() {

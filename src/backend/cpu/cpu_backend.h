@@ -7,6 +7,7 @@
 
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "backend/backend.h"
 
@@ -122,8 +123,11 @@ class CpuBackend final : public Backend {
                        const int32_t* block_table, int64_t max_blocks, const int32_t* context_len, int64_t N,
                        int64_t H, int64_t Hkv, int64_t D, int64_t page_size,
                        AttentionPrecision precision) override;
+  // packed-NVFP4 weight GEMM: the reference (dequantize, then matmul_nt)
+  void matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M) override;
 
  private:
+  std::vector<float> nvfp4_weight_scratch_;  // (N, K) the dequantized weight of matmul_nt_nvfp4_weight
   std::mutex memory_mutex_;
   std::unordered_map<void*, size_t> sizes_;  // live allocations (for memory_stats)
   int64_t in_use_ = 0, peak_ = 0;

@@ -21,6 +21,7 @@
 #include "backend/cuda/moe.h"
 #include "backend/cuda/nn_ops.h"
 #include "backend/cuda/optimizer_ops.h"
+#include "backend/cuda/fp4_gemv.cuh"
 #include "backend/cuda/paged_attention.h"
 #include "backend/cuda/quantize.h"
 
@@ -737,6 +738,18 @@ void CudaBackend::backward_operand_two_level(QuantizedTensor& out, const Quantiz
                                                       M, K, sign_mask, &sr, stream_),
                 "backward_operand_two_level", "in {}x{}", M, K);
   NIB_OP_CUDA(cudaGetLastError(), "backward_operand_two_level", "in {}x{}", M, K);
+}
+
+// ---- packed-NVFP4 weight GEMM ----------------------------------------------------------------------
+void CudaBackend::matmul_nt_nvfp4_weight(float* y, const float* x, const backend::QuantizedTensor& w, int64_t M) {
+  activate();
+  NIB_OP_REQUIRE(w.format == backend::QuantFormat::kNvfp4TwoLevel && w.cols % 32 == 0 && M >= 0 &&
+                     M <= INT32_MAX && w.rows <= INT32_MAX && w.cols <= INT32_MAX,
+                 "matmul_nt_nvfp4_weight", "{} ({}, {}) M={}", backend::quant_format_name(w.format), w.rows, w.cols,
+                 M);
+  NIB_OP_CUDA(nibble_fp4_gemv::nvfp4_gemv(y, x, w.codes, w.scales, w.outer, static_cast<int>(M),
+                                          static_cast<int>(w.rows), static_cast<int>(w.cols), stream_),
+              "matmul_nt_nvfp4_weight", "({}, {}) M={}", w.rows, w.cols, M);
 }
 
 // ---- paged KV cache ------------------------------------------------------------------------------

@@ -148,6 +148,8 @@ class CudaBackend final : public backend::Backend {
   void backward_operand_two_level(backend::QuantizedTensor& out, const backend::QuantizedTensor& in,
                                   uint32_t sign_mask, const formats::SrKey& sr) override;
 
+  // packed-NVFP4 weight GEMM (backend/cuda/fp4_gemv.cuh)
+  void matmul_nt_nvfp4_weight(float* y, const float* x, const backend::QuantizedTensor& w, int64_t M) override;
   // paged KV cache (backend/cuda/paged_attention.h)
   void kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat format, const float* k, const float* v,
                       const int32_t* slots, int64_t N, int64_t Hkv, int64_t D) override;

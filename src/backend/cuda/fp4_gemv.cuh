@@ -1,0 +1,128 @@
+// Decode GEMV / small-batch GEMM on packed two-level NVFP4 weights (issue #15 §4): y (M, N) f32 =
+// x (M, K) f32 . W^T with W (N, K) held as E2M1 codes (N, K/2), E4M3 1x16 inner scales (N, K/16)
+// and FP32 1x128 outer scales (N, ceil(K/128)), dequantized in registers as formats'
+// nvfp4_2level_decode does (w = +-(e2m1 * fl(e4m3(inner) * outer)), the same FP32 values as
+// Backend::dequantize) and multiplied with FP32 FMAs. One warp per output column n reads its
+// weight row once for up to kMaxRowsPerBlock rows of x; lanes take 32-element chunks k = 32 (lane
+// + 32 i), each summed in order, then a fixed xor-shuffle tree: deterministic, no atomics.
+// Dependency-free (CUDA only): dev/cuda/fp4_gemv.cu (the sandbox) and src/backend/cuda include it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace nibble_fp4_gemv {
+
+constexpr int kWarpsPerBlock = 4;
+constexpr int kMaxRowsPerBlock = 8;  // rows of x per block (a larger M takes more blocks in y)
+
+__host__ __device__ __forceinline__ float bits_to_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+// E4M3 byte -> binary32, the bit manipulation of formats::e4m3_decode_bits (exact; 0x7F/0xFF NaN).
+__host__ __device__ __forceinline__ float e4m3_to_f32(uint32_t byte) {
+  const uint32_t sign = (byte & 0x80u) << 24;
+  const uint32_t e = (byte >> 3) & 0xFu, m = byte & 7u;
+  if (e == 15u && m == 7u) return bits_to_f32(sign | 0x7FC00000u);
+  const float mag = e == 0u ? static_cast<float>(m) * 0.001953125f : bits_to_f32(((e + 120u) << 23) | (m << 20));
+  uint32_t mb;
+  std::memcpy(&mb, &mag, sizeof mb);
+  return bits_to_f32(mb | sign);
+}
+
+// Magnitude of E2M1 index 0..7: {0, 0.5, 1, 1.5, 2, 3, 4, 6}, from bits (formats::e2m1_magnitude).
+__host__ __device__ __forceinline__ float e2m1_magnitude(uint32_t idx) {
+  const uint32_t e = idx >> 1, m = idx & 1u;
+  return bits_to_f32(idx < 2u ? (idx == 0u ? 0u : 0x3F000000u) : (((e + 126u) << 23) | (m << 22)));
+}
+
+// The dequantized weight of a 4-bit code with block scale sp: +-(magnitude * sp).
+__host__ __device__ __forceinline__ float decode(uint32_t code, float sp) {
+  const float v = e2m1_magnitude(code & 7u) * sp;
+  return (code & 8u) ? -v : v;
+}
+
+// Grid (ceil(N / kWarpsPerBlock), ceil(M / MT)), kWarpsPerBlock * 32 threads; MT <= kMaxRowsPerBlock.
+// Requires K % 32 == 0 and 16-byte aligned codes rows (K % 32 == 0 with an aligned base).
+template <int MT>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    nvfp4_gemv_kernel(float* __restrict__ y, const float* __restrict__ x, const uint8_t* __restrict__ codes,
+                      const uint8_t* __restrict__ inner, const float* __restrict__ outer, int M, int N, int K) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = blockIdx.x * kWarpsPerBlock + warp;
+  if (n >= N) return;  // whole warps leave; no block-wide barrier below
+  const int m0 = blockIdx.y * MT;
+  const int rows = M - m0 < MT ? M - m0 : MT;
+  const int chunks = K / 32, outer_per_row = (K + 127) / 128;
+  const uint8_t* crow = codes + static_cast<int64_t>(n) * (K / 2);
+  const uint8_t* irow = inner + static_cast<int64_t>(n) * (K / 16);
+  const float* orow = outer + static_cast<int64_t>(n) * outer_per_row;
+  float acc[MT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) acc[m] = 0.0f;
+  for (int c = lane; c < chunks; c += 32) {
+    const uint4 packed = *reinterpret_cast<const uint4*>(crow + 16 * c);  // 32 codes
+    const uint32_t s2 = static_cast<uint32_t>(irow[2 * c]) | (static_cast<uint32_t>(irow[2 * c + 1]) << 8);
+    const float so = orow[(32 * c) / 128];
+    const float sp0 = e4m3_to_f32(s2 & 0xFFu) * so, sp1 = e4m3_to_f32(s2 >> 8) * so;
+    float w[32];
+    const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) w[i] = decode((words[i >> 3] >> ((i & 7) * 4)) & 0xFu, i < 16 ? sp0 : sp1);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      if (m < rows) {
+        const float4* xr = reinterpret_cast<const float4*>(x + static_cast<int64_t>(m0 + m) * K + 32 * c);
+        float a = acc[m];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const float4 v = xr[q];
+          a = __fmaf_rn(w[4 * q], v.x, a);
+          a = __fmaf_rn(w[4 * q + 1], v.y, a);
+          a = __fmaf_rn(w[4 * q + 2], v.z, a);
+          a = __fmaf_rn(w[4 * q + 3], v.w, a);
+        }
+        acc[m] = a;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    float v = acc[m];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+    if (lane == 0 && m < rows) y[static_cast<int64_t>(m0 + m) * N + n] = v;
+  }
+}
+
+// Launches the kernel on `stream`. cudaErrorInvalidValue for K % 32 != 0, misaligned codes or x,
+// or non-positive sizes with M > 0.
+inline cudaError_t nvfp4_gemv(float* y, const float* x, const uint8_t* codes, const uint8_t* inner, const float* outer,
+                              int M, int N, int K, cudaStream_t stream) {
+  if (M == 0 || N == 0) return cudaSuccess;
+  if (M < 0 || N < 0 || K <= 0 || K % 32 != 0 || (reinterpret_cast<uintptr_t>(codes) & 15u) != 0 ||
+      (reinterpret_cast<uintptr_t>(x) & 15u) != 0)
+    return cudaErrorInvalidValue;
+  const int mt = M >= kMaxRowsPerBlock ? kMaxRowsPerBlock : M;
+  const dim3 grid((N + kWarpsPerBlock - 1) / kWarpsPerBlock, (M + mt - 1) / mt);
+  const dim3 block(kWarpsPerBlock * 32);
+  switch (mt) {
+    case 1: nvfp4_gemv_kernel<1><<<grid, block, 0, stream>>>(y, x, codes, inner, outer, M, N, K); break;
+    case 2: nvfp4_gemv_kernel<2><<<grid, block, 0, stream>>>(y, x, codes, inner, outer, M, N, K); break;
+    case 3:
+    case 4: nvfp4_gemv_kernel<4><<<grid, block, 0, stream>>>(y, x, codes, inner, outer, M, N, K); break;
+    default: nvfp4_gemv_kernel<8><<<grid, block, 0, stream>>>(y, x, codes, inner, outer, M, N, K); break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace nibble_fp4_gemv
