@@ -732,6 +732,19 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     }
   }
   ops.rmsnorm_forward(im.xf, im.xf_rstd, im.res[L], W(im.final_norm), N, C, eps);
+  // forward_decode with logit_rows: only those rows reach the lm_head, moved to the front of xf
+  // (row i <- row logit_rows[i] >= i: forward copies of distinct rows never overlap)
+  int64_t head_rows = N;
+  if (im.decode && im.decode->logit_rows) {
+    head_rows = im.decode->num_logit_rows;
+    NIB_CHECK_MSG(head_rows >= 0 && head_rows <= N, "forward_decode: {} logit rows of {}", head_rows, N);
+    for (int64_t i = 0; i < head_rows; ++i) {
+      const int64_t r = im.decode->logit_rows[i];
+      NIB_CHECK_MSG(r >= i && r < N && (i == 0 || r > im.decode->logit_rows[i - 1]),
+                    "forward_decode: logit rows must ascend within [0, {}) (row {} is {})", N, i, r);
+      if (r != i) mem.copy(im.xf + i * C, im.xf + r * C, static_cast<size_t>(C) * sizeof(T));
+    }
+  }
   // ---- lm_head + loss, over row chunks (docs/training.md "lm_head") ----
   // Per chunk of rows [r0, r0+rows): logits = xf . W^T, the loss (in place: dL/dlogits when
   // backward), dxf rows (into dt1) = dlogits . W, dW += dlogits^T . xf rows. Only
@@ -779,8 +792,8 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   LossParts lp;
   if (logits_out || custom_loss) {
     T* logits = im.logits_full.ensure(mem, N * V, "all logits (forward_logits / custom loss)");
-    head_forward(logits, 0, N);
-    const size_t bytes = static_cast<size_t>(N * V) * sizeof(T);
+    if (head_rows > 0) head_forward(logits, 0, head_rows);
+    const size_t bytes = static_cast<size_t>(head_rows * V) * sizeof(T);
     if (logits_out) {
       mem.copy_to_host(logits_out, logits, bytes);
       return LossParts{};

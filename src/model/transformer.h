@@ -105,6 +105,11 @@ struct DecodeBatch {
   KvCacheAttention* kv = nullptr;      // required
   LinearOverride* linears = nullptr;   // null: the model's recipes (forward only, needs_backward = false)
   int32_t* routing_record = nullptr;   // (num_moe_layers, N, top_k) host or null: each row's expert ids
+  // Rows whose logits are wanted, strictly ascending (host); null: every row. Only those rows go
+  // through the lm_head and `logits` is (num_logit_rows, V) in their order (a prompt chunk needs
+  // its last row's alone; 0 rows: no lm_head at all).
+  const int32_t* logit_rows = nullptr;
+  int64_t num_logit_rows = 0;
 };
 
 template <typename T>

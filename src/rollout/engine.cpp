@@ -7,6 +7,7 @@
 
 #include "core/check.h"
 #include "core/philox.h"
+#include "rollout/quantized_weights.h"
 
 namespace nibble::rollout {
 
@@ -57,6 +58,17 @@ Status Engine::refresh_weights() {
     NIB_ASSIGN_OR_RETURN(linears_, QuantizedLinears::create(*model_, options_.mode, options_.recipe_name));
   }
   return Status::ok();
+}
+
+Status Engine::receive_quantized_weights(const std::vector<backend::QuantizedTensor>& per_linear) {
+  if (!linears_) return invalid_argument("quantized weights: the recipe mode runs the model's own recipes");
+  return linears_->set_quantized_weights(per_linear, QuantizedLinears::Memory::kBackend);
+}
+
+Status Engine::load_quantized_weights(const std::string& path) {
+  if (!linears_) return invalid_argument("quantized weights: the recipe mode runs the model's own recipes");
+  NIB_ASSIGN_OR_RETURN(HostQuantizedLinears host, read_quantized_linears(path, *model_));
+  return linears_->set_quantized_weights(host.views, QuantizedLinears::Memory::kHost);
 }
 
 namespace {
@@ -222,7 +234,7 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
 
   std::vector<float> logits;
   std::vector<SeqId> row_seq;
-  std::vector<int32_t> row_pos, row_tok, routing;
+  std::vector<int32_t> row_pos, row_tok, routing, logit_rows;
   std::vector<int64_t> row_req, row_sample, row_samples_of;
   std::vector<uint64_t> row_id;
   while (true) {
@@ -314,6 +326,7 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
     struct Chunk {
       size_t prefill;
       int64_t first_row, rows;
+      int64_t logit = -1;  // its last row's index among the logit rows (a chunk that ends its prompt)
     };
     std::vector<Chunk> chunks;
     int64_t budget = options_.max_step_tokens - static_cast<int64_t>(row_seq.size());
@@ -334,17 +347,28 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
     }
     const int64_t N = static_cast<int64_t>(row_seq.size());
     NIB_CHECK(N > 0);
+    // logits only where a token is sampled: every decode row, the last row of a finished prompt
+    logit_rows.clear();
+    for (size_t d = 0; d < decode_rows.size(); ++d) logit_rows.push_back(static_cast<int32_t>(d));
+    for (Chunk& c : chunks)
+      if (prefills[c.prefill].fed + c.rows == static_cast<int64_t>(requests[prefills[c.prefill].request].prompt.size())) {
+        c.logit = static_cast<int64_t>(logit_rows.size());
+        logit_rows.push_back(static_cast<int32_t>(c.first_row + c.rows - 1));
+      }
 
     // ---- one forward over all rows ----
     NIB_RETURN_IF_ERROR(cache_->begin_batch(row_seq, row_pos));
     stats_.peak_pages_in_use = std::max(stats_.peak_pages_in_use, cache_->num_pages() - cache_->free_pages());
-    logits.resize(static_cast<size_t>(N * V));
+    logits.resize(std::max<size_t>(logit_rows.size(), 1) * static_cast<size_t>(V));
     model::DecodeBatch batch;
     batch.tokens = row_tok.data();
     batch.positions = row_pos.data();
     batch.N = N;
     batch.kv = cache_.get();
     batch.linears = linears_.get();
+    static const int32_t kNoRow = 0;  // a step of unfinished prompt chunks only: no logits at all
+    batch.logit_rows = logit_rows.empty() ? &kNoRow : logit_rows.data();
+    batch.num_logit_rows = static_cast<int64_t>(logit_rows.size());
     const bool record_routing = recorders != nullptr && recorders->routing != nullptr && Lm > 0;
     const bool record = (callbacks.on_routing || record_routing) && Lm > 0;
     RecordedRows rec_rows;
@@ -383,7 +407,7 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
       Prefill& pf = prefills[c.prefill];
       pf.fed += c.rows;
       if (pf.fed < static_cast<int64_t>(requests[pf.request].prompt.size())) continue;
-      const float* row = logits.data() + (c.first_row + c.rows - 1) * V;  // the last prompt position
+      const float* row = logits.data() + c.logit * V;  // the last prompt position
       for (size_t si : pf.samples) samples[si].seq = pf.samples.size() == 1 ? pf.seq : cache_->fork(pf.seq);
       if (pf.samples.size() > 1) cache_->release(pf.seq);
       pf.seq = -1;  // handed to the samples

@@ -128,6 +128,13 @@ class Engine {
 
   // Re-quantizes the weights after the model's master weights changed (weight sync).
   Status refresh_weights();
+  // Weights received already quantized (w4a16 / w4a4; QuantizedLinears::set_quantized_weights):
+  // from a trainer, one QuantizedTensor per block linear (linear_infos() order) in the model's
+  // backend memory (RL's weight sync hand-over); or from a `nibble quantize --format nvfp4-2level`
+  // file (quantized_weights.h). Bit for bit what refresh_weights() makes from the weights they
+  // were quantized from (for the file: from the BF16 values of those weights).
+  Status receive_quantized_weights(const std::vector<backend::QuantizedTensor>& per_linear);
+  Status load_quantized_weights(const std::string& path);
 
   const PagedKvCache& cache() const { return *cache_; }
   // The block linears of the bf16 / w4a16 / w4a4 modes (null in the recipe mode).

@@ -407,6 +407,81 @@ TEST(RolloutEngine, W4A16WeightsAreTheTrainerQuantizerBits) {
   EXPECT_NE(lps[1], lps[2]);
 }
 
+// The trainer hand-over (RL weight sync): an engine on other weights receives a trainer's
+// quantizer output (the backend quantizer on the BF16 master weights, as the recipes' forward) and
+// then holds, bit for bit, what an engine created on the trainer's weights holds, and generates
+// the same tokens and log-probs.
+TEST(RolloutEngine, QuantizedWeightsHandedOverEqualQuantizingInTheEngine) {
+  auto trainer = tiny_olmo("tetrajet-v2");
+  nlohmann::json j = model::test::tiny_olmo2_model_json(48);
+  j["initializer_range"] = 0.3;
+  model::RecipeConfig rc;
+  rc.name = "tetrajet-v2";
+  auto other = model::Model::create(model::parse_model_config(j).value(), rc).value();
+  other->init_weights(8);  // other weights; the non-linear parameters (norms, embeddings) copied below
+  std::vector<float> params(static_cast<size_t>(trainer->num_params()));
+  trainer->download_parameters(params.data());
+  std::vector<float> scrambled = params;
+  for (const model::LinearInfo& info : trainer->linear_infos()) {
+    const int64_t off = trainer->linear_weight(info.id) - trainer->flat_values();
+    for (int64_t i = 0; i < info.N * info.K; ++i) scrambled[off + i] = -0.5f * params[off + i] + 0.01f;
+  }
+  other->upload_parameters(scrambled.data());
+  for (PrecisionMode mode : {PrecisionMode::kW4A16, PrecisionMode::kW4A4}) {
+    EngineOptions o;
+    o.mode = mode;
+    o.recipe_name = "tetrajet-v2";
+    auto reference = make_engine(*trainer, o);
+    auto receiver = make_engine(*other, o);
+    // the trainer side: its backend quantizer on each linear's BF16 weight, in backend memory
+    backend::Backend& be = trainer->backend();
+    std::vector<std::unique_ptr<backend::QuantizedBuffer>> bufs;
+    std::vector<backend::QuantizedTensor> handed;
+    backend::Buffer<float> wb;
+    for (const model::LinearInfo& info : trainer->linear_infos()) {
+      float* w16 = wb.ensure(be, info.N * info.K, "test bf16 weight");
+      be.round_to_bf16(w16, trainer->linear_weight(info.id), info.N * info.K);
+      bufs.push_back(std::make_unique<backend::QuantizedBuffer>());
+      handed.push_back(bufs.back()->view(be, backend::QuantFormat::kNvfp4TwoLevel, info.N, info.K));
+      be.quantize(handed.back(), w16);
+    }
+    auto before = receiver->generate({greedy_request(prompt_of(7, 4), 12)});
+    ASSERT_TRUE(receiver->receive_quantized_weights(handed).is_ok());
+    for (const model::LinearInfo& info : trainer->linear_infos()) {
+      const backend::QuantizedTensor& a = reference->linears()->quantized_weight(info.id);
+      const backend::QuantizedTensor& b = receiver->linears()->quantized_weight(info.id);
+      ASSERT_EQ(std::memcmp(a.codes, b.codes, info.N * info.K / 2), 0) << info.name;
+      ASSERT_EQ(std::memcmp(a.scales, b.scales, info.N * info.K / 16), 0) << info.name;
+      ASSERT_EQ(std::memcmp(a.outer, b.outer, info.N * ((info.K + 127) / 128) * sizeof(float)), 0) << info.name;
+    }
+    std::vector<Request> reqs{greedy_request(prompt_of(7, 4), 12), sampled_request(prompt_of(5, 3), 10, 2, 17)};
+    auto want = reference->generate(reqs);
+    auto got = receiver->generate(reqs);
+    ASSERT_TRUE(want.is_ok() && got.is_ok());
+    for (size_t i = 0; i < want->size(); ++i) {
+      EXPECT_EQ((*want)[i].tokens, (*got)[i].tokens) << "completion " << i;
+      EXPECT_EQ((*want)[i].logprobs, (*got)[i].logprobs) << "completion " << i;  // same weights, same code path
+    }
+    ASSERT_TRUE(before.is_ok());
+    EXPECT_NE((*before)[0].logprobs, (*got)[0].logprobs);  // the hand-over changed the weights
+    // mismatches are errors that change nothing
+    std::vector<backend::QuantizedTensor> short_list(handed.begin(), handed.end() - 1);
+    EXPECT_FALSE(receiver->receive_quantized_weights(short_list).is_ok());
+    std::vector<backend::QuantizedTensor> wrong = handed;
+    wrong[0].rows -= 1;
+    auto st = receiver->receive_quantized_weights(wrong);
+    ASSERT_FALSE(st.is_ok());
+    EXPECT_NE(st.message().find(trainer->linear_infos()[0].name), std::string::npos) << st.message();
+    wrong = handed;
+    wrong[1].format = backend::QuantFormat::kNvfp4Te2d;
+    EXPECT_FALSE(receiver->receive_quantized_weights(wrong).is_ok());
+  }
+  EngineOptions bf;
+  bf.mode = PrecisionMode::kBf16;
+  auto e = make_engine(*other, bf);
+  EXPECT_FALSE(e->receive_quantized_weights({}).is_ok());
+}
+
 TEST(RolloutEngine, SamplingIsReproduciblePerSeedAndIndependentOfTheBatch) {
   auto m = tiny_olmo();
   auto e = make_engine(*m);

@@ -30,6 +30,8 @@ Result<std::unique_ptr<QuantizedLinears>> QuantizedLinears::create(model::Model&
   NIB_CHECK_MSG(mode != PrecisionMode::kRecipe, "QuantizedLinears: the recipe mode runs the model's recipes");
   std::unique_ptr<QuantizedLinears> q(new QuantizedLinears);
   q->mode_ = mode;
+  q->be_ = &model.backend();
+  q->infos_ = model.linear_infos();
   const bool te = recipe_name == "nvfp4-nvidia";
   q->weight_format_ = te ? QuantFormat::kNvfp4Te2d : QuantFormat::kNvfp4TwoLevel;
   q->act_format_ = te ? QuantFormat::kNvfp4Te : QuantFormat::kNvfp4TwoLevel;
@@ -64,6 +66,45 @@ const backend::QuantizedTensor& QuantizedLinears::quantized_weight(int id) const
   return slots_[id]->q;
 }
 
+Status QuantizedLinears::set_quantized_weights(const std::vector<backend::QuantizedTensor>& weights, Memory where) {
+  using backend::QuantizedTensor;
+  if (mode_ == PrecisionMode::kBf16)
+    return invalid_argument("quantized weights: the bf16 mode keeps BF16 weights (use w4a16 or w4a4)");
+  if (weights.size() != infos_.size())
+    return invalid_argument("quantized weights: {} given, the model has {} block linears", weights.size(),
+                            infos_.size());
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const QuantizedTensor& w = weights[i];
+    const model::LinearInfo& info = infos_[i];
+    if (w.format != weight_format_)
+      return invalid_argument("quantized weights: {} is {}, this engine's weights are {}", info.name,
+                              backend::quant_format_name(w.format), backend::quant_format_name(weight_format_));
+    if (w.rows != info.N || w.cols != info.K)
+      return invalid_argument("quantized weights: {} is ({}, {}), the model's is ({}, {})", info.name, w.rows, w.cols,
+                              info.N, info.K);
+    if (!w.codes || !w.scales || !w.outer) return invalid_argument("quantized weights: {} has a null part", info.name);
+  }
+  backend::Backend& be = *be_;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const QuantizedTensor& w = weights[i];
+    Slot& slot = *slots_[i];
+    const int64_t cb = QuantizedTensor::code_bytes(w.format, w.rows, w.cols);
+    const int64_t sb = QuantizedTensor::scale_bytes(w.format, w.rows, w.cols);
+    const int64_t ob = 4 * QuantizedTensor::outer_count(w.format, w.rows, w.cols);
+    if (where == Memory::kHost) {
+      be.copy_to_device(slot.q.codes, w.codes, static_cast<size_t>(cb));
+      be.copy_to_device(slot.q.scales, w.scales, static_cast<size_t>(sb));
+      be.copy_to_device(slot.q.outer, w.outer, static_cast<size_t>(ob));
+    } else {
+      be.copy(slot.q.codes, w.codes, static_cast<size_t>(cb));
+      be.copy(slot.q.scales, w.scales, static_cast<size_t>(sb));
+      be.copy(slot.q.outer, w.outer, static_cast<size_t>(ob));
+    }
+    be.dequantize(slot.w.data(), slot.q);  // create()'s GEMM weight from the same codes
+  }
+  return Status::ok();
+}
+
 void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
                                const model::LinearInfo& info) {
   NIB_CHECK(info.id >= 0 && info.id < static_cast<int>(slots_.size()));
@@ -83,8 +124,14 @@ void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, c
     be.dequantize(xd, qx);
     a = xd;
   }
-  // bf16: both operands are BF16 numbers; the dequantized NVFP4 values carry FP32 scales.
-  be.matmul_nt(y, a, s.w.data(), M, N, K, /*accumulate=*/false, /*operands_bf16=*/mode_ == PrecisionMode::kBf16);
+  // bf16: both operands are BF16 numbers; the dequantized NVFP4 values carry FP32 scales. Decode
+  // batches (M <= kPackedGemmMaxRows) of two-level weights read the packed codes (the CUDA GEMV
+  // dequantizes in registers; the CPU's is dequantize + matmul_nt, these very numbers).
+  if (mode_ != PrecisionMode::kBf16 && M <= kPackedGemmMaxRows && s.q.format == QuantFormat::kNvfp4TwoLevel &&
+      K % 32 == 0 && be.supports(backend::Op::kNvfp4WeightGemm))
+    be.matmul_nt_nvfp4_weight(y, a, s.q, M);
+  else
+    be.matmul_nt(y, a, s.w.data(), M, N, K, /*accumulate=*/false, /*operands_bf16=*/mode_ == PrecisionMode::kBf16);
   if (mode_ != PrecisionMode::kBf16) be.round_to_bf16(y, y, M * N);  // as the 4-bit recipes: the GEMM writes BF16
 }
 

@@ -9,8 +9,8 @@
 //          dequantized exactly for the GEMM; activations BF16.
 //   w4a4   as w4a16, and the BF16 activation entering each linear quantized (RTN) with the
 //          same quantizer and dequantized.
-// The CPU emulates the math; the dequantized weight is kept beside the codes (the CUDA decode
-// GEMMs that read the packed codes are issue #15's next step).
+// The CPU emulates the math; the dequantized weight is kept beside the codes. The 4-bit weights
+// may also arrive already quantized (set_quantized_weights: a trainer or a checkpoint).
 #pragma once
 
 #include <memory>
@@ -40,6 +40,9 @@ Result<PrecisionMode> parse_precision_mode(const std::string& s);
 
 class QuantizedLinears final : public model::LinearOverride {
  public:
+  // Rows up to which the 4-bit modes multiply through Backend::matmul_nt_nvfp4_weight (the packed
+  // weights; decode batches), above it through the dequantized weight (prefill chunks).
+  static constexpr int64_t kPackedGemmMaxRows = 64;
   // Prepares every block linear of `model` for `mode` (not kRecipe) from its current master weights (call again
   // after the weights change). recipe_name picks the NVFP4 layout ("nvfp4-nvidia": TE formats;
   // any other: two-level). Errors: a linear whose in-features (or, for the TE tile format,
@@ -55,6 +58,16 @@ class QuantizedLinears final : public model::LinearOverride {
   // Bytes the weights of the block linears take in this mode's storage (codes + scales, or BF16).
   int64_t weight_bytes() const { return weight_bytes_; }
 
+  // Weights received already quantized (issue #15 §2): weights[i] is the weight of linear i
+  // (linear_infos() order) in weight_format(), shape (N, K); `where` says whether its pointers are
+  // host memory (a checkpoint read) or the model's backend memory (a trainer's quantizer output:
+  // RL's weight sync). Codes and scales are copied and the GEMM weight is their dequantization,
+  // as create() does after quantizing, so the result is bit for bit create()'s on the weights
+  // they were quantized from. Errors (nothing changed): the bf16 mode, a count, format or shape
+  // that does not match.
+  enum class Memory { kHost, kBackend };
+  Status set_quantized_weights(const std::vector<backend::QuantizedTensor>& weights, Memory where);
+
   void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
                const model::LinearInfo& info) override;
   // w4a4: every quantized activation is shown to `observer` (null: none) right after quantizing.
@@ -66,6 +79,8 @@ class QuantizedLinears final : public model::LinearOverride {
     backend::QuantizedTensor q;  // 4-bit modes
     backend::Buffer<float> w;    // (N,K): bf16-rounded (bf16) or dequantized (4-bit) weight for the GEMM
   };
+  backend::Backend* be_ = nullptr;
+  std::vector<model::LinearInfo> infos_;
   PrecisionMode mode_ = PrecisionMode::kBf16;
   backend::QuantFormat weight_format_ = backend::QuantFormat::kNvfp4TwoLevel;
   backend::QuantFormat act_format_ = backend::QuantFormat::kNvfp4TwoLevel;

@@ -1,0 +1,34 @@
+// Block-linear weights received already quantized from a checkpoint (issue #15 §2): the file
+// `nibble quantize --format nvfp4-2level` writes (raw layout, RTN; tools/quantize_io.h): per HF
+// weight `W` the tensors `W.codes` (N, K/2) u8, `W.scales` (N, K/16) u8 E4M3 and `W.global`
+// (N, K/128) f32. The model's fused linears (q|k|v, gate|up) are their HF members' rows stacked,
+// which for this per-row format are the bits of quantizing the fused weight. The engine takes the
+// result through QuantizedLinears::set_quantized_weights (Engine::load_quantized_weights).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "model/transformer.h"
+
+namespace nibble::rollout {
+
+// Host copies of every block linear's quantized weight, in linear_infos() order, and views of
+// them (QuantizedTensor with host pointers; valid while this object lives and is not moved from).
+struct HostQuantizedLinears {
+  std::vector<std::vector<uint8_t>> codes, scales;
+  std::vector<std::vector<float>> outer;
+  std::vector<backend::QuantizedTensor> views;
+};
+
+// Reads the quantized weights of `model`'s block linears from `path` (a safetensors file or
+// sharded folder). Errors (one line): an unreadable file (kNotFound / kDataLoss); a file that is
+// not a `nibble quantize` nvfp4-2level raw RTN output, a missing member, a wrong dtype or shape
+// (kDataLoss); a block linear whose in-features are not a multiple of 128 (the tool copies
+// those unquantized; kInvalidArgument).
+Result<HostQuantizedLinears> read_quantized_linears(const std::string& path, model::Model& model);
+
+}  // namespace nibble::rollout

@@ -1,0 +1,112 @@
+// Weights received already quantized from a checkpoint (issue #15 §2): `nibble quantize --format
+// nvfp4-2level` (the built binary) of a model's weights, loaded by the rollout engine
+// (Engine::load_quantized_weights), gives bit for bit the weights the engine makes by quantizing
+// the same BF16 weights itself (fused q|k|v and gate|up stacked from their HF members), and the
+// same tokens and log-probs; files of another format, layout or rounding, or not quantized at
+// all, are one-line errors that change nothing.
+#include <cstring>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "core/bits.h"
+#include "model/config.h"
+#include "model/tiny_olmo2_test_util.h"
+#include "rollout/engine.h"
+#include "tools/cli_test_util.h"
+
+namespace nibble::tools::test {
+namespace {
+
+// A tiny OLMo-2 whose linears all have in-features of multiples of 128 (what the tool quantizes),
+// master weights holding BF16 values (the engine quantizes the BF16 weight).
+std::unique_ptr<model::Model> model_128(uint64_t seed) {
+  nlohmann::json j = model::test::tiny_olmo2_model_json(48);
+  j["hidden_size"] = 128;
+  j["intermediate_size"] = 256;
+  j["num_attention_heads"] = 4;
+  j["num_key_value_heads"] = 2;
+  j["initializer_range"] = 0.3;
+  model::RecipeConfig rc;
+  rc.name = "tetrajet-v2";
+  auto m = model::Model::create(model::parse_model_config(j).value(), rc).value();
+  m->init_weights(seed);
+  std::vector<float> p(static_cast<size_t>(m->num_params()));
+  m->download_parameters(p.data());
+  for (float& x : p) x = round_to_bf16(x);
+  m->upload_parameters(p.data());
+  return m;
+}
+
+std::vector<io::NamedTensor> parameters_of(model::Model& m) {
+  std::vector<io::NamedTensor> out;
+  for (model::Parameter& p : m.parameters()) out.push_back({p.name, p.value});
+  return out;
+}
+
+TEST(QuantizedWeightsFile, NibbleQuantizeOutputEqualsTheEnginesOwnQuantization) {
+  ScratchDir dir("quantized_weights");
+  auto trained = model_128(7);
+  ASSERT_TRUE(io::write_safetensors(dir / "model.safetensors", parameters_of(*trained)).is_ok());
+  RunResult q = run_nibble(dir.path, "quantize '" + (dir / "model.safetensors") + "' '" + (dir / "q.safetensors") +
+                                         "' --format nvfp4-2level");
+  ASSERT_EQ(q.code, 0) << q.err;
+  auto other = model_128(8);  // other weights: the file's must replace them
+  std::vector<float> keep(static_cast<size_t>(trained->num_params()));
+  trained->download_parameters(keep.data());
+  std::vector<float> mixed = keep;
+  std::vector<float> theirs(static_cast<size_t>(other->num_params()));
+  other->download_parameters(theirs.data());
+  for (const model::LinearInfo& info : trained->linear_infos()) {
+    const int64_t off = trained->linear_weight(info.id) - trained->flat_values();
+    std::copy(theirs.begin() + off, theirs.begin() + off + info.N * info.K, mixed.begin() + off);
+  }
+  other->upload_parameters(mixed.data());  // norms and embeddings as `trained`, linears not
+  for (rollout::PrecisionMode mode : {rollout::PrecisionMode::kW4A16, rollout::PrecisionMode::kW4A4}) {
+    rollout::EngineOptions o;
+    o.mode = mode;
+    o.recipe_name = "tetrajet-v2";
+    auto own = rollout::Engine::create(*trained, o).value();
+    auto loaded = rollout::Engine::create(*other, o).value();
+    auto st = loaded->load_quantized_weights(dir / "q.safetensors");
+    ASSERT_TRUE(st.is_ok()) << st.message();
+    for (const model::LinearInfo& info : trained->linear_infos()) {
+      const backend::QuantizedTensor& a = own->linears()->quantized_weight(info.id);
+      const backend::QuantizedTensor& b = loaded->linears()->quantized_weight(info.id);
+      ASSERT_EQ(std::memcmp(a.codes, b.codes, info.N * info.K / 2), 0) << info.name;
+      ASSERT_EQ(std::memcmp(a.scales, b.scales, info.N * info.K / 16), 0) << info.name;
+      ASSERT_EQ(std::memcmp(a.outer, b.outer, info.N * info.K / 128 * sizeof(float)), 0) << info.name;
+    }
+    rollout::Request r;
+    r.prompt = {3, 14, 15, 9, 26, 5};
+    r.params.sampling.temperature = 0;
+    r.params.max_new_tokens = 10;
+    auto want = own->generate({r});
+    auto got = loaded->generate({r});
+    ASSERT_TRUE(want.is_ok() && got.is_ok());
+    EXPECT_EQ((*want)[0].tokens, (*got)[0].tokens);
+    EXPECT_EQ((*want)[0].logprobs, (*got)[0].logprobs);
+  }
+  // other formats, the unquantized file, a missing file: one-line errors
+  RunResult te = run_nibble(dir.path, "quantize '" + (dir / "model.safetensors") + "' '" + (dir / "te.safetensors") +
+                                          "' --format nvfp4");
+  ASSERT_EQ(te.code, 0) << te.err;
+  RunResult sr = run_nibble(dir.path, "quantize '" + (dir / "model.safetensors") + "' '" + (dir / "sr.safetensors") +
+                                          "' --format nvfp4-2level --rounding sr --seed 3");
+  ASSERT_EQ(sr.code, 0) << sr.err;
+  rollout::EngineOptions o;
+  o.mode = rollout::PrecisionMode::kW4A16;
+  auto e = rollout::Engine::create(*other, o).value();
+  for (const std::string f : {"te.safetensors", "sr.safetensors", "model.safetensors", "missing.safetensors"}) {
+    auto bad = e->load_quantized_weights(dir / f);
+    ASSERT_FALSE(bad.is_ok()) << f;
+    EXPECT_EQ(bad.message().find('\n'), std::string::npos) << bad.message();
+    EXPECT_NE(bad.message().find(f), std::string::npos) << bad.message();
+  }
+  rollout::EngineOptions bf;
+  bf.mode = rollout::PrecisionMode::kBf16;
+  EXPECT_FALSE(rollout::Engine::create(*other, bf).value()->load_quantized_weights(dir / "q.safetensors").is_ok());
+}
+
+}  // namespace
+}  // namespace nibble::tools::test
