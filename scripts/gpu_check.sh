@@ -18,7 +18,9 @@
 #                      also "bandwidth" (the format kernels' bandwidth vs device copy), "attn"
 #                      (nibble bench attention + PyTorch SDPA), "dist" (NCCL one-rank tests and a
 #                      one-rank pretrain against a plain one), "profile" (bench train --profile),
-#                      "rollout" (the rollout engine on CUDA against the CPU)
+#                      "rollout" (the rollout engine on CUDA against the CPU), "decode" (nibble bench
+#                      decode bf16 + w4a16 and bench/hf_generate_baseline.py: NIBBLE_DECODE_CONFIG,
+#                      NIBBLE_DECODE_BATCHES (1,16,64,256), NIBBLE_DECODE_NEW (64), NIBBLE_DECODE_MODES)
 #   NIBBLE_GPU_BUDGET_S  seconds the whole script may take (default 540): each part's timeout is cut
 #                      to what is left, so the call returns with its logs; the nibble benches keep
 #                      NIBBLE_GPU_TORCH_RESERVE_S (200) for the PyTorch baseline that follows
@@ -267,7 +269,7 @@ if want bench; then
   fi
 fi
 
-ATTN_RC=skip DIST_RC=skip PROF_RC=skip ROLL_RC=skip
+ATTN_RC=skip DIST_RC=skip PROF_RC=skip ROLL_RC=skip DEC_RC=skip
 if want attn; then
   # Causal attention alone: nibble's FP32 and BF16 kernels, then PyTorch's SDPA (BF16) at the same
   # shapes in the same call (bench/torch_attention_baseline.py).
@@ -300,6 +302,36 @@ if want rollout; then
     ROLL_RC=missing
   fi
   stamp "rollout exit code $ROLL_RC"
+fi
+
+if want decode; then
+  # The rollout engine's decode speed (issue #15 §4): `nibble bench decode` (random weights,
+  # 512-token prompts) per mode, then Hugging Face `transformers` generate on the same config,
+  # batches and token counts in the same call (bench/hf_generate_baseline.py): decode.jsonl,
+  # hf_generate.jsonl. Each run's limit is cut to what is left of NIBBLE_GPU_BUDGET_S.
+  DEC_RC=0
+  DEC_CONFIG=${NIBBLE_DECODE_CONFIG:-configs/olmo2-1b.json}
+  DEC_BATCHES=${NIBBLE_DECODE_BATCHES:-1,16,64,256}
+  DEC_NEW=${NIBBLE_DECODE_NEW:-64}
+  HF_RESERVE=0; python3 -c 'import torch, transformers' 2>/dev/null && HF_RESERVE=${NIBBLE_DECODE_HF_RESERVE_S:-150}
+  if [ -n "$NIBBLE" ] && "$NIBBLE" bench decode --help >/dev/null 2>&1; then
+    for mode in ${NIBBLE_DECODE_MODES:-bf16 w4a16}; do
+      stamp "nibble bench decode --config $DEC_CONFIG --mode $mode --batch $DEC_BATCHES --new $DEC_NEW"
+      timeout "$(limit 240 "$HF_RESERVE")" "$NIBBLE" bench decode --device cuda --config "$DEC_CONFIG" --mode "$mode" \
+        --batch "$DEC_BATCHES" --prompt 512 --new "$DEC_NEW" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log" || DEC_RC=$?
+      note_rc "bench decode $mode" "$DEC_RC"
+    done
+    cat "$OUT/decode.jsonl" "$OUT/decode.log" 2>/dev/null
+  else
+    DEC_RC=missing
+  fi
+  if [ "$HF_RESERVE" != 0 ]; then
+    stamp "Hugging Face generate: bench/hf_generate_baseline.py"
+    timeout "$(limit 240)" python3 bench/hf_generate_baseline.py --config "$DEC_CONFIG" --batch "$DEC_BATCHES" \
+      --prompt 512 --new "$DEC_NEW" >"$OUT/hf_generate.jsonl" 2>"$OUT/hf_generate.log" || DEC_RC=$?
+    cat "$OUT/hf_generate.jsonl"; tail -3 "$OUT/hf_generate.log"
+  fi
+  stamp "decode benches exit code $DEC_RC"
 fi
 
 if want dist; then
@@ -416,9 +448,9 @@ fi
   echo "op suite           rc=$OPS_RC ($(count "$OUT/ops_tests.log"))"
   echo "training step      rc=$TRAIN_RC ($(count "$OUT/train_tests.log"))"
   [ "$BENCH_RC" != skip ] && { echo "bandwidth bench    rc=$BENCH_RC"; grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |floor|te rht)' "$OUT/bench.log"; }
-  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC   rollout rc=$ROLL_RC"
+  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC   rollout rc=$ROLL_RC   decode rc=$DEC_RC"
   python3 scripts/gpu_table.py "$OUT" 2>&1
 } | tee "$OUT/table.txt"
 ok() { [ "$1" = 0 ] || [ "$1" = skip ]; }
 # A CLI without `bench train` yet, or a python3 without torch, is reported above, not a failure.
-ok "$TEST_RC" && ok "$OPS_RC" && ok "$TRAIN_RC" && ok "$BENCH_RC" && ok "${BENCHT_RC/missing/skip}" && ok "${TORCH_RC/missing/skip}" && ok "$ATTN_RC" && ok "$DIST_RC" && ok "$PROF_RC" && ok "${ROLL_RC/missing/skip}"
+ok "$TEST_RC" && ok "$OPS_RC" && ok "$TRAIN_RC" && ok "$BENCH_RC" && ok "${BENCHT_RC/missing/skip}" && ok "${TORCH_RC/missing/skip}" && ok "$ATTN_RC" && ok "$DIST_RC" && ok "$PROF_RC" && ok "${ROLL_RC/missing/skip}" && ok "${DEC_RC/missing/skip}"

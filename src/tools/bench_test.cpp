@@ -2,11 +2,14 @@
 // every row with a positive ratio to the memcpy measured in the same run, the GPU part either
 // prints its table or says it was skipped (CPU-only builds and GPU-less CI), and bad --size
 // values are argument errors (exit 2, one line). `nibble bench attention`: rows or the skip line,
-// bad --shape values exit 2.
+// bad --shape values exit 2. `nibble bench decode`: JSON lines with the bytes-per-step bound.
+#include <fstream>
 #include <sstream>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
+#include "model/tiny_olmo2_test_util.h"
 #include "tools/cli_test_util.h"
 
 namespace nibble::tools::test {
@@ -77,6 +80,39 @@ TEST(BenchCli, BadAttentionShapeIsAnArgumentError) {
     RunResult r = run_nibble(dir.path, "bench attention --shape " + shape);
     EXPECT_EQ(r.code, 2) << shape << ": " << r.out << r.err;
     EXPECT_EQ(r.err_lines(), 1) << r.err;
+  }
+}
+
+// `bench decode` on the CPU with a tiny config: one JSON line per batch with positive tokens/s,
+// a bound from the measured copy bandwidth and the bytes a step reads; bad values exit 2.
+TEST(BenchCli, DecodeJsonLinesOnATinyConfig) {
+  ScratchDir dir("bench_decode");
+  nlohmann::json cfg = model::test::tiny_olmo2_model_json(48);
+  std::ofstream(dir / "tiny.json") << cfg.dump();
+  RunResult r = run_nibble(dir.path, "bench decode --device cpu --config '" + (dir / "tiny.json") +
+                                         "' --mode w4a16 --batch 1,3 --prompt 5 --new 4");
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::istringstream lines(r.out);
+  std::string line;
+  std::vector<int64_t> batches;
+  while (std::getline(lines, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    batches.push_back(j.at("batch").get<int64_t>());
+    EXPECT_EQ(j.at("mode"), "w4a16");
+    EXPECT_GT(j.at("decode_tokens_per_s").get<double>(), 0);
+    EXPECT_GT(j.at("copy_gb_per_s").get<double>(), 0);
+    // the tiny model's 4-bit linears: 2 blocks of qkv 192x64, o 64x64, gate_up 256x64, down 64x128
+    // at 9/16 byte an element + 4 bytes per row and 128-block, the BF16 lm_head 48x64, and KV
+    const double linears = 2 * ((192 + 64 + 256) * (64 * 9 / 16.0 + 4) + 64 * (128 * 9 / 16.0 + 4));
+    const double kv = 2 * 2 * 64 * 2.0 * (5 + 4 / 2.0);  // layers x K,V x Hkv*D x bf16 x average context
+    EXPECT_NEAR(j.at("bytes_per_step").get<double>(), linears + 2 * 48 * 64 + j.at("batch").get<double>() * kv, 1.0);
+    EXPECT_GT(j.at("fraction_of_bound").get<double>(), 0);
+  }
+  EXPECT_EQ(batches, (std::vector<int64_t>{1, 3}));
+  for (const std::string& bad : {"--batch 0", "--batch 1,,2", "--mode recipe", "--new 1", "--kv-dtype fp4"}) {
+    RunResult b = run_nibble(dir.path, "bench decode --device cpu --config '" + (dir / "tiny.json") + "' " + bad);
+    EXPECT_EQ(b.code, 2) << bad << ": " << b.err;
+    EXPECT_EQ(b.err_lines(), 1) << b.err;
   }
 }
 

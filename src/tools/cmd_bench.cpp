@@ -7,6 +7,8 @@
 // linear layer per recipe against cuBLASLt BF16 (backend/cuda/linear_bench.h) on CUDA.
 // `nibble bench attention`: causal GQA attention forward/backward ms and TFLOP/s on CUDA in FP32
 // and BF16 precision (backend/cuda/attention_bench.h), BF16 next to FP32 measured in the same run.
+// `nibble bench decode`: the rollout engine's decode tokens/s per batch next to its bytes-per-step
+// bound at the device-copy bandwidth of the same run (rollout/decode_bench.h), JSON lines.
 #include <unistd.h>
 
 #include <cmath>
@@ -19,6 +21,7 @@
 #include "formats/cpu_bench.h"
 #include "model/config.h"
 #include "model/linear.h"
+#include "rollout/decode_bench.h"
 #include "tools/command.h"
 #include "tools/device_option.h"
 #include "tools/option_check.h"
@@ -53,6 +56,13 @@ struct BenchArgs {
   std::string filter;
   bool cpu_only = false;
   CLI::App* quantize = nullptr;
+};
+
+struct DecodeBenchArgs {
+  std::string config;  // empty: configs/olmo2-1b.json (here, else in the source tree)
+  std::string mode = "bf16", kv_dtype = "bf16", device, batches = "1,16,64,256";
+  int64_t prompt = 512, new_tokens = 128;
+  CLI::App* decode = nullptr;
 };
 
 struct AttentionBenchArgs {
@@ -378,6 +388,60 @@ int run_bench_train(const TrainBenchArgs& a) {
   return 0;
 }
 
+// The config path as given, or `fallback` here or in the source tree.
+std::string config_or_default(const std::string& given, const std::string& fallback) {
+  if (!given.empty()) return given;
+#ifdef NIBBLE_SOURCE_DIR
+  if (::access(fallback.c_str(), F_OK) != 0) return std::string(NIBBLE_SOURCE_DIR) + "/" + fallback;
+#endif
+  return fallback;
+}
+
+int run_bench_decode(const DecodeBenchArgs& a) {
+  rollout::DecodeBenchOptions o;
+  auto mode = rollout::parse_precision_mode(a.mode);
+  if (!mode || *mode == rollout::PrecisionMode::kRecipe)
+    return report_error("bench", invalid_argument("--mode '{}': bf16, w4a16 or w4a4", a.mode));
+  o.mode = *mode;
+  if (a.kv_dtype == "fp8") o.kv_format = backend::KvPageFormat::kFp8;
+  else if (a.kv_dtype == "nvfp4") o.kv_format = backend::KvPageFormat::kNvfp4;
+  else if (a.kv_dtype != "bf16") return report_error("bench", invalid_argument("--kv-dtype '{}': bf16, fp8 or nvfp4", a.kv_dtype));
+  std::vector<int64_t> batches;
+  for (size_t at = 0; at <= a.batches.size();) {
+    const size_t comma = std::min(a.batches.find(',', at), a.batches.size());
+    const std::string item = a.batches.substr(at, comma - at);
+    char* end = nullptr;
+    const long long b = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || b < 1 || b > kMaxBatch)
+      return report_error("bench", invalid_argument("--batch '{}': a comma list of sizes in [1, {}]", a.batches, kMaxBatch));
+    batches.push_back(b);
+    at = comma + 1;
+  }
+  const std::string config_path = config_or_default(a.config, "configs/olmo2-1b.json");
+  auto config = model::load_model_config(config_path);
+  if (!config) return report_error("bench", Status(config.status().code(), "--config: " + config.status().message()));
+  auto be = open_device(a.device);
+  if (!be) return report_error("bench", be.status());
+  o.prompt = a.prompt;
+  o.new_tokens = a.new_tokens;
+  if ((*be)->device() != Device::kCUDA) o.copy_bytes = int64_t{64} << 20;  // the CPU: a smaller copy suffices
+  for (int64_t b : batches) {
+    o.batch = b;
+    auto r = rollout::bench_decode(**be, *config, o);
+    if (!r) return report_error("bench", r.status());
+    nlohmann::json j{{"bench", "decode"}, {"config", config_path}, {"device", (*be)->name()},
+                     {"mode", a.mode}, {"kv_dtype", a.kv_dtype}, {"batch", b}, {"prompt", a.prompt},
+                     {"new_tokens", a.new_tokens}, {"prefill_s", r->prefill_seconds}, {"decode_s", r->decode_seconds},
+                     {"decode_tokens_per_s", r->decode_tokens_per_s}, {"weight_bytes", r->weight_bytes},
+                     {"kv_bytes_per_token", r->kv_bytes_per_token}, {"bytes_per_step", r->bytes_per_step},
+                     {"copy_gb_per_s", r->copy_bytes_per_s / 1e9}, {"bound_tokens_per_s", r->bound_tokens_per_s},
+                     {"fraction_of_bound", r->fraction_of_bound}};
+    std::printf("%s\n", j.dump().c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 CommandRun setup_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
   app.require_subcommand(1);
@@ -415,7 +479,18 @@ CommandRun setup_bench(CLI::App& app) {
   at->attention->add_option("--repeats", at->repeats, "Timed runs per pass (median; default 5)")
       ->check(IntegerIn(1, kMaxRepeats));
   at->attention->add_flag("--json", at->json, "One JSON object per row");
-  return [a, t, at]() -> int {
+  auto d = std::make_shared<DecodeBenchArgs>();
+  d->decode = app.add_subcommand("decode", "Rollout engine decode tokens/s per batch vs its bytes-per-step bound "
+                                           "(random weights; JSON lines)");
+  d->decode->add_option("--config", d->config, "Model config.json (default configs/olmo2-1b.json)");
+  d->decode->add_option("--mode", d->mode, "bf16 (default), w4a16 or w4a4");
+  d->decode->add_option("--kv-dtype", d->kv_dtype, "KV cache pages: bf16 (default), fp8 or nvfp4");
+  d->decode->add_option("--batch", d->batches, "Comma list of batch sizes (default 1,16,64,256)");
+  d->decode->add_option("--prompt", d->prompt, "Prompt tokens per sequence (default 512)")->check(IntegerIn(1, kMaxSeq));
+  d->decode->add_option("--new", d->new_tokens, "New tokens per sequence (default 128)")->check(IntegerIn(2, kMaxSeq));
+  add_device_option(*d->decode, &d->device);
+  return [a, t, at, d]() -> int {
+    if (d->decode->parsed()) return run_bench_decode(*d);
     if (a->quantize->parsed()) return run_bench_quantize(*a);
     if (t->train->parsed()) return run_bench_train(*t);
     if (at->attention->parsed()) return run_bench_attention(*at);
@@ -427,7 +502,7 @@ CommandRun setup_bench(CLI::App& app) {
 
 NIBBLE_REGISTER_COMMAND(bench_command, "bench",
                         "Benchmarks (bench quantize: quantizer bandwidth vs memcpy; bench train: training-step speed; "
-                        "bench attention: attention TFLOP/s)",
+                        "bench attention: attention TFLOP/s; bench decode: rollout decode tokens/s)",
                         setup_bench);
 
 }  // namespace nibble::tools

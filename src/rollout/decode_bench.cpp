@@ -1,0 +1,110 @@
+// The rollout engine's decode benchmark (see decode_bench.h).
+#include "rollout/decode_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "core/philox.h"
+#include "rollout/engine.h"
+
+namespace nibble::rollout {
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Bytes of linear `info`'s weight in `mode`'s storage.
+double linear_bytes(const model::LinearInfo& info, PrecisionMode mode) {
+  const double nk = static_cast<double>(info.N) * static_cast<double>(info.K);
+  if (mode == PrecisionMode::kBf16 || mode == PrecisionMode::kRecipe) return 2 * nk;
+  return nk / 2 + nk / 16 + 4.0 * static_cast<double>(info.N) * static_cast<double>((info.K + 127) / 128);
+}
+
+}  // namespace
+
+double measure_copy_bandwidth(backend::Backend& be, int64_t bytes, int repeats) {
+  backend::Buffer<uint8_t> src, dst;
+  uint8_t* s = src.ensure(be, bytes, "bandwidth source");
+  uint8_t* d = dst.ensure(be, bytes, "bandwidth destination");
+  be.fill_zero(s, static_cast<size_t>(bytes));
+  be.copy(d, s, static_cast<size_t>(bytes));  // warm-up
+  be.synchronize();
+  double best = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    be.copy(d, s, static_cast<size_t>(bytes));
+    be.synchronize();
+    best = std::min(best, seconds_since(t0));
+  }
+  return 2.0 * static_cast<double>(bytes) / best;
+}
+
+Result<DecodeBenchResult> bench_decode(backend::Backend& be, const model::ModelConfig& config,
+                                       const DecodeBenchOptions& o) {
+  if (o.batch < 1 || o.prompt < 1 || o.new_tokens < 2)
+    return invalid_argument("bench decode: batch and prompt must be >= 1 and new tokens >= 2");
+  if (o.prompt + o.new_tokens > config.max_position_embeddings)
+    return invalid_argument("bench decode: prompt {} + new {} exceeds the context of {} positions", o.prompt,
+                            o.new_tokens, config.max_position_embeddings);
+  model::RecipeConfig rc;
+  rc.name = "bf16";
+  NIB_ASSIGN_OR_RETURN(auto m, model::Model::create(config, rc, &be));
+  m->init_weights(o.seed);
+  EngineOptions eo;
+  eo.mode = o.mode;
+  eo.kv_format = o.kv_format;
+  eo.max_batch = o.batch;
+  eo.page_size = 16;
+  const int64_t per_seq = (o.prompt + o.new_tokens + eo.page_size - 1) / eo.page_size + 1;
+  eo.num_pages = o.batch * per_seq + 1;
+  eo.max_step_tokens = std::max<int64_t>(o.batch, std::min<int64_t>(8192, o.batch * o.prompt));
+  eo.share_prefix = false;
+  NIB_ASSIGN_OR_RETURN(auto engine, Engine::create(*m, eo));
+  std::vector<Request> reqs(static_cast<size_t>(o.batch));
+  PhiloxStream rng(o.seed, 0xBE7C);
+  for (int64_t b = 0; b < o.batch; ++b) {
+    Request& r = reqs[b];
+    r.id = static_cast<uint64_t>(b);
+    for (int64_t t = 0; t < o.prompt; ++t) r.prompt.push_back(static_cast<int32_t>(rng.next_u32() % config.vocab_size));
+    r.params.sampling.temperature = 0;  // greedy: every sequence runs all new tokens (no stop ids)
+  }
+  auto timed = [&](int64_t new_tokens) -> Result<double> {
+    for (Request& r : reqs) r.params.max_new_tokens = new_tokens;
+    const auto t0 = std::chrono::steady_clock::now();
+    NIB_ASSIGN_OR_RETURN(auto out, engine->generate(reqs));
+    (void)out;
+    be.synchronize();
+    return seconds_since(t0);
+  };
+  NIB_RETURN_IF_ERROR(timed(2).status());  // warm-up (allocations, kernels)
+  DecodeBenchResult res;
+  NIB_ASSIGN_OR_RETURN(res.prefill_seconds, timed(1));
+  NIB_ASSIGN_OR_RETURN(double total, timed(o.new_tokens));
+  res.decode_seconds = std::max(total - res.prefill_seconds, 1e-9);
+  res.decode_tokens_per_s = static_cast<double>(o.batch * (o.new_tokens - 1)) / res.decode_seconds;
+  // bytes one decode step must read: the block linears (MoE: the experts the batch routes to, in
+  // expectation E (1 - (1 - k/E)^batch) of E per layer), the lm_head in BF16, the KV pages of
+  // the average context
+  const double E = static_cast<double>(std::max<int64_t>(config.num_experts, 1));
+  const double k = static_cast<double>(std::max<int64_t>(config.num_experts_per_tok, 1));
+  const double expert_share =
+      config.num_experts > 0 ? std::min(1.0, (1.0 - std::pow(1.0 - k / E, static_cast<double>(o.batch)))) : 1.0;
+  double weights = 0;
+  for (const model::LinearInfo& info : m->linear_infos())
+    weights += linear_bytes(info, o.mode) * (info.expert >= 0 ? expert_share : 1.0);
+  weights += 2.0 * static_cast<double>(config.vocab_size) * static_cast<double>(config.hidden_size);
+  res.weight_bytes = static_cast<int64_t>(weights);
+  res.kv_bytes_per_token =
+      2 * config.num_hidden_layers * backend::kv_token_bytes(o.kv_format, config.num_key_value_heads, config.head_dim);
+  const double avg_context = static_cast<double>(o.prompt) + static_cast<double>(o.new_tokens) / 2;
+  res.bytes_per_step = weights + static_cast<double>(o.batch) * avg_context * static_cast<double>(res.kv_bytes_per_token);
+  res.copy_bytes_per_s = measure_copy_bandwidth(be, o.copy_bytes, 5);
+  res.bound_tokens_per_s = static_cast<double>(o.batch) * res.copy_bytes_per_s / res.bytes_per_step;
+  res.fraction_of_bound = res.decode_tokens_per_s / res.bound_tokens_per_s;
+  return res;
+}
+
+}  // namespace nibble::rollout

@@ -1,0 +1,47 @@
+// `nibble bench decode` (issue #15 §4): decode tokens/s of the rollout engine on random weights for
+// a model config, precision mode and batch size (batch prompts of `prompt` random tokens, `new`
+// greedy tokens each), next to the bound set by the bytes a decode step must read (the block
+// linears in the mode's storage, the FP32 lm_head and embedding rows, the KV pages of the average
+// context) at the device-copy bandwidth measured in the same run. Decode time = time of a run
+// generating `new` tokens minus a run generating 1 (the prefill and its first token).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "model/config.h"
+#include "rollout/precision.h"
+
+namespace nibble::rollout {
+
+struct DecodeBenchOptions {
+  PrecisionMode mode = PrecisionMode::kBf16;
+  backend::KvPageFormat kv_format = backend::KvPageFormat::kBf16;
+  int64_t batch = 1, prompt = 512, new_tokens = 128;
+  uint64_t seed = 1;
+  int64_t copy_bytes = int64_t{1} << 30;  // size of the bandwidth-measuring copy
+};
+
+struct DecodeBenchResult {
+  double prefill_seconds = 0;       // prefill + the first token of every sequence
+  double decode_seconds = 0;        // the remaining new_tokens - 1 steps
+  double decode_tokens_per_s = 0;   // batch * (new_tokens - 1) / decode_seconds
+  double bytes_per_step = 0;        // weights + KV read by one decode step (average context)
+  double copy_bytes_per_s = 0;      // measured device-to-device copy: bytes read + written per second
+  double bound_tokens_per_s = 0;    // batch * copy_bytes_per_s / bytes_per_step
+  double fraction_of_bound = 0;
+  int64_t weight_bytes = 0, kv_bytes_per_token = 0;
+};
+
+// Runs the benchmark on `be`. Errors: bad options (new_tokens < 2, a prompt that does not fit the
+// context), out of memory (one line).
+Result<DecodeBenchResult> bench_decode(backend::Backend& be, const model::ModelConfig& config,
+                                       const DecodeBenchOptions& options);
+
+// Bandwidth of `be` measured with a device-to-device copy of `bytes` (best of `repeats`): bytes
+// moved (2 * bytes: read and written) per second, what a read-only stream can reach at best.
+double measure_copy_bandwidth(backend::Backend& be, int64_t bytes, int repeats);
+
+}  // namespace nibble::rollout
