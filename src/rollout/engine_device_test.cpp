@@ -9,6 +9,7 @@
 // (NIBBLE_ENGINE_TEST_DEVICE=cpu runs the cases CPU against CPU in a CPU-only build too).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -76,6 +77,26 @@ std::vector<Request> greedy_requests() {
   return reqs;
 }
 
+// Greedy decoding with options `o` on the CPU model and the device model (same weights): the same
+// tokens, log-probs within the bf16 tolerance of engine_test.cpp, every device page back.
+void expect_same_greedy_tokens(model::Model& cpu_model, model::Model& dev_model, const EngineOptions& o) {
+  auto ce = Engine::create(cpu_model, o);
+  auto de = Engine::create(dev_model, o);
+  ASSERT_TRUE(ce.is_ok()) << ce.status().message();
+  ASSERT_TRUE(de.is_ok()) << de.status().message();
+  auto c = (*ce)->generate(greedy_requests());
+  auto d = (*de)->generate(greedy_requests());
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  ASSERT_TRUE(d.is_ok()) << d.status().message();
+  ASSERT_EQ(c->size(), d->size());
+  for (size_t i = 0; i < c->size(); ++i) {
+    EXPECT_EQ((*c)[i].tokens, (*d)[i].tokens) << "request " << i << " on " << dev_model.backend().name();
+    for (size_t t = 0; t < std::min((*c)[i].logprobs.size(), (*d)[i].logprobs.size()); ++t)
+      EXPECT_NEAR((*c)[i].logprobs[t], (*d)[i].logprobs[t], 0.05) << "request " << i << " token " << t;
+  }
+  EXPECT_EQ((*de)->cache().free_pages(), (*de)->cache().num_pages());
+}
+
 TEST(RolloutEngineDevice, GreedyBf16TokensMatchTheCpu) {
   std::string why;
   auto dev = make_device_backend(&why);
@@ -85,56 +106,30 @@ TEST(RolloutEngineDevice, GreedyBf16TokensMatchTheCpu) {
   EngineOptions o;
   o.mode = PrecisionMode::kBf16;
   o.page_size = 8;
-  auto ce = Engine::create(*cpu_model, o);
-  auto de = Engine::create(*dev_model, o);
-  ASSERT_TRUE(ce.is_ok()) << ce.status().message();
-  ASSERT_TRUE(de.is_ok()) << de.status().message();
-  auto c = (*ce)->generate(greedy_requests());
-  auto d = (*de)->generate(greedy_requests());
-  ASSERT_TRUE(c.is_ok()) << c.status().message();
-  ASSERT_TRUE(d.is_ok()) << d.status().message();
-  ASSERT_EQ(c->size(), d->size());
-  for (size_t i = 0; i < c->size(); ++i) {
-    EXPECT_EQ((*c)[i].tokens, (*d)[i].tokens) << "request " << i << " on " << dev->name();
-    for (size_t t = 0; t < std::min((*c)[i].logprobs.size(), (*d)[i].logprobs.size()); ++t)
-      EXPECT_NEAR((*c)[i].logprobs[t], (*d)[i].logprobs[t], 0.05) << "request " << i << " token " << t;
-  }
-  EXPECT_EQ((*de)->cache().free_pages(), (*de)->cache().num_pages());
+  expect_same_greedy_tokens(*cpu_model, *dev_model, o);
 }
 
 // FP8 / NVFP4 pages: both backends quantize with the same codec (kv_page_codec.h, bit-exact in the
 // op suite), so the pages differ only where a K/V element's FP32 value (different GEMM orders)
 // crosses a rounding boundary of the format; the greedy tokens agree wherever the logits do, and
-// the log-probs within the bf16 tolerance above (a flipped code moves a score by ~ the step of the
-// format, rare at these sizes: measured equal).
+// the log-probs within the bf16 tolerance (a flipped code moves a score by about the format's step,
+// rare at these sizes). Also the w4a16 mode, whose decode steps take the packed-weight GEMM.
 TEST(RolloutEngineDevice, GreedyTokensWithQuantizedKvPagesMatchTheCpu) {
   std::string why;
   auto dev = make_device_backend(&why);
   if (!dev) GTEST_SKIP() << why;
   auto cpu_model = tiny_olmo(&backend::cpu_backend());
   auto dev_model = tiny_olmo(dev.get(), cpu_model.get());
-  for (backend::KvPageFormat f : {backend::KvPageFormat::kFp8, backend::KvPageFormat::kNvfp4}) {
-    SCOPED_TRACE(backend::kv_page_format_name(f));
-    EngineOptions o;
-    o.mode = PrecisionMode::kBf16;
-    o.kv_format = f;
-    o.page_size = 8;
-    auto ce = Engine::create(*cpu_model, o);
-    auto de = Engine::create(*dev_model, o);
-    ASSERT_TRUE(ce.is_ok()) << ce.status().message();
-    ASSERT_TRUE(de.is_ok()) << de.status().message();
-    auto c = (*ce)->generate(greedy_requests());
-    auto d = (*de)->generate(greedy_requests());
-    ASSERT_TRUE(c.is_ok()) << c.status().message();
-    ASSERT_TRUE(d.is_ok()) << d.status().message();
-    ASSERT_EQ(c->size(), d->size());
-    for (size_t i = 0; i < c->size(); ++i) {
-      EXPECT_EQ((*c)[i].tokens, (*d)[i].tokens) << "request " << i << " on " << dev->name();
-      for (size_t t = 0; t < std::min((*c)[i].logprobs.size(), (*d)[i].logprobs.size()); ++t)
-        EXPECT_NEAR((*c)[i].logprobs[t], (*d)[i].logprobs[t], 0.05) << "request " << i << " token " << t;
+  for (backend::KvPageFormat f : {backend::KvPageFormat::kFp8, backend::KvPageFormat::kNvfp4})
+    for (PrecisionMode mode : {PrecisionMode::kBf16, PrecisionMode::kW4A16}) {
+      SCOPED_TRACE(std::string(backend::kv_page_format_name(f)) + " " + precision_mode_name(mode));
+      EngineOptions o;
+      o.mode = mode;
+      o.recipe_name = "tetrajet-v2";
+      o.kv_format = f;
+      o.page_size = 8;
+      expect_same_greedy_tokens(*cpu_model, *dev_model, o);
     }
-    EXPECT_EQ((*de)->cache().free_pages(), (*de)->cache().num_pages());
-  }
 }
 
 TEST(RolloutEngineDevice, W4A16WeightsAreTheSameBitsAsOnTheCpu) {
