@@ -1,5 +1,6 @@
 // The device-neutral parts of the backend seam (backend.h): op and format names, require(),
-// the byte counts of quantized operands and QuantizedBuffer views. The registry and the CPU
+// the byte counts of quantized operands and QuantizedBuffer views, and the composed defaults of
+// the fused quantize + BF16 operand ops (the CPU reference). The registry and the CPU
 // backend live in backend/cpu/cpu_backend.cpp (a layer above), so that linking the registry
 // always links the CPU backend too.
 #include "backend/backend.h"
@@ -61,6 +62,56 @@ void Backend::matmul_nt_nvfp4_weight(float*, const float*, const QuantizedTensor
   require(Op::kNvfp4WeightGemm);
   NIB_CHECK_MSG(false, "backend '{}' claims op 'nvfp4_weight_gemm' but does not override matmul_nt_nvfp4_weight",
                 name());
+}
+
+// ---- fused quantize + BF16 operand: the composed reference ----------------------------------------
+
+namespace {
+
+// The QuantizedTensor the unfused ops write: `out` itself, or (codes and scales skipped) a view
+// whose skipped parts live in `scratch`; out.outer, where set, is kept (the TE amax).
+QuantizedTensor with_all_parts(Backend& be, const QuantizedTensor& out, QuantizedBuffer& scratch, const char* op) {
+  NIB_CHECK_MSG((out.codes == nullptr) == (out.scales == nullptr), "{}: codes and scales are written or skipped together",
+                op);
+  const bool te = out.format == QuantFormat::kNvfp4Te || out.format == QuantFormat::kNvfp4Te2d;
+  NIB_CHECK_MSG(!te || out.outer != nullptr, "{}: {} needs out.outer (the amax)", op, quant_format_name(out.format));
+  if (out.codes != nullptr && (out.outer != nullptr || out.format == QuantFormat::kMxfp8)) return out;
+  QuantizedTensor q = scratch.view(be, out.format, out.rows, out.cols);
+  if (out.codes != nullptr) q.codes = out.codes, q.scales = out.scales;
+  if (out.outer != nullptr) q.outer = out.outer;
+  return q;
+}
+
+}  // namespace
+
+void Backend::quantize_operand(QuantizedTensor& out, uint16_t* y, const float* x, const formats::SrKey* sr) {
+  QuantizedBuffer scratch;
+  QuantizedTensor q = with_all_parts(*this, out, scratch, "quantize_operand");
+  quantize(q, x, sr);
+  dequantize_bf16(y, q);
+}
+
+void Backend::quantize_operand(QuantizedTensor& out, uint16_t* y, const uint16_t* x_bf16, const formats::SrKey* sr) {
+  QuantizedBuffer scratch;
+  QuantizedTensor q = with_all_parts(*this, out, scratch, "quantize_operand");
+  quantize(q, x_bf16, sr);
+  dequantize_bf16(y, q);
+}
+
+void Backend::quantize_te_rht_transpose_operand(QuantizedTensor& out, uint16_t* y, uint16_t* y_t, const uint16_t* x,
+                                                int64_t M, int64_t K, const formats::SrKey* sr) {
+  QuantizedBuffer scratch;
+  QuantizedTensor q = with_all_parts(*this, out, scratch, "quantize_te_rht_transpose_operand");
+  quantize_te_rht_transpose(q, y_t, x, M, K, sr);
+  dequantize_bf16(y, q);
+}
+
+void Backend::backward_operand_two_level_bf16(QuantizedTensor& out, uint16_t* y, const QuantizedTensor& in,
+                                              uint32_t sign_mask, const formats::SrKey& sr) {
+  QuantizedBuffer scratch;
+  QuantizedTensor q = with_all_parts(*this, out, scratch, "backward_operand_two_level_bf16");
+  backward_operand_two_level(q, in, sign_mask, sr);
+  dequantize_bf16(y, q);
 }
 
 int64_t QuantizedTensor::code_bytes(QuantFormat f, int64_t rows, int64_t cols) {

@@ -275,6 +275,32 @@ class Backend {
   virtual void backward_operand_two_level(QuantizedTensor& out, const QuantizedTensor& in, uint32_t sign_mask,
                                           const formats::SrKey& sr) = 0;
 
+  // ---- fused quantize + BF16 GEMM operand (issue #13) -------------------------------------------
+  // Each quantizer above and dequantize_bf16 of its result in one pass: y (out.rows, out.cols) bf16
+  // bits <- the BF16 GEMM operand of the quantization, bit for bit what dequantize_bf16(y, out)
+  // gives after the unfused op (SR included: the same key gives the same bits), and `out` as the
+  // unfused op writes it. out.codes == out.scales == nullptr skips them (nothing keeps the
+  // quantization); the TE formats still need out.outer (the amax: the GEMM's alpha), kNvfp4TwoLevel
+  // writes its outer scales only where out.outer is set. The defaults compose the unfused ops (the
+  // CPU reference, with scratch parts where they are skipped); CUDA runs fused kernels. y and x:
+  // 16-byte aligned.
+  virtual void quantize_operand(QuantizedTensor& out, uint16_t* y, const float* x, const formats::SrKey* sr = nullptr);
+  virtual void quantize_operand(QuantizedTensor& out, uint16_t* y, const uint16_t* x_bf16,
+                                const formats::SrKey* sr = nullptr);
+  // quantize_te_rht_transpose + dequantize_bf16: y (K, M) bf16 operand; y_t (K, M) bf16 scratch.
+  virtual void quantize_te_rht_transpose_operand(QuantizedTensor& out, uint16_t* y, uint16_t* y_t, const uint16_t* x,
+                                                 int64_t M, int64_t K, const formats::SrKey* sr = nullptr);
+  // backward_operand_two_level + dequantize_bf16: y (in.cols, in.rows) bf16 operand.
+  virtual void backward_operand_two_level_bf16(QuantizedTensor& out, uint16_t* y, const QuantizedTensor& in,
+                                               uint32_t sign_mask, const formats::SrKey& sr);
+  // q with the parts the fused ops may skip set to null (codes, scales; kNvfp4TwoLevel's outer):
+  // the view to pass for an operand nothing keeps.
+  static QuantizedTensor operand_only(QuantizedTensor q) {
+    q.codes = nullptr, q.scales = nullptr;
+    if (q.format == QuantFormat::kNvfp4TwoLevel) q.outer = nullptr;
+    return q;
+  }
+
   // ---- paged KV cache (rollout engine, ../shared/spec/06-backends.md §8; Op::kPagedKvCache) ------
   // Pages of one layer: k_pages, v_pages (num_pages * page_size) slots of kv_token_bytes(format,
   // Hkv, D) bytes; a slot is page * page_size + offset. The defaults fail through require(): a

@@ -74,6 +74,10 @@ constexpr OpInfo kOps[] = {
     {"kv_cache_write", OpCategory::kCopies},
     {"paged_attention", OpCategory::kAttention},
     {"matmul_nt_nvfp4_weight", OpCategory::kGemm},
+    {"quantize_operand_f32", OpCategory::kQuantize},
+    {"quantize_operand_bf16", OpCategory::kQuantize},
+    {"quantize_te_rht_transpose_operand", OpCategory::kQuantize},
+    {"backward_operand_two_level_bf16", OpCategory::kQuantize},
 };
 static_assert(sizeof(kOps) / sizeof(kOps[0]) == static_cast<size_t>(ProfiledOp::kCount));
 using Clock = std::chrono::steady_clock;
@@ -437,6 +441,26 @@ void ProfilingBackend::backward_operand_two_level(QuantizedTensor& out, const Qu
                                                   const formats::SrKey& sr) {
   Timed timed(*this, ProfiledOp::kBackwardOperandTwoLevel);
   inner_->backward_operand_two_level(out, in, sign_mask, sr);
+}
+void ProfilingBackend::quantize_operand(QuantizedTensor& out, uint16_t* y, const float* x, const formats::SrKey* sr) {
+  Timed timed(*this, ProfiledOp::kQuantizeOperandF32);
+  inner_->quantize_operand(out, y, x, sr);
+}
+void ProfilingBackend::quantize_operand(QuantizedTensor& out, uint16_t* y, const uint16_t* x_bf16,
+                                        const formats::SrKey* sr) {
+  Timed timed(*this, ProfiledOp::kQuantizeOperandBf16);
+  inner_->quantize_operand(out, y, x_bf16, sr);
+}
+void ProfilingBackend::quantize_te_rht_transpose_operand(QuantizedTensor& out, uint16_t* y, uint16_t* y_t,
+                                                         const uint16_t* x, int64_t M, int64_t K,
+                                                         const formats::SrKey* sr) {
+  Timed timed(*this, ProfiledOp::kQuantizeTeRhtTransposeOperand);
+  inner_->quantize_te_rht_transpose_operand(out, y, y_t, x, M, K, sr);
+}
+void ProfilingBackend::backward_operand_two_level_bf16(QuantizedTensor& out, uint16_t* y, const QuantizedTensor& in,
+                                                       uint32_t sign_mask, const formats::SrKey& sr) {
+  Timed timed(*this, ProfiledOp::kBackwardOperandTwoLevelBf16);
+  inner_->backward_operand_two_level_bf16(out, y, in, sign_mask, sr);
 }
 
 // ---- the report -------------------------------------------------------------------------------

@@ -73,6 +73,10 @@ enum class ProfiledOp : uint8_t {
   kKvCacheWrite,
   kPagedAttention,
   kMatmulNtNvfp4Weight,
+  kQuantizeOperandF32,
+  kQuantizeOperandBf16,
+  kQuantizeTeRhtTransposeOperand,
+  kBackwardOperandTwoLevelBf16,
   kCount
 };
 
@@ -207,6 +211,13 @@ class ProfilingBackend final : public Backend {
                                  const formats::SrKey* sr = nullptr) override;
   void backward_operand_two_level(QuantizedTensor& out, const QuantizedTensor& in, uint32_t sign_mask,
                                   const formats::SrKey& sr) override;
+  void quantize_operand(QuantizedTensor& out, uint16_t* y, const float* x, const formats::SrKey* sr = nullptr) override;
+  void quantize_operand(QuantizedTensor& out, uint16_t* y, const uint16_t* x_bf16,
+                        const formats::SrKey* sr = nullptr) override;
+  void quantize_te_rht_transpose_operand(QuantizedTensor& out, uint16_t* y, uint16_t* y_t, const uint16_t* x, int64_t M,
+                                         int64_t K, const formats::SrKey* sr = nullptr) override;
+  void backward_operand_two_level_bf16(QuantizedTensor& out, uint16_t* y, const QuantizedTensor& in,
+                                       uint32_t sign_mask, const formats::SrKey& sr) override;
 
  private:
   class Timed;

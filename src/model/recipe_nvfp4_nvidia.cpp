@@ -1,6 +1,7 @@
 // nvfp4-nvidia LinearRecipe (see recipe_nvfp4_nvidia.h): TransformerEngine's NVFP4 recipe as
-// backend ops (quantize, dequantize_bf16 of QuantizedTensor, the TE RHT-transpose quantizer, BF16
-// GEMMs). The per-tensor factor fl(amax · fl(1/2688)) of each operand is not a BF16 number, so
+// backend ops (the fused quantize + BF16 operand ops, plain and RHT-transpose, dequantize_bf16 of
+// the saved Ŵ, BF16 GEMMs); only Ŵ's codes and scales are written (kept for the dgrad), the other
+// operands' parts are skipped (Backend::operand_only) but for their amax. The per-tensor factor fl(amax · fl(1/2688)) of each operand is not a BF16 number, so
 // it stays out of the operands and both go into the GEMM's alpha (nvfp4_te_alpha, on the device).
 // Workspace slots: forward 0 bf16 W, 1 X̂ operand, 2 Ŵ operand, 3 alpha; backward 0 bf16 dY,
 // 1 dY operand, 2 X operand, 3 alphas, 4 RHT-transpose scratch, 5 Ŵ operand.
@@ -38,14 +39,12 @@ void Nvfp4NvidiaLinearRecipe::forward(backend::Backend& be, float* y, const floa
   float* alpha = ws.get<float>(be, 3, 1, "nvfp4-nvidia: GEMM alpha");
   // Q(X): 1x16 along K, per-tensor amax, RTN, from the BF16 activation.
   to_bf16_padded(be, xb, x, M, Mp, K);
-  backend::QuantizedTensor qx = ws.quantized(be, 0, QuantFormat::kNvfp4Te, M, K);
-  be.quantize(qx, xb);
-  be.dequantize_bf16(xq, qx);
+  backend::QuantizedTensor qx = backend::Backend::operand_only(ws.quantized(be, 0, QuantFormat::kNvfp4Te, M, K));
+  be.quantize_operand(qx, xq, xb);
   // Q(W): 16x16 2-D tiles, per-tensor amax, RTN, from the BF16 weight; kept for the dgrad.
   be.to_bf16_bits(wb, w, N * K);
   qw_ = w_saved_.view(be, QuantFormat::kNvfp4Te2d, N, K);
-  be.quantize(qw_, wb);
-  be.dequantize_bf16(wq, qw_);
+  be.quantize_operand(qw_, wq, wb);
   be.nvfp4_te_alpha(alpha, qx.outer, qw_.outer);
   be.matmul_bf16_nt(y, xq, wq, M, N, K, alpha);
   be.round_to_bf16(y, y, M * N);  // the GEMM writes BF16
@@ -67,9 +66,8 @@ void Nvfp4NvidiaLinearRecipe::backward(backend::Backend& be, float* dx, float* d
 
   // dgrad: dX (M,K) = deq(SR 1x16 along N of dY) (M,N) · Ŵ (N,K).
   formats::SrKey kd{call.seed, linear_call_stream(call, kNvidiaStreamDgradDy)};
-  backend::QuantizedTensor qd = ws.quantized(be, 0, QuantFormat::kNvfp4Te, M, N);
-  be.quantize(qd, dyb, &kd);
-  be.dequantize_bf16(a, qd);
+  backend::QuantizedTensor qd = backend::Backend::operand_only(ws.quantized(be, 0, QuantFormat::kNvfp4Te, M, N));
+  be.quantize_operand(qd, a, dyb, &kd);
   be.dequantize_bf16(wq, qw_);
   be.nvfp4_te_alpha(alpha, qd.outer, qw_.outer);
   be.matmul_bf16_nn(dx, a, wq, M, K, N, alpha);
@@ -77,12 +75,10 @@ void Nvfp4NvidiaLinearRecipe::backward(backend::Backend& be, float* dx, float* d
 
   // wgrad: dW (N,K) += deq(SR(RHT(dY^T))) (N,Mp) · deq(RTN(RHT(X^T)))^T (K,Mp), FP32.
   formats::SrKey kw{call.seed, linear_call_stream(call, kNvidiaStreamWgradDy)};
-  backend::QuantizedTensor qg = ws.quantized(be, 0, QuantFormat::kNvfp4Te, N, Mp);
-  be.quantize_te_rht_transpose(qg, tb, dyb, Mp, N, &kw);
-  be.dequantize_bf16(a, qg);
-  backend::QuantizedTensor qx = ws.quantized(be, 1, QuantFormat::kNvfp4Te, K, Mp);
-  be.quantize_te_rht_transpose(qx, tb, xb_.data(), Mp, K);
-  be.dequantize_bf16(b, qx);
+  backend::QuantizedTensor qg = backend::Backend::operand_only(ws.quantized(be, 0, QuantFormat::kNvfp4Te, N, Mp));
+  be.quantize_te_rht_transpose_operand(qg, a, tb, dyb, Mp, N, &kw);
+  backend::QuantizedTensor qx = backend::Backend::operand_only(ws.quantized(be, 1, QuantFormat::kNvfp4Te, K, Mp));
+  be.quantize_te_rht_transpose_operand(qx, b, tb, xb_.data(), Mp, K);
   be.nvfp4_te_alpha(alpha + 1, qg.outer, qx.outer);
   be.matmul_bf16_nt(dw, a, b, N, K, Mp, alpha + 1, /*accumulate=*/true);
 }

@@ -1,9 +1,10 @@
 // tetrajet-v2 LinearRecipe and OsciReset (see recipe_tetrajet_v2.h): the six nvfp4-2level
-// quantizers as backend ops (quantize / dequantize of QuantizedTensor, the fused backward-operand
-// op), MXFP8 outlier channels, BF16 GEMMs of dequantize_bf16 operands. Every quantizer is one op on
-// a zero-padded, BF16-rounded FP32 operand, so tests can recompose each step from the drivers.
-// Only the quantized X̂, Ŵ (codes + scales) are kept between forward and backward; the rest lives
-// in the model's LinearWorkspace, slots numbered where they are taken.
+// quantizers as backend ops (the fused quantize + BF16 operand ops, plain and backward-operand),
+// MXFP8 outlier channels, BF16 GEMMs. Every quantizer is one op on a zero-padded, BF16-rounded
+// FP32 operand, so tests can recompose each step from the drivers. Only the quantized X̂, Ŵ (codes
+// + scales) are kept between forward and backward; the backward operands' parts are skipped
+// (Backend::operand_only); the rest lives in the model's LinearWorkspace, slots numbered where
+// they are taken.
 #include "model/recipe_tetrajet_v2.h"
 
 #include <algorithm>
@@ -41,12 +42,17 @@ QuantizedTensor fake_quant(backend::Backend& be, float* deq, backend::QuantizedB
 }
 
 // y (rows, cols) bf16 operand <- quantize src (rows, cols) along cols in `format` (RTN or SR) into
-// t (returned), then dequantize_bf16.
+// t (returned; its parts skipped where t is Backend::operand_only), the operand in the same pass.
 QuantizedTensor quant_operand(backend::Backend& be, uint16_t* y, QuantizedTensor t, const float* src,
                               const formats::SrKey* sr) {
-  be.quantize(t, src, sr);
-  be.dequantize_bf16(y, t);
+  be.quantize_operand(t, y, src, sr);
   return t;
+}
+
+// The backward operands' parts are not kept: only their BF16 operands are written.
+QuantizedTensor operand_slot(backend::Backend& be, LinearWorkspace& ws, QuantFormat format, int64_t rows,
+                             int64_t cols) {
+  return backend::Backend::operand_only(ws.quantized(be, 0, format, rows, cols));
 }
 
 Tensor i64_tensor(const std::vector<int64_t>& v) {
@@ -429,12 +435,11 @@ void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw
   {
     if (rht) be.rht16_rows(t, dyb, M, Np, sign_d);
     else be.copy(t, dyb, static_cast<size_t>(M * Np) * sizeof(float));
-    quant_operand(be, q3, ws.quantized(be, 0, f2, M, Np), t, sr ? &k3 : nullptr);
+    quant_operand(be, q3, operand_slot(be, ws, f2, M, Np), t, sr ? &k3 : nullptr);
     if (fused_dgrad) {
       // fused: dequantize Ŵ (Np,K) -> transpose -> RHT along N -> SR requantize along N
-      QuantizedTensor o = ws.quantized(be, 0, f2, K, Np);
-      be.backward_operand_two_level(o, what_, sign_d, k4);
-      be.dequantize_bf16(q4, o);
+      QuantizedTensor o = operand_slot(be, ws, f2, K, Np);
+      be.backward_operand_two_level_bf16(o, q4, what_, sign_d, k4);
     } else {
       // source (Np, K): Ŵ rebuilt from both parts (alignment) or BF16 W (fresh quantization)
       if (align) {
@@ -452,7 +457,7 @@ void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw
       }
       be.transpose(t, src, Np, K);
       if (rht) be.rht16_rows(t, t, K, Np, sign_d);
-      quant_operand(be, q4, ws.quantized(be, 0, f2, K, Np), t, sr ? &k4 : nullptr);
+      quant_operand(be, q4, operand_slot(be, ws, f2, K, Np), t, sr ? &k4 : nullptr);
     }
     be.matmul_bf16_nt(dx, q3, q4, M, K, Np);
     be.round_to_bf16(dx, dx, M * K);
@@ -461,20 +466,19 @@ void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw
   // ---- wgrad: dW (N,K) += Q5 (N,Mp) · Q6 (K,Mp)^T ----
   be.transpose(t, dyb, Mp, Np);
   if (rht) be.rht16_rows(t, t, Np, Mp, sign_w);
-  quant_operand(be, q5, ws.quantized(be, 0, f2, Np, Mp), t, sr ? &k5 : nullptr);
+  quant_operand(be, q5, operand_slot(be, ws, f2, Np, Mp), t, sr ? &k5 : nullptr);
   float* part = src;
   if (nm > 0) {
     if (fused_wgrad) {
-      QuantizedTensor o = ws.quantized(be, 0, f2, Km, Mp);
-      be.backward_operand_two_level(o, xhat_, sign_w, k6);
-      be.dequantize_bf16(q6, o);
+      QuantizedTensor o = operand_slot(be, ws, f2, Km, Mp);
+      be.backward_operand_two_level_bf16(o, q6, xhat_, sign_w, k6);
     } else {
       // X̂ (Mp, Km) dequantized (alignment) or the BF16 X re-gathered from the saved x
       if (align) be.dequantize(main_src, xhat_);
       else be.gather_columns_bf16(main_src, x_saved_, M, Mp, K, midx, nm, Km);
       be.transpose(t, main_src, Mp, Km);
       if (rht) be.rht16_rows(t, t, Km, Mp, sign_w);
-      quant_operand(be, q6, ws.quantized(be, 0, f2, Km, Mp), t, sr ? &k6 : nullptr);
+      quant_operand(be, q6, operand_slot(be, ws, f2, Km, Mp), t, sr ? &k6 : nullptr);
     }
     if (no == 0) {
       be.matmul_bf16_nt(dw, q5, q6, N, K, Mp, /*alpha=*/nullptr, /*accumulate=*/true);
@@ -489,7 +493,7 @@ void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw
     else be.gather_columns_bf16(out_src, x_saved_, M, Mp, K, out_idx_dev_.data(), no, No);
     be.transpose(t, out_src, Mp, No);
     if (rht) be.rht16_rows(t, t, No, Mp, sign_w);
-    quant_operand(be, q6, ws.quantized(be, 0, QuantFormat::kMxfp8, No, Mp), t, nullptr);
+    quant_operand(be, q6, operand_slot(be, ws, QuantFormat::kMxfp8, No, Mp), t, nullptr);
     be.matmul_bf16_nt(part, q5, q6, N, No, Mp);
     be.scatter_add_columns(dw, part, N, K, out_idx_dev_.data(), no, No);
   }

@@ -607,36 +607,40 @@ void CudaBackend::column_sumsq_accumulate(double* sums, const float* x, int64_t 
 }
 
 template <typename In>
-void CudaBackend::quantize_impl(QuantizedTensor& out, const In* x, const formats::SrKey* sr) {
+void CudaBackend::quantize_impl(QuantizedTensor& out, const In* x, const formats::SrKey* sr, uint16_t* operand) {
   activate();
-  const char* op = std::is_same_v<In, float> ? "quantize (f32)" : "quantize (bf16)";
+  const char* op = operand != nullptr ? (std::is_same_v<In, float> ? "quantize_operand (f32)" : "quantize_operand (bf16)")
+                                      : (std::is_same_v<In, float> ? "quantize (f32)" : "quantize (bf16)");
   const int64_t M = out.rows, K = out.cols;
   const char* fmt_name = backend::quant_format_name(out.format);
-  NIB_OP_REQUIRE(out.codes != nullptr && out.scales != nullptr, op, "{} {}x{}", fmt_name, M, K);
+  // quantize_operand may skip the codes and scales (together); quantize writes them.
+  NIB_OP_REQUIRE((out.codes != nullptr && out.scales != nullptr) ||
+                     (operand != nullptr && out.codes == nullptr && out.scales == nullptr),
+                 op, "{} {}x{}", fmt_name, M, K);
   switch (out.format) {
     case QuantFormat::kNvfp4Te:
       NIB_OP_REQUIRE(out.outer != nullptr, op, "{} {}x{} (amax buffer)", fmt_name, M, K);
       NIB_OP_STATUS(quantize_nvfp4_te<In>(out.codes, out.scales, out.outer, x, M, K, sr, AmaxMode::kCompute,
-                                          ScaleLayout::kLinear, stream_),
+                                          ScaleLayout::kLinear, stream_, operand),
                     op, "{} {}x{}", fmt_name, M, K);
       break;
     case QuantFormat::kNvfp4Te2d:
       NIB_OP_REQUIRE(out.outer != nullptr, op, "{} {}x{} (amax buffer)", fmt_name, M, K);
       NIB_OP_REQUIRE(sr == nullptr, op, "{} {}x{}: 2-D tile scaling is round-to-nearest only", fmt_name, M, K);
       NIB_OP_STATUS(quantize_nvfp4_te_2d<In>(out.codes, out.scales, nullptr, nullptr, out.outer, x, M, K,
-                                             AmaxMode::kCompute, ScaleLayout::kLinear, stream_),
+                                             AmaxMode::kCompute, ScaleLayout::kLinear, stream_, operand),
                     op, "{} {}x{}", fmt_name, M, K);
       break;
     case QuantFormat::kNvfp4TwoLevel:
-      NIB_OP_REQUIRE(out.outer != nullptr, op, "{} {}x{} (outer scales)", fmt_name, M, K);
+      NIB_OP_REQUIRE(out.outer != nullptr || operand != nullptr, op, "{} {}x{} (outer scales)", fmt_name, M, K);
       NIB_OP_STATUS(quantize_nvfp4_2level<In>(out.codes, out.scales, out.outer, x, M, K, sr, ScaleLayout::kLinear,
-                                              stream_),
+                                              stream_, operand),
                     op, "{} {}x{}", fmt_name, M, K);
       break;
     case QuantFormat::kMxfp8:
       NIB_OP_REQUIRE(sr == nullptr, op, "{} {}x{}: MXFP8 is round-to-nearest only", fmt_name, M, K);
       NIB_OP_STATUS(quantize_mxfp8<In>(out.codes, out.scales, x, M, K, MxScaleRule::kRceil, ScaleLayout::kLinear,
-                                       stream_),
+                                       stream_, operand),
                     op, "{} {}x{}", fmt_name, M, K);
       break;
   }
@@ -663,10 +667,25 @@ void CudaBackend::nvfp4_te_alpha(float* alpha, const float* amax_a, const float*
   NIB_OP_CUDA(cuda::nvfp4_te_alpha(alpha, amax_a, amax_b, stream_), "nvfp4_te_alpha", "{}", "(1)");
 }
 
-void CudaBackend::quantize(QuantizedTensor& out, const float* x, const formats::SrKey* sr) { quantize_impl(out, x, sr); }
+void CudaBackend::quantize(QuantizedTensor& out, const float* x, const formats::SrKey* sr) {
+  quantize_impl(out, x, sr, nullptr);
+}
 
 void CudaBackend::quantize(QuantizedTensor& out, const uint16_t* x_bf16, const formats::SrKey* sr) {
-  quantize_impl(out, x_bf16, sr);
+  quantize_impl(out, x_bf16, sr, nullptr);
+}
+
+void CudaBackend::quantize_operand(QuantizedTensor& out, uint16_t* y, const float* x, const formats::SrKey* sr) {
+  NIB_OP_REQUIRE(y != nullptr, "quantize_operand (f32)", "{} {}x{}", backend::quant_format_name(out.format), out.rows,
+                 out.cols);
+  quantize_impl(out, x, sr, y);
+}
+
+void CudaBackend::quantize_operand(QuantizedTensor& out, uint16_t* y, const uint16_t* x_bf16,
+                                   const formats::SrKey* sr) {
+  NIB_OP_REQUIRE(y != nullptr, "quantize_operand (bf16)", "{} {}x{}", backend::quant_format_name(out.format), out.rows,
+                 out.cols);
+  quantize_impl(out, x_bf16, sr, y);
 }
 
 // The BF16 GEMM operand (backend.h): TE formats without the per-tensor factor (amax null), the
@@ -715,29 +734,55 @@ void CudaBackend::dequantize(float* y, const QuantizedTensor& q) {
   NIB_OP_CUDA(cudaGetLastError(), "dequantize", "{} {}x{}", fmt_name, M, K);
 }
 
-void CudaBackend::quantize_te_rht_transpose(QuantizedTensor& out, uint16_t* y_t, const uint16_t* x, int64_t M,
-                                            int64_t K, const formats::SrKey* sr) {
+void CudaBackend::te_rht_transpose_impl(QuantizedTensor& out, uint16_t* y_t, const uint16_t* x, int64_t M, int64_t K,
+                                        const formats::SrKey* sr, uint16_t* operand, const char* op) {
   activate();
-  NIB_OP_REQUIRE(out.format == QuantFormat::kNvfp4Te && out.rows == K && out.cols == M && M % 16 == 0,
-                 "quantize_te_rht_transpose", "x {}x{} -> {} {}x{}", M, K, backend::quant_format_name(out.format),
-                 out.rows, out.cols);
-  NIB_OP_STATUS(quantize_nvfp4_te_rht_t(out.codes, out.scales, out.outer, y_t, x, M, K, sr, stream_),
-                "quantize_te_rht_transpose", "x {}x{}", M, K);
-  NIB_OP_CUDA(cudaGetLastError(), "quantize_te_rht_transpose", "x {}x{}", M, K);
+  NIB_OP_REQUIRE(out.format == QuantFormat::kNvfp4Te && out.rows == K && out.cols == M && M % 16 == 0 &&
+                     out.outer != nullptr,
+                 op, "x {}x{} -> {} {}x{}", M, K, backend::quant_format_name(out.format), out.rows, out.cols);
+  NIB_OP_STATUS(quantize_nvfp4_te_rht_t(out.codes, out.scales, out.outer, y_t, x, M, K, sr, stream_, operand), op,
+                "x {}x{}", M, K);
+  NIB_OP_CUDA(cudaGetLastError(), op, "x {}x{}", M, K);
 }
 
-void CudaBackend::backward_operand_two_level(QuantizedTensor& out, const QuantizedTensor& in, uint32_t sign_mask,
-                                             const formats::SrKey& sr) {
+void CudaBackend::quantize_te_rht_transpose(QuantizedTensor& out, uint16_t* y_t, const uint16_t* x, int64_t M,
+                                            int64_t K, const formats::SrKey* sr) {
+  NIB_OP_REQUIRE(out.codes != nullptr && out.scales != nullptr, "quantize_te_rht_transpose", "x {}x{}", M, K);
+  te_rht_transpose_impl(out, y_t, x, M, K, sr, nullptr, "quantize_te_rht_transpose");
+}
+
+void CudaBackend::quantize_te_rht_transpose_operand(QuantizedTensor& out, uint16_t* y, uint16_t* y_t,
+                                                    const uint16_t* x, int64_t M, int64_t K,
+                                                    const formats::SrKey* sr) {
+  NIB_OP_REQUIRE(y != nullptr, "quantize_te_rht_transpose_operand", "x {}x{}", M, K);
+  te_rht_transpose_impl(out, y_t, x, M, K, sr, y, "quantize_te_rht_transpose_operand");
+}
+
+void CudaBackend::backward_operand_impl(QuantizedTensor& out, const QuantizedTensor& in, uint32_t sign_mask,
+                                        const formats::SrKey& sr, uint16_t* operand, const char* op) {
   activate();
   const int64_t M = in.rows, K = in.cols;
   NIB_OP_REQUIRE(in.format == QuantFormat::kNvfp4TwoLevel && out.format == QuantFormat::kNvfp4TwoLevel &&
                      out.rows == K && out.cols == M && M % 128 == 0,
-                 "backward_operand_two_level", "in {} {}x{} -> out {} {}x{}", backend::quant_format_name(in.format), M,
-                 K, backend::quant_format_name(out.format), out.rows, out.cols);
+                 op, "in {} {}x{} -> out {} {}x{}", backend::quant_format_name(in.format), M, K,
+                 backend::quant_format_name(out.format), out.rows, out.cols);
   NIB_OP_STATUS(nvfp4_2level_transpose_rht_requantize(out.codes, out.scales, out.outer, in.codes, in.scales, in.outer,
-                                                      M, K, sign_mask, &sr, stream_),
-                "backward_operand_two_level", "in {}x{}", M, K);
-  NIB_OP_CUDA(cudaGetLastError(), "backward_operand_two_level", "in {}x{}", M, K);
+                                                      M, K, sign_mask, &sr, stream_, operand),
+                op, "in {}x{}", M, K);
+  NIB_OP_CUDA(cudaGetLastError(), op, "in {}x{}", M, K);
+}
+
+void CudaBackend::backward_operand_two_level(QuantizedTensor& out, const QuantizedTensor& in, uint32_t sign_mask,
+                                             const formats::SrKey& sr) {
+  NIB_OP_REQUIRE(out.codes != nullptr && out.scales != nullptr && out.outer != nullptr, "backward_operand_two_level",
+                 "in {}x{}", in.rows, in.cols);
+  backward_operand_impl(out, in, sign_mask, sr, nullptr, "backward_operand_two_level");
+}
+
+void CudaBackend::backward_operand_two_level_bf16(QuantizedTensor& out, uint16_t* y, const QuantizedTensor& in,
+                                                  uint32_t sign_mask, const formats::SrKey& sr) {
+  NIB_OP_REQUIRE(y != nullptr, "backward_operand_two_level_bf16", "in {}x{}", in.rows, in.cols);
+  backward_operand_impl(out, in, sign_mask, sr, y, "backward_operand_two_level_bf16");
 }
 
 // ---- packed-NVFP4 weight GEMM ----------------------------------------------------------------------

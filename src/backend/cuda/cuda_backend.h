@@ -147,6 +147,14 @@ class CudaBackend final : public backend::Backend {
                                  const formats::SrKey* sr) override;
   void backward_operand_two_level(backend::QuantizedTensor& out, const backend::QuantizedTensor& in,
                                   uint32_t sign_mask, const formats::SrKey& sr) override;
+  // fused quantize + BF16 operand: the quantize kernels with their operand output (quantize.h)
+  void quantize_operand(backend::QuantizedTensor& out, uint16_t* y, const float* x, const formats::SrKey* sr) override;
+  void quantize_operand(backend::QuantizedTensor& out, uint16_t* y, const uint16_t* x_bf16,
+                        const formats::SrKey* sr) override;
+  void quantize_te_rht_transpose_operand(backend::QuantizedTensor& out, uint16_t* y, uint16_t* y_t, const uint16_t* x,
+                                         int64_t M, int64_t K, const formats::SrKey* sr) override;
+  void backward_operand_two_level_bf16(backend::QuantizedTensor& out, uint16_t* y, const backend::QuantizedTensor& in,
+                                       uint32_t sign_mask, const formats::SrKey& sr) override;
 
   // packed-NVFP4 weight GEMM (backend/cuda/fp4_gemv.cuh)
   void matmul_nt_nvfp4_weight(float* y, const float* x, const backend::QuantizedTensor& w, int64_t M) override;
@@ -167,8 +175,13 @@ class CudaBackend final : public backend::Backend {
   void sync_and_check_flags(const char* op);
   [[noreturn]] void op_failed(const char* op, const std::string& shapes, const std::string& error, const char* expr,
                               const char* file, int line) const;
+  // quantize / quantize_operand: operand (out.rows, out.cols) bf16 or null.
   template <typename In>
-  void quantize_impl(backend::QuantizedTensor& out, const In* x, const formats::SrKey* sr);
+  void quantize_impl(backend::QuantizedTensor& out, const In* x, const formats::SrKey* sr, uint16_t* operand);
+  void te_rht_transpose_impl(backend::QuantizedTensor& out, uint16_t* y_t, const uint16_t* x, int64_t M, int64_t K,
+                             const formats::SrKey* sr, uint16_t* operand, const char* op);
+  void backward_operand_impl(backend::QuantizedTensor& out, const backend::QuantizedTensor& in, uint32_t sign_mask,
+                             const formats::SrKey& sr, uint16_t* operand, const char* op);
 
   int device_ = 0;
   std::string name_;

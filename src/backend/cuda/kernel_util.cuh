@@ -3,14 +3,17 @@
 // float bits: non-negative floats order like uint32), and the Philox block of a run of eight
 // consecutive flat elements (the half-words formats::sr_uniform() draws one at a time), the
 // double-block encode of a 16-element block (RTN or SR; a fast form for in-range NaN-free blocks),
-// the sign gather of 8 values, and two decoders of 8 packed E2M1 codes (the 2-level definition,
-// and the byte-table decode e2m1_decode8_mul that the fused op and the dequantizers use).
+// the sign gather of 8 values, two decoders of 8 packed E2M1 codes (the 2-level definition,
+// and the byte-table decode e2m1_decode8_mul that the fused op and the dequantizers use), and the
+// stores of decoded blocks that the dequantizers and the fused quantize + BF16 operand kernels
+// share (so both give the same bits).
 // Mirrors the vectorised load/store helpers of llm.c's dev/cuda (x128) and TE's Vec<>.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/bf16_e2m1.cuh"
 #include "backend/cuda/element_codec.cuh"
@@ -287,6 +290,68 @@ __device__ __forceinline__ void e2m1_decode8_mul(float (&y)[8], uint32_t w, floa
     y[4 * half + 1] = __uint_as_float(p01 & 0xFFFF0000u) * factor;
     y[4 * half + 2] = __uint_as_float(p23 << 16) * factor;
     y[4 * half + 3] = __uint_as_float(p23 & 0xFFFF0000u) * factor;
+  }
+}
+
+// ---- decoded blocks to memory ------------------------------------------------------------------
+
+template <typename Out>
+__device__ __forceinline__ Out from_f32(float v) {
+  if constexpr (std::is_same_v<Out, float>) return v;
+  else return f32_to_bf16_bits(v);
+}
+
+// N decoded values -> y (16-byte aligned, N % 8 == 0): f32 as they are, BF16 by the hardware RNE
+// conversion, two per instruction (= f32_to_bf16_bits for every value GPU arithmetic produces: its
+// NaN is the canonical 0x7FFFFFFF, which both turn into 0x7FFF).
+template <typename Out, int N>
+__device__ __forceinline__ void store_values(Out* y, const float (&f)[N]) {
+  Vec<Out, N> v;
+  if constexpr (std::is_same_v<Out, float>) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v.e[i] = f[i];
+  } else {
+    uint32_t* w = reinterpret_cast<uint32_t*>(v.w);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+  }
+  store_vec(y, v);
+}
+
+// The 16 values of a 1x16 block of packed codes c: fl(e2m1_decode(code) * factor) each.
+__device__ __forceinline__ void decode16_mul(float (&f)[16], const uint2& c, float factor) {
+  float lo[8], hi[8];
+  e2m1_decode8_mul(lo, c.x, factor);
+  e2m1_decode8_mul(hi, c.y, factor);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    f[i] = lo[i];
+    f[8 + i] = hi[i];
+  }
+}
+
+// y (16) <- the TE BF16 GEMM operand of a 1x16 block (formats::nvfp4_te_bf16_operand: code ×
+// E4M3 scale byte s, exact): what dequantize_nvfp4_te writes with amax null.
+__device__ __forceinline__ void store_te_operand16(uint16_t* y, const uint2& c, uint32_t s) {
+  float f[16];
+  decode16_mul(f, c, formats::e4m3_decode(s));
+  store_values(y, f);
+}
+
+// y (16) <- the nvfp4-2level dequantization of a 1x16 block (codes c, block scale sp =
+// formats::nvfp4_2level_block_scale(inner, outer)), f32 or rounded to BF16.
+template <typename Out>
+__device__ __forceinline__ void store_2level_block16(Out* y, const uint2& c, float sp) {
+  if (isfinite(sp)) {  // the table decode (e2m1_decode8_mul) equals nvfp4_2level_decode here
+    float f[16];
+    decode16_mul(f, c, sp);
+    store_values(y, f);
+  } else {  // the definition, whose NaN may carry a sign: the software BF16 rounding keeps it
+    Vec<Out, 16> v;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      v.e[i] = from_f32<Out>(formats::nvfp4_2level_decode(((i < 8 ? c.x : c.y) >> (4 * (i % 8))) & 15u, sp));
+    store_vec(y, v);
   }
 }
 

@@ -42,6 +42,17 @@ int sm_count() {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// The fused quantize + BF16 operand contract (quantize.h): codes and scales are stored or skipped
+// together, skipped only when the operand is written, and a swizzled layout needs its scales.
+Status check_skipped_parts(const char* op, const void* codes, const void* scales, const void* operand,
+                           ScaleLayout layout) {
+  if ((codes == nullptr) != (scales == nullptr))
+    return invalid_argument("{}: codes and scales are stored or skipped together", op);
+  if (codes == nullptr && (operand == nullptr || layout != ScaleLayout::kLinear))
+    return invalid_argument("{}: codes may be skipped only when the BF16 operand is written (linear scales)", op);
+  return Status::ok();
+}
+
 template <typename T>
 constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
 
@@ -155,10 +166,11 @@ __device__ __forceinline__ bool nvfp4_te_bf16_rtn_block16(uint2& codes, const ui
 }
 
 // One thread quantizes NB consecutive 1x16 blocks starting at flat block b0 (all in range):
-// the steps of formats::nvfp4_te_quantize_block16, with the element step from Codec.
+// the steps of formats::nvfp4_te_quantize_block16, with the element step from Codec. codes null:
+// codes and scales are not stored; operand set: the blocks' BF16 GEMM operand goes there too.
 template <typename Codec, typename In, int NB, bool kSR>
-__device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales, const In* x, int64_t b0,
-                                                const fm::Nvfp4TeGlobal& g, int64_t kb, bool swizzled,
+__device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales, uint16_t* operand, const In* x,
+                                                int64_t b0, const fm::Nvfp4TeGlobal& g, int64_t kb, bool swizzled,
                                                 const SrKeyDevice& key) {
   Vec<In, 16 * NB> v;
   load_vec(v, x + b0 * 16);
@@ -213,6 +225,12 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
       }
     }
   }
+  if (operand != nullptr) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+      store_te_operand16(operand + (b0 + b) * 16, make_uint2(packed.w[2 * b], packed.w[2 * b + 1]), s[b]);
+  }
+  if (codes == nullptr) return;
   store_packed(codes + b0 * 8, packed);
   if (!swizzled && NB == 2) {
     *reinterpret_cast<uint16_t*>(scales + b0) = static_cast<uint16_t>(s[0] | (s[1] << 8));
@@ -222,25 +240,29 @@ __device__ __forceinline__ void nvfp4_te_blocks(uint8_t* codes, uint8_t* scales,
   }
 }
 
-// codes (M, K/2), scales (M, K/16) or swizzled; amax (1) already holds max |x|; x (M, K) flat as
-// nblocks 1x16 blocks. Thread t owns blocks 2t, 2t+1.
+// codes (M, K/2), scales (M, K/16) or swizzled (null: not stored), operand (M, K) bf16 or null;
+// amax (1) already holds max |x|; x (M, K) flat as nblocks 1x16 blocks. Thread t owns blocks 2t, 2t+1.
 template <typename Codec, typename In, bool kSR>
-__global__ void __launch_bounds__(kThreads) nvfp4_te_quantize_kernel(uint8_t* codes, uint8_t* scales, const float* amax,
+__global__ void __launch_bounds__(kThreads) nvfp4_te_quantize_kernel(uint8_t* codes, uint8_t* scales,
+                                                                    uint16_t* operand, const float* amax,
                                                                     const In* x, int64_t nblocks, int64_t kb,
                                                                     bool swizzled, SrKeyDevice key) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t b0 = 2 * t;
   if (b0 >= nblocks) return;
   const fm::Nvfp4TeGlobal g = fm::nvfp4_te_global(*amax);
-  if (b0 + 1 < nblocks) nvfp4_te_blocks<Codec, In, 2, kSR>(codes, scales, x, b0, g, kb, swizzled, key);
-  else nvfp4_te_blocks<Codec, In, 1, kSR>(codes, scales, x, b0, g, kb, swizzled, key);
+  if (b0 + 1 < nblocks) nvfp4_te_blocks<Codec, In, 2, kSR>(codes, scales, operand, x, b0, g, kb, swizzled, key);
+  else nvfp4_te_blocks<Codec, In, 1, kSR>(codes, scales, operand, x, b0, g, kb, swizzled, key);
 }
 
 template <typename Codec, typename In>
 Status quantize_nvfp4_te_impl(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
-                              const SrKey* sr, AmaxMode amax_mode, ScaleLayout layout, cudaStream_t stream) {
+                              const SrKey* sr, AmaxMode amax_mode, ScaleLayout layout, cudaStream_t stream,
+                              uint16_t* operand) {
   if (M < 0 || K <= 0 || K % 16 != 0) return invalid_argument("quantize_nvfp4_te: K={} must be a positive multiple of 16", K);
-  if (!aligned16(x) || !aligned16(codes)) return invalid_argument("quantize_nvfp4_te: x and codes must be 16-byte aligned");
+  if (!aligned16(x) || !aligned16(codes) || !aligned16(operand))
+    return invalid_argument("quantize_nvfp4_te: x, codes and operand must be 16-byte aligned");
+  NIB_RETURN_IF_ERROR(check_skipped_parts("quantize_nvfp4_te", codes, scales, operand, layout));
   const int64_t kb = K / 16, nblocks = M * kb;
   const bool swz = layout == ScaleLayout::kSwizzled;
   if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(scales, 0, fm::swizzled_scale_bytes(M, kb), stream));
@@ -249,16 +271,21 @@ Status quantize_nvfp4_te_impl(uint8_t* codes, uint8_t* scales, float* amax, cons
   const int64_t threads = (nblocks + 1) / 2;
   const int grid = ceil_div_int(threads, kThreads);
   const SrKeyDevice key = sr ? SrKeyDevice(*sr) : SrKeyDevice{};
-  if (sr) nvfp4_te_quantize_kernel<Codec, In, true><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
-  else nvfp4_te_quantize_kernel<Codec, In, false><<<grid, kThreads, 0, stream>>>(codes, scales, amax, x, nblocks, kb, swz, key);
+  if (sr)
+    nvfp4_te_quantize_kernel<Codec, In, true><<<grid, kThreads, 0, stream>>>(codes, scales, operand, amax, x, nblocks, kb,
+                                                                             swz, key);
+  else
+    nvfp4_te_quantize_kernel<Codec, In, false><<<grid, kThreads, 0, stream>>>(codes, scales, operand, amax, x, nblocks, kb,
+                                                                              swz, key);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
 template <typename In>
 Status quantize_nvfp4_te(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
-                         const SrKey* sr, AmaxMode amax_mode, ScaleLayout layout, cudaStream_t stream) {
-  return quantize_nvfp4_te_impl<FormatsCodec>(codes, scales, amax, x, M, K, sr, amax_mode, layout, stream);
+                         const SrKey* sr, AmaxMode amax_mode, ScaleLayout layout, cudaStream_t stream,
+                         uint16_t* operand) {
+  return quantize_nvfp4_te_impl<FormatsCodec>(codes, scales, amax, x, M, K, sr, amax_mode, layout, stream, operand);
 }
 
 // ---- NVFP4 TE 2-D (16x16 tiles) --------------------------------------------------------------
@@ -272,15 +299,19 @@ Status quantize_nvfp4_te(uint8_t* codes, uint8_t* scales, float* amax, const In*
 // stores one 4-byte code word per row (8 lanes: 32 contiguous bytes). Columnwise outputs: since
 // the tile scale is shared, code (m, k) of x^T equals code (k, m) of x; each lane regroups its 4
 // x 8 nibbles into 8 columns of 4 nibbles, stages them in shared memory as [column][row quad],
-// and after a barrier each thread writes 16 contiguous bytes of one column of codes_t.
+// and after a barrier each thread writes 16 contiguous bytes of one column of codes_t. The BF16
+// GEMM operand (operand non-null): each lane decodes its 4 code words with the tile's scale
+// (store_te_operand16's steps on 8 codes) and stores 16 bytes per row; codes null: the rowwise
+// codes and scales are not stored.
 constexpr int kTe2dRows = 128, kTe2dCols = 64;
 constexpr int kTe2dStageStride = 34;  // uint16 per staged column: 32 quads + 2 (2-way bank conflicts)
 
 template <typename In>
 __global__ void __launch_bounds__(kThreads) nvfp4_te_2d_quantize_kernel(uint8_t* codes, uint8_t* scales,
                                                                        uint8_t* codes_t, uint8_t* scales_t,
-                                                                       const float* amax, const In* x, int64_t M,
-                                                                       int64_t kb, bool swizzled) {
+                                                                       uint16_t* operand, const float* amax,
+                                                                       const In* x, int64_t M, int64_t kb,
+                                                                       bool swizzled) {
   __shared__ uint16_t stage[kTe2dCols * kTe2dStageStride];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 7, qq = lane >> 3;
   const int64_t K = kb * 16, m0 = static_cast<int64_t>(blockIdx.y) * kTe2dRows;
@@ -334,9 +365,20 @@ __global__ void __launch_bounds__(kThreads) nvfp4_te_2d_quantize_kernel(uint8_t*
       for (int i = 0; i < 8; ++i) cw[r] |= fm::nvfp4_te_encode_rtn(fm::load_f32(v[r].e[i]), enc) << (4 * i);
     }
   }
+  if (operand != nullptr) {
+    const float factor = fm::e4m3_decode(s);  // the TE operand: code × E4M3 scale, exact
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      if (col_ok && row0 + r < M) {
+        float f[8];
+        e2m1_decode8_mul(f, cw[r], factor);
+        store_values(operand + (row0 + r) * K + col, f);
+      }
+    }
+  }
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    if (col_ok && row0 + r < M) {
+    if (codes != nullptr && col_ok && row0 + r < M) {
       *reinterpret_cast<uint32_t*>(codes + (row0 + r) * (K / 2) + col / 2) = cw[r];
       if ((c & 1) == 0) scales[scale_index((row0 + r) * kb + cb, kb, swizzled)] = static_cast<uint8_t>(s);
     }
@@ -384,58 +426,26 @@ __global__ void __launch_bounds__(kThreads) nvfp4_te_2d_quantize_kernel(uint8_t*
 template <typename In>
 Status quantize_nvfp4_te_2d(uint8_t* codes, uint8_t* scales, uint8_t* codes_t, uint8_t* scales_t, float* amax,
                             const In* x, int64_t M, int64_t K, AmaxMode amax_mode, ScaleLayout layout,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, uint16_t* operand) {
   if (M < 0 || K <= 0 || K % 16 != 0) return invalid_argument("quantize_nvfp4_te_2d: K={} must be a positive multiple of 16", K);
   if (codes_t != nullptr && M % 2 != 0) return invalid_argument("quantize_nvfp4_te_2d: columnwise codes need an even M, got {}", M);
-  if (!aligned16(x) || (reinterpret_cast<uintptr_t>(codes) & 7u) || (reinterpret_cast<uintptr_t>(codes_t) & 7u))
+  if (!aligned16(x) || !aligned16(operand) || (reinterpret_cast<uintptr_t>(codes) & 7u) ||
+      (reinterpret_cast<uintptr_t>(codes_t) & 7u))
     return invalid_argument("quantize_nvfp4_te_2d: misaligned pointers");
+  NIB_RETURN_IF_ERROR(check_skipped_parts("quantize_nvfp4_te_2d", codes, scales, operand, layout));
   const int64_t kb = K / 16;
   const bool swz = layout == ScaleLayout::kSwizzled;
   if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(scales, 0, fm::swizzled_scale_bytes(M, kb), stream));
   if (amax_mode == AmaxMode::kCompute) NIB_RETURN_IF_ERROR(absmax(amax, x, M * K, stream));
   if (M == 0) return Status::ok();
   dim3 grid(ceil_div_int(K, kTe2dCols), ceil_div_int(M, kTe2dRows));
-  nvfp4_te_2d_quantize_kernel<In><<<grid, kThreads, 0, stream>>>(codes, scales, codes_t, scales_t, amax, x, M, kb, swz);
+  nvfp4_te_2d_quantize_kernel<In><<<grid, kThreads, 0, stream>>>(codes, scales, codes_t, scales_t, operand, amax, x, M,
+                                                                   kb, swz);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
 // ---- NVFP4 TE dequantize -----------------------------------------------------------------------
-
-template <typename Out>
-__device__ __forceinline__ Out from_f32(float v) {
-  if constexpr (std::is_same_v<Out, float>) return v;
-  else return f32_to_bf16_bits(v);
-}
-
-// 16 decoded values -> y (16-byte aligned): f32 as they are, BF16 by the hardware RNE conversion,
-// two per instruction (= f32_to_bf16_bits for every value GPU arithmetic produces: its NaN is the
-// canonical 0x7FFFFFFF, which both turn into 0x7FFF).
-template <typename Out>
-__device__ __forceinline__ void store_values16(Out* y, const float (&f)[16]) {
-  Vec<Out, 16> v;
-  if constexpr (std::is_same_v<Out, float>) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v.e[i] = f[i];
-  } else {
-    uint32_t* w = reinterpret_cast<uint32_t*>(v.w);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
-  }
-  store_vec(y, v);
-}
-
-// The 16 values of a 1x16 block of packed codes c: fl(e2m1_decode(code) * factor) each.
-__device__ __forceinline__ void decode16_mul(float (&f)[16], const uint2& c, float factor) {
-  float lo[8], hi[8];
-  e2m1_decode8_mul(lo, c.x, factor);
-  e2m1_decode8_mul(hi, c.y, factor);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    f[i] = lo[i];
-    f[8 + i] = hi[i];
-  }
-}
 
 // y (nblocks*16) <- codes/scales (linear); thread per 1x16 block:
 // formats::nvfp4_te_dequantize_block16 by the table decode (e2m1_decode8_mul).
@@ -449,7 +459,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_te_dequantize_kernel(Out* y, c
   float f[16];
   // amax null: the BF16 GEMM operand e2m1 × E4M3 scale (fm::nvfp4_te_bf16_operand), exact
   decode16_mul(f, c, amax != nullptr ? fm::nvfp4_te_dequant_factor(scales[b], *amax) : fm::e4m3_decode(scales[b]));
-  store_values16(y + b * 16, f);
+  store_values(y + b * 16, f);
 }
 
 template <typename Out>
@@ -536,11 +546,13 @@ __device__ __forceinline__ float bf16_block_max(bool& nan_free, uint32_t (&w)[8]
   return nan_free ? u32_as_float(abits << 16) : block16_amax<FormatsCodec>(xb);
 }
 
-// The lane's inner block v (zeros when !l.ok): all lanes of the warp call it (shuffles).
+// The lane's inner block v (zeros when !l.ok): all lanes of the warp call it (shuffles). codes
+// null: codes and inner scales are not stored; outer null: nor the outer scales; operand set: the
+// block's BF16 GEMM operand (store_2level_block16 with the block scale dequantize_nvfp4_2level forms).
 template <typename Codec, typename In, bool kSR>
-__device__ __forceinline__ void nvfp4_2level_lane(uint8_t* codes, uint8_t* inner, float* outer, const Vec<In, 16>& v,
-                                                  int64_t t, const TwoLevelLane& l, int64_t kb, bool swizzled,
-                                                  const SrKeyDevice& key) {
+__device__ __forceinline__ void nvfp4_2level_lane(uint8_t* codes, uint8_t* inner, float* outer, uint16_t* operand,
+                                                  const Vec<In, 16>& v, int64_t t, const TwoLevelLane& l, int64_t kb,
+                                                  bool swizzled, const SrKeyDevice& key) {
   constexpr bool kBf16Rtn = std::is_same_v<In, uint16_t> && !kSR;
   uint32_t w[8], a[8];
   bool nan_free = false;
@@ -561,9 +573,13 @@ __device__ __forceinline__ void nvfp4_2level_lane(uint8_t* codes, uint8_t* inner
     for (int i = 0; i < 16; ++i) xf[i] = fm::load_f32(v.e[i]);
     packed = nvfp4_2level_encode_block16<kSR>(xf, sp, rp, key, static_cast<uint64_t>(l.e) / 8);  // e % 16 == 0
   }
-  store_packed(codes + l.e / 2, packed);  // 8-byte aligned: e/2 is a multiple of 8
-  inner[scale_index(l.e / 16, kb, swizzled)] = static_cast<uint8_t>(si);
-  if ((t & 7) == 0) outer[t >> 3] = so;
+  if (operand != nullptr)
+    store_2level_block16(operand + l.e, make_uint2(packed.w[0], packed.w[1]), fm::nvfp4_2level_block_scale(si, so));
+  if (codes != nullptr) {
+    store_packed(codes + l.e / 2, packed);  // 8-byte aligned: e/2 is a multiple of 8
+    inner[scale_index(l.e / 16, kb, swizzled)] = static_cast<uint8_t>(si);
+  }
+  if (outer != nullptr && (t & 7) == 0) outer[t >> 3] = so;
 }
 
 // codes (M, K/2), inner (M, K/16) or swizzled, outer (M, ceil(K/128)) f32; x (M, K). Persistent
@@ -572,8 +588,8 @@ __device__ __forceinline__ void nvfp4_2level_lane(uint8_t* codes, uint8_t* inner
 // before the current inner block is encoded (a load in flight while the thread computes).
 template <typename Codec, typename In, bool kSR>
 __global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t* codes, uint8_t* inner, float* outer,
-                                                                        const In* x, int64_t M, int64_t K,
-                                                                        bool swizzled, SrKeyDevice key) {
+                                                                        uint16_t* operand, const In* x, int64_t M,
+                                                                        int64_t K, bool swizzled, SrKeyDevice key) {
   const int64_t no = (K + 127) / 128, kb = K / 16, nlanes = M * no * 8;
   const bool k128 = (K & 127) == 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -586,7 +602,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_2level_quantize_kernel(uint8_t
     const TwoLevelLane ln = two_level_lane(t + stride, nlanes, M, K, no, k128);
     Vec<In, 16> vn;
     load_or_zero(vn, x, ln);
-    nvfp4_2level_lane<Codec, In, kSR>(codes, inner, outer, v, t, l, kb, swizzled, key);
+    nvfp4_2level_lane<Codec, In, kSR>(codes, inner, outer, operand, v, t, l, kb, swizzled, key);
     v = vn;
     l = ln;
   }
@@ -601,10 +617,13 @@ constexpr int kSrMinBlocks = 4;
 // (outer amax by shuffles); RTN by the packed path (nvfp4_2level_bf16_rtn_block16), SR by
 // nvfp4_2level_encode_block16; the code bytes, inner scale bytes and (first thread of the group)
 // the outer scale are stored directly. Threads past the end (whole groups: nthreads is a multiple
-// of 8 / kNB) run the shuffles on zeros and store nothing.
-template <int kNB, int kMinBlocks, bool kSR>
+// of 8 / kNB) run the shuffles on zeros and store nothing. kOperand: the blocks' BF16 GEMM operand
+// is stored too (store_2level_block16), and codes / inner (null together) and outer (null) may be
+// skipped; a template flag so that the plain instances keep their register budget.
+template <int kNB, int kMinBlocks, bool kSR, bool kOperand>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) nvfp4_2level_bf16_k128_kernel(uint8_t* codes, uint8_t* inner,
-                                                                                     float* outer, const uint16_t* x,
+                                                                                     float* outer, uint16_t* operand,
+                                                                                     const uint16_t* x,
                                                                                      int64_t nthreads, int64_t kb,
                                                                                      bool swizzled, SrKeyDevice key) {
   constexpr int kGroup = 8 / kNB;
@@ -645,22 +664,31 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) nvfp4_2level_bf16_k128_k
     }
     packed.w[2 * b] = p.w[0];
     packed.w[2 * b + 1] = p.w[1];
+    if constexpr (kOperand)
+      store_2level_block16(operand + 16 * kNB * t + 16 * b, make_uint2(p.w[0], p.w[1]),
+                           fm::nvfp4_2level_block_scale(si[b], so));
   }
-  store_packed(codes + 8 * kNB * t, packed);
-  if (!swizzled && kNB == 2) {
-    *reinterpret_cast<uint16_t*>(inner + 2 * t) = static_cast<uint16_t>(si[0] | (si[kNB - 1] << 8));
-  } else {
+  if (!kOperand || codes != nullptr) {
+    store_packed(codes + 8 * kNB * t, packed);
+    if (!swizzled && kNB == 2) {
+      *reinterpret_cast<uint16_t*>(inner + 2 * t) = static_cast<uint16_t>(si[0] | (si[kNB - 1] << 8));
+    } else {
 #pragma unroll
-    for (int b = 0; b < kNB; ++b) inner[scale_index(kNB * t + b, kb, swizzled)] = static_cast<uint8_t>(si[b]);
+      for (int b = 0; b < kNB; ++b) inner[scale_index(kNB * t + b, kb, swizzled)] = static_cast<uint8_t>(si[b]);
+    }
   }
-  if ((t & (kGroup - 1)) == 0) outer[t / kGroup] = so;
+  if ((!kOperand || outer != nullptr) && (t & (kGroup - 1)) == 0) outer[t / kGroup] = so;
 }
 
 template <typename Codec, typename In>
 Status quantize_nvfp4_2level_impl(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
-                                  const SrKey* sr, ScaleLayout inner_layout, cudaStream_t stream) {
+                                  const SrKey* sr, ScaleLayout inner_layout, cudaStream_t stream, uint16_t* operand) {
   if (M < 0 || K <= 0 || K % 16 != 0) return invalid_argument("quantize_nvfp4_2level: K={} must be a positive multiple of 16", K);
-  if (!aligned16(x) || !aligned16(codes)) return invalid_argument("quantize_nvfp4_2level: x and codes must be 16-byte aligned");
+  if (!aligned16(x) || !aligned16(codes) || !aligned16(operand))
+    return invalid_argument("quantize_nvfp4_2level: x, codes and operand must be 16-byte aligned");
+  NIB_RETURN_IF_ERROR(check_skipped_parts("quantize_nvfp4_2level", codes, inner, operand, inner_layout));
+  if (outer == nullptr && operand == nullptr)
+    return invalid_argument("quantize_nvfp4_2level: outer scales may be skipped only when the BF16 operand is written");
   const int64_t kb = K / 16, n128 = M * ((K + 127) / 128);
   const bool swz = inner_layout == ScaleLayout::kSwizzled;
   if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(inner, 0, fm::swizzled_scale_bytes(M, kb), stream));
@@ -668,7 +696,7 @@ Status quantize_nvfp4_2level_impl(uint8_t* codes, uint8_t* inner, float* outer, 
   const SrKeyDevice key = sr ? SrKeyDevice(*sr) : SrKeyDevice{};
   auto launch = [&](auto kernel) {
     const int grid = static_cast<int>(std::min<int64_t>(ceil_div_int(n128 * 8, kThreads), resident_grid(kernel)));
-    kernel<<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, M, K, swz, key);
+    kernel<<<grid, kThreads, 0, stream>>>(codes, inner, outer, operand, x, M, K, swz, key);
   };
   if constexpr (std::is_same_v<In, uint16_t> && std::is_same_v<Codec, FormatsCodec>) {
     if (K % 128 == 0) {
@@ -678,12 +706,19 @@ Status quantize_nvfp4_2level_impl(uint8_t* codes, uint8_t* inner, float* outer, 
       constexpr int kNB = 2;
       const int64_t nthreads = M * K / (16 * kNB);
       const int grid = ceil_div_int(nthreads, kThreads);
-      if (sr)
-        nvfp4_2level_bf16_k128_kernel<kNB, kSrMinBlocks, true><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x,
-                                                                                              nthreads, kb, swz, key);
+      // The operand instances run at <= 64 registers (4 CTAs): room for the 2 x 16 decoded values.
+      if (operand != nullptr && sr)
+        nvfp4_2level_bf16_k128_kernel<kNB, kSrMinBlocks, true, true><<<grid, kThreads, 0, stream>>>(
+            codes, inner, outer, operand, x, nthreads, kb, swz, key);
+      else if (operand != nullptr)
+        nvfp4_2level_bf16_k128_kernel<kNB, kSrMinBlocks, false, true><<<grid, kThreads, 0, stream>>>(
+            codes, inner, outer, operand, x, nthreads, kb, swz, SrKeyDevice{});
+      else if (sr)
+        nvfp4_2level_bf16_k128_kernel<kNB, kSrMinBlocks, true, false><<<grid, kThreads, 0, stream>>>(
+            codes, inner, outer, nullptr, x, nthreads, kb, swz, key);
       else
-        nvfp4_2level_bf16_k128_kernel<kNB, 5, false><<<grid, kThreads, 0, stream>>>(codes, inner, outer, x, nthreads,
-                                                                                    kb, swz, SrKeyDevice{});
+        nvfp4_2level_bf16_k128_kernel<kNB, 5, false, false><<<grid, kThreads, 0, stream>>>(
+            codes, inner, outer, nullptr, x, nthreads, kb, swz, SrKeyDevice{});
       NIB_CUDA_CHECK_LAUNCH();
       return Status::ok();
     }
@@ -696,8 +731,8 @@ Status quantize_nvfp4_2level_impl(uint8_t* codes, uint8_t* inner, float* outer, 
 
 template <typename In>
 Status quantize_nvfp4_2level(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
-                             const SrKey* sr, ScaleLayout inner_layout, cudaStream_t stream) {
-  return quantize_nvfp4_2level_impl<FormatsCodec>(codes, inner, outer, x, M, K, sr, inner_layout, stream);
+                             const SrKey* sr, ScaleLayout inner_layout, cudaStream_t stream, uint16_t* operand) {
+  return quantize_nvfp4_2level_impl<FormatsCodec>(codes, inner, outer, x, M, K, sr, inner_layout, stream, operand);
 }
 
 // y <- dequantized; thread per 1x16 block.
@@ -709,18 +744,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_2level_dequantize_kernel(Out* 
   if (b >= nblocks) return;
   const uint2 c = __ldcs(reinterpret_cast<const uint2*>(codes + b * 8));
   const int64_t r = b / kb, cb = b - r * kb;  // outer (M, ceil(K/128)): block (r, cb) -> (r, cb/8)
-  const float sp = fm::nvfp4_2level_block_scale(inner[b], outer[r * ((kb + 7) / 8) + cb / 8]);
-  if (isfinite(sp)) {  // the table decode (e2m1_decode8_mul) equals nvfp4_2level_decode here
-    float f[16];
-    decode16_mul(f, c, sp);
-    store_values16(y + b * 16, f);
-  } else {  // the definition, whose NaN may carry a sign: the software BF16 rounding keeps it
-    Vec<Out, 16> v;
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-      v.e[i] = from_f32<Out>(fm::nvfp4_2level_decode(((i < 8 ? c.x : c.y) >> (4 * (i % 8))) & 15u, sp));
-    store_vec(y + b * 16, v);
-  }
+  store_2level_block16(y + b * 16, c, fm::nvfp4_2level_block_scale(inner[b], outer[r * ((kb + 7) / 8) + cb / 8]));
 }
 
 template <typename Out>
@@ -839,15 +863,32 @@ Status quantize_mxfp4(uint8_t* codes, uint8_t* scales, const In* x, int64_t M, i
   return Status::ok();
 }
 
+// y (16) <- the dequantization of 16 E4M3 elements e under the E8M0 scale byte, f32 or rounded to
+// BF16 (the MXFP8 dequantizer and the fused quantize + BF16 operand kernel).
+template <typename Out>
+__device__ __forceinline__ void store_mxfp8_values16(Out* y, const uint8_t* e, uint32_t byte) {
+  Vec<Out, 16> v;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v.e[i] = from_f32<Out>(fm::mxfp8_decode(e[i], byte));
+  store_vec(y, v);
+}
+
+// Thread per 1x32 block; elems / scales null: not stored; operand set: the block's BF16 operand.
 template <typename In, MxScaleRule kRule>
-__global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(uint8_t* elems, uint8_t* scales, const In* x,
-                                                                 int64_t nblocks, int64_t kb, bool swizzled) {
+__global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(uint8_t* elems, uint8_t* scales, uint16_t* operand,
+                                                                 const In* x, int64_t nblocks, int64_t kb,
+                                                                 bool swizzled) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= nblocks) return;
   Vec<In, 32> v;
   load_vec(v, x + b * 32);
   uint8_t p[32];
   const uint32_t byte = fm::mxfp8_quantize_block32(p, v.e, kRule);
+  if (operand != nullptr) {
+    store_mxfp8_values16(operand + b * 32, p, byte);
+    store_mxfp8_values16(operand + b * 32 + 16, p + 16, byte);
+  }
+  if (elems == nullptr) return;
   PackedBytes<32> packed;
 #pragma unroll
   for (int i = 0; i < 32; ++i) packed.set(i, p[i]);
@@ -857,19 +898,23 @@ __global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(uint8_t* elems
 
 template <typename In>
 Status quantize_mxfp8(uint8_t* elems, uint8_t* scales, const In* x, int64_t M, int64_t K, MxScaleRule rule,
-                      ScaleLayout layout, cudaStream_t stream) {
+                      ScaleLayout layout, cudaStream_t stream, uint16_t* operand) {
   if (M < 0 || K <= 0 || K % 32 != 0) return invalid_argument("quantize_mxfp8: K={} must be a positive multiple of 32", K);
   if (rule == MxScaleRule::kTeCeil) return invalid_argument("quantize_mxfp8: the TE ceil rule is an MXFP4 rule");
-  if (!aligned16(x) || !aligned16(elems)) return invalid_argument("quantize_mxfp8: x and elems must be 16-byte aligned");
+  if (!aligned16(x) || !aligned16(elems) || !aligned16(operand))
+    return invalid_argument("quantize_mxfp8: x, elems and operand must be 16-byte aligned");
+  NIB_RETURN_IF_ERROR(check_skipped_parts("quantize_mxfp8", elems, scales, operand, layout));
   const int64_t kb = K / 32, nblocks = M * kb;
   const bool swz = layout == ScaleLayout::kSwizzled;
   if (swz) NIB_CUDA_CHECK(cudaMemsetAsync(scales, 0, fm::swizzled_scale_bytes(M, kb), stream));
   if (nblocks == 0) return Status::ok();
   const int grid = ceil_div_int(nblocks, kThreads);
   if (rule == MxScaleRule::kFloor)
-    mxfp8_quantize_kernel<In, MxScaleRule::kFloor><<<grid, kThreads, 0, stream>>>(elems, scales, x, nblocks, kb, swz);
+    mxfp8_quantize_kernel<In, MxScaleRule::kFloor><<<grid, kThreads, 0, stream>>>(elems, scales, operand, x, nblocks, kb,
+                                                                                  swz);
   else
-    mxfp8_quantize_kernel<In, MxScaleRule::kRceil><<<grid, kThreads, 0, stream>>>(elems, scales, x, nblocks, kb, swz);
+    mxfp8_quantize_kernel<In, MxScaleRule::kRceil><<<grid, kThreads, 0, stream>>>(elems, scales, operand, x, nblocks, kb,
+                                                                                  swz);
   NIB_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
@@ -889,14 +934,11 @@ __global__ void __launch_bounds__(kThreads) mx_dequantize_kernel(Out* y, const u
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if constexpr (kFp8) {
-      Vec<Out, 16> v;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) v.e[i] = from_f32<Out>(fm::mxfp8_decode(c.e[16 * h + i], byte));
-      store_vec(y + b * 32 + 16 * h, v);
+      store_mxfp8_values16(y + b * 32 + 16 * h, c.e + 16 * h, byte);
     } else {  // mxfp4_decode = e2m1_decode(code) * e8m0_decode(byte): the table decode
       float f[16];
       decode16_mul(f, h ? make_uint2(c.w[0].z, c.w[0].w) : make_uint2(c.w[0].x, c.w[0].y), fm::e8m0_decode(byte));
-      store_values16(y + b * 32 + 16 * h, f);
+      store_values(y + b * 32 + 16 * h, f);
     }
   }
 }
@@ -927,15 +969,15 @@ Status dequantize_mxfp8(Out* y, const uint8_t* elems, const uint8_t* scales, int
 #define NIB_INSTANTIATE_IN(In)                                                                                   \
   template Status absmax<In>(float*, const In*, int64_t, cudaStream_t);                                          \
   template Status quantize_nvfp4_te<In>(uint8_t*, uint8_t*, float*, const In*, int64_t, int64_t, const SrKey*,   \
-                                        AmaxMode, ScaleLayout, cudaStream_t);                                    \
+                                        AmaxMode, ScaleLayout, cudaStream_t, uint16_t*);                         \
   template Status quantize_nvfp4_te_2d<In>(uint8_t*, uint8_t*, uint8_t*, uint8_t*, float*, const In*, int64_t,    \
-                                           int64_t, AmaxMode, ScaleLayout, cudaStream_t);                        \
+                                           int64_t, AmaxMode, ScaleLayout, cudaStream_t, uint16_t*);             \
   template Status quantize_nvfp4_2level<In>(uint8_t*, uint8_t*, float*, const In*, int64_t, int64_t,             \
-                                            const SrKey*, ScaleLayout, cudaStream_t);                            \
+                                            const SrKey*, ScaleLayout, cudaStream_t, uint16_t*);                 \
   template Status quantize_mxfp4<In>(uint8_t*, uint8_t*, const In*, int64_t, int64_t, MxScaleRule, const SrKey*, \
                                      ScaleLayout, cudaStream_t);                                                 \
   template Status quantize_mxfp8<In>(uint8_t*, uint8_t*, const In*, int64_t, int64_t, MxScaleRule, ScaleLayout,  \
-                                     cudaStream_t);
+                                     cudaStream_t, uint16_t*);
 NIB_INSTANTIATE_IN(float)
 NIB_INSTANTIATE_IN(uint16_t)
 

@@ -5,6 +5,12 @@
 // with the CPU drivers (SR included: same SrKey -> same bits). Pointers are device memory, the
 // caller allocates, destination first; bad shapes return a Status. `sr == nullptr` means RTN.
 // In = float (F32) or uint16_t (BF16 bits), as in formats/.
+// Fused BF16 GEMM operand (issue #13): the quantizers below take a last argument `operand`
+// (16-byte aligned, the shape of x, or of the output for the transposing ones; null: none) that
+// receives, in the same pass, the BF16 operand backend.h's dequantize_bf16 forms from the codes
+// and scales (TE: code × E4M3 scale; 2-level and MXFP8: the dequantization rounded to BF16), bit
+// for bit. With an operand, codes and block scales may both be null (not stored; linear layout
+// only) and the 2-level outer scales too; TE still computes and stores its amax.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -39,7 +45,8 @@ Status absmax(float* amax, const In* x, int64_t n, cudaStream_t stream = nullptr
 template <typename In>
 Status quantize_nvfp4_te(uint8_t* codes, uint8_t* scales, float* amax, const In* x, int64_t M, int64_t K,
                          const SrKey* sr = nullptr, AmaxMode amax_mode = AmaxMode::kCompute,
-                         ScaleLayout layout = ScaleLayout::kLinear, cudaStream_t stream = nullptr);
+                         ScaleLayout layout = ScaleLayout::kLinear, cudaStream_t stream = nullptr,
+                         uint16_t* operand = nullptr);
 
 // NVFP4 TE 2-D weights: one scale per 16x16 tile (tile amax), stored replicated in the
 // (M, K/16) scale tensor. Any M (the last row tile is zero-padded), K % 16 == 0. RTN.
@@ -49,7 +56,8 @@ Status quantize_nvfp4_te(uint8_t* codes, uint8_t* scales, float* amax, const In*
 template <typename In>
 Status quantize_nvfp4_te_2d(uint8_t* codes, uint8_t* scales, uint8_t* codes_t, uint8_t* scales_t, float* amax,
                             const In* x, int64_t M, int64_t K, AmaxMode amax_mode = AmaxMode::kCompute,
-                            ScaleLayout layout = ScaleLayout::kLinear, cudaStream_t stream = nullptr);
+                            ScaleLayout layout = ScaleLayout::kLinear, cudaStream_t stream = nullptr,
+                            uint16_t* operand = nullptr);
 
 // y (M, K) f32 or bf16 <- TE dequantization of codes (M, K/2), scales (M, K/16) linear, amax (1);
 // amax null: e2m1 × E4M3 scale without the per-tensor factor (formats::nvfp4_te_bf16_operand,
@@ -63,7 +71,7 @@ Status dequantize_nvfp4_te(Out* y, const uint8_t* codes, const uint8_t* scales, 
 template <typename In>
 Status quantize_nvfp4_2level(uint8_t* codes, uint8_t* inner, float* outer, const In* x, int64_t M, int64_t K,
                              const SrKey* sr = nullptr, ScaleLayout inner_layout = ScaleLayout::kLinear,
-                             cudaStream_t stream = nullptr);
+                             cudaStream_t stream = nullptr, uint16_t* operand = nullptr);
 
 template <typename Out>
 Status dequantize_nvfp4_2level(Out* y, const uint8_t* codes, const uint8_t* inner, const float* outer, int64_t M,
@@ -81,7 +89,8 @@ Status dequantize_mxfp4(Out* y, const uint8_t* codes, const uint8_t* scales, int
 // MXFP8 (E4M3 elements): elems (M, K) e4m3, scales (M, K/32) e8m0; rule kFloor or kRceil.
 template <typename In>
 Status quantize_mxfp8(uint8_t* elems, uint8_t* scales, const In* x, int64_t M, int64_t K, MxScaleRule rule,
-                      ScaleLayout layout = ScaleLayout::kLinear, cudaStream_t stream = nullptr);
+                      ScaleLayout layout = ScaleLayout::kLinear, cudaStream_t stream = nullptr,
+                      uint16_t* operand = nullptr);
 template <typename Out>
 Status dequantize_mxfp8(Out* y, const uint8_t* elems, const uint8_t* scales, int64_t M, int64_t K,
                         cudaStream_t stream = nullptr);
@@ -107,9 +116,10 @@ Status rht16_transpose_bf16(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t
 
 // TE wgrad operand in one call (formats::nvfp4_te_quantize_rht_t_cpu): y_t scratch (K, M) bf16
 // <- rht16_transpose_bf16(x, TE signs), then quantize_nvfp4_te of y_t into codes_t (K, M/2),
-// scales_t (K, M/16), amax_t (1).
+// scales_t (K, M/16), amax_t (1); operand (K, M) bf16 (null: none).
 Status quantize_nvfp4_te_rht_t(uint8_t* codes_t, uint8_t* scales_t, float* amax_t, uint16_t* y_t, const uint16_t* x,
-                               int64_t M, int64_t K, const SrKey* sr = nullptr, cudaStream_t stream = nullptr);
+                               int64_t M, int64_t K, const SrKey* sr = nullptr, cudaStream_t stream = nullptr,
+                               uint16_t* operand = nullptr);
 
 // TetraJet-v2 RHT in place along rows: x (M, K) f32, every 16-group of a row <- rht16_f32(group, sign_mask).
 Status rht16_rows_f32(float* y, const float* x, int64_t M, int64_t K, uint32_t sign_mask,
@@ -121,10 +131,11 @@ Status rht16_rows_f32(float* y, const float* x, int64_t M, int64_t K, uint32_t s
 // outer_t (K, M/128), with stochastic rounding keyed by `sr` on the flat index k*M + m of the
 // [K, M] output (or RTN when sr == nullptr). M % 128 == 0, K % 16 == 0 (input outer (M, ceil(K/128))).
 // Equals, bit for bit: dequantize_nvfp4_2level -> transpose -> rht16_rows_f32 -> quantize_nvfp4_2level.
+// operand (K, M) bf16 (null: none).
 Status nvfp4_2level_transpose_rht_requantize(uint8_t* codes_t, uint8_t* inner_t, float* outer_t,
                                              const uint8_t* codes, const uint8_t* inner, const float* outer,
                                              int64_t M, int64_t K, uint32_t sign_mask, const SrKey* sr,
-                                             cudaStream_t stream = nullptr);
+                                             cudaStream_t stream = nullptr, uint16_t* operand = nullptr);
 
 // y (K, M) <- x (M, K)^T, for any 4-byte or 2-byte element (reference path and tests).
 template <typename T>

@@ -183,10 +183,10 @@ Status rht16_transpose_bf16(uint16_t* y_t, const uint16_t* x, int64_t M, int64_t
 }
 
 Status quantize_nvfp4_te_rht_t(uint8_t* codes_t, uint8_t* scales_t, float* amax_t, uint16_t* y_t, const uint16_t* x,
-                               int64_t M, int64_t K, const SrKey* sr, cudaStream_t stream) {
+                               int64_t M, int64_t K, const SrKey* sr, cudaStream_t stream, uint16_t* operand) {
   NIB_RETURN_IF_ERROR(rht16_transpose_bf16(y_t, x, M, K, fm::kRhtTeSignMask, stream));
   return quantize_nvfp4_te(codes_t, scales_t, amax_t, static_cast<const uint16_t*>(y_t), K, M, sr, AmaxMode::kCompute,
-                           ScaleLayout::kLinear, stream);
+                           ScaleLayout::kLinear, stream, operand);
 }
 
 // ---- TetraJet-v2 RHT along rows, FP32 ------------------------------------------------------------
@@ -217,13 +217,15 @@ constexpr int kFusedMinBlocks = 4;  // 64 registers
 }  // namespace
 
 // codes_t (K, M/2), inner_t (K, M/16), outer_t (K, M/128) <- codes (M, K/2), inner (M, K/16),
-// outer (M, K/128). grid = (K/64, M/128). The RHT's sign s_m of input row m (the m-th element of
+// outer (M, K/128). grid = (K/64, M/128). kOperand: operand_t (K, M) bf16 receives each output
+// block's BF16 GEMM operand (store_2level_block16), and codes_t / inner_t (null together) and
+// outer_t (null) may be skipped; a template flag, so the plain instances keep their registers. The RHT's sign s_m of input row m (the m-th element of
 // its 16-group along M) is applied while decoding, by flipping the sign of that row's codes
 // (negating a decoded value is exact, as the formats::rht16_f32 sign step), so phase 2 transforms
 // with no sign step.
-template <typename Codec, bool kSR>
+template <typename Codec, bool kSR, bool kOperand>
 __global__ void __launch_bounds__(kTileThreads, kFusedMinBlocks) nvfp4_2level_transpose_rht_requantize_kernel(
-    uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes, const uint8_t* inner,
+    uint8_t* codes_t, uint8_t* inner_t, float* outer_t, uint16_t* operand_t, const uint8_t* codes, const uint8_t* inner,
     const float* outer, int64_t M, int64_t K, uint32_t sign_mask, SrKeyDevice key) {
   extern __shared__ float4 smem_f4[];
   float* tile = reinterpret_cast<float*>(smem_f4);
@@ -332,42 +334,64 @@ __global__ void __launch_bounds__(kTileThreads, kFusedMinBlocks) nvfp4_2level_tr
       packed = nvfp4_2level_encode_block16<kSR>(v, sp, rp, key, q0);
     }
     if (orow < uK) {  // the shuffles above ran on whole warps
-      store_packed(codes_t + orow * (uM / 2) + ocol / 2, packed);
-      inner_t[orow * (uM / 16) + ocol / 16] = static_cast<uint8_t>(si);
-      if (g == 0) outer_t[orow * (uM / 128) + m0 / 128] = so;
+      if constexpr (kOperand)
+        store_2level_block16(operand_t + orow * uM + ocol, make_uint2(packed.w[0], packed.w[1]),
+                             fm::nvfp4_2level_block_scale(si, so));
+      if (!kOperand || codes_t != nullptr) {
+        store_packed(codes_t + orow * (uM / 2) + ocol / 2, packed);
+        inner_t[orow * (uM / 16) + ocol / 16] = static_cast<uint8_t>(si);
+      }
+      if ((!kOperand || outer_t != nullptr) && g == 0) outer_t[orow * (uM / 128) + m0 / 128] = so;
     }
   });
 }
 
-template <typename Codec>
-Status fused_impl(uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes, const uint8_t* inner,
-                  const float* outer, int64_t M, int64_t K, uint32_t sign_mask, const SrKey* sr, cudaStream_t stream) {
-  if (M < 0 || K < 0 || M % 128 != 0 || K % 16 != 0)
-    return invalid_argument("nvfp4_2level_transpose_rht_requantize: M={} must be a multiple of 128 and K={} of 16", M, K);
-  if (M == 0 || K == 0) return Status::ok();
+// One instance of the fused kernel, its shared-memory size set once.
+template <typename Codec, bool kSR, bool kOperand>
+void launch_fused(dim3 grid, uint8_t* codes_t, uint8_t* inner_t, float* outer_t, uint16_t* operand_t,
+                  const uint8_t* codes, const uint8_t* inner, const float* outer, int64_t M, int64_t K,
+                  uint32_t sign_mask, const SrKeyDevice& key, cudaStream_t stream) {
   static bool attr_set = [] {
-    NIB_CUDA_CHECK(cudaFuncSetAttribute(nvfp4_2level_transpose_rht_requantize_kernel<Codec, true>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kTileSmemBytes));
-    NIB_CUDA_CHECK(cudaFuncSetAttribute(nvfp4_2level_transpose_rht_requantize_kernel<Codec, false>,
+    NIB_CUDA_CHECK(cudaFuncSetAttribute(nvfp4_2level_transpose_rht_requantize_kernel<Codec, kSR, kOperand>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kTileSmemBytes));
     return true;
   }();
   (void)attr_set;
-  dim3 grid(ceil_div_int(K, kTileK), ceil_div_int(M, kTileM));
-  if (sr)
-    nvfp4_2level_transpose_rht_requantize_kernel<Codec, true><<<grid, kTileThreads, kTileSmemBytes, stream>>>(
-        codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, SrKeyDevice(*sr));
-  else
-    nvfp4_2level_transpose_rht_requantize_kernel<Codec, false><<<grid, kTileThreads, kTileSmemBytes, stream>>>(
-        codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, SrKeyDevice{});
+  nvfp4_2level_transpose_rht_requantize_kernel<Codec, kSR, kOperand><<<grid, kTileThreads, kTileSmemBytes, stream>>>(
+      codes_t, inner_t, outer_t, operand_t, codes, inner, outer, M, K, sign_mask, key);
   NIB_CUDA_CHECK_LAUNCH();
+}
+
+template <typename Codec>
+Status fused_impl(uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes, const uint8_t* inner,
+                  const float* outer, int64_t M, int64_t K, uint32_t sign_mask, const SrKey* sr, cudaStream_t stream,
+                  uint16_t* operand_t) {
+  if (M < 0 || K < 0 || M % 128 != 0 || K % 16 != 0)
+    return invalid_argument("nvfp4_2level_transpose_rht_requantize: M={} must be a multiple of 128 and K={} of 16", M, K);
+  if ((codes_t == nullptr) != (inner_t == nullptr) || ((codes_t == nullptr || outer_t == nullptr) && operand_t == nullptr))
+    return invalid_argument("nvfp4_2level_transpose_rht_requantize: codes and scales may be skipped only when the BF16 "
+                            "operand is written (codes and inner scales together)");
+  if ((reinterpret_cast<uintptr_t>(operand_t) & 15u) != 0)
+    return invalid_argument("nvfp4_2level_transpose_rht_requantize: the operand must be 16-byte aligned");
+  if (M == 0 || K == 0) return Status::ok();
+  dim3 grid(ceil_div_int(K, kTileK), ceil_div_int(M, kTileM));
+  const SrKeyDevice key = sr ? SrKeyDevice(*sr) : SrKeyDevice{};
+  if (operand_t != nullptr) {
+    if (sr) launch_fused<Codec, true, true>(grid, codes_t, inner_t, outer_t, operand_t, codes, inner, outer, M, K, sign_mask, key, stream);
+    else launch_fused<Codec, false, true>(grid, codes_t, inner_t, outer_t, operand_t, codes, inner, outer, M, K, sign_mask, key, stream);
+  } else {
+    if (sr) launch_fused<Codec, true, false>(grid, codes_t, inner_t, outer_t, nullptr, codes, inner, outer, M, K, sign_mask, key, stream);
+    else launch_fused<Codec, false, false>(grid, codes_t, inner_t, outer_t, nullptr, codes, inner, outer, M, K, sign_mask, key, stream);
+  }
   return Status::ok();
 }
 
 Status nvfp4_2level_transpose_rht_requantize(uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint8_t* codes,
                                              const uint8_t* inner, const float* outer, int64_t M, int64_t K,
-                                             uint32_t sign_mask, const SrKey* sr, cudaStream_t stream) {
-  return fused_impl<FormatsCodec>(codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, sr, stream);
+                                             uint32_t sign_mask, const SrKey* sr, cudaStream_t stream,
+                                             uint16_t* operand_t) {
+  return fused_impl<FormatsCodec>(codes_t, inner_t, outer_t, codes, inner, outer, M, K, sign_mask, sr, stream,
+                                  operand_t);
 }
 
 }  // namespace nibble::cuda

@@ -2,7 +2,9 @@
 // on host vectors (the backends call the same host+device per-element functions, so any
 // difference is a bug; SR gives the same bits for the same key): quantize / dequantize of every
 // QuantFormat from F32 and BF16 inputs, RTN and SR where the format allows, the TE wgrad
-// RHT-transpose operand, the TetraJet-v2 fused backward operand, BF16 rounding and bits,
+// RHT-transpose operand, the TetraJet-v2 fused backward operand, the fused quantize + BF16 operand
+// forms of all of these (the operand equals dequantize_bf16 of the parts, with and without the
+// parts written), BF16 rounding and bits,
 // channel gather / scatter, transposes, the RHT along rows and the calibration's column sums.
 #include <cmath>
 #include <cstring>
@@ -58,6 +60,35 @@ class FormatOpsTest : public OpsTest {
     EXPECT_TRUE(bits_equal(got.codes, ref.codes)) << where << ": codes";
     EXPECT_TRUE(bits_equal(got.scales, ref.scales)) << where << ": scales";
     EXPECT_TRUE(bits_equal(got.outer, ref.outer)) << where << ": outer/amax";
+  }
+  // The BF16 GEMM operand dequantize_bf16 makes of q, on the host.
+  std::vector<uint16_t> operand_of(const QuantizedTensor& q) {
+    uint16_t* y = zeros<uint16_t>(q.rows * q.cols);
+    be().dequantize_bf16(y, q);
+    return download(y, q.rows * q.cols);
+  }
+  // n BF16 elements holding a NaN pattern no operand has (an unwritten element shows).
+  uint16_t* unwritten_bf16(int64_t n) { return upload(std::vector<uint16_t>(static_cast<size_t>(n), 0x7FC1u)); }
+  // Runs `fused(q, y)` into a fresh `format` (rows, cols) view, then again with the parts skipped:
+  // y equals `want` (the unfused op's operand) both times, the parts equal `ref` (the TE amax too
+  // when skipped).
+  template <typename Fused>
+  void check_fused(QuantFormat format, int64_t rows, int64_t cols, const HostQuant& ref,
+                   const std::vector<uint16_t>& want, const std::string& where, const Fused& fused) {
+    for (bool skip : {false, true}) {
+      QuantizedBuffer fb;
+      QuantizedTensor fq = fb.view(be(), format, rows, cols);
+      if (skip) fq = Backend::operand_only(fq);
+      uint16_t* y = unwritten_bf16(rows * cols);
+      fused(fq, y);
+      const std::string at = where + (skip ? ": fused, parts skipped" : ": fused");
+      EXPECT_TRUE(same_bits(download(y, rows * cols), want)) << at << ": operand";
+      if (!skip) {
+        expect_same(fetch(fq), ref, at);
+      } else if (fq.outer != nullptr) {
+        EXPECT_TRUE(bits_equal(download(fq.outer, 1), ref.outer)) << at << ": amax";
+      }
+    }
   }
 
   // The CPU drivers' result for one format (x: F32 values; BF16 inputs are exact in F32 except
@@ -147,6 +178,13 @@ class FormatOpsTest : public OpsTest {
       }
     }
     EXPECT_EQ(wrong, 0) << where << ": dequantize_bf16";
+    // the fused quantize + BF16 operand: the same parts, and the operand just checked, bit for bit
+    const float* xf = bf16_input ? nullptr : upload(x);
+    const uint16_t* xh = bf16_input ? upload(xb) : nullptr;
+    check_fused(f, M, K, ref, got, where, [&](QuantizedTensor& fq, uint16_t* y) {
+      if (bf16_input) be().quantize_operand(fq, y, xh, sr);
+      else be().quantize_operand(fq, y, xf, sr);
+    });
   }
 };
 
@@ -226,6 +264,10 @@ TEST_P(FormatOpsTest, TeRhtTransposeOperand) {
       const std::string where = fmt::format("M={} K={} sr={}", M, K, sr != nullptr);
       expect_same(fetch(q), ref, where);
       EXPECT_TRUE(same_bits(download(yt, K * M), yt_ref)) << where << ": y_t";
+      const uint16_t* xd = upload(x);
+      check_fused(QuantFormat::kNvfp4Te, K, M, ref, operand_of(q), where, [&](QuantizedTensor& fq, uint16_t* y) {
+        be().quantize_te_rht_transpose_operand(fq, y, zeros<uint16_t>(K * M), xd, M, K, sr);
+      });
     }
   }
 }
@@ -252,7 +294,10 @@ TEST_P(FormatOpsTest, TwoLevelBackwardOperand) {
     QuantizedBuffer ob;
     QuantizedTensor out = ob.view(be(), QuantFormat::kNvfp4TwoLevel, K, M);
     be().backward_operand_two_level(out, qin, mask, sr);
-    expect_same(fetch(out), ref, fmt::format("M={} K={}", M, K));
+    const std::string where = fmt::format("M={} K={}", M, K);
+    expect_same(fetch(out), ref, where);
+    check_fused(QuantFormat::kNvfp4TwoLevel, K, M, ref, operand_of(out), where,
+                [&](QuantizedTensor& fq, uint16_t* y) { be().backward_operand_two_level_bf16(fq, y, qin, mask, sr); });
   }
 }
 
