@@ -68,50 +68,94 @@ void Backend::matmul_nt_nvfp4_weight(float*, const float*, const QuantizedTensor
 
 namespace {
 
-// The QuantizedTensor the unfused ops write: `out` itself, or (codes and scales skipped) a view
-// whose skipped parts live in `scratch`; out.outer, where set, is kept (the TE amax).
-QuantizedTensor with_all_parts(Backend& be, const QuantizedTensor& out, QuantizedBuffer& scratch, const char* op) {
+// The parts a caller skipped, for the duration of one composed op: in backend memory (allocate())
+// or, where the backend's memory is the host's, in plain host vectors.
+struct SkippedParts {
+  QuantizedBuffer in_backend;
+  std::vector<uint8_t> codes, scales;
+  std::vector<float> outer;
+};
+
+// The QuantizedTensor the unfused ops write: `out` itself, or `out` with its skipped parts (codes
+// and scales; a 2-level outer) in `parts`; out.outer, where set, is kept (the TE amax).
+QuantizedTensor with_all_parts(Backend& be, bool host, const QuantizedTensor& out, SkippedParts& parts,
+                               const char* op) {
   NIB_CHECK_MSG((out.codes == nullptr) == (out.scales == nullptr), "{}: codes and scales are written or skipped together",
                 op);
   const bool te = out.format == QuantFormat::kNvfp4Te || out.format == QuantFormat::kNvfp4Te2d;
   NIB_CHECK_MSG(!te || out.outer != nullptr, "{}: {} needs out.outer (the amax)", op, quant_format_name(out.format));
-  if (out.codes != nullptr && (out.outer != nullptr || out.format == QuantFormat::kMxfp8)) return out;
-  QuantizedTensor q = scratch.view(be, out.format, out.rows, out.cols);
-  if (out.codes != nullptr) q.codes = out.codes, q.scales = out.scales;
-  if (out.outer != nullptr) q.outer = out.outer;
+  const int64_t n_outer = QuantizedTensor::outer_count(out.format, out.rows, out.cols);
+  QuantizedTensor q = out;
+  if (out.codes != nullptr && (out.outer != nullptr || n_outer == 0)) return q;
+  if (!host) {
+    const QuantizedTensor v = parts.in_backend.view(be, out.format, out.rows, out.cols);
+    if (q.codes == nullptr) q.codes = v.codes, q.scales = v.scales;
+    if (q.outer == nullptr) q.outer = v.outer;
+    return q;
+  }
+  if (q.codes == nullptr) {
+    parts.codes.resize(static_cast<size_t>(QuantizedTensor::code_bytes(out.format, out.rows, out.cols)));
+    parts.scales.resize(static_cast<size_t>(QuantizedTensor::scale_bytes(out.format, out.rows, out.cols)));
+    q.codes = parts.codes.data(), q.scales = parts.scales.data();
+  }
+  if (q.outer == nullptr && n_outer > 0) {
+    parts.outer.resize(static_cast<size_t>(n_outer));
+    q.outer = parts.outer.data();
+  }
   return q;
 }
 
 }  // namespace
 
 void Backend::quantize_operand(QuantizedTensor& out, uint16_t* y, const float* x, const formats::SrKey* sr) {
-  QuantizedBuffer scratch;
-  QuantizedTensor q = with_all_parts(*this, out, scratch, "quantize_operand");
+  SkippedParts parts;
+  QuantizedTensor q = with_all_parts(*this, host_memory_scratch(), out, parts, "quantize_operand");
   quantize(q, x, sr);
   dequantize_bf16(y, q);
 }
 
 void Backend::quantize_operand(QuantizedTensor& out, uint16_t* y, const uint16_t* x_bf16, const formats::SrKey* sr) {
-  QuantizedBuffer scratch;
-  QuantizedTensor q = with_all_parts(*this, out, scratch, "quantize_operand");
+  SkippedParts parts;
+  QuantizedTensor q = with_all_parts(*this, host_memory_scratch(), out, parts, "quantize_operand");
   quantize(q, x_bf16, sr);
   dequantize_bf16(y, q);
 }
 
 void Backend::quantize_te_rht_transpose_operand(QuantizedTensor& out, uint16_t* y, uint16_t* y_t, const uint16_t* x,
                                                 int64_t M, int64_t K, const formats::SrKey* sr) {
-  QuantizedBuffer scratch;
-  QuantizedTensor q = with_all_parts(*this, out, scratch, "quantize_te_rht_transpose_operand");
+  SkippedParts parts;
+  QuantizedTensor q = with_all_parts(*this, host_memory_scratch(), out, parts, "quantize_te_rht_transpose_operand");
   quantize_te_rht_transpose(q, y_t, x, M, K, sr);
   dequantize_bf16(y, q);
 }
 
 void Backend::backward_operand_two_level_bf16(QuantizedTensor& out, uint16_t* y, const QuantizedTensor& in,
                                               uint32_t sign_mask, const formats::SrKey& sr) {
-  QuantizedBuffer scratch;
-  QuantizedTensor q = with_all_parts(*this, out, scratch, "backward_operand_two_level_bf16");
+  SkippedParts parts;
+  QuantizedTensor q = with_all_parts(*this, host_memory_scratch(), out, parts, "backward_operand_two_level_bf16");
   backward_operand_two_level(q, in, sign_mask, sr);
   dequantize_bf16(y, q);
+}
+
+// ---- cross-entropy sums in backend memory: the host-returning ops and a copy --------------------
+
+namespace {
+void copy_sums_in(Backend& be, double* sums, const CrossEntropySums& s) {
+  const double host[4] = {s.ce_sum, s.z_sum, static_cast<double>(s.n_valid), 0.0};
+  be.copy_to_device(sums, host, sizeof(host));
+}
+}  // namespace
+
+void Backend::cross_entropy_forward_sums(double* sums, float* lse, float* token_ce, const float* logits,
+                                         const int32_t* targets, int64_t N, int64_t V) {
+  copy_sums_in(*this, sums, cross_entropy_forward(lse, token_ce, logits, targets, N, V));
+}
+
+void Backend::cross_entropy_forward_backward_sums(double* sums, float* dlogits, float* lse, float* token_ce,
+                                                  const float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                                  double ce_scale, double z_scale) {
+  copy_sums_in(*this, sums,
+               cross_entropy_forward_backward(dlogits, lse, token_ce, logits, targets, N, V, ce_scale, z_scale));
 }
 
 int64_t QuantizedTensor::code_bytes(QuantFormat f, int64_t rows, int64_t cols) {

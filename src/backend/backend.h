@@ -301,6 +301,25 @@ class Backend {
     return q;
   }
 
+ protected:
+  // Where the composed defaults above keep skipped parts: plain host memory when true (a backend
+  // whose memory is the host's: nothing goes through allocate()), else allocate().
+  virtual bool host_memory_scratch() const { return false; }
+
+ public:
+
+  // ---- cross-entropy sums kept in backend memory (issue #13) -------------------------------------
+  // cross_entropy_forward / cross_entropy_forward_backward with the sums written to `sums` (4) f64
+  // in backend memory as {ce_sum, z_sum, n_valid, 0} instead of returned: nothing waits for the
+  // host, so a chunked loss keeps one slot per chunk and reads them all with one copy_to_host
+  // (adding them on the host in chunk order: deterministic). A target id >= V is reported at that
+  // synchronisation. The defaults run the host-returning op and copy its sums in.
+  virtual void cross_entropy_forward_sums(double* sums, float* lse, float* token_ce, const float* logits,
+                                          const int32_t* targets, int64_t N, int64_t V);
+  virtual void cross_entropy_forward_backward_sums(double* sums, float* dlogits, float* lse, float* token_ce,
+                                                   const float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                                   double ce_scale, double z_scale);
+
   // ---- paged KV cache (rollout engine, ../shared/spec/06-backends.md §8; Op::kPagedKvCache) ------
   // Pages of one layer: k_pages, v_pages (num_pages * page_size) slots of kv_token_bytes(format,
   // Hkv, D) bytes; a slot is page * page_size + offset. The defaults fail through require(): a

@@ -78,6 +78,8 @@ constexpr OpInfo kOps[] = {
     {"quantize_operand_bf16", OpCategory::kQuantize},
     {"quantize_te_rht_transpose_operand", OpCategory::kQuantize},
     {"backward_operand_two_level_bf16", OpCategory::kQuantize},
+    {"cross_entropy_forward_sums", OpCategory::kCrossEntropy},
+    {"cross_entropy_forward_backward_sums", OpCategory::kCrossEntropy},
 };
 static_assert(sizeof(kOps) / sizeof(kOps[0]) == static_cast<size_t>(ProfiledOp::kCount));
 using Clock = std::chrono::steady_clock;
@@ -461,6 +463,17 @@ void ProfilingBackend::backward_operand_two_level_bf16(QuantizedTensor& out, uin
                                                        uint32_t sign_mask, const formats::SrKey& sr) {
   Timed timed(*this, ProfiledOp::kBackwardOperandTwoLevelBf16);
   inner_->backward_operand_two_level_bf16(out, y, in, sign_mask, sr);
+}
+void ProfilingBackend::cross_entropy_forward_sums(double* sums, float* lse, float* token_ce, const float* logits,
+                                                  const int32_t* targets, int64_t N, int64_t V) {
+  Timed timed(*this, ProfiledOp::kCrossEntropyForwardSums);
+  inner_->cross_entropy_forward_sums(sums, lse, token_ce, logits, targets, N, V);
+}
+void ProfilingBackend::cross_entropy_forward_backward_sums(double* sums, float* dlogits, float* lse, float* token_ce,
+                                                           const float* logits, const int32_t* targets, int64_t N,
+                                                           int64_t V, double ce_scale, double z_scale) {
+  Timed timed(*this, ProfiledOp::kCrossEntropyForwardBackwardSums);
+  inner_->cross_entropy_forward_backward_sums(sums, dlogits, lse, token_ce, logits, targets, N, V, ce_scale, z_scale);
 }
 
 // ---- the report -------------------------------------------------------------------------------

@@ -77,6 +77,8 @@ enum class ProfiledOp : uint8_t {
   kQuantizeOperandBf16,
   kQuantizeTeRhtTransposeOperand,
   kBackwardOperandTwoLevelBf16,
+  kCrossEntropyForwardSums,
+  kCrossEntropyForwardBackwardSums,
   kCount
 };
 
@@ -218,6 +220,11 @@ class ProfilingBackend final : public Backend {
                                          int64_t K, const formats::SrKey* sr = nullptr) override;
   void backward_operand_two_level_bf16(QuantizedTensor& out, uint16_t* y, const QuantizedTensor& in,
                                        uint32_t sign_mask, const formats::SrKey& sr) override;
+  void cross_entropy_forward_sums(double* sums, float* lse, float* token_ce, const float* logits,
+                                  const int32_t* targets, int64_t N, int64_t V) override;
+  void cross_entropy_forward_backward_sums(double* sums, float* dlogits, float* lse, float* token_ce,
+                                           const float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                           double ce_scale, double z_scale) override;
 
  private:
   class Timed;

@@ -70,15 +70,18 @@ struct CpuOpsF64 {
                           backend::AttentionPrecision) {
     cpu::attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, Tn, H, Hkv, D);
   }
-  static backend::CrossEntropySums sums(const cpu::CrossEntropySums& s) { return {s.ce_sum, s.z_sum, s.n_valid}; }
-  backend::CrossEntropySums cross_entropy_forward(T* lse, T* token_ce, const T* logits, const int32_t* targets,
-                                                  int64_t N, int64_t V) {
-    return sums(cpu::cross_entropy_forward(lse, token_ce, logits, targets, N, V));
+  // sums (4) <- {ce_sum, z_sum, n_valid, 0} (backend.h's cross_entropy_*_sums; host memory here)
+  static void store(double* sums, const cpu::CrossEntropySums& s) {
+    sums[0] = s.ce_sum, sums[1] = s.z_sum, sums[2] = static_cast<double>(s.n_valid), sums[3] = 0.0;
   }
-  backend::CrossEntropySums cross_entropy_forward_backward(T* dlogits, T* lse, T* token_ce, const T* logits,
-                                                           const int32_t* targets, int64_t N, int64_t V,
-                                                           double ce_scale, double z_scale) {
-    return sums(cpu::cross_entropy_forward_backward(dlogits, lse, token_ce, logits, targets, N, V, ce_scale, z_scale));
+  void cross_entropy_forward_sums(double* sums, T* lse, T* token_ce, const T* logits, const int32_t* targets,
+                                  int64_t N, int64_t V) {
+    store(sums, cpu::cross_entropy_forward(lse, token_ce, logits, targets, N, V));
+  }
+  void cross_entropy_forward_backward_sums(double* sums, T* dlogits, T* lse, T* token_ce, const T* logits,
+                                           const int32_t* targets, int64_t N, int64_t V, double ce_scale,
+                                           double z_scale) {
+    store(sums, cpu::cross_entropy_forward_backward(dlogits, lse, token_ce, logits, targets, N, V, ce_scale, z_scale));
   }
   void add_inplace(T* y, const T* x, int64_t n) { cpu::add_inplace(y, x, n); }
   void add(T* y, const T* a, const T* b, int64_t n) { cpu::add(y, a, b, n); }
@@ -215,6 +218,8 @@ struct TransformerT<T>::Impl {
   // chunk's dL/dlogits (chunk rows, V), the operands of matmul_bf16_* (no per-GEMM conversions).
   backend::Buffer<uint16_t> lm_w_bits, lm_xf_bits, lm_dlogits_bits;
   backend::Buffer<T> logits_chunk;  // (chunk rows, V) logits, then dL/dlogits, of one chunk
+  backend::Buffer<double> ce_chunk_sums;  // (chunks, 4) each chunk's cross-entropy sums (backend memory)
+  std::vector<double> ce_chunk_sums_host;  // (chunks, 4) the same, read once per step
   backend::Buffer<T> logits_full;   // (N,V) only for forward_logits and a custom logits loss
   std::shared_ptr<backend::Buffer<T>> values, grads;  // (num_params) each, backend memory
   backend::Buffer<T> rope_cos, rope_sin;              // (P, D/2)
@@ -813,24 +818,31 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     }
     const int64_t chunk = im.lm_chunk_rows > 0 ? std::min(im.lm_chunk_rows, N) : lm_head_chunk_rows(N, V);
     T* logits = im.logits_chunk.ensure(mem, chunk * V, "lm_head logits chunk");
-    // The chunks' sums are added in chunk order (deterministic); within a chunk the backend's
+    // Each chunk's sums stay in backend memory (no wait for the host per chunk) and are read once
+    // after the loop; they are added in chunk order (deterministic); within a chunk the backend's
     // fixed order applies, so the totals depend on the chunk size only by double rounding.
-    backend::CrossEntropySums sums;
-    for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+    const int64_t n_chunks = (N + chunk - 1) / chunk;
+    double* chunk_sums = im.ce_chunk_sums.ensure(mem, 4 * n_chunks, "cross-entropy chunk sums");
+    for (int64_t r0 = 0, c = 0; r0 < N; r0 += chunk, ++c) {
       const int64_t rows = std::min(chunk, N - r0);
       head_forward(logits, r0, rows);
-      backend::CrossEntropySums c;
       if (backward) {
-        c = ops.cross_entropy_forward_backward(logits, im.lse + r0, im.tok_ce + r0, logits, im.targets + r0, rows, V,
-                                               inv, options.z_loss_coef * inv);
+        ops.cross_entropy_forward_backward_sums(chunk_sums + 4 * c, logits, im.lse + r0, im.tok_ce + r0, logits,
+                                                im.targets + r0, rows, V, inv, options.z_loss_coef * inv);
         head_backward(logits, r0, rows);
       } else {
-        c = ops.cross_entropy_forward(im.lse + r0, token_ce ? im.tok_ce + r0 : nullptr, logits, im.targets + r0,
-                                      rows, V);
+        ops.cross_entropy_forward_sums(chunk_sums + 4 * c, im.lse + r0, token_ce ? im.tok_ce + r0 : nullptr, logits,
+                                       im.targets + r0, rows, V);
       }
-      sums.ce_sum += c.ce_sum;
-      sums.z_sum += c.z_sum;
-      sums.n_valid += c.n_valid;
+    }
+    std::vector<double>& hs = im.ce_chunk_sums_host;
+    hs.resize(static_cast<size_t>(4 * n_chunks));
+    mem.copy_to_host(hs.data(), chunk_sums, hs.size() * sizeof(double));
+    backend::CrossEntropySums sums;
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      sums.ce_sum += hs[4 * c];
+      sums.z_sum += hs[4 * c + 1];
+      sums.n_valid += static_cast<int64_t>(hs[4 * c + 2]);
     }
     if (token_ce) mem.copy_to_host(token_ce, im.tok_ce, static_cast<size_t>(N) * sizeof(T));
     lp.n_tokens = sums.n_valid;

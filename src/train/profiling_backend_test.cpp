@@ -119,8 +119,9 @@ TEST(ProfilingBackend, StepsThroughItEqualStepsOnTheWrappedBackend) {
 //  - 4 linears per block (qkv, o, gate_up, down): a forward matmul_bf16_nt and a backward
 //    matmul_bf16_nn + matmul_bf16_tn each, x and w forward and dy backward to BF16 bits
 //    (3 to_bf16_bits);
-//  - lm_head (BF16 operands): W and xf to BF16 bits once, per chunk matmul_bf16_nt, the fused CE,
-//    dlogits to BF16 bits, matmul_bf16_nn, matmul_bf16_tn;
+//  - lm_head (BF16 operands): W and xf to BF16 bits once, per chunk matmul_bf16_nt, the fused CE
+//    (its sums left in backend memory), dlogits to BF16 bits, matmul_bf16_nn, matmul_bf16_tn; the
+//    chunks' CE sums read back once (one copy_to_host);
 //  - OLMo-2 norms: q, k, post-attention, post-feed-forward per block + the final norm, forward
 //    and backward; RoPE on q and k; 3 copy_2d for the QKV split forward, 3 for the merge backward;
 //    2 residual add_inplace forward and 2 backward per block;
@@ -146,7 +147,8 @@ TEST(ProfilingBackend, OpCountsOfATinyStepAreExact) {
       {ProfiledOp::kMatmulBf16Nn, 4 * L + nc},
       {ProfiledOp::kMatmulBf16Tn, 4 * L + nc},
       {ProfiledOp::kToBf16Bits, 3 * 4 * L + 2 + nc},
-      {ProfiledOp::kCrossEntropyForwardBackward, nc},
+      {ProfiledOp::kCrossEntropyForwardBackwardSums, nc},
+      {ProfiledOp::kCopyToHost, 1},  // the chunks' cross-entropy sums, read once
       {ProfiledOp::kRmsnormForward, 4 * L + 1},
       {ProfiledOp::kRmsnormBackward, 4 * L + 1},
       {ProfiledOp::kAttentionForward, L},
@@ -237,7 +239,7 @@ TEST(ProfilingBackend, BenchTrainProfilesOneExtraStep) {
   int64_t emb = -1, ce = -1;
   for (const auto& row : p.ops) {
     if (row.name == "embedding_forward") emb = row.count;
-    if (row.name == "cross_entropy_forward_backward") ce = row.count;
+    if (row.name == "cross_entropy_forward_backward_sums") ce = row.count;
   }
   EXPECT_EQ(emb, 1);
   EXPECT_EQ(ce, 1);

@@ -126,6 +126,9 @@ class CpuBackend final : public Backend {
   // packed-NVFP4 weight GEMM: the reference (dequantize, then matmul_nt)
   void matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M) override;
 
+ protected:
+  bool host_memory_scratch() const override { return true; }  // the composed fused ops' skipped parts
+
  private:
   std::vector<float> nvfp4_weight_scratch_;  // (N, K) the dequantized weight of matmul_nt_nvfp4_weight
   std::mutex memory_mutex_;

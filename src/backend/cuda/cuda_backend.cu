@@ -379,6 +379,24 @@ backend::CrossEntropySums CudaBackend::cross_entropy_forward(float* lse, float* 
   return {host_->values[0], host_->values[1], static_cast<int64_t>(host_->values[2])};
 }
 
+// The kernels write the (4) sums where they are asked to; the error flags wait for the next sync.
+void CudaBackend::cross_entropy_forward_sums(double* sums, float* lse, float* token_ce, const float* logits,
+                                             const int32_t* targets, int64_t N, int64_t V) {
+  activate();
+  NIB_OP_CUDA(cuda::cross_entropy_forward(sums, lse, token_ce, logits, targets, N, V, flags_dev_, stream_),
+              "cross_entropy_forward_sums", "N={} V={}", N, V);
+}
+
+void CudaBackend::cross_entropy_forward_backward_sums(double* sums, float* dlogits, float* lse, float* token_ce,
+                                                      const float* logits, const int32_t* targets, int64_t N,
+                                                      int64_t V, double ce_scale, double z_scale) {
+  activate();
+  NIB_OP_REQUIRE(token_ce != nullptr, "cross_entropy_forward_backward_sums", "N={} V={}", N, V);
+  NIB_OP_CUDA(cuda::cross_entropy_forward_backward(sums, dlogits, lse, token_ce, logits, targets, N, V, ce_scale,
+                                                   z_scale, flags_dev_, stream_),
+              "cross_entropy_forward_backward_sums", "N={} V={}", N, V);
+}
+
 backend::CrossEntropySums CudaBackend::cross_entropy_forward_backward(float* dlogits, float* lse, float* token_ce,
                                                                       const float* logits, const int32_t* targets,
                                                                       int64_t N, int64_t V, double ce_scale,

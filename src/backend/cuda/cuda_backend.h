@@ -147,6 +147,12 @@ class CudaBackend final : public backend::Backend {
                                  const formats::SrKey* sr) override;
   void backward_operand_two_level(backend::QuantizedTensor& out, const backend::QuantizedTensor& in,
                                   uint32_t sign_mask, const formats::SrKey& sr) override;
+  // cross-entropy with the sums left in device memory (no synchronisation)
+  void cross_entropy_forward_sums(double* sums, float* lse, float* token_ce, const float* logits,
+                                  const int32_t* targets, int64_t N, int64_t V) override;
+  void cross_entropy_forward_backward_sums(double* sums, float* dlogits, float* lse, float* token_ce,
+                                           const float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                           double ce_scale, double z_scale) override;
   // fused quantize + BF16 operand: the quantize kernels with their operand output (quantize.h)
   void quantize_operand(backend::QuantizedTensor& out, uint16_t* y, const float* x, const formats::SrKey* sr) override;
   void quantize_operand(backend::QuantizedTensor& out, uint16_t* y, const uint16_t* x_bf16,

@@ -76,6 +76,16 @@ TEST_P(ErrorsOpsTest, TargetOutOfRangeFailsTheLoss) {
   const backend::CrossEntropySums s =
       be().cross_entropy_forward(lse, nullptr, logits, upload(std::vector<int32_t>{0, 4, -100}), N, V);
   EXPECT_EQ(s.n_valid, 2);
+  // sums left in backend memory: the bad target is reported at the next synchronisation at the latest
+  double* sums = zeros<double>(4);
+  EXPECT_THROW(
+      {
+        be().cross_entropy_forward_sums(sums, lse, nullptr, logits, upload(std::vector<int32_t>{7, 0, 1}), N, V);
+        be().synchronize();
+      },
+      CheckError);
+  be().cross_entropy_forward_sums(sums, lse, nullptr, logits, upload(std::vector<int32_t>{0, 4, -100}), N, V);
+  EXPECT_EQ(download(sums, 4)[2], 2.0);  // reported once: the flag is cleared
 }
 
 NIB_INSTANTIATE_OPS_TEST(ErrorsOpsTest);

@@ -222,6 +222,19 @@ class CrossEntropyOpsTest : public OpsTest {
     EXPECT_EQ(s.n_valid, r.sums.n_valid) << where;
     EXPECT_LE(std::fabs(s.ce_sum - r.sums.ce_sum), b_ce_sum + 1e-12 * std::fabs(r.sums.ce_sum)) << where;
     EXPECT_LE(std::fabs(s.z_sum - r.sums.z_sum), b_z_sum + 1e-12 * std::fabs(r.sums.z_sum)) << where;
+    // the same op with its sums left in backend memory: exactly the sums returned above
+    double* sums = upload(std::vector<double>(4, -1.0));
+    float* ld2 = upload(logits);
+    float* d2 = alias ? ld2 : zeros<float>(N * V);
+    if (backward)
+      be().cross_entropy_forward_backward_sums(sums, d2, zeros<float>(N), zeros<float>(N), ld2, td, N, V, cs, zs);
+    else
+      be().cross_entropy_forward_sums(sums, zeros<float>(N), zeros<float>(N), ld2, td, N, V);
+    const std::vector<double> got = download(sums, 4);
+    EXPECT_EQ(got[0], s.ce_sum) << where << ": device ce_sum";
+    EXPECT_EQ(got[1], s.z_sum) << where << ": device z_sum";
+    EXPECT_EQ(got[2], static_cast<double>(s.n_valid)) << where << ": device n_valid";
+    EXPECT_EQ(got[3], 0.0) << where;
   }
 };
 

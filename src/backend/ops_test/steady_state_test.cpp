@@ -47,6 +47,8 @@ TEST_P(SteadyStateOpsTest, RepeatedStepAllocatesNothing) {
   QuantizedTensor q = qb.view(be(), QuantFormat::kNvfp4TwoLevel, 128, K);
   QuantizedTensor q_t = qt.view(be(), QuantFormat::kNvfp4TwoLevel, K, 128);
   float* x128 = upload(normal_vector(128 * K, 7));
+  uint16_t* operand = zeros<uint16_t>(128 * K);
+  double* ce_sums = zeros<double>(4);
   // Values are not checked here (the other op tests do): operands_bf16 = true only exercises
   // the BF16 plans and workspaces.
   auto step = [&] {
@@ -62,6 +64,11 @@ TEST_P(SteadyStateOpsTest, RepeatedStepAllocatesNothing) {
     const formats::SrKey sr{1, 2};
     be().quantize(q, x128, &sr);
     be().backward_operand_two_level(q_t, q, 0x5A5Au, sr);
+    // the fused quantize + BF16 operand ops, parts skipped, and the CE sums left on the device
+    QuantizedTensor q_op = Backend::operand_only(q), q_t_op = Backend::operand_only(q_t);
+    be().quantize_operand(q_op, operand, x128, &sr);
+    be().backward_operand_two_level_bf16(q_t_op, operand, q, 0x5A5Au, sr);
+    be().cross_entropy_forward_backward_sums(ce_sums, logits, lse, ce, logits, td, M, V, 1.0 / M, 1e-4 / M);
     (void)be().sum_squares(dw, N * K, 1.0f);
     AdamWStep s;
     s.lr = 1e-3, s.step = 1;
