@@ -7,6 +7,8 @@
 // Mirrors TE's hadamard_transform_cast_fusion (tile transpose + RHT + cast) in structure.
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "backend/cuda/element_codec.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernel_util.cuh"
@@ -219,10 +221,10 @@ constexpr int kFusedMinBlocks = 4;  // 64 registers
 // codes_t (K, M/2), inner_t (K, M/16), outer_t (K, M/128) <- codes (M, K/2), inner (M, K/16),
 // outer (M, K/128). grid = (K/64, M/128). kOperand: operand_t (K, M) bf16 receives each output
 // block's BF16 GEMM operand (store_2level_block16), and codes_t / inner_t (null together) and
-// outer_t (null) may be skipped; a template flag, so the plain instances keep their registers. The RHT's sign s_m of input row m (the m-th element of
-// its 16-group along M) is applied while decoding, by flipping the sign of that row's codes
-// (negating a decoded value is exact, as the formats::rht16_f32 sign step), so phase 2 transforms
-// with no sign step.
+// outer_t (null) may be skipped; a template flag, so the plain instances keep their registers.
+// The RHT's sign s_m of input row m (the m-th element of its 16-group along M) is applied while
+// decoding, by flipping the sign of that row's codes (negating a decoded value is exact, as the
+// formats::rht16_f32 sign step), so phase 2 transforms with no sign step.
 template <typename Codec, bool kSR, bool kOperand>
 __global__ void __launch_bounds__(kTileThreads, kFusedMinBlocks) nvfp4_2level_transpose_rht_requantize_kernel(
     uint8_t* codes_t, uint8_t* inner_t, float* outer_t, uint16_t* operand_t, const uint8_t* codes, const uint8_t* inner,
@@ -368,7 +370,8 @@ Status fused_impl(uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint
                   uint16_t* operand_t) {
   if (M < 0 || K < 0 || M % 128 != 0 || K % 16 != 0)
     return invalid_argument("nvfp4_2level_transpose_rht_requantize: M={} must be a multiple of 128 and K={} of 16", M, K);
-  if ((codes_t == nullptr) != (inner_t == nullptr) || ((codes_t == nullptr || outer_t == nullptr) && operand_t == nullptr))
+  const bool skipped = codes_t == nullptr || outer_t == nullptr;
+  if ((codes_t == nullptr) != (inner_t == nullptr) || (skipped && operand_t == nullptr))
     return invalid_argument("nvfp4_2level_transpose_rht_requantize: codes and scales may be skipped only when the BF16 "
                             "operand is written (codes and inner scales together)");
   if ((reinterpret_cast<uintptr_t>(operand_t) & 15u) != 0)
@@ -376,13 +379,14 @@ Status fused_impl(uint8_t* codes_t, uint8_t* inner_t, float* outer_t, const uint
   if (M == 0 || K == 0) return Status::ok();
   dim3 grid(ceil_div_int(K, kTileK), ceil_div_int(M, kTileM));
   const SrKeyDevice key = sr ? SrKeyDevice(*sr) : SrKeyDevice{};
-  if (operand_t != nullptr) {
-    if (sr) launch_fused<Codec, true, true>(grid, codes_t, inner_t, outer_t, operand_t, codes, inner, outer, M, K, sign_mask, key, stream);
-    else launch_fused<Codec, false, true>(grid, codes_t, inner_t, outer_t, operand_t, codes, inner, outer, M, K, sign_mask, key, stream);
-  } else {
-    if (sr) launch_fused<Codec, true, false>(grid, codes_t, inner_t, outer_t, nullptr, codes, inner, outer, M, K, sign_mask, key, stream);
-    else launch_fused<Codec, false, false>(grid, codes_t, inner_t, outer_t, nullptr, codes, inner, outer, M, K, sign_mask, key, stream);
-  }
+  auto launch = [&](auto kernel_sr, auto kernel_operand) {
+    launch_fused<Codec, decltype(kernel_sr)::value, decltype(kernel_operand)::value>(
+        grid, codes_t, inner_t, outer_t, operand_t, codes, inner, outer, M, K, sign_mask, key, stream);
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (operand_t != nullptr) sr ? launch(Yes{}, Yes{}) : launch(No{}, Yes{});
+  else sr ? launch(Yes{}, No{}) : launch(No{}, No{});
   return Status::ok();
 }
 
