@@ -46,6 +46,24 @@ Status fill_row(const std::vector<TokenShard>& shards, const std::vector<int64_t
   return Status::ok();
 }
 
+// Checks ready-made rows; window_begin gets {0, count} (all rows form one "shard").
+Status check_rows(const std::shared_ptr<const Rows>& rows, std::vector<int64_t>* window_begin) {
+  if (rows == nullptr || rows->count < 1) return data_loss("no rows to train on");
+  if (rows->seq_len < 1) return invalid_argument("seq_len must be >= 1 (got {})", rows->seq_len);
+  const size_t n = static_cast<size_t>(rows->count * rows->seq_len);
+  NIB_CHECK_MSG(rows->tokens.size() == n && rows->targets.size() == n, "rows: {} tokens, {} targets for {}x{}",
+                rows->tokens.size(), rows->targets.size(), rows->count, rows->seq_len);
+  *window_begin = {0, rows->count};
+  return Status::ok();
+}
+
+// Row w of `rows` into tokens/targets: (T) int32 each.
+void copy_row(const Rows& rows, int64_t w, int32_t* tokens, int32_t* targets) {
+  const size_t o = static_cast<size_t>(w * rows.seq_len);
+  std::copy_n(rows.tokens.data() + o, rows.seq_len, tokens);
+  std::copy_n(rows.targets.data() + o, rows.seq_len, targets);
+}
+
 // Shapes out as B windows of T tokens (tokens, targets: (B,T) int32) and returns the (T+1) int32
 // row scratch that fill_row reads each window into.
 std::vector<int32_t> start_batch(Batch* out, int64_t batch, int64_t seq_len) {
@@ -65,6 +83,17 @@ Result<TrainLoader> TrainLoader::open(const std::vector<std::string>& shard_path
   NIB_RETURN_IF_ERROR(open_windows(shard_paths, seq_len, &l.shards_, &l.shard_window_begin_));
   l.batch_ = batch;
   l.seq_len_ = seq_len;
+  l.seed_ = seed;
+  return l;
+}
+
+Result<TrainLoader> TrainLoader::from_rows(std::shared_ptr<const Rows> rows, int64_t batch, uint64_t seed) {
+  if (batch < 1) return invalid_argument("batch size must be >= 1 (got {})", batch);
+  TrainLoader l;
+  NIB_RETURN_IF_ERROR(check_rows(rows, &l.shard_window_begin_));
+  l.seq_len_ = rows->seq_len;
+  l.rows_ = std::move(rows);
+  l.batch_ = batch;
   l.seed_ = seed;
   return l;
 }
@@ -97,7 +126,8 @@ Status TrainLoader::next(Batch* out, int64_t row_begin, int64_t row_end) {
     const int64_t w = order_[static_cast<size_t>(state_.position)];
     if (b >= row_begin && b < row_end) {
       const int64_t o = (b - row_begin) * seq_len_;
-      NIB_RETURN_IF_ERROR(fill_row(shards_, shard_window_begin_, w, seq_len_, row.data(), out->tokens.data() + o,
+      if (rows_ != nullptr) copy_row(*rows_, w, out->tokens.data() + o, out->targets.data() + o);
+      else NIB_RETURN_IF_ERROR(fill_row(shards_, shard_window_begin_, w, seq_len_, row.data(), out->tokens.data() + o,
                                    out->targets.data() + o));
     }
     ++state_.position;
@@ -143,12 +173,27 @@ Result<ValLoader> ValLoader::open(const std::vector<std::string>& shard_paths, i
   if (max_batches < 0) return invalid_argument("max_batches must be >= 0 (got {})", max_batches);
   ValLoader v;
   NIB_RETURN_IF_ERROR(open_windows(shard_paths, seq_len, &v.shards_, &v.shard_window_begin_));
-  const int64_t windows = v.shard_window_begin_.back();
-  v.batch_ = windows < batch ? windows : batch;
   v.seq_len_ = seq_len;
-  v.num_batches_ = windows / v.batch_;
-  if (max_batches > 0 && v.num_batches_ > max_batches) v.num_batches_ = max_batches;
+  v.set_batches(batch, max_batches);
   return v;
+}
+
+Result<ValLoader> ValLoader::from_rows(std::shared_ptr<const Rows> rows, int64_t batch, int64_t max_batches) {
+  if (batch < 1) return invalid_argument("batch size must be >= 1 (got {})", batch);
+  if (max_batches < 0) return invalid_argument("max_batches must be >= 0 (got {})", max_batches);
+  ValLoader v;
+  NIB_RETURN_IF_ERROR(check_rows(rows, &v.shard_window_begin_));
+  v.seq_len_ = rows->seq_len;
+  v.rows_ = std::move(rows);
+  v.set_batches(batch, max_batches);
+  return v;
+}
+
+void ValLoader::set_batches(int64_t batch, int64_t max_batches) {
+  const int64_t windows = shard_window_begin_.back();
+  batch_ = windows < batch ? windows : batch;
+  num_batches_ = windows / batch_;
+  if (max_batches > 0 && num_batches_ > max_batches) num_batches_ = max_batches;
 }
 
 Status ValLoader::get(int64_t i, Batch* out) const {
@@ -156,6 +201,10 @@ Status ValLoader::get(int64_t i, Batch* out) const {
   std::vector<int32_t> row = start_batch(out, batch_, seq_len_);
   for (int64_t b = 0; b < batch_; ++b) {
     const int64_t w = i * batch_ + b;
+    if (rows_ != nullptr) {
+      copy_row(*rows_, w, out->tokens.data() + b * seq_len_, out->targets.data() + b * seq_len_);
+      continue;
+    }
     NIB_RETURN_IF_ERROR(fill_row(shards_, shard_window_begin_, w, seq_len_, row.data(),
                                  out->tokens.data() + b * seq_len_, out->targets.data() + b * seq_len_));
   }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,14 @@ struct Batch {
   std::vector<int32_t> targets;  // (B,T) int32: window[1..T]
 };
 
+// Ready-made rows instead of windows cut from shards (`nibble sft`: one tokenized task example
+// per row, padded, prompt positions without a target): tokens and targets (count, seq_len) int32,
+// targets < 0 ignored by the loss. Shared, read-only: a train and a validation loader may hold it.
+struct Rows {
+  int64_t count = 0, seq_len = 0;
+  std::vector<int32_t> tokens, targets;
+};
+
 struct LoaderState {
   uint64_t epoch = 0;
   int64_t position = 0;  // windows of this epoch already drawn
@@ -39,6 +48,8 @@ class TrainLoader {
   // Needs at least one window (T+1 tokens in some shard). batch >= 1, seq_len >= 1.
   static Result<TrainLoader> open(const std::vector<std::string>& shard_paths, int64_t batch, int64_t seq_len,
                                   uint64_t seed);
+  // The same shuffling, state and resume over ready-made rows (each row is one "window").
+  static Result<TrainLoader> from_rows(std::shared_ptr<const Rows> rows, int64_t batch, uint64_t seed);
 
   // out: the next B windows as tokens (B,T) and targets (B,T); crosses epoch ends seamlessly.
   // With a row range [row_begin, row_end) (data parallelism: one rank's share of the global
@@ -62,6 +73,7 @@ class TrainLoader {
  private:
   void make_order(uint64_t epoch);
   std::vector<TokenShard> shards_;
+  std::shared_ptr<const Rows> rows_;          // from_rows: the rows (then shards_ is empty)
   std::vector<int64_t> shard_window_begin_;  // (shards+1): first global window of each shard
   std::vector<int64_t> order_;               // this epoch's permutation of windows (8 B/window)
   int64_t batch_ = 0, seq_len_ = 0;
@@ -77,12 +89,16 @@ class ValLoader {
  public:
   static Result<ValLoader> open(const std::vector<std::string>& shard_paths, int64_t batch, int64_t seq_len,
                                 int64_t max_batches);
+  // Ready-made rows in order, B per batch, with the same rules as open().
+  static Result<ValLoader> from_rows(std::shared_ptr<const Rows> rows, int64_t batch, int64_t max_batches);
   int64_t num_batches() const { return num_batches_; }
   // out: batch i (0 <= i < num_batches()).
   Status get(int64_t i, Batch* out) const;
 
  private:
+  void set_batches(int64_t batch, int64_t max_batches);
   std::vector<TokenShard> shards_;
+  std::shared_ptr<const Rows> rows_;
   std::vector<int64_t> shard_window_begin_;
   int64_t batch_ = 0, seq_len_ = 0, num_batches_ = 0;
 };
