@@ -146,6 +146,8 @@ json default_run_config_json() {
       {"threads", 0},
       {"log_interval", 10},
       {"dist", {{"zero", 1}, {"bucket_elems", 4194304}}},
+      {"task", {{"name", ""}, {"levels", {0}}, {"seed", 1}, {"train_examples", 2048}, {"val_examples", 128},
+                {"accuracy_examples", 64}, {"max_new_tokens", 32}}},
   };
 }
 
@@ -299,6 +301,21 @@ Result<RunConfig> resolve_run_config(const json& user, const std::vector<std::st
   NIB_ASSIGN_OR_RETURN(c.zero, get_int(j, "dist.zero", 0));
   if (c.zero > 1) return invalid_argument("run config: bad value for 'dist.zero': must be 0 (off) or 1 (ZeRO-1)");
   NIB_ASSIGN_OR_RETURN(c.bucket_elems, get_int(j, "dist.bucket_elems", 1));
+  const json& task = j["task"];
+  c.task.name = task["name"].get<std::string>();
+  c.task.levels.clear();
+  for (const auto& l : task["levels"]) {
+    if (!l.is_number_integer() || l.get<int64_t>() < 0 || l.get<int64_t>() > 255)
+      return invalid_argument("run config: bad value for 'task.levels': must be a list of levels (integers 0..255)");
+    c.task.levels.push_back(l.get<int64_t>());
+  }
+  if (c.task.levels.empty()) return invalid_argument("run config: bad value for 'task.levels': must name a level");
+  NIB_ASSIGN_OR_RETURN(int64_t task_seed, get_int(j, "task.seed", 0));
+  c.task.seed = static_cast<uint64_t>(task_seed);
+  NIB_ASSIGN_OR_RETURN(c.task.train_examples, get_int(j, "task.train_examples", 1));
+  NIB_ASSIGN_OR_RETURN(c.task.val_examples, get_int(j, "task.val_examples", 1));
+  NIB_ASSIGN_OR_RETURN(c.task.accuracy_examples, get_int(j, "task.accuracy_examples", 0));
+  NIB_ASSIGN_OR_RETURN(c.task.max_new_tokens, get_int(j, "task.max_new_tokens", 1));
   return c;
 }
 

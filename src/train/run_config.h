@@ -19,6 +19,18 @@
 
 namespace nibble::train {
 
+// The "task" section: what `nibble sft` (rl/sft.h) trains on, generated examples of a task with
+// verifiable rewards (rl/task.h). Empty name: no task (pretraining refuses a config naming one).
+struct TaskDataConfig {
+  std::string name;                 // "arithmetic" | "countdown" | "sorting" (rl::task_names())
+  std::vector<int64_t> levels{0};   // example k is of level levels[k % levels.size()]
+  uint64_t seed = 1;                // the instances' Philox key
+  int64_t train_examples = 2048;    // training rows (instance indices [0, n) of each level)
+  int64_t val_examples = 128;       // validation rows (the next indices: held out)
+  int64_t accuracy_examples = 64;   // greedy accuracy at each validation (the indices after those)
+  int64_t max_new_tokens = 32;      // the accuracy check's generation limit
+};
+
 struct RunConfig {
   nlohmann::json json;            // the resolved config (defaults + file + overrides; model inlined)
   model::ModelConfig model;
@@ -49,6 +61,7 @@ struct RunConfig {
   int64_t log_interval = 10;      // plain progress lines at its multiples (plus the first and last step)
   int64_t zero = 1;               // dist.zero: 1 = ZeRO-1 in a data-parallel run (train/zero.h), 0 = off
   int64_t bucket_elems = int64_t{1} << 22;  // dist.bucket_elems: FP32 elements per gradient bucket (16 MiB)
+  TaskDataConfig task;            // nibble sft only
 };
 
 // The defaults, as a JSON object (the schema: keys outside it are unknown, except inside

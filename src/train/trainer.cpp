@@ -180,6 +180,9 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   Checkpoint ck;
   bool already_finished = false;
   Status pre = [&]() -> Status {
+    if (!cfg.task.name.empty() && !opt.row_data)
+      return invalid_argument("task.name '{}' is for nibble sft: pretraining trains on data.files", cfg.task.name);
+    if (dp && opt.row_data) return invalid_argument("nibble sft does not train data-parallel: run it as one process");
     if (dp && cfg.batch_size % world != 0)
       return invalid_argument("batch_size {} is not a multiple of the world size {}: each rank takes batch_size/{} "
                               "rows of every micro-batch", cfg.batch_size, world, world);
@@ -215,35 +218,44 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     for (const char* name : {"metrics.jsonl", "loss.png", "data"}) io::remove_stale_temporaries((run / name).string(), true);
 
   // ---- data ----
-  DatasetOptions dopt;
-  dopt.text_files = cfg.data_files;
-  dopt.vocab_size = static_cast<int>(cfg.vocab_size);
-  dopt.tokenizer_file = cfg.tokenizer_file;
-  dopt.val_shard_files = cfg.val_files;
-  dopt.vocab_size_name = "data.vocab_size";
-  // A loaded tokenizer may have any size up to the model's vocabulary.
-  if (!cfg.tokenizer_file.empty()) dopt.vocab_size = static_cast<int>(cfg.model.vocab_size);
-  dopt.val_fraction = cfg.val_fraction;
-  const std::string data_dir = cfg.data_dir.empty() ? (run / "data").string() : cfg.data_dir;
-  // Rank 0 prepares the data folder; the others open it once it is there (a shared file system).
   Dataset ds;
-  Status data_status = Status::ok();
-  if (writer) {
-    auto ds_or = prepare_dataset(data_dir, dopt);
-    if (ds_or) ds = std::move(ds_or).value();
-    else data_status = Status(ds_or.status().code(), "data: " + ds_or.status().message());
+  RowData given;  // opt.row_data's rows (nibble sft)
+  if (opt.row_data) {
+    auto given_or = opt.row_data(cfg, opt.resume ? ck.dir : std::string());
+    if (!given_or) return Status(given_or.status().code(), "data: " + given_or.status().message());
+    given = std::move(given_or).value();
+    ds.tokenizer_path = given.tokenizer_path;
+    NIB_LOG_INFO("data: {}", given.description);
+  } else {
+    DatasetOptions dopt;
+    dopt.text_files = cfg.data_files;
+    dopt.vocab_size = static_cast<int>(cfg.vocab_size);
+    dopt.tokenizer_file = cfg.tokenizer_file;
+    dopt.val_shard_files = cfg.val_files;
+    dopt.vocab_size_name = "data.vocab_size";
+    // A loaded tokenizer may have any size up to the model's vocabulary.
+    if (!cfg.tokenizer_file.empty()) dopt.vocab_size = static_cast<int>(cfg.model.vocab_size);
+    dopt.val_fraction = cfg.val_fraction;
+    const std::string data_dir = cfg.data_dir.empty() ? (run / "data").string() : cfg.data_dir;
+    // Rank 0 prepares the data folder; the others open it once it is there (a shared file system).
+    Status data_status = Status::ok();
+    if (writer) {
+      auto ds_or = prepare_dataset(data_dir, dopt);
+      if (ds_or) ds = std::move(ds_or).value();
+      else data_status = Status(ds_or.status().code(), "data: " + ds_or.status().message());
+    }
+    NIB_RETURN_IF_ERROR(agreed(data_status));
+    if (!writer) {
+      auto ds_or = open_dataset(data_dir);
+      if (!ds_or) return Status(ds_or.status().code(), "data (rank " + std::to_string(rank) + "): " + ds_or.status().message());
+      ds = std::move(ds_or).value();
+    }
+    if (ds.vocab_size > cfg.model.vocab_size)
+      return data_loss("data: tokenizer vocabulary {} exceeds the model's vocab_size {}", ds.vocab_size,
+                       cfg.model.vocab_size);
+    NIB_LOG_INFO("data: {} ({} train / {} val tokens, vocab {}{})", ds.dir, ds.summary.train_tokens,
+                 ds.summary.val_tokens, ds.vocab_size, ds.reused ? ", reused" : "");
   }
-  NIB_RETURN_IF_ERROR(agreed(data_status));
-  if (!writer) {
-    auto ds_or = open_dataset(data_dir);
-    if (!ds_or) return Status(ds_or.status().code(), "data (rank " + std::to_string(rank) + "): " + ds_or.status().message());
-    ds = std::move(ds_or).value();
-  }
-  if (ds.vocab_size > cfg.model.vocab_size)
-    return data_loss("data: tokenizer vocabulary {} exceeds the model's vocab_size {}", ds.vocab_size,
-                     cfg.model.vocab_size);
-  NIB_LOG_INFO("data: {} ({} train / {} val tokens, vocab {}{})", ds.dir, ds.summary.train_tokens,
-               ds.summary.val_tokens, ds.vocab_size, ds.reused ? ", reused" : "");
 
   // ---- model, optimizer, loaders ----
   backend::Backend& be = opt.backend != nullptr ? *opt.backend : backend::cpu_backend();
@@ -252,10 +264,14 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   set_recipe_total_steps(*model, cfg.steps);
   AdamW adamw(cfg.adamw, &model->backend());
   const int64_t B = cfg.batch_size, T = cfg.seq_len;
-  auto loader_or = TrainLoader::open({ds.train_path}, B, T, cfg.seed);
+  if (given.train != nullptr && (given.train->seq_len != T || given.val == nullptr || given.val->seq_len != T))
+    return invalid_argument("data: the given rows are not of seq_len {}", T);
+  auto loader_or = given.train != nullptr ? TrainLoader::from_rows(given.train, B, cfg.seed)
+                                         : TrainLoader::open({ds.train_path}, B, T, cfg.seed);
   if (!loader_or) return Status(loader_or.status().code(), "data: " + loader_or.status().message());
   TrainLoader loader = std::move(loader_or).value();
-  auto val_or = ValLoader::open({ds.val_path}, B, T, cfg.eval_batches);
+  auto val_or = given.val != nullptr ? ValLoader::from_rows(given.val, B, cfg.eval_batches)
+                                    : ValLoader::open({ds.val_path}, B, T, cfg.eval_batches);
   if (!val_or) return Status(val_or.status().code(), "data: validation split: " + val_or.status().message());
   ValLoader val = std::move(val_or).value();
   if (val.num_batches() == 0) return data_loss("data: the validation split has no full batch of {}x{}", B, T + 1);
@@ -437,6 +453,11 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     val_pts.push_back({static_cast<double>(step_done), e.loss});
     json ev{{"step", step_done}, {"val_loss", e.loss}, {"val_ppl", e.ppl}, {"val_tokens", e.tokens}};
     for (const auto& [k, v] : recipe_stats(*model)) ev["recipe." + k] = v;
+    if (opt.after_validation) {
+      NIB_ASSIGN_OR_RETURN(json extra, opt.after_validation(*model, step_done));
+      ev.update(extra);
+      res.validation_extra = std::move(extra);
+    }
     NIB_RETURN_IF_ERROR(write_metrics(ev));
     if (!opt.progress)
       NIB_LOG_DEBUG("step {}: val loss {:.4f} ppl {}", step_done, e.loss, ProgressBar::format_perplexity(e.ppl));
@@ -554,6 +575,7 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
   json end_event{{"event", "end"}, {"step", res.end_step}, {"seconds", res.seconds},
                  {"skipped_steps", res.skipped_steps}};
   if (res.validated) end_event.update({{"val_loss", res.val_loss}, {"val_ppl", res.val_ppl}});
+  if (res.validation_extra.is_object()) end_event.update(res.validation_extra);
   NIB_RETURN_IF_ERROR(write_metrics(end_event));
   return res;
 }

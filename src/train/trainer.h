@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,15 @@
 #include "train/run_config.h"
 
 namespace nibble::train {
+
+// Training data the caller makes instead of the data folder (`nibble sft`: tokenized task
+// examples, prompt positions without targets): train and validation rows, the tokenizer file
+// checkpoints copy, and a line for the log.
+struct RowData {
+  std::shared_ptr<const Rows> train, val;
+  std::string tokenizer_path;
+  std::string description;
+};
 
 struct TrainOptions {
   std::string run_dir;            // outputs: metrics.jsonl, loss.png, checkpoints/, data/ (default)
@@ -42,6 +52,14 @@ struct TrainOptions {
   // lock and writes data/, metrics.jsonl, loss.png and checkpoints (same format: a run resumes
   // in another world size). Every rank must call run_pretraining with the same config and folder.
   dist::ProcessGroup* group = nullptr;
+  // Rows instead of the data folder (`nibble sft`; not with data parallelism): called under the
+  // run lock after the fresh/resume checks, with the folder of the checkpoint being resumed (""
+  // on a fresh run). The loaders shuffle, batch and resume the rows as they do shard windows.
+  std::function<Result<RowData>(const RunConfig& config, const std::string& resume_checkpoint)> row_data;
+  // Called after each validation with the model and the step; its JSON object is merged into
+  // that validation's metrics.jsonl event, and the last one into the end event (`nibble sft`:
+  // greedy accuracy on held-out instances).
+  std::function<Result<nlohmann::json>(model::Model& model, int64_t step)> after_validation;
 };
 
 struct TrainResult {
@@ -53,6 +71,7 @@ struct TrainResult {
   double val_loss = 0, val_ppl = 0;  // last validation
   double seconds = 0, tokens_per_second = 0;
   std::string checkpoint_dir;      // the last checkpoint written (on resume: the one resumed from)
+  nlohmann::json validation_extra; // the last after_validation result (null if none ran)
   bool already_finished = false;   // resume of a run whose checkpoint is at its last step: nothing done
 };
 
