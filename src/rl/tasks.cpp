@@ -20,6 +20,25 @@ int64_t uniform_int(PhiloxStream& rng, int64_t lo, int64_t hi) {
   return lo + static_cast<int64_t>(rng.next_below(static_cast<uint64_t>(hi - lo) + 1));
 }
 
+int64_t power_of_ten(int digits) {
+  NIB_CHECK(digits >= 0 && digits <= 18);
+  int64_t p = 1;
+  for (int d = 0; d < digits; ++d) p *= 10;
+  return p;
+}
+
+TaskInstance make_instance(std::string prompt, std::string solution, std::string answer, int level, uint64_t seed,
+                           int64_t index) {
+  TaskInstance instance;
+  instance.prompt = std::move(prompt);
+  instance.solution = std::move(solution);
+  instance.answer = std::move(answer);
+  instance.level = level;
+  instance.seed = seed;
+  instance.index = index;
+  return instance;
+}
+
 std::string join_numbers(const std::vector<int64_t>& numbers) {
   return fmt::format("{}", fmt::join(numbers, " "));
 }

@@ -32,8 +32,7 @@ class ArithmeticTask final : public Task {
     NIB_CHECK_MSG(level >= 0 && level < kNumLevels, "arithmetic level {} (0..{})", level, kNumLevels - 1);
     const ArithmeticLevel& spec = kLevels[level];
     PhiloxStream rng = instance_stream(kArithmeticTag, level, seed, index);
-    int64_t limit = 1;
-    for (int d = 0; d < spec.digits; ++d) limit *= 10;
+    const int64_t limit = power_of_ten(spec.digits);
     std::string expression;
     for (int i = 0; i < spec.operands; ++i) {
       if (i > 0) expression += "+-*"[uniform_int(rng, 0, spec.multiply ? 2 : 1)];
@@ -41,14 +40,8 @@ class ArithmeticTask final : public Task {
     }
     auto parsed = parse_expression(expression);
     NIB_CHECK_MSG(parsed && parsed->value.is_integer(), "arithmetic generated '{}'", expression);
-    TaskInstance instance;
-    instance.prompt = expression + "=";
-    instance.answer = fmt::format("{}", parsed->value.num);
-    instance.solution = instance.answer;
-    instance.level = level;
-    instance.seed = seed;
-    instance.index = index;
-    return instance;
+    const std::string answer = fmt::format("{}", parsed->value.num);
+    return make_instance(expression + "=", answer, answer, level, seed, index);
   }
 
   double reward(const TaskInstance& instance, std::string_view completion) const override {

@@ -146,14 +146,8 @@ class CountdownTask final : public Task {
       for (int i = 1; i < count; ++i) sum = Node{sum.value + numbers[i], fmt::format("{}+{}", sum.text, numbers[i]), '+'};
       found = std::move(sum);
     }
-    TaskInstance instance;
-    instance.prompt = fmt::format("{}{}{}{}:", kUse, join_numbers(numbers), kMake, found->value);
-    instance.solution = found->text;
-    instance.answer = fmt::format("{}", found->value);
-    instance.level = level;
-    instance.seed = seed;
-    instance.index = index;
-    return instance;
+    return make_instance(fmt::format("{}{}{}{}:", kUse, join_numbers(numbers), kMake, found->value), found->text,
+                         fmt::format("{}", found->value), level, seed, index);
   }
 
   double reward(const TaskInstance& instance, std::string_view completion) const override {

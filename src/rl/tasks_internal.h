@@ -21,6 +21,11 @@ inline constexpr uint64_t kArithmeticTag = 1, kCountdownTag = 2, kSortingTag = 3
 PhiloxStream instance_stream(uint64_t tag, int level, uint64_t seed, int64_t index);
 // Uniform integer in [lo, hi].
 int64_t uniform_int(PhiloxStream& rng, int64_t lo, int64_t hi);
+// 10^digits (digits in [0, 18]).
+int64_t power_of_ten(int digits);
+// The instance (prompt, solution, answer) made at (level, seed, index).
+TaskInstance make_instance(std::string prompt, std::string solution, std::string answer, int level, uint64_t seed,
+                           int64_t index);
 // "3 7 25" from {3, 7, 25}.
 std::string join_numbers(const std::vector<int64_t>& numbers);
 

@@ -41,19 +41,13 @@ class SortingTask final : public Task {
     NIB_CHECK_MSG(level >= 0 && level < kNumLevels, "sorting level {} (0..{})", level, kNumLevels - 1);
     const SortingLevel& spec = kLevels[level];
     PhiloxStream rng = instance_stream(kSortingTag, level, seed, index);
-    int64_t limit = 1;
-    for (int d = 0; d < spec.digits; ++d) limit *= 10;
+    const int64_t limit = power_of_ten(spec.digits);
     std::vector<int64_t> numbers;
     for (int i = 0; i < spec.count; ++i) numbers.push_back(uniform_int(rng, 0, limit - 1));
-    TaskInstance instance;
-    instance.prompt = "sort " + join_numbers(numbers) + ":";
+    std::string prompt = "sort " + join_numbers(numbers) + ":";
     std::sort(numbers.begin(), numbers.end());
-    instance.answer = join_numbers(numbers);
-    instance.solution = instance.answer;
-    instance.level = level;
-    instance.seed = seed;
-    instance.index = index;
-    return instance;
+    const std::string answer = join_numbers(numbers);
+    return make_instance(std::move(prompt), answer, answer, level, seed, index);
   }
 
   double reward(const TaskInstance& instance, std::string_view completion) const override {
