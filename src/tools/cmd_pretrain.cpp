@@ -8,7 +8,6 @@
 // trains data-parallel (tools/process_group_setup.h, train/data_parallel.h); rank 0 prints and
 // writes, and an error only one rank saw ends the whole world (abort_world) instead of a hang.
 #include <cstdio>
-#include <limits>
 #include <memory>
 
 #include <fmt/format.h>
@@ -18,19 +17,16 @@
 #include "core/log.h"
 #include "tools/command.h"
 #include "tools/device_option.h"
-#include "tools/option_check.h"
 #include "tools/process_group_setup.h"
+#include "tools/run_command.h"
 #include "train/progress.h"
 #include "train/trainer.h"
 
 namespace nibble::tools {
 namespace {
 
-struct PretrainArgs {
-  std::string config, out, device;
-  std::vector<std::string> sets, data;
-  bool resume = false, no_progress = false;
-  int64_t stop_after = -1;
+struct PretrainArgs : RunArgs {
+  std::vector<std::string> data;
 };
 
 int run_pretrain_in(const PretrainArgs& a, const dist::LaunchEnv& launch);
@@ -88,19 +84,10 @@ int run_pretrain_in(const PretrainArgs& a, const dist::LaunchEnv& launch) {
   install_interrupt_handlers();
   auto r = train::run_pretraining(*cfg, opt);
   if (!r && !rank0 && group.failed_together()) return fail(r.status());
-  if (!r && interrupt_signal() != 0 && train::latest_checkpoint_dir(a.out).is_ok()) {
-    std::string quoted = "'";
-    for (char c : a.out) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
-    quoted += "'";
-    return fail(Status(r.status().code(), r.status().message() + "; resume with: nibble pretrain --out " + quoted +
-                                              " --resume"));
-  }
-  if (!r) return fail(r.status());
+  if (!r) return fail(with_resume_hint(r.status(), "pretrain", a.out));
   if (!rank0) return 0;  // rank 0 prints the result
   if (r->already_finished) {  // a plain --resume of a finished run: nothing done, exit 0
-    std::printf("pretrain: '%s' is already finished at step %lld/%lld; checkpoint %s (to train further: --resume --set "
-                "steps=N with N > %lld)\n", a.out.c_str(), static_cast<long long>(r->end_step),
-                static_cast<long long>(cfg->steps), r->checkpoint_dir.c_str(), static_cast<long long>(r->end_step));
+    print_already_finished("pretrain", a.out, r->end_step, cfg->steps, r->checkpoint_dir);
     return 0;
   }
   // --stop-after before the first validation: say so rather than print a loss of 0.
@@ -120,20 +107,9 @@ NIBBLE_REGISTER_COMMAND(kPretrainCommand, "pretrain",
                         "Pretrain a model: run config + --set overrides; checkpoints, metrics.jsonl, loss.png",
                         [](CLI::App& app) -> CommandRun {
                           auto a = std::make_shared<PretrainArgs>();
-                          // A missing file is reported by load_run_config (bad input: exit 1), not by
-                          // CLI11 (exit 2).
-                          app.add_option("--config", a->config,
-                                         "Run config JSON (see docs/training.md); defaults if omitted");
-                          app.add_option("--set", a->sets, "Override a config key, e.g. --set optimizer.lr=1e-3 (repeatable)")
-                              ->allow_extra_args(false);
+                          add_run_options(app, a.get(), "Run config JSON (see docs/training.md); defaults if omitted",
+                                          "optimizer.lr=1e-3");
                           app.add_option("--data", a->data, "Training text files, or NIBTOK token shards with data.tokenizer set (default: the KJV corpus)");
-                          app.add_option("--out", a->out, "Run folder (checkpoints/, metrics.jsonl, loss.png)")->required();
-                          app.add_flag("--resume", a->resume, "Continue from the run folder's latest checkpoint");
-                          app.add_option("--stop-after", a->stop_after,
-                                         "Stop after this step with a checkpoint, as if interrupted (for testing --resume)")
-                              ->check(IntegerIn(1, std::numeric_limits<int64_t>::max()));
-                          app.add_flag("--no-progress", a->no_progress, "No progress bar");
-                          add_device_option(app, &a->device);
                           return [a] { return run_pretrain(*a); };
                         });
 
