@@ -1,5 +1,7 @@
 // The SFT warm start (sft.h): task examples as rows for the pretraining trainer, the task
-// tokenizer, and greedy held-out accuracy through the rollout engine.
+// tokenizer, and greedy held-out accuracy through the rollout engine. run_sft fills the
+// trainer's two seams (TrainOptions::row_data, after_validation) and runs run_pretraining, so
+// the loop, checkpoints and resume are pretraining's own.
 #include "rl/sft.h"
 
 #include <filesystem>

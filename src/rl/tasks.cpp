@@ -1,5 +1,6 @@
 // The task registry (make_task, task_names) and the helpers every task shares: the per-instance
-// Philox stream (tasks_internal.h) and number formatting.
+// Philox stream (tasks_internal.h), instance construction and number formatting. Adding a task:
+// a tasks_<name>.cpp with its factory, a new Philox tag in tasks_internal.h, a line here.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 

@@ -1,4 +1,6 @@
-// The training commands' shared command-line pieces; see run_command.h.
+// The training commands' shared command-line pieces (run_command.h): the run options, the
+// resume hint of an interrupted run (the run folder shell-quoted so the line can be pasted), and
+// the finished-run line.
 #include "tools/run_command.h"
 
 #include <cstdio>
