@@ -12,6 +12,7 @@
 #include "core/log.h"
 #include "io/safetensors.h"
 #include "rl/fake_quant.h"
+#include "rl/sft.h"
 #include "rollout/engine.h"
 #include "rollout/routing_record.h"
 #include "train/atomic_dir.h"
@@ -77,18 +78,6 @@ model::RecipeConfig trainer_recipe(Arm a) {
     case Arm::kQuads: return fake_quant_recipe_config(true, false);
     default: return fake_quant_recipe_config(true, true);
   }
-}
-
-// The texts a tokenizer for a model without a checkpoint learns from: prompts and solutions of
-// every level of the task.
-std::vector<std::string> task_texts(const Task& task, uint64_t seed) {
-  std::vector<std::string> texts;
-  for (int level = 0; level < task.num_levels(); ++level)
-    for (int64_t i = 0; i < 200; ++i) {
-      TaskInstance inst = task.make(level, seed + 7919, i);
-      texts.push_back(inst.prompt + inst.solution);
-    }
-  return texts;
 }
 
 // A fresh run folder must not hold a run; a resumed one must.
@@ -208,7 +197,7 @@ Status RlRun::build_models() {
       to.vocab_size = static_cast<int>(cfg_.tokenizer_vocab_size);
       to.hard_vocab_limit = false;
       to.vocab_size_name = "tokenizer_vocab_size";
-      NIB_ASSIGN_OR_RETURN(train::Tokenizer t, train::Tokenizer::train(task_texts(task_, cfg_.task_seed), to));
+      NIB_ASSIGN_OR_RETURN(train::Tokenizer t, train::Tokenizer::train(task_tokenizer_texts(task_, cfg_.task_seed), to));
       NIB_RETURN_IF_ERROR(t.save((run_ / "tokenizer.model").string()));
       tok_ = std::make_unique<train::Tokenizer>(std::move(t));
     }

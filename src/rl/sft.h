@@ -21,8 +21,9 @@
 
 namespace nibble::rl {
 
-// The text a task tokenizer is trained on: prompt + solution of 200 instances of every level,
-// drawn under seed + 7919 (instances the SFT splits do not use first).
+// The text a task tokenizer is trained on (by `nibble sft`, and by `nibble rl` for a model
+// without a checkpoint): prompt + solution of 200 instances of every level,
+// drawn under seed + 7919 (a key the SFT splits, drawn under seed, do not use).
 std::vector<std::string> task_tokenizer_texts(const Task& task, uint64_t seed);
 
 // The SFT splits of a TaskDataConfig: example k is instance (levels[k % L], seed, base + k / L)
