@@ -65,4 +65,47 @@ void ProgressBar::finish() {
   std::fflush(out_);
 }
 
+ByteProgress::ByteProgress(int64_t total_bytes, std::FILE* out)
+    : ByteProgress(total_bytes, out, out != nullptr && ::isatty(::fileno(out)) != 0) {}
+
+ByteProgress::ByteProgress(int64_t total_bytes, std::FILE* out, bool is_tty)
+    : total_(total_bytes), out_(out), tty_(is_tty), t0_(std::chrono::steady_clock::now()) {}
+
+std::string ByteProgress::format(int64_t done, int64_t total, int64_t tokens, double bps, double eta, int bar_width) {
+  const double frac = total > 0 ? std::clamp(static_cast<double>(done) / static_cast<double>(total), 0.0, 1.0) : 1.0;
+  const int filled = static_cast<int>(std::floor(frac * bar_width));
+  const std::string bar =
+      std::string(static_cast<size_t>(filled), '#') + std::string(static_cast<size_t>(bar_width - filled), '.');
+  const double mib = 1024.0 * 1024.0;
+  const std::string tok = tokens >= 1000000 ? fmt::format("{:.1f}M", static_cast<double>(tokens) / 1e6)
+                                            : fmt::format("{}", tokens);
+  return fmt::format("shards {:.1f}/{:.1f} MiB [{}] {:5.1f}% | {:.1f} MiB/s | {} tokens | eta {}",
+                     static_cast<double>(done) / mib, static_cast<double>(total) / mib, bar, 100.0 * frac, bps / mib,
+                     tok, eta < 0 ? std::string("?") : ProgressBar::format_duration(eta));
+}
+
+void ByteProgress::update(int64_t done, int64_t tokens) {
+  if (out_ == nullptr) return;
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  const double bps = elapsed > 0 ? static_cast<double>(done) / elapsed : 0.0;
+  const double eta = done > 0 && bps > 0 ? static_cast<double>(total_ - done) / bps : -1.0;
+  const std::string line = format(done, total_, tokens, bps, eta);
+  const int decile = total_ > 0 ? static_cast<int>(10 * done / total_) : 10;
+  if (tty_) {
+    std::fprintf(out_, "\r%s\x1b[K", line.c_str());
+    drawn_ = true;
+  } else if (decile > last_decile_) {
+    std::fprintf(out_, "%s\n", line.c_str());
+    last_decile_ = decile;
+  }
+  std::fflush(out_);
+}
+
+void ByteProgress::finish() {
+  if (out_ == nullptr) return;
+  if (tty_ && drawn_) std::fprintf(out_, "\n");
+  drawn_ = false;
+  std::fflush(out_);
+}
+
 }  // namespace nibble::train

@@ -39,4 +39,25 @@ class ProgressBar {
   std::chrono::steady_clock::time_point t0_;
 };
 
+// Progress of work measured in bytes (the shard builder reading a corpus): "shards 512.0/2048.0
+// MiB [#####...] 25.0% | 12.3 MiB/s | 134.2M tokens | eta 2m05s". Redrawn with '\r' on a
+// terminal; otherwise a plain line at each further 10% and at the end. `out` null: silent.
+class ByteProgress {
+ public:
+  ByteProgress(int64_t total_bytes, std::FILE* out);
+  ByteProgress(int64_t total_bytes, std::FILE* out, bool is_tty);
+  void update(int64_t bytes_done, int64_t tokens);
+  void finish();
+  static std::string format(int64_t bytes_done, int64_t total_bytes, int64_t tokens, double bytes_per_second,
+                            double eta_seconds, int bar_width = 20);
+
+ private:
+  int64_t total_;
+  std::FILE* out_;
+  bool tty_;
+  bool drawn_ = false;
+  int last_decile_ = -1;
+  std::chrono::steady_clock::time_point t0_;
+};
+
 }  // namespace nibble::train

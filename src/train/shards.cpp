@@ -6,15 +6,18 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 
 #include "core/check.h"
+#include "io/output_guard.h"
 #include "io/regular_file.h"
 #include "train/atomic_dir.h"
 #include "train/corpus.h"
+#include "train/progress.h"
 #include "train/tokenizer.h"
 
 namespace nibble::train {
@@ -156,30 +159,181 @@ std::string join_lines(const std::vector<std::string>& lines, size_t begin, size
   return s;
 }
 
-}  // namespace
+bool is_blank(std::string_view line) {
+  for (char c : line)
+    if (!std::isspace(static_cast<unsigned char>(c))) return false;
+  return true;
+}
 
-Result<ShardSummary> build_token_shards(const std::string& train_path, const std::string& val_path,
-                                        const Tokenizer& tokenizer, const std::vector<std::string>& text_files,
-                                        const SplitOptions& options) {
-  if (!(options.val_fraction >= 0.0 && options.val_fraction <= 0.5))
-    return invalid_argument("val_fraction {} must be in [0, 0.5]", options.val_fraction);
-  if (text_files.empty()) return invalid_argument("no text files to tokenize");
-  ShardSummary sum;
-  std::vector<std::vector<std::string>> docs;
-  for (const std::string& f : text_files) {
-    NIB_ASSIGN_OR_RETURN(std::string text, read_text_file(f));
-    sum.text_bytes += static_cast<int64_t>(text.size());
-    auto d = split_documents(text);
-    for (auto& doc : d) docs.push_back(std::move(doc));
-    ++sum.files;
+// A token shard written as its tokens come: a placeholder header, the tokens appended in the
+// shard's width, then the header with the final count, fsync and rename into place. The
+// temporary `<path>.tmp.<pid>` is removed unless finish() succeeded.
+class ShardAppender {
+ public:
+  static Result<std::unique_ptr<ShardAppender>> create(const std::string& path, int64_t vocab_size) {
+    if (vocab_size < 1 || vocab_size > (int64_t{1} << 31) - 1)
+      return invalid_argument("shard {}: vocab_size {} out of range", path, vocab_size);
+    io::remove_stale_temporaries(path);
+    std::unique_ptr<ShardAppender> a(new ShardAppender(path, vocab_size));
+    a->fd_ = ::open(a->tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (a->fd_ < 0) return io_error("cannot create {}: {}", a->tmp_, std::strerror(errno));
+    const std::string header(kShardHeaderBytes, '\0');
+    NIB_RETURN_IF_ERROR(a->write_all(header.data(), header.size()));
+    return a;
   }
-  sum.documents = static_cast<int64_t>(docs.size());
-  const std::vector<int64_t> val_lines = validation_lines_per_document(docs, options.val_fraction);
+  ~ShardAppender() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!finished_) ::unlink(tmp_.c_str());
+  }
+  int64_t count() const { return count_; }
 
-  // Encode every document part in parallel (the processor is const and thread-safe), then
-  // concatenate in document order so the shards do not depend on the thread count.
+  // tokens: (n) ids in [0, vocab_size).
+  Status append(std::span<const int32_t> tokens) {
+    bytes_.resize(tokens.size() * static_cast<size_t>(width_));
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i] < 0 || tokens[i] >= vocab_size_)
+        return invalid_argument("shard {}: token {} at {} outside [0, {})", path_, tokens[i], count_ + i, vocab_size_);
+      if (width_ == 2) {
+        const uint16_t t = static_cast<uint16_t>(tokens[i]);
+        std::memcpy(bytes_.data() + 2 * i, &t, 2);
+      } else {
+        std::memcpy(bytes_.data() + 4 * i, &tokens[i], 4);
+      }
+    }
+    count_ += static_cast<int64_t>(tokens.size());
+    return write_all(bytes_.data(), bytes_.size());
+  }
+
+  Status finish() {
+    RawHeader h{};
+    std::memcpy(h.magic, kShardMagic, 8);
+    h.version = kShardVersion;
+    h.dtype = static_cast<uint32_t>(width_);
+    h.count = static_cast<uint64_t>(count_);
+    h.vocab_size = static_cast<uint32_t>(vocab_size_);
+    if (::pwrite(fd_, &h, sizeof(h), 0) != static_cast<ssize_t>(sizeof(h)))
+      return io_error("write to {} failed: {}", tmp_, std::strerror(errno));
+    const int rc = ::fsync(fd_), rc2 = ::close(fd_);
+    fd_ = -1;
+    if (rc != 0 || rc2 != 0) return io_error("cannot finish writing {}: {}", tmp_, std::strerror(errno));
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0)
+      return io_error("cannot rename {} to {}: {}", tmp_, path_, std::strerror(errno));
+    finished_ = true;
+    return Status::ok();
+  }
+
+ private:
+  ShardAppender(std::string path, int64_t vocab_size)
+      : path_(std::move(path)), tmp_(path_ + ".tmp." + std::to_string(::getpid())), vocab_size_(vocab_size),
+        width_(vocab_size <= 65536 ? 2 : 4) {}
+  Status write_all(const char* p, size_t left) {
+    while (left > 0) {
+      const ssize_t n = ::write(fd_, p, left);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return io_error("write to {} failed: {}", tmp_, std::strerror(errno));
+      }
+      p += n;
+      left -= static_cast<size_t>(n);
+    }
+    return Status::ok();
+  }
+  std::string path_, tmp_;
+  int64_t vocab_size_;
+  int width_;
+  int fd_ = -1;
+  int64_t count_ = 0;
+  bool finished_ = false;
+  std::string bytes_;
+};
+
+// The documents of one text file (split_documents' rule: blank lines separate documents, a
+// trailing '\r' is dropped), read in 1 MiB chunks so a file is never held whole.
+class DocumentReader {
+ public:
+  static Result<DocumentReader> open(const std::string& path) {
+    auto file = io::open_regular_file(path, "text file");
+    if (!file && file.status().code() == StatusCode::kNotFound) return not_found("text file not found: {}", path);
+    if (!file) return file.status();
+    DocumentReader r;
+    r.path_ = path;
+    r.size_ = static_cast<int64_t>(file->size());
+    r.fd_ = ::dup(file->fd());
+    if (r.fd_ < 0) return io_error("text file {}: {}", path, std::strerror(errno));
+    return r;
+  }
+  DocumentReader(DocumentReader&& o) noexcept { *this = std::move(o); }
+  DocumentReader& operator=(DocumentReader&& o) noexcept {
+    std::swap(fd_, o.fd_);
+    path_ = std::move(o.path_);
+    chunk_ = std::move(o.chunk_);
+    pos_ = o.pos_;
+    size_ = o.size_;
+    eof_ = o.eof_;
+    return *this;
+  }
+  ~DocumentReader() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int64_t size() const { return size_; }
+
+  // The next document's lines (without '\n'); an empty vector at the end of the file. `bytes`
+  // counts the file bytes consumed.
+  Status next(std::vector<std::string>* lines, int64_t* bytes) {
+    lines->clear();
+    std::string line;
+    while (true) {
+      bool have_line = false;
+      NIB_RETURN_IF_ERROR(next_line(&line, &have_line, bytes));
+      if (!have_line) return Status::ok();
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      if (is_blank(line)) {
+        if (!lines->empty()) return Status::ok();
+        continue;
+      }
+      lines->push_back(std::move(line));
+    }
+  }
+
+ private:
+  DocumentReader() = default;
+  Status next_line(std::string* line, bool* have, int64_t* bytes) {
+    line->clear();
+    while (true) {
+      if (pos_ < chunk_.size()) {
+        const size_t nl = chunk_.find('\n', pos_);
+        const size_t end = nl == std::string::npos ? chunk_.size() : nl;
+        line->append(chunk_, pos_, end - pos_);
+        *have = true;
+        *bytes += static_cast<int64_t>(end - pos_) + (nl == std::string::npos ? 0 : 1);
+        pos_ = end + (nl == std::string::npos ? 0 : 1);
+        if (nl != std::string::npos) return Status::ok();
+      }
+      if (eof_) return Status::ok();
+      chunk_.resize(size_t{1} << 20);
+      ssize_t n;
+      do n = ::read(fd_, chunk_.data(), chunk_.size());
+      while (n < 0 && errno == EINTR);
+      if (n < 0) return io_error("read of text file {} failed: {}", path_, std::strerror(errno));
+      chunk_.resize(static_cast<size_t>(n));
+      pos_ = 0;
+      eof_ = n == 0;
+    }
+  }
+  int fd_ = -1;
+  std::string path_, chunk_;
+  size_t pos_ = 0;
+  int64_t size_ = 0;
+  bool eof_ = false;
+};
+
+// Encodes one batch of documents (each split into its train part and its held-out tail) in
+// parallel and appends the tokens in document order, so the output is independent of the
+// thread count and of where batches are cut.
+Status encode_batch(const std::vector<std::vector<std::string>>& docs, const std::vector<int64_t>& val_lines,
+                    const Tokenizer& tokenizer, ShardAppender& train, ShardAppender* val) {
   const int64_t nd = static_cast<int64_t>(docs.size());
-  std::vector<std::vector<int32_t>> train_parts(docs.size()), val_parts(docs.size());
+  std::vector<std::vector<int32_t>> parts(2 * docs.size());
   std::vector<Status> errors(docs.size());
   const int32_t eos = tokenizer.eos_id();
 #pragma omp parallel for schedule(dynamic, 1)
@@ -194,24 +348,94 @@ Result<ShardSummary> build_token_shards(const std::string& train_path, const std
         errors[k] = ids.status();
         break;
       }
-      std::vector<int32_t>& dst = part == 0 ? train_parts[k] : val_parts[k];
+      std::vector<int32_t>& dst = parts[2 * k + part];
       dst = std::move(ids).value();
       dst.push_back(eos);
     }
   }
   for (const Status& s : errors) NIB_RETURN_IF_ERROR(s);
-  std::vector<int32_t> train, val;
   for (int64_t k = 0; k < nd; ++k) {
-    train.insert(train.end(), train_parts[k].begin(), train_parts[k].end());
-    val.insert(val.end(), val_parts[k].begin(), val_parts[k].end());
-    sum.val_lines += val_lines[k];
-    sum.train_lines += static_cast<int64_t>(docs[k].size()) - val_lines[k];
+    NIB_RETURN_IF_ERROR(train.append(parts[2 * k]));
+    if (val != nullptr) NIB_RETURN_IF_ERROR(val->append(parts[2 * k + 1]));
   }
-  sum.train_tokens = static_cast<int64_t>(train.size());
-  sum.val_tokens = static_cast<int64_t>(val.size());
-  if (train.empty()) return data_loss("no training tokens: the text files hold no non-blank lines");
-  NIB_RETURN_IF_ERROR(write_token_shard(train_path, train, tokenizer.vocab_size()));
-  NIB_RETURN_IF_ERROR(write_token_shard(val_path, val, tokenizer.vocab_size()));
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<ShardSummary> build_token_shards(const std::string& train_path, const std::string& val_path,
+                                        const Tokenizer& tokenizer, const std::vector<std::string>& text_files,
+                                        const SplitOptions& options) {
+  if (!(options.val_fraction >= 0.0 && options.val_fraction <= 0.5))
+    return invalid_argument("val_fraction {} must be in [0, 0.5]", options.val_fraction);
+  if (options.buffer_bytes < 1) return invalid_argument("buffer_bytes {} must be >= 1", options.buffer_bytes);
+  if (text_files.empty()) return invalid_argument("no text files to tokenize");
+  if (val_path.empty() && options.val_fraction != 0.0)
+    return invalid_argument("no validation shard path: val_fraction must be 0 (it is {})", options.val_fraction);
+  // Open every file first: a missing one fails before anything is encoded.
+  std::vector<DocumentReader> readers;
+  int64_t total_bytes = 0;
+  for (const std::string& f : text_files) {
+    NIB_ASSIGN_OR_RETURN(DocumentReader r, DocumentReader::open(f));
+    total_bytes += r.size();
+    readers.push_back(std::move(r));
+  }
+  NIB_ASSIGN_OR_RETURN(auto train, ShardAppender::create(train_path, tokenizer.vocab_size()));
+  std::unique_ptr<ShardAppender> val;
+  if (!val_path.empty()) {
+    NIB_ASSIGN_OR_RETURN(val, ShardAppender::create(val_path, tokenizer.vocab_size()));
+  }
+  ByteProgress progress(total_bytes, options.progress ? stderr : nullptr);
+
+  ShardSummary sum;
+  std::vector<std::vector<std::string>> batch;
+  std::vector<int64_t> batch_val;
+  int64_t batch_bytes = 0, lines_seen = 0;
+  auto flush = [&]() -> Status {
+    if (batch.empty()) return Status::ok();
+    NIB_RETURN_IF_ERROR(encode_batch(batch, batch_val, tokenizer, *train, val.get()));
+    sum.peak_batch_bytes = std::max(sum.peak_batch_bytes, batch_bytes);
+    ++sum.batches;
+    batch.clear();
+    batch_val.clear();
+    batch_bytes = 0;
+    progress.update(sum.text_bytes, train->count() + (val ? val->count() : 0));
+    return Status::ok();
+  };
+  for (size_t f = 0; f < readers.size(); ++f) {
+    int64_t docs_in_file = 0;
+    std::vector<std::string> lines;
+    while (true) {
+      int64_t doc_bytes = 0;
+      NIB_RETURN_IF_ERROR(readers[f].next(&lines, &doc_bytes));
+      sum.text_bytes += doc_bytes;
+      if (lines.empty()) break;
+      // validation_lines_per_document, online: the quota depends on the lines seen so far only.
+      const int64_t n = static_cast<int64_t>(lines.size());
+      const int64_t target =
+          static_cast<int64_t>(std::floor(options.val_fraction * static_cast<double>(lines_seen + n)));
+      const int64_t v = std::clamp<int64_t>(target - sum.val_lines, 0, n);
+      lines_seen += n;
+      sum.val_lines += v;
+      sum.train_lines += n - v;
+      ++docs_in_file;
+      for (const auto& l : lines) batch_bytes += static_cast<int64_t>(l.size()) + 1;
+      batch.push_back(std::move(lines));
+      batch_val.push_back(v);
+      lines = {};
+      if (batch_bytes >= options.buffer_bytes) NIB_RETURN_IF_ERROR(flush());
+    }
+    if (docs_in_file == 0) return data_loss("text file {} is empty", text_files[f]);
+    sum.documents += docs_in_file;
+    ++sum.files;
+  }
+  NIB_RETURN_IF_ERROR(flush());
+  progress.finish();
+  sum.train_tokens = train->count();
+  sum.val_tokens = val ? val->count() : 0;
+  if (sum.train_tokens == 0) return data_loss("no training tokens: the text files hold no non-blank lines");
+  NIB_RETURN_IF_ERROR(train->finish());
+  if (val) NIB_RETURN_IF_ERROR(val->finish());
   return sum;
 }
 

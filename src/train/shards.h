@@ -46,6 +46,11 @@ class TokenShard {
 
 struct SplitOptions {
   double val_fraction = 0.05;  // share of lines held out, in [0, 0.5]
+  // Text held in memory at once: documents are read, encoded and appended to the shards in
+  // batches of about this many bytes (a longer document is held whole), so memory stays about
+  // 3 x max(buffer_bytes, longest document) whatever the corpus size.
+  int64_t buffer_bytes = int64_t{64} << 20;
+  bool progress = false;  // a progress line on stderr: bytes read of the total, MB/s, tokens, eta
 };
 
 // Deterministic held-out split of documents (lists of lines): document k sends its LAST
@@ -60,12 +65,18 @@ struct ShardSummary {
   int64_t train_lines = 0, val_lines = 0;
   int64_t train_tokens = 0, val_tokens = 0;
   int64_t text_bytes = 0;
+  int64_t batches = 0;            // encode batches (about text_bytes / buffer_bytes)
+  int64_t peak_batch_bytes = 0;   // the most text held at once (<= buffer_bytes + longest document)
 };
 
 // Reads `text_files` (an empty or missing file is an error), splits each into documents at blank
 // lines, holds out the tail lines of each document (validation_lines_per_document), and writes
 // the token streams: per document part, encode(lines joined by '\n', with a final '\n') then
 // eos. Train parts go to `train_path`, validation parts to `val_path`, in file/document order.
+// Streams: files are read in chunks and encoded in batches of options.buffer_bytes (in parallel
+// within a batch), the tokens appended to both shards as they come; the shards are the same for
+// any buffer size and thread count, and appear (atomically) only when complete. An empty
+// `val_path` writes no validation shard (val_fraction must then be 0).
 Result<ShardSummary> build_token_shards(const std::string& train_path, const std::string& val_path,
                                         const Tokenizer& tokenizer, const std::vector<std::string>& text_files,
                                         const SplitOptions& options);

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -11,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "train/corpus.h"
+#include "train/progress.h"
 #include "train/tokenizer.h"
 
 namespace nibble::train {
@@ -222,6 +224,108 @@ TEST(Shards, BuildTrainValShardsDisjoint) {
   EXPECT_NE(empty.status().message().find("empty"), std::string::npos);
   EXPECT_FALSE(build_token_shards(train, val, *tok, {txt}, SplitOptions{0.9}).is_ok());
   for (const auto& p : {txt, train, val, blank}) fs::remove(p);
+}
+
+// The builder streams: a corpus many times larger than the buffer is read and encoded in many
+// batches, none holding more than the buffer plus one document, and the shards are byte for byte
+// those of one batch (the whole corpus in memory). A document longer than the buffer is kept whole.
+TEST(Shards, StreamingBuildIsBoundedAndIndependentOfTheBuffer) {
+  std::string text;
+  size_t longest = 0;
+  for (int d = 0; d < 120; ++d) {
+    std::string doc;
+    const int lines = d == 7 ? 400 : 3 + d % 11;  // document 7 is longer than the small buffer
+    for (int l = 0; l < lines; ++l) doc += fmt::format("doc {} line {} reads {} words of text.\n", d, l, (d * 31 + l) % 97);
+    longest = std::max(longest, doc.size());
+    text += doc + (d % 5 == 0 ? "\r\n \n" : "\n");  // blank separators with stray whitespace
+  }
+  std::string txt = temp_path("stream.txt"), txt2 = temp_path("stream2.txt");
+  write_all(txt, text);
+  const std::string text2 = "a second file with one document\nof two lines\n";
+  write_all(txt2, text2);
+  TokenizerTrainOptions o;
+  o.vocab_size = 300;
+  auto tok = Tokenizer::train({text}, o);
+  ASSERT_TRUE(tok.is_ok()) << tok.status().message();
+  const std::string tr1 = temp_path("s_tr1.bin"), va1 = temp_path("s_va1.bin");
+  const std::string tr2 = temp_path("s_tr2.bin"), va2 = temp_path("s_va2.bin");
+  SplitOptions whole{0.05};  // default 64 MiB buffer: one batch
+  auto one = build_token_shards(tr1, va1, *tok, {txt, txt2}, whole);
+  ASSERT_TRUE(one.is_ok()) << one.status().message();
+  EXPECT_EQ(one->batches, 1);
+  SplitOptions small{0.05};
+  small.buffer_bytes = 1024;
+  ASSERT_GT(static_cast<int64_t>(text.size()), 10 * small.buffer_bytes);  // the input is much larger
+  ASSERT_GT(static_cast<int64_t>(longest), small.buffer_bytes);
+  auto many = build_token_shards(tr2, va2, *tok, {txt, txt2}, small);
+  ASSERT_TRUE(many.is_ok()) << many.status().message();
+  EXPECT_GT(many->batches, 10);
+  EXPECT_LE(many->peak_batch_bytes, small.buffer_bytes + static_cast<int64_t>(longest));
+  EXPECT_GE(many->peak_batch_bytes, static_cast<int64_t>(longest));  // the long document, whole
+  EXPECT_EQ(read_all(tr1), read_all(tr2));
+  EXPECT_EQ(read_all(va1), read_all(va2));
+  EXPECT_EQ(many->documents, 121);
+  EXPECT_EQ(many->text_bytes, static_cast<int64_t>(text.size() + text2.size()));
+  EXPECT_EQ(many->val_lines, one->val_lines);
+  EXPECT_GT(many->val_tokens, 0);
+  // The split is the in-memory rule's (validation_lines_per_document).
+  std::vector<std::vector<std::string>> docs = split_documents(text);
+  docs.push_back({"a second file with one document", "of two lines"});
+  int64_t expect_val = 0;
+  for (int64_t v : validation_lines_per_document(docs, 0.05)) expect_val += v;
+  EXPECT_EQ(many->val_lines, expect_val);
+  // No temporaries are left next to the shards.
+  for (const auto& e : fs::directory_iterator(fs::temp_directory_path()))
+    EXPECT_EQ(e.path().string().find(tr2 + ".tmp"), std::string::npos) << e.path();
+  for (const auto& p : {txt, txt2, tr1, va1, tr2, va2}) fs::remove(p);
+}
+
+TEST(Progress, ByteProgressFormatAndPlainLines) {
+  EXPECT_EQ(ByteProgress::format(512 << 20, int64_t{2048} << 20, 134200000, 12.5 * (1 << 20), 125, 10),
+            "shards 512.0/2048.0 MiB [##........]  25.0% | 12.5 MiB/s | 134.2M tokens | eta 2m05s");
+  std::FILE* f = std::tmpfile();
+  ByteProgress plain(100, f, false);
+  for (int b = 1; b <= 100; ++b) plain.update(b, b);  // a line per further 10%
+  plain.finish();
+  std::rewind(f);
+  char buf[8192];
+  const std::string out(buf, std::fread(buf, 1, sizeof(buf), f));
+  std::fclose(f);
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 11);  // 0%, 10%, ..., 100%
+  EXPECT_EQ(out.find('\r'), std::string::npos);
+}
+
+TEST(Corpus, SampleLinesIsSeededUniformAndInOrder) {
+  std::string a = temp_path("sample_a.txt"), b = temp_path("sample_b.txt");
+  std::string ta, tb;
+  for (int i = 0; i < 600; ++i) ta += fmt::format("line {}\n", i) + (i % 7 == 0 ? " \n" : "");
+  for (int i = 600; i < 1000; ++i) tb += fmt::format("line {}\r\n", i);
+  write_all(a, ta);
+  write_all(b, tb);
+  int64_t total = 0;
+  auto s1 = sample_lines({a, b}, 100, 7, &total);
+  ASSERT_TRUE(s1.is_ok()) << s1.status().message();
+  EXPECT_EQ(total, 1000);  // blank lines are not counted
+  ASSERT_EQ(s1->size(), 100u);
+  int previous = -1, from_b = 0;
+  for (const std::string& l : *s1) {
+    ASSERT_EQ(l.rfind("line ", 0), 0u) << l;
+    const int n = std::stoi(l.substr(5));
+    EXPECT_GT(n, previous);  // reading order, no repeats
+    EXPECT_EQ(l, fmt::format("line {}", n));  // '\r' dropped
+    previous = n;
+    from_b += n >= 600;
+  }
+  EXPECT_GT(from_b, 20);  // uniform: ~40 of 100 from the second file (not just the first lines)
+  EXPECT_LT(from_b, 60);
+  EXPECT_EQ(*sample_lines({a, b}, 100, 7), *s1);  // deterministic
+  EXPECT_NE(*sample_lines({a, b}, 100, 8), *s1);  // the seed matters
+  auto all = sample_lines({a, b}, 5000, 7);
+  ASSERT_TRUE(all.is_ok());
+  EXPECT_EQ(all->size(), 1000u);
+  EXPECT_FALSE(sample_lines({temp_path("missing.txt")}, 10, 1).is_ok());
+  EXPECT_FALSE(sample_lines({a}, 0, 1).is_ok());
+  for (const auto& p : {a, b}) fs::remove(p);
 }
 
 TEST(Corpus, DefaultCorpusIsTheKjv) {
