@@ -4,6 +4,7 @@
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <filesystem>
@@ -119,6 +120,52 @@ std::vector<std::vector<std::string>> split_documents(const std::string& text) {
   }
   if (!cur.empty()) docs.push_back(std::move(cur));
   return docs;
+}
+
+Result<std::vector<std::string>> sample_lines(const std::vector<std::string>& files, int64_t max_lines, uint64_t seed,
+                                              int64_t* total_lines) {
+  if (max_lines < 1) return invalid_argument("sample of {} lines: must be >= 1", max_lines);
+  // The reservoir keeps (line number, text); sorted by line number at the end.
+  std::vector<std::pair<int64_t, std::string>> reservoir;
+  uint64_t state = seed;
+  auto next_u64 = [&state]() {  // SplitMix64
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  int64_t seen = 0;
+  for (const std::string& path : files) {
+    NIB_RETURN_IF_ERROR(io::check_regular_file(path, "text file"));
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return not_found("text file not found: {}", path);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      bool blank = true;
+      for (char c : line)
+        if (!std::isspace(static_cast<unsigned char>(c))) {
+          blank = false;
+          break;
+        }
+      if (blank) continue;
+      if (seen < max_lines) {
+        reservoir.emplace_back(seen, std::move(line));
+      } else {
+        const uint64_t j = next_u64() % static_cast<uint64_t>(seen + 1);  // uniform in [0, seen]
+        if (j < static_cast<uint64_t>(max_lines)) reservoir[j] = {seen, std::move(line)};
+      }
+      ++seen;
+      line.clear();
+    }
+    if (in.bad()) return io_error("read of text file {} failed", path);
+  }
+  std::sort(reservoir.begin(), reservoir.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<std::string> out;
+  out.reserve(reservoir.size());
+  for (auto& [n, text] : reservoir) out.push_back(std::move(text));
+  if (total_lines != nullptr) *total_lines = seen;
+  return out;
 }
 
 }  // namespace nibble::train

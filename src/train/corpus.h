@@ -4,6 +4,7 @@
 // shards.h tokenizes documents. Mirrors the "input.txt" of llm.c/nanoGPT, but from a package.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -29,5 +30,13 @@ Result<std::string> read_text_file(const std::string& path);
 // Splits text into documents at blank lines (lines that are empty or only whitespace). Each
 // document is a list of its lines without the trailing '\n'; documents are never empty.
 std::vector<std::vector<std::string>> split_documents(const std::string& text);
+
+// A seeded uniform sample of at most `max_lines` of the non-blank lines of `files` (reservoir
+// sampling, algorithm R, with a SplitMix64 stream of `seed`), in reading order, read line by
+// line so the files are never held whole: what the tokenizer of a multi-gigabyte corpus trains
+// on. All lines when there are fewer. The same files and seed give the same sample anywhere.
+// total_lines (optional): the number of non-blank lines seen.
+Result<std::vector<std::string>> sample_lines(const std::vector<std::string>& files, int64_t max_lines, uint64_t seed,
+                                              int64_t* total_lines = nullptr);
 
 }  // namespace nibble::train
