@@ -74,6 +74,11 @@ struct Rgb {
 };
 constexpr Rgb kWhite{255, 255, 255}, kBlack{0, 0, 0}, kGrid{225, 225, 225};
 constexpr Rgb kTrainColor{31, 119, 180}, kValColor{230, 97, 0};
+// Series colours in order (train and validation first, as the loss plot has always drawn them),
+// then matplotlib's tab10 rest.
+constexpr std::array<Rgb, 10> kPalette{kTrainColor, kValColor, Rgb{44, 160, 44},  Rgb{214, 39, 40},
+                                       Rgb{148, 103, 189}, Rgb{140, 86, 75},   Rgb{227, 119, 194},
+                                       Rgb{127, 127, 127}, Rgb{188, 189, 34},  Rgb{23, 190, 207}};
 
 class Canvas {
  public:
@@ -148,14 +153,19 @@ std::vector<double> nice_ticks(double lo, double hi, int target) {
   return ticks;
 }
 
-Result<RgbImage> render_loss_plot(const std::vector<PlotPoint>& train, const std::vector<PlotPoint>& val, int width,
-                                  int height) {
+Result<RgbImage> render_series_plot(const std::vector<PlotSeries>& series, const PlotOptions& o) {
+  const int width = o.width, height = o.height;
+  if (series.size() > kPalette.size())
+    return invalid_argument("plot: {} series, at most {}", series.size(), kPalette.size());
   if (width < 200 || height < 150 || width > 8192 || height > 8192)
     return invalid_argument("plot size {}x{} outside [200, 8192] x [150, 8192]", width, height);
   double xmin = INFINITY, xmax = -INFINITY, ymin = INFINITY, ymax = -INFINITY;
-  for (const auto* pts : {&train, &val})
-    for (const PlotPoint& p : *pts)
-      if (std::isfinite(p.step) && std::isfinite(p.value)) {
+  auto in_window = [&](const PlotPoint& p) {
+    return std::isfinite(p.step) && std::isfinite(p.value) && p.step >= o.x_min && p.step <= o.x_max;
+  };
+  for (const PlotSeries& se : series)
+    for (const PlotPoint& p : se.points)
+      if (in_window(p)) {
         xmin = std::min(xmin, p.step);
         xmax = std::max(xmax, p.step);
         ymin = std::min(ymin, p.value);
@@ -199,23 +209,25 @@ Result<RgbImage> render_loss_plot(const std::vector<PlotPoint>& train, const std
   }
   c.line(left, top, left, bottom, kBlack);
   c.line(left, bottom, right, bottom, kBlack);
-  c.text((left + right - text_width("step")) / 2, height - 30, "step", kBlack);
-  c.text(left - 9 - text_width("loss"), top - 26, "loss", kBlack);
+  c.text((left + right - text_width(o.x_label)) / 2, height - 30, o.x_label, kBlack);
+  c.text(std::max(4, left - 9 - text_width(o.y_label)), top - 26, o.y_label, kBlack);
+  if (!o.title.empty()) c.text((left + right - text_width(o.title)) / 2, top - 26, o.title, kBlack);
 
   auto draw_series = [&](const std::vector<PlotPoint>& pts, Rgb color, bool markers) {
     std::vector<PlotPoint> s;
     for (const PlotPoint& p : pts)
-      if (std::isfinite(p.step) && std::isfinite(p.value)) s.push_back(p);
+      if (in_window(p)) s.push_back(p);
     std::stable_sort(s.begin(), s.end(), [](const PlotPoint& a, const PlotPoint& b) { return a.step < b.step; });
     for (size_t i = 0; i + 1 < s.size(); ++i) c.line(px(s[i].step), py(s[i].value), px(s[i + 1].step), py(s[i + 1].value), color, 2);
     if (markers || s.size() == 1)
       for (const PlotPoint& p : s) c.fill(px(p.step) - 3, py(p.value) - 3, px(p.step) + 3, py(p.value) + 3, color);
   };
-  draw_series(train, kTrainColor, false);
-  draw_series(val, kValColor, true);
+  for (size_t i = 0; i < series.size(); ++i) draw_series(series[i].points, kPalette[i], series[i].markers);
 
   // Legend, top right inside the plot area.
-  const int lw = 40 + text_width("train") + 16, lh = 2 * (kGlyphH + 8) + 8;
+  int name_w = 0;
+  for (const PlotSeries& se : series) name_w = std::max(name_w, text_width(se.name));
+  const int lw = 40 + name_w + 16, lh = static_cast<int>(series.size()) * (kGlyphH + 8) + 8;
   const int lx = right - lw - 10, ly = top + 10;
   c.fill(lx, ly, lx + lw, ly + lh, kWhite);
   c.line(lx, ly, lx + lw, ly, kBlack);
@@ -223,12 +235,20 @@ Result<RgbImage> render_loss_plot(const std::vector<PlotPoint>& train, const std
   c.line(lx, ly, lx, ly + lh, kBlack);
   c.line(lx + lw, ly, lx + lw, ly + lh, kBlack);
   int row = ly + 8;
-  for (auto [name, color] : {std::pair<const char*, Rgb>{"train", kTrainColor}, {"val", kValColor}}) {
-    c.line(lx + 8, row + kGlyphH / 2, lx + 32, row + kGlyphH / 2, color, 3);
-    c.text(lx + 40, row, name, kBlack);
+  for (size_t i = 0; i < series.size(); ++i) {
+    c.line(lx + 8, row + kGlyphH / 2, lx + 32, row + kGlyphH / 2, kPalette[i], 3);
+    c.text(lx + 40, row, series[i].name, kBlack);
     row += kGlyphH + 8;
   }
   return c.take();
+}
+
+Result<RgbImage> render_loss_plot(const std::vector<PlotPoint>& train, const std::vector<PlotPoint>& val, int width,
+                                  int height) {
+  PlotOptions o;
+  o.width = width;
+  o.height = height;
+  return render_series_plot({{"train", train, false}, {"val", val, true}}, o);
 }
 
 namespace {

@@ -4,6 +4,7 @@
 // dependency-light on purpose (no matplotlib/gnuplot at run time), like llm.c's plain outputs.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -23,7 +24,21 @@ struct RgbImage {
   std::vector<uint8_t> rgb;
 };
 
-// Renders the plot; NaN/Inf points are skipped. Needs at least one finite point in total.
+// Any number of named curves (at most 10 colours) on one set of axes: the loss curves of several
+// runs, a late-training window (x_min/x_max), a counter over time.
+struct PlotSeries {
+  std::string name;  // legend text (the font has lowercase letters, digits and . - + :)
+  std::vector<PlotPoint> points;
+  bool markers = false;  // a square at every point
+};
+struct PlotOptions {
+  int width = 800, height = 500;
+  std::string x_label = "step", y_label = "loss", title;
+  double x_min = -INFINITY, x_max = INFINITY;  // points outside are left out (the y range follows)
+};
+Result<RgbImage> render_series_plot(const std::vector<PlotSeries>& series, const PlotOptions& options);
+
+// The train (blue line) and validation (orange, markers) loss plot. NaN/Inf points are skipped. Needs at least one finite point in total.
 Result<RgbImage> render_loss_plot(const std::vector<PlotPoint>& train, const std::vector<PlotPoint>& val,
                                   int width = 800, int height = 500);
 // The PNG file bytes of `image` (8-bit RGB, no interlace).

@@ -55,6 +55,42 @@ TEST(Plot, WritesValidPng) {
   std::filesystem::remove(path);
 }
 
+// Several runs on one plot: every curve in its own palette colour, a window leaves the points
+// outside it out (the image equals one drawn without them), more series than colours is an error.
+TEST(Plot, SeriesPlotColoursAndWindow) {
+  std::vector<PlotSeries> runs;
+  for (int r = 0; r < 3; ++r) {
+    PlotSeries s{"run-" + std::to_string(r), {}, false};
+    for (int step = 0; step <= 200; step += 10) s.points.push_back({double(step), 5.0 - 0.01 * step + 0.2 * r});
+    runs.push_back(s);
+  }
+  PlotOptions o;
+  auto img = render_series_plot(runs, o);
+  ASSERT_TRUE(img.is_ok()) << img.status().message();
+  EXPECT_GT(count_color(img->rgb, 31, 119, 180), 200u);  // run-0: the train colour
+  EXPECT_GT(count_color(img->rgb, 230, 97, 0), 200u);    // run-1: the validation colour
+  EXPECT_GT(count_color(img->rgb, 44, 160, 44), 200u);   // run-2: green
+  EXPECT_EQ(count_color(img->rgb, 214, 39, 40), 0u);     // no fourth series
+
+  std::vector<PlotSeries> late = runs, cut = runs;
+  for (auto& s : late) s.points.push_back({-50.0, 100.0});  // far outside the window
+  for (auto& s : cut) s.points.erase(s.points.begin(), s.points.begin() + 15);  // steps < 150
+  PlotOptions window;
+  window.x_min = 150;
+  auto a = render_series_plot(late, window), b = render_series_plot(cut, PlotOptions{});
+  ASSERT_TRUE(a.is_ok() && b.is_ok());
+  EXPECT_EQ(a->rgb, b->rgb);
+  auto full = render_series_plot(late, PlotOptions{});
+  ASSERT_TRUE(full.is_ok());
+  EXPECT_NE(full->rgb, a->rgb);
+
+  std::vector<PlotSeries> eleven(11, runs[0]);
+  EXPECT_FALSE(render_series_plot(eleven, o).is_ok());
+  PlotOptions empty_window;
+  empty_window.x_min = 1000;
+  EXPECT_FALSE(render_series_plot(runs, empty_window).is_ok());  // no point inside
+}
+
 TEST(Plot, NiceTicks) {
   auto t = nice_ticks(0.0, 1000.0, 6);  // raw 166.7 -> 200
   ASSERT_EQ(t.size(), 6u);
