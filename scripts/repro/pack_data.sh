@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Packs the reproduction's data for the GPU machine (issue #14): FILES (tokenizer.model plus either
 # the token shards train.bin/val.bin or the clean text train.txt/val.txt) go into one xz stream,
-# cut into parts of at most --part-size (split -b units; default 42M = 42 MiB) under .repro/ (git-ignored):
+# cut into parts of at most --part-size (split -b units; default 40M = 40 MiB) under .repro/ (git-ignored):
 # .repro/data.tar.xz.part-aa, -ab, ... and .repro/data.sha256 ("<sha256 of the whole stream>
 # <number of parts>"). A device call carries .gpubin (the ~20 MiB binary bundle), .repro/data.sha256
 # and one part (64 MiB per call in all); scripts/repro/device.sh keeps the parts on the device disk
 # and unpacks them once all are there. Prints the carry list of each call.
 #   scripts/repro/pack_data.sh [--part-size SIZE] [--out DIR] FILE...   (FILEs of one folder)
 set -euo pipefail
-PART_SIZE=${PART_SIZE:-42M}
+PART_SIZE=${PART_SIZE:-40M}
 OUTDIR=.repro
 while [ "$#" -gt 0 ]; do
   case $1 in
