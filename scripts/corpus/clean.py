@@ -264,52 +264,30 @@ HTML_EXCLUDE = (r'genindex', r'search\.html', r'/_sources/', r'/_modules/', r'py
                 r'index-files/', r'allclasses', r'overview-tree', r'package-tree', r'/sidebar-items', r'/all\.html$',
                 r'/class-use/', r'deprecated-list', r'\.(?!en\.)[a-z]{2}(_[a-z]{2})?\.html$', r'/(de|fr|es|it|ja|ko|zh|nl|'
                 r'pt|ru|cs|hu|ca|pl)/')
+# Packages whose .html pages need no rule beyond HTML_EXCLUDE.
+PLAIN_HTML = '''
+    postgresql-doc-15 python-django-doc python-scipy-doc python-statsmodels-doc sagemath-doc
+    racket-doc erlang-doc openjdk-17-doc octave-doc libreoffice-help-en-us debian-policy
+    debian-reference-en developers-reference cmake-doc llvm-15-doc clang-15-doc
+    python-sqlalchemy-doc sphinx-doc fp-docs-3.2.2 postfix-doc exim4-doc-html bind9-doc zsh-doc
+    bash-doc python-sympy-doc python-scrapy-doc python-werkzeug-doc python-flask-doc
+    python-requests-doc python-setuptools-doc maxima-doc gimp-help-en
+'''.split()
 SOURCES = {
+    **{p: ('html', ('.html',), HTML_EXCLUDE) for p in PLAIN_HTML},
     'linux-doc-6.1': ('html', ('.html',), HTML_EXCLUDE + (r'/Documentation/',)),
     'python3.11-doc': ('html', ('.html',), HTML_EXCLUDE + (r'/devhelp/',)),
-    'postgresql-doc-15': ('html', ('.html',), HTML_EXCLUDE),
-    'python-django-doc': ('html', ('.html',), HTML_EXCLUDE),
     'python-pandas-doc': ('html', ('.html',), HTML_EXCLUDE + (r'/reference/api/',)),
-    'python-scipy-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'python-statsmodels-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'sagemath-doc': ('html', ('.html',), HTML_EXCLUDE),
     'lilypond-doc-html': ('html', ('.html',), HTML_EXCLUDE + (r'-big-page', r'\.(de|es|fr|hu|it|ja|nl|zh|cs|ca|pt|'
                                                                       r'bg)\.html')),
-    'racket-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'erlang-doc': ('html', ('.html',), HTML_EXCLUDE),
     'ghc-doc': ('html', ('.html',), HTML_EXCLUDE + (r'/src/', r'doc-index')),
-    'openjdk-17-doc': ('html', ('.html',), HTML_EXCLUDE),
     'rust-doc': ('html', ('.html',), HTML_EXCLUDE + (r'/(src|implementors)/',)),
-    'octave-doc': ('html', ('.html',), HTML_EXCLUDE),
     'git-doc': ('html', ('.html',), HTML_EXCLUDE + (r'RelNotes',)),
     'nodejs-doc': ('html', ('.html',), HTML_EXCLUDE + (r'/all\.html',)),
-    'libreoffice-help-en-us': ('html', ('.html',), HTML_EXCLUDE),
-    'debian-policy': ('html', ('.html',), HTML_EXCLUDE),
-    'debian-reference-en': ('html', ('.html',), HTML_EXCLUDE),
-    'developers-reference': ('html', ('.html',), HTML_EXCLUDE),
     'libboost1.81-doc': ('html', ('.html', '.htm'), HTML_EXCLUDE),
-    'cmake-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'llvm-15-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'clang-15-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'python-sqlalchemy-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'sphinx-doc': ('html', ('.html',), HTML_EXCLUDE),
     'python-astropy-doc': ('html', ('.html',), HTML_EXCLUDE + (r'/api/',)),
     'python-sklearn-doc': ('html', ('.html',), HTML_EXCLUDE + (r'/generated/',)),
-    'fp-docs-3.2.2': ('html', ('.html',), HTML_EXCLUDE),
     'apache2-doc': ('html', ('.html.en',), HTML_EXCLUDE),
-    'postfix-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'exim4-doc-html': ('html', ('.html',), HTML_EXCLUDE),
-    'bind9-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'zsh-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'bash-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'python-sympy-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'python-scrapy-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'python-werkzeug-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'python-flask-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'python-requests-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'python-setuptools-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'maxima-doc': ('html', ('.html',), HTML_EXCLUDE),
-    'gimp-help-en': ('html', ('.html',), HTML_EXCLUDE),
     'manpages': ('roff', ('.gz',), (r'^(?!usr/share/man/)',)),
     'manpages-dev': ('roff', ('.gz',), (r'^(?!usr/share/man/)',)),
     'perl-doc': ('pod', ('.pod',), (r'delta\.pod$', r'perlhist', r'perltoc')),
