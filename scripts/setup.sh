@@ -14,6 +14,7 @@ PACKAGES=(
   libpng-dev zlib1g-dev                      # loss-curve plots
   libopenmpi-dev openmpi-bin                 # data-parallel training across processes (mpirun)
   bible-kjv bible-kjv-text                   # the default public-domain training corpus
+  python3 xz-utils                           # corpus cleaner and repro tooling tests (stdlib only)
 )
 
 missing=()
