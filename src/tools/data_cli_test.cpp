@@ -23,10 +23,10 @@ TEST(DataCli, TokenizerAndShardsRoundTrip) {
     text += "\n";
   }
   write_text(d / "t.txt", text);
-  auto tok = run_nibble(d.path, "data tokenizer --vocab 300 --sample-lines 50 --out '" + (d / "tok.model") + "' '" +
+  auto tok = run_nibble(d.path, "data tokenizer --vocab 300 --sample-lines 150 --out '" + (d / "tok.model") + "' '" +
                                     (d / "t.txt") + "'");
   ASSERT_EQ(tok.code, 0) << tok.err;
-  EXPECT_NE(tok.out.find("300 pieces, trained on 50 of 100 lines"), std::string::npos) << tok.out;
+  EXPECT_NE(tok.out.find("300 pieces, trained on 100 of 100 lines"), std::string::npos) << tok.out;
   auto sh = run_nibble(d.path, "data shards --no-progress --buffer-mb 1 --tokenizer '" + (d / "tok.model") + "' --out '" +
                                    (d / "t.bin") + "' '" + (d / "t.txt") + "'");
   ASSERT_EQ(sh.code, 0) << sh.err;
