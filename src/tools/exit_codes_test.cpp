@@ -174,7 +174,7 @@ TEST_F(ExitCodesTest, UnknownCommandIsNamedWithTheCommands) {
   // No command at all (and `bench` without its own): say one is needed, with the choices.
   r = run_nibble(dir_->path, "-q");
   EXPECT_EQ(r.code, 2);
-  EXPECT_NE(r.err.find("a command is required (commands: bench, eval,"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("a command is required (commands: bench, data, eval,"), std::string::npos) << r.err;
   r = run_nibble(dir_->path, "bench");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("a bench command is required (commands: quantize"), std::string::npos) << r.err;
