@@ -25,7 +25,7 @@ const char* op_name(Op op) {
                                       "cross_entropy", "elementwise",     "moe_routing",
                                       "adamw",         "quantize_nvfp4_te", "quantize_nvfp4_2level",
                                       "quantize_mxfp8", "rht16",          "backward_operand_2level",
-                                      "paged_kv_cache", "nvfp4_weight_gemm"};
+                                      "paged_kv_cache", "nvfp4_weight_gemm", "grouped_gemm"};
   static_assert(sizeof(names) / sizeof(names[0]) == static_cast<size_t>(Op::kCount));
   const auto i = static_cast<size_t>(op);
   return i < static_cast<size_t>(Op::kCount) ? names[i] : "?";
@@ -156,6 +156,30 @@ void Backend::cross_entropy_forward_backward_sums(double* sums, float* dlogits, 
                                                   double ce_scale, double z_scale) {
   copy_sums_in(*this, sums,
                cross_entropy_forward_backward(dlogits, lse, token_ce, logits, targets, N, V, ce_scale, z_scale));
+}
+
+// Backends without the grouped GEMMs (supports(Op::kGroupedGemm) is false) fail by name.
+namespace {
+[[noreturn]] void missing_override(const Backend& be, const char* method) {
+  be.require(Op::kGroupedGemm);
+  NIB_CHECK_MSG(false, "backend '{}' claims op 'grouped_gemm' but does not override {}", be.name(), method);
+  throw std::logic_error("unreachable");
+}
+}  // namespace
+void Backend::grouped_matmul_bf16_nt(float*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
+                                     int64_t, int64_t, int64_t, const float*, bool) {
+  missing_override(*this, "grouped_matmul_bf16_nt");
+}
+void Backend::grouped_matmul_bf16_nn(float*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
+                                     int64_t, int64_t, int64_t, const float*, bool) {
+  missing_override(*this, "grouped_matmul_bf16_nn");
+}
+void Backend::grouped_matmul_bf16_tn(float*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
+                                     int64_t, int64_t, int64_t, const float*, bool) {
+  missing_override(*this, "grouped_matmul_bf16_tn");
+}
+void Backend::moe_dispatch_plan_device(int64_t*, int32_t*, int32_t*, const int32_t*, int64_t, int64_t, int64_t) {
+  missing_override(*this, "moe_dispatch_plan_device");
 }
 
 int64_t QuantizedTensor::code_bytes(QuantFormat f, int64_t rows, int64_t cols) {

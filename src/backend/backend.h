@@ -53,6 +53,7 @@ enum class Op : uint16_t {
   kAdamW, kQuantizeNvfp4Te, kQuantizeNvfp4TwoLevel, kQuantizeMxfp8, kRht16, kBackwardOperandTwoLevel,
   kPagedKvCache,  // kv_cache_write + paged_attention (the rollout engine's decode attention)
   kNvfp4WeightGemm,  // matmul_nt_nvfp4_weight (the rollout engine's decode GEMV on packed weights)
+  kGroupedGemm,   // grouped_matmul_bf16_* + moe_dispatch_plan_device (MoE experts in one launch)
   kCount
 };
 const char* op_name(Op op);
@@ -222,6 +223,32 @@ class Backend {
   // returns sum_n lse[n]^2 (router z-loss numerator).
   virtual double moe_accumulate_load(double* count_host, double* prob_sum_host, const float* probs,
                                      const float* lse, const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) = 0;
+
+  // ---- grouped BF16 GEMMs over MoE experts (issue #13; Op::kGroupedGemm) ---------------------------
+  // One call for all G groups (experts) of a layer; the groups come from `offsets`: (G+1) i64 in
+  // backend memory, non-decreasing, offsets[0] = 0, offsets[G] <= extent (the host never reads
+  // them). Operands are BF16 bits, products exact, FP32 accumulation in the backend's order, as
+  // matmul_bf16_*; alpha: (G) f32 in backend memory (group g's scale) or null = 1. The defaults
+  // fail through require().
+  // Rows grouped: for each g, rows [o_g, o_{g+1}) of a and y; extent = rows of a and y (rows past
+  // o_G are left as they are).
+  //   y: (extent, N) rows o_g.. = a: (extent, K) rows o_g.. . b_g: (N,K)^T, b_g = b + g * b_stride
+  virtual void grouped_matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                      int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
+                                      const float* alpha = nullptr, bool accumulate = false);
+  //   y: (extent, N) rows o_g.. = a: (extent, K) rows o_g.. . b_g: (K,N), b_g = b + g * b_stride
+  virtual void grouped_matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                      int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
+                                      const float* alpha = nullptr, bool accumulate = false);
+  // Reduction grouped: y_g: (M,N) = a: (extent, M) rows o_g..^T . b: (extent, N) rows o_g..,
+  // y_g = y + g * y_stride; an empty group's y_g is zero-filled (accumulate: left as it is).
+  virtual void grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                      int64_t G, int64_t extent, int64_t M, int64_t N, int64_t y_stride,
+                                      const float* alpha = nullptr, bool accumulate = false);
+  // moe_dispatch_plan with expert_offsets: (E+1) i64 in backend memory (no host round trip). The
+  // ids must be in [0, E) (moe_router_forward's are; forced sets are checked there).
+  virtual void moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,
+                                        const int32_t* topk_idx, int64_t N, int64_t E, int64_t k);
 
   // ---- optimizer -------------------------------------------------------------------------------
   // Sum of squares of g (n) * grad_scale^2 in double, in a fixed order (deterministic).

@@ -80,6 +80,10 @@ constexpr OpInfo kOps[] = {
     {"backward_operand_two_level_bf16", OpCategory::kQuantize},
     {"cross_entropy_forward_sums", OpCategory::kCrossEntropy},
     {"cross_entropy_forward_backward_sums", OpCategory::kCrossEntropy},
+    {"grouped_matmul_bf16_nt", OpCategory::kGemm},
+    {"grouped_matmul_bf16_nn", OpCategory::kGemm},
+    {"grouped_matmul_bf16_tn", OpCategory::kGemm},
+    {"moe_dispatch_plan_device", OpCategory::kMoe},
 };
 static_assert(sizeof(kOps) / sizeof(kOps[0]) == static_cast<size_t>(ProfiledOp::kCount));
 using Clock = std::chrono::steady_clock;
@@ -429,6 +433,29 @@ void ProfilingBackend::paged_attention(float* out, const float* q, const void* k
 void ProfilingBackend::matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M) {
   Timed timed(*this, ProfiledOp::kMatmulNtNvfp4Weight);
   inner_->matmul_nt_nvfp4_weight(y, x, w, M);
+}
+void ProfilingBackend::grouped_matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                              int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
+                                              const float* alpha, bool accumulate) {
+  Timed timed(*this, ProfiledOp::kGroupedMatmulBf16Nt);
+  inner_->grouped_matmul_bf16_nt(y, a, b, offsets, G, extent, N, K, b_stride, alpha, accumulate);
+}
+void ProfilingBackend::grouped_matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                              int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
+                                              const float* alpha, bool accumulate) {
+  Timed timed(*this, ProfiledOp::kGroupedMatmulBf16Nn);
+  inner_->grouped_matmul_bf16_nn(y, a, b, offsets, G, extent, N, K, b_stride, alpha, accumulate);
+}
+void ProfilingBackend::grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                              int64_t G, int64_t extent, int64_t M, int64_t N, int64_t y_stride,
+                                              const float* alpha, bool accumulate) {
+  Timed timed(*this, ProfiledOp::kGroupedMatmulBf16Tn);
+  inner_->grouped_matmul_bf16_tn(y, a, b, offsets, G, extent, M, N, y_stride, alpha, accumulate);
+}
+void ProfilingBackend::moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,
+                                                const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) {
+  Timed timed(*this, ProfiledOp::kMoeDispatchPlanDevice);
+  inner_->moe_dispatch_plan_device(expert_offsets, row_of_slot, token_of_row, topk_idx, N, E, k);
 }
 void ProfilingBackend::dequantize(float* y, const QuantizedTensor& q) {
   Timed timed(*this, ProfiledOp::kDequantize);

@@ -79,6 +79,10 @@ enum class ProfiledOp : uint8_t {
   kBackwardOperandTwoLevelBf16,
   kCrossEntropyForwardSums,
   kCrossEntropyForwardBackwardSums,
+  kGroupedMatmulBf16Nt,
+  kGroupedMatmulBf16Nn,
+  kGroupedMatmulBf16Tn,
+  kMoeDispatchPlanDevice,
   kCount
 };
 
@@ -147,6 +151,17 @@ class ProfilingBackend final : public Backend {
                        int64_t H, int64_t Hkv, int64_t D, int64_t page_size,
                        AttentionPrecision precision = AttentionPrecision::kFp32) override;
   void matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M) override;
+  void grouped_matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets, int64_t G,
+                              int64_t extent, int64_t N, int64_t K, int64_t b_stride, const float* alpha,
+                              bool accumulate) override;
+  void grouped_matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets, int64_t G,
+                              int64_t extent, int64_t N, int64_t K, int64_t b_stride, const float* alpha,
+                              bool accumulate) override;
+  void grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets, int64_t G,
+                              int64_t extent, int64_t M, int64_t N, int64_t y_stride, const float* alpha,
+                              bool accumulate) override;
+  void moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,
+                                const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) override;
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t V, int64_t C) override;
   void embedding_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t V,
                           int64_t C) override;

@@ -221,6 +221,40 @@ int64_t LinearWorkspace::bytes() const {
   return n;
 }
 
+// ---- all experts of a layer: the per-expert loop -------------------------------------------------
+namespace {
+// The host offsets of a group: its own, or a copy of the device ones (a synchronising copy).
+const int64_t* host_offsets(backend::Backend& be, const ExpertGroup& g, std::vector<int64_t>& copy) {
+  if (g.offsets_host != nullptr) return g.offsets_host;
+  NIB_CHECK_MSG(g.offsets != nullptr, "experts: no offsets");
+  copy.resize(static_cast<size_t>(g.E + 1));
+  be.copy_to_host(copy.data(), g.offsets, copy.size() * sizeof(int64_t));
+  return copy.data();
+}
+}  // namespace
+
+void LinearRecipe::forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N,
+                                   int64_t K, const ExpertGroup& group) {
+  std::vector<int64_t> copy;
+  const int64_t* off = host_offsets(be, group, copy);
+  for (int64_t e = 0; e < group.E; ++e) {
+    const int64_t r0 = off[e], rows = off[e + 1] - r0;
+    if (rows == 0) continue;  // no call: quantized recipes never see empty GEMMs
+    group.recipes[e]->forward(be, y + r0 * N, x + r0 * K, w + e * group.w_stride, rows, N, K, group.calls[e]);
+  }
+}
+
+void LinearRecipe::backward_experts(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t N,
+                                    int64_t K, const ExpertGroup& group) {
+  std::vector<int64_t> copy;
+  const int64_t* off = host_offsets(be, group, copy);
+  for (int64_t e = 0; e < group.E; ++e) {
+    const int64_t r0 = off[e], rows = off[e + 1] - r0;
+    if (rows == 0) continue;
+    group.recipes[e]->backward(be, dx + r0 * K, dw + e * group.w_stride, dy + r0 * N, rows, N, K, group.calls[e]);
+  }
+}
+
 // ---- fp32 -------------------------------------------------------------------------------------
 void Fp32LinearRecipe::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N,
                                int64_t K, const LinearCall& call) {
@@ -261,6 +295,40 @@ void Bf16LinearRecipe::backward(backend::Backend& be, float* dx, float* dw, cons
   be.to_bf16_bits(dyb, dy, M * N);
   be.matmul_bf16_nn(dx, dyb, wb_.data(), M, K, N);                                     // dx (M,K) = dy . w
   be.matmul_bf16_tn(dw, dyb, xb_.data(), N, K, M, /*alpha=*/nullptr, /*accumulate=*/true);  // dw += dy^T . x
+}
+
+// Grouped: the bits of x (rows,K) and of the whole span of the E experts' weights (strided: the
+// span also holds the other linears of each expert, converted and unused) are made once, saved
+// for the backward; one grouped GEMM per product. Bits equal the per-expert recipe's (same
+// roundings, same per-group GEMMs on the CPU backend).
+bool Bf16LinearRecipe::runs_experts_grouped(backend::Backend& be) const { return be.supports(backend::Op::kGroupedGemm); }
+
+void Bf16LinearRecipe::forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N,
+                                       int64_t K, const ExpertGroup& group) {
+  if (!runs_experts_grouped(be) || group.offsets == nullptr || group.E == 0)
+    return LinearRecipe::forward_experts(be, y, x, w, N, K, group);
+  const int64_t span = (group.E - 1) * group.w_stride + N * K;
+  uint16_t* xb = xb_.ensure(be, group.rows * K, "bf16 experts: saved x");
+  uint16_t* wb = wb_.ensure(be, span, "bf16 experts: saved w");
+  be.to_bf16_bits(xb, x, group.rows * K);
+  be.to_bf16_bits(wb, w, span);
+  be.grouped_matmul_bf16_nt(y, xb, wb, group.offsets, group.E, group.rows, N, K, group.w_stride);
+  grouped_rows_ = group.rows, grouped_E_ = group.E, grouped_stride_ = group.w_stride;
+}
+
+void Bf16LinearRecipe::backward_experts(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t N,
+                                        int64_t K, const ExpertGroup& group) {
+  if (!runs_experts_grouped(be) || group.offsets == nullptr || group.E == 0)
+    return LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
+  NIB_CHECK_MSG(grouped_rows_ == group.rows && grouped_E_ == group.E && grouped_stride_ == group.w_stride &&
+                    xb_.data() != nullptr && wb_.data() != nullptr,
+                "bf16 experts: backward without a matching forward_experts");
+  uint16_t* dyb = workspace(group.calls[0]).get<uint16_t>(be, 0, group.rows * N, "bf16 experts: BF16 dY");
+  be.to_bf16_bits(dyb, dy, group.rows * N);
+  // dx_g (rows_g,K) = dy_g (rows_g,N) . w_g (N,K); dw_g (N,K) += dy_g^T . x_g
+  be.grouped_matmul_bf16_nn(dx, dyb, wb_.data(), group.offsets, group.E, group.rows, K, N, group.w_stride);
+  be.grouped_matmul_bf16_tn(dw, dyb, xb_.data(), group.offsets, group.E, group.rows, N, K, group.w_stride,
+                            /*alpha=*/nullptr, /*accumulate=*/true);
 }
 
 }  // namespace nibble::model

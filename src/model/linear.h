@@ -77,6 +77,21 @@ struct LinearInfo {
   int64_t N = 0, K = 0;  // weight shape (N,K)
 };
 
+class LinearRecipe;
+
+// All experts of one MoE layer's gate_up (or down) linears at once (issue #13): expert g's rows
+// are [offsets[g], offsets[g+1]) of x, y, dx, dy; its weight and gradient start w_stride elements
+// after expert g-1's. Each expert keeps its own recipe instance (its own state and quantizers).
+struct ExpertGroup {
+  LinearRecipe* const* recipes = nullptr;  // (E) the experts' recipes
+  const LinearCall* calls = nullptr;       // (E) each expert's call context
+  const int64_t* offsets = nullptr;        // (E+1) i64 in backend memory, or null (host offsets only)
+  const int64_t* offsets_host = nullptr;   // (E+1) host copy, or null (the grouped path reads none)
+  int64_t E = 0;
+  int64_t rows = 0;      // rows of x, y (offsets[E] <= rows)
+  int64_t w_stride = 0;  // elements between consecutive experts' weights (and gradients)
+};
+
 // One instance per linear layer; per-layer state (saved operands, outlier channels,
 // OsciReset buffers) lives in the instance.
 // Contract: backward() pairs with the most recent forward() that had needs_backward = true;
@@ -108,7 +123,20 @@ class LinearRecipe {
     after_optimizer_step(backend::cpu_backend(), w, N, K, step);
   }
 
-  // Recipe state that belongs in checkpoints (e.g. outlier channel ids), by short name (host tensors).
+  // ---- all experts of a layer at once (called on group.recipes[0]; see ExpertGroup) --------------
+  // True when forward_experts / backward_experts run without host offsets on `be` (one grouped
+  // GEMM per call); the model then plans the routing on the device only. Default: false.
+  virtual bool runs_experts_grouped(backend::Backend& be) const { return false; }
+  // y: (rows,N) f32, x: (rows,K) f32, w: expert g's (N,K) at w + g * w_stride. Default: each
+  // non-empty expert's own forward() in turn (needs offsets_host; copies it from offsets if null).
+  virtual void forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N, int64_t K,
+                               const ExpertGroup& group);
+  // dx: (rows,K) overwritten, dw: expert g's (N,K) at dw + g * w_stride (+=), dy: (rows,N).
+  // Default: each non-empty expert's own backward() in turn.
+  virtual void backward_experts(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t N, int64_t K,
+                                const ExpertGroup& group);
+
+  // Recipe state that belongs in checkpoints  // Recipe state that belongs in checkpoints (e.g. outlier channel ids), by short name (host tensors).
   virtual std::map<std::string, Tensor> state() const { return {}; }
   virtual Status load_state(const std::map<std::string, Tensor>& state) { return Status::ok(); }
   // The run's total optimizer step count (OsciReset's start_fraction); the trainer calls it once
@@ -226,9 +254,18 @@ class Bf16LinearRecipe final : public LinearRecipe {
                const LinearCall& call) override;
   void backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
                 const LinearCall& call) override;
+  // Grouped experts where the backend has Op::kGroupedGemm: x of all experts and the span of
+  // their weights to BF16 bits once, then one grouped GEMM per product (saved in this instance).
+  bool runs_experts_grouped(backend::Backend& be) const override;
+  void forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N, int64_t K,
+                       const ExpertGroup& group) override;
+  void backward_experts(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t N, int64_t K,
+                        const ExpertGroup& group) override;
 
  private:
   backend::Buffer<uint16_t> xb_, wb_;  // saved BF16 bits of x (M,K), w (N,K); dY's go to the workspace
+  // the last forward_experts (rows, E, w_stride; 0 rows: none), whose bits xb_ / wb_ hold
+  int64_t grouped_rows_ = 0, grouped_E_ = 0, grouped_stride_ = 0;
 };
 
 // dst: (n) = round_to_bf16(src: (n)), host arrays

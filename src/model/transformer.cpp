@@ -191,7 +191,9 @@ struct BlockActs {
   T *m = nullptr, *m_rstd = nullptr;               // olmo (N,C), (N)
   T *rlogits = nullptr, *probs = nullptr, *rlse = nullptr, *topk_w = nullptr;  // (N,E),(N,E),(N),(N,k)
   int32_t *topk_idx = nullptr, *row_of_slot = nullptr, *token_of_row = nullptr;  // (N,k),(N*k),(N*k)
-  int64_t* offsets = nullptr;                      // (E+1)
+  int64_t* offsets = nullptr;                      // (E+1) host (per-expert loop)
+  int64_t* offsets_dev = nullptr;                  // (E+1) backend memory (grouped experts)
+  bool experts_grouped = false;                    // this forward ran the experts grouped
   T *xe = nullptr, *gue = nullptr, *acte = nullptr, *ye = nullptr;  // (Nk,C),(Nk,2Im),(Nk,Im),(Nk,C)
   T *sgu = nullptr, *sact = nullptr;               // shared (N,2Is), (N,Is)
 };
@@ -228,6 +230,10 @@ struct TransformerT<T>::Impl {
   int64_t B = 0, Tn = 0;
   backend::Buffer<T> arena;
   backend::Buffer<int32_t> iarena;
+  backend::Buffer<int64_t> offsets_dev;  // (Lm, E+1) expert offsets of the grouped experts
+  // one ExpertGroup's recipes and calls (E each), refilled per call
+  std::vector<LinearRecipe*> group_recipes;
+  std::vector<LinearCall> group_calls;
   std::vector<int64_t> larena;
   int32_t *tokens = nullptr, *targets = nullptr, *forced = nullptr;  // (N), (N), (Lm,N,k) copies of the host inputs
   int32_t* positions = nullptr;                                       // (N) decode: each row's position
@@ -617,6 +623,11 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     // buffer is fully written before it is read, so stale contents never leak into results.
     im.arena.ensure(mem, total, "model activations");
     im.iarena.ensure(mem, itotal, "model token and routing ids");
+    if (Lm > 0) {
+      int64_t* od = im.offsets_dev.ensure(mem, Lm * (E + 1), "model expert offsets");
+      for (int64_t l = 0; l < L; ++l)
+        if (im.blocks[l].moe) im.acts[l].offsets_dev = od + im.blocks[l].moe_index * (E + 1);
+    }
     if (im.larena.size() < static_cast<size_t>(ltotal)) im.larena.resize(static_cast<size_t>(ltotal));
     int64_t at = 0;
     for (auto& r : req) { *r.first = im.arena.data() + at; at += round16(r.second); }
@@ -645,6 +656,64 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   im.load_prob.assign(E > 0 ? E : 0, 0.0);
   im.router_lse2 = 0;
 
+  // ---- MoE experts: all E experts of one part (0 gate_up, 1 down) of layer bp ----
+  // Float models (not decoding) go through the experts' recipes' forward_experts /
+  // backward_experts (one grouped GEMM each where the recipe and backend have it); the double
+  // model and decode overrides walk the experts with the host offsets.
+  auto experts_grouped = [&](const BlockParams& bp) {
+    if constexpr (std::is_same_v<T, float>)
+      return im.decode == nullptr && im.linears[bp.lin_expert0].recipe->runs_experts_grouped(mem);
+    return false;
+  };
+  [[maybe_unused]] auto expert_group = [&](const BlockActs<T>& a, const BlockParams& bp, int part) {
+    im.group_recipes.resize(static_cast<size_t>(E));
+    im.group_calls.resize(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) {
+      auto& s = im.linears[bp.lin_expert0 + 2 * e + part];
+      im.group_recipes[e] = s.recipe.get();
+      im.group_calls[e] = call(s);
+    }
+    ExpertGroup g;
+    g.recipes = im.group_recipes.data(), g.calls = im.group_calls.data();
+    g.offsets = a.experts_grouped ? a.offsets_dev : nullptr;
+    g.offsets_host = a.experts_grouped ? nullptr : a.offsets;
+    g.E = E, g.rows = Nk;
+    g.w_stride = E > 1 ? im.linears[bp.lin_expert0 + 2 + part].w_offset - im.linears[bp.lin_expert0 + part].w_offset : 0;
+    return g;
+  };
+  // y: (Nk, N of the part) = experts(x: (Nk, K of the part))
+  auto experts_forward = [&](const BlockActs<T>& a, const BlockParams& bp, int part, T* y, const T* xin) {
+    auto& s0 = im.linears[bp.lin_expert0 + part];
+    if constexpr (std::is_same_v<T, float>) {
+      if (im.decode == nullptr) {
+        const ExpertGroup g = expert_group(a, bp, part);
+        s0.recipe->forward_experts(ops, y, xin, W(s0.w_offset), s0.info.N, s0.info.K, g);
+        return;
+      }
+    }
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = a.offsets[e], rows = a.offsets[e + 1] - r0;
+      if (rows == 0) continue;  // no call: quantized recipes never see empty GEMMs
+      auto& s = im.linears[bp.lin_expert0 + 2 * e + part];
+      s.forward(ops, y + r0 * s.info.N, xin + r0 * s.info.K, W(s.w_offset), rows, call(s));
+    }
+  };
+  // dx: (Nk, K of the part) overwritten, dW +=, from dy: (Nk, N of the part)
+  auto experts_backward = [&](const BlockActs<T>& a, const BlockParams& bp, int part, T* dxo, const T* dy) {
+    auto& s0 = im.linears[bp.lin_expert0 + part];
+    if constexpr (std::is_same_v<T, float>) {
+      const ExpertGroup g = expert_group(a, bp, part);
+      s0.recipe->backward_experts(ops, dxo, G(s0.w_offset), dy, s0.info.N, s0.info.K, g);
+      return;
+    }
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = a.offsets[e], rows = a.offsets[e + 1] - r0;
+      if (rows == 0) continue;
+      auto& s = im.linears[bp.lin_expert0 + 2 * e + part];
+      s.backward(ops, dxo + r0 * s.info.K, G(s.w_offset), dy + r0 * s.info.N, rows, call(s));
+    }
+  };
+
   // ---- MLP forward: m (N,C) = MLP(x (N,C)) ----
   auto mlp_forward = [&](T* m, const T* x, int64_t l) {
     BlockActs<T>& a = im.acts[l];
@@ -664,17 +733,15 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
       mem.copy_to_host(routing.record + bp.moe_index * Nk, a.topk_idx, sizeof(int32_t) * static_cast<size_t>(Nk));
     im.router_lse2 +=
         ops.moe_accumulate_load(im.load_count.data(), im.load_prob.data(), a.probs, a.rlse, a.topk_idx, N, E, K);
-    ops.moe_dispatch_plan(a.offsets, a.row_of_slot, a.token_of_row, a.topk_idx, N, E, K);
+    a.experts_grouped = experts_grouped(bp);
+    if (a.experts_grouped)  // the offsets stay in backend memory: no host round trip
+      mem.moe_dispatch_plan_device(a.offsets_dev, a.row_of_slot, a.token_of_row, a.topk_idx, N, E, K);
+    else
+      ops.moe_dispatch_plan(a.offsets, a.row_of_slot, a.token_of_row, a.topk_idx, N, E, K);
     ops.moe_gather(a.xe, x, a.token_of_row, Nk, C);
-    for (int64_t e = 0; e < E; ++e) {
-      int64_t r0 = a.offsets[e], rows = a.offsets[e + 1] - r0;
-      if (rows == 0) continue;  // no call: quantized recipes never see empty GEMMs
-      auto& gu = im.linears[bp.lin_expert0 + 2 * e];
-      auto& dn = im.linears[bp.lin_expert0 + 2 * e + 1];
-      gu.forward(ops, a.gue + r0 * 2 * Im, a.xe + r0 * C, W(gu.w_offset), rows, call(gu));
-      ops.swiglu_forward(a.acte + r0 * Im, a.gue + r0 * 2 * Im, rows, Im);
-      dn.forward(ops, a.ye + r0 * C, a.acte + r0 * Im, W(dn.w_offset), rows, call(dn));
-    }
+    experts_forward(a, bp, 0, a.gue, a.xe);   // gate_up (Nk, 2Im)
+    ops.swiglu_forward(a.acte, a.gue, Nk, Im);  // row-wise: all experts' rows at once
+    experts_forward(a, bp, 1, a.ye, a.acte);  // down (Nk, C)
     ops.moe_combine(m, a.ye, a.topk_w, a.row_of_slot, N, K, C);
     if (Is > 0) {
       auto& gu = im.linears[bp.lin_shared_gate_up];
@@ -891,15 +958,9 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
       return;
     }
     ops.moe_combine_backward(im.dye, im.dtopk, dm, a.ye, a.topk_w, a.row_of_slot, N, K, C);
-    for (int64_t e = 0; e < E; ++e) {
-      int64_t r0 = a.offsets[e], rows = a.offsets[e + 1] - r0;
-      if (rows == 0) continue;
-      auto& gu = im.linears[bp.lin_expert0 + 2 * e];
-      auto& dn = im.linears[bp.lin_expert0 + 2 * e + 1];
-      dn.backward(ops, im.dacte + r0 * Im, G(dn.w_offset), im.dye + r0 * C, rows, call(dn));
-      ops.swiglu_backward(im.dgue + r0 * 2 * Im, im.dacte + r0 * Im, a.gue + r0 * 2 * Im, rows, Im);
-      gu.backward(ops, im.dxe + r0 * C, G(gu.w_offset), im.dgue + r0 * 2 * Im, rows, call(gu));
-    }
+    experts_backward(a, bp, 1, im.dacte, im.dye);            // down
+    ops.swiglu_backward(im.dgue, im.dacte, a.gue, Nk, Im);   // all experts' rows at once
+    experts_backward(a, bp, 0, im.dxe, im.dgue);             // gate_up
     ops.moe_gather_backward(dx, im.dxe, a.row_of_slot, N, K, C);
     const bool renorm = cfg.norm_topk_prob || routing.forced != nullptr;
     ops.moe_router_backward(im.drl, im.dtopk, a.probs, a.rlse, a.topk_idx, a.topk_w, im.aux_extra,

@@ -95,6 +95,24 @@ class GuardBackend final : public backend::Backend {
     all("matmul_bf16_tn", {y, a, b}), opt("matmul_bf16_tn", alpha);
     cpu_->matmul_bf16_tn(y, a, b, M, N, K, alpha, acc);
   }
+  void grouped_matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, const int64_t* off, int64_t G,
+                              int64_t extent, int64_t N, int64_t K, int64_t b_stride, const float* alpha,
+                              bool acc) override {
+    all("grouped_matmul_bf16_nt", {y, a, b, off}), opt("grouped_matmul_bf16_nt", alpha);
+    cpu_->grouped_matmul_bf16_nt(y, a, b, off, G, extent, N, K, b_stride, alpha, acc);
+  }
+  void grouped_matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* off, int64_t G,
+                              int64_t extent, int64_t N, int64_t K, int64_t b_stride, const float* alpha,
+                              bool acc) override {
+    all("grouped_matmul_bf16_nn", {y, a, b, off}), opt("grouped_matmul_bf16_nn", alpha);
+    cpu_->grouped_matmul_bf16_nn(y, a, b, off, G, extent, N, K, b_stride, alpha, acc);
+  }
+  void grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* off, int64_t G,
+                              int64_t extent, int64_t M, int64_t N, int64_t y_stride, const float* alpha,
+                              bool acc) override {
+    all("grouped_matmul_bf16_tn", {y, a, b, off}), opt("grouped_matmul_bf16_tn", alpha);
+    cpu_->grouped_matmul_bf16_tn(y, a, b, off, G, extent, M, N, y_stride, alpha, acc);
+  }
   void dequantize_bf16(uint16_t* y, const QuantizedTensor& in) override {
     q("dequantize_bf16", in), all("dequantize_bf16", {y});
     cpu_->dequantize_bf16(y, in);
@@ -193,6 +211,11 @@ class GuardBackend final : public backend::Backend {
                          int64_t N, int64_t E, int64_t k) override {
     all("moe_dispatch_plan", {row_of_slot, token_of_row, idx});
     cpu_->moe_dispatch_plan(offsets_host, row_of_slot, token_of_row, idx, N, E, k);
+  }
+  void moe_dispatch_plan_device(int64_t* offsets, int32_t* row_of_slot, int32_t* token_of_row, const int32_t* idx,
+                                int64_t N, int64_t E, int64_t k) override {
+    all("moe_dispatch_plan_device", {offsets, row_of_slot, token_of_row, idx});
+    cpu_->moe_dispatch_plan_device(offsets, row_of_slot, token_of_row, idx, N, E, k);
   }
   void moe_gather(float* xe, const float* x, const int32_t* tok, int64_t rows, int64_t C) override {
     all("moe_gather", {xe, x, tok});

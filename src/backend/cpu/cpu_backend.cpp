@@ -204,6 +204,55 @@ void CpuBackend::matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, 
   matmul_bf16_cpu(Bf16Layout::kTN, y, a, b, M, N, K, alpha, accumulate);
 }
 
+// ---- grouped BF16 GEMMs: the reference is one matmul_bf16 per non-empty group ----------------------
+namespace {
+// Checks the offsets contract of backend.h (host-readable here) and returns group g's rows.
+int64_t group_rows(const int64_t* offsets, int64_t g, int64_t G, int64_t extent) {
+  NIB_CHECK_MSG(offsets[0] == 0 && offsets[G] <= extent && offsets[g] <= offsets[g + 1],
+                "grouped gemm: offsets must be non-decreasing from 0 to at most {} (group {}: [{}, {}))", extent, g,
+                offsets[g], offsets[g + 1]);
+  return offsets[g + 1] - offsets[g];
+}
+}  // namespace
+
+void CpuBackend::grouped_matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                        int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
+                                        const float* alpha, bool accumulate) {
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t rows = group_rows(offsets, g, G, extent), r0 = offsets[g];
+    if (rows > 0)
+      matmul_bf16_cpu(Bf16Layout::kNT, y + r0 * N, a + r0 * K, b + g * b_stride, rows, N, K,
+                      alpha != nullptr ? alpha + g : nullptr, accumulate);
+  }
+}
+void CpuBackend::grouped_matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                        int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
+                                        const float* alpha, bool accumulate) {
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t rows = group_rows(offsets, g, G, extent), r0 = offsets[g];
+    if (rows > 0)
+      matmul_bf16_cpu(Bf16Layout::kNN, y + r0 * N, a + r0 * K, b + g * b_stride, rows, N, K,
+                      alpha != nullptr ? alpha + g : nullptr, accumulate);
+  }
+}
+void CpuBackend::grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                        int64_t G, int64_t extent, int64_t M, int64_t N, int64_t y_stride,
+                                        const float* alpha, bool accumulate) {
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t rows = group_rows(offsets, g, G, extent), r0 = offsets[g];
+    float* yg = y + g * y_stride;
+    if (rows > 0)
+      matmul_bf16_cpu(Bf16Layout::kTN, yg, a + r0 * M, b + r0 * N, M, N, rows,
+                      alpha != nullptr ? alpha + g : nullptr, accumulate);
+    else if (!accumulate)
+      std::fill(yg, yg + M * N, 0.f);  // an empty sum
+  }
+}
+void CpuBackend::moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,
+                                          const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) {
+  cpu::moe_dispatch_plan(expert_offsets, row_of_slot, token_of_row, topk_idx, N, E, k);  // host memory is ours
+}
+
 // ---- per-token layers ---------------------------------------------------------------------------
 void CpuBackend::embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t V,
                                    int64_t C) {

@@ -18,6 +18,7 @@
 #include "backend/cuda/device.h"
 #include "backend/cuda/format_ops.h"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/grouped_gemm_bf16.cuh"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/nn_ops.h"
 #include "backend/cuda/optimizer_ops.h"
@@ -467,6 +468,15 @@ void CudaBackend::moe_dispatch_plan(int64_t* expert_offsets_host, int32_t* row_o
               "expert_offsets[E] == N * k", __FILE__, __LINE__);
 }
 
+// The plan without the host round trip (no synchronisation): the offsets stay in device memory
+// for the grouped GEMMs. Out-of-range ids are not checked here (backend.h).
+void CudaBackend::moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,
+                                           const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) {
+  activate();
+  NIB_OP_CALL(cuda::moe_dispatch_plan(expert_offsets, row_of_slot, token_of_row, topk_idx, N, E, k, stream_),
+              "moe_dispatch_plan_device", "N={} E={} k={}", N, E, k);
+}
+
 void CudaBackend::moe_gather(float* xe, const float* x, const int32_t* token_of_row, int64_t rows, int64_t C) {
   activate();
   NIB_OP_CALL(cuda::moe_gather(xe, x, token_of_row, rows, C, stream_), "moe_gather", "rows={} C={}", rows, C);
@@ -680,6 +690,39 @@ void CudaBackend::matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b,
   activate();
   gemm_->run_bf16(GemmLayout::kTN, y, a, b, M, N, K, alpha, accumulate);
 }
+// Grouped BF16 GEMMs: one launch of the kernel in grouped_gemm_bf16.cuh (tile scheduler over
+// (group, m-tile, n-tile) reading the device offsets; empty groups launch no work).
+void CudaBackend::grouped_matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                         int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
+                                         const float* alpha, bool accumulate) {
+  activate();
+  NIB_OP_REQUIRE(G >= 0 && extent >= 0 && N >= 0 && K >= 0 && b_stride >= N * K, "grouped_matmul_bf16_nt",
+                 "G={} extent={} N={} K={} b_stride={}", G, extent, N, K, b_stride);
+  NIB_OP_CUDA(grouped_gemm::launch(grouped_gemm::Layout::kNT, y, a, b, offsets, G, extent, 0, N, K, b_stride, alpha,
+                                   accumulate, stream_),
+              "grouped_matmul_bf16_nt", "G={} extent={} N={} K={}", G, extent, N, K);
+}
+void CudaBackend::grouped_matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                         int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
+                                         const float* alpha, bool accumulate) {
+  activate();
+  NIB_OP_REQUIRE(G >= 0 && extent >= 0 && N >= 0 && K >= 0 && b_stride >= N * K, "grouped_matmul_bf16_nn",
+                 "G={} extent={} N={} K={} b_stride={}", G, extent, N, K, b_stride);
+  NIB_OP_CUDA(grouped_gemm::launch(grouped_gemm::Layout::kNN, y, a, b, offsets, G, extent, 0, N, K, b_stride, alpha,
+                                   accumulate, stream_),
+              "grouped_matmul_bf16_nn", "G={} extent={} N={} K={}", G, extent, N, K);
+}
+void CudaBackend::grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                         int64_t G, int64_t extent, int64_t M, int64_t N, int64_t y_stride,
+                                         const float* alpha, bool accumulate) {
+  activate();
+  NIB_OP_REQUIRE(G >= 0 && extent >= 0 && M >= 0 && N >= 0 && y_stride >= M * N, "grouped_matmul_bf16_tn",
+                 "G={} extent={} M={} N={} y_stride={}", G, extent, M, N, y_stride);
+  NIB_OP_CUDA(grouped_gemm::launch(grouped_gemm::Layout::kTN, y, a, b, offsets, G, extent, M, N, 0, y_stride, alpha,
+                                   accumulate, stream_),
+              "grouped_matmul_bf16_tn", "G={} extent={} M={} N={}", G, extent, M, N);
+}
+
 void CudaBackend::nvfp4_te_alpha(float* alpha, const float* amax_a, const float* amax_b) {
   activate();
   NIB_OP_CUDA(cuda::nvfp4_te_alpha(alpha, amax_a, amax_b, stream_), "nvfp4_te_alpha", "{}", "(1)");

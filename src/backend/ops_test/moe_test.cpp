@@ -249,7 +249,8 @@ TEST_P(MoeOpsTest, RouterBackwardWithinSummationOrderBound) {
   }
 }
 
-// The plan is a stable counting sort: offsets, row_of_slot and token_of_row equal the CPU's.
+// The plan is a stable counting sort: offsets, row_of_slot and token_of_row equal the CPU's (host
+// offsets, and moe_dispatch_plan_device's in backend memory).
 // Ids from the router (ties and all), and skewed ids (u^3 E: most slots on few experts, repeats
 // within a token) on more slots, so the CUDA plan runs over many chunks.
 TEST_P(MoeOpsTest, DispatchPlanMatchesCpuExactly) {
@@ -275,6 +276,14 @@ TEST_P(MoeOpsTest, DispatchPlanMatchesCpuExactly) {
     EXPECT_TRUE(ints_equal(off, ref_off));
     EXPECT_TRUE(ints_equal(download(row, s.N * s.k), ref_row));
     EXPECT_TRUE(ints_equal(download(tok, s.N * s.k), ref_tok));
+    // the same plan with the offsets left in backend memory (the grouped experts' path)
+    int64_t* off_dev = upload(std::vector<int64_t>(s.E + 1, -1));
+    int32_t* row2 = zeros<int32_t>(s.N * s.k);
+    int32_t* tok2 = zeros<int32_t>(s.N * s.k);
+    be().moe_dispatch_plan_device(off_dev, row2, tok2, upload(ids), s.N, s.E, s.k);
+    EXPECT_TRUE(ints_equal(download(off_dev, s.E + 1), ref_off));
+    EXPECT_TRUE(ints_equal(download(row2, s.N * s.k), ref_row));
+    EXPECT_TRUE(ints_equal(download(tok2, s.N * s.k), ref_tok));
   }
 }
 
