@@ -4,6 +4,7 @@
 #include "model/linear.h"
 
 #include <cmath>
+#include <cstring>
 
 #include <gtest/gtest.h>
 
@@ -117,6 +118,48 @@ TEST(LinearRecipes, Bf16IsFp32OnRoundedOperandsInAllThreeGemms) {
       any_diff |= y_bf[m * N + n] != y[m * N + n];
     }
   EXPECT_TRUE(any_diff);
+}
+
+// bf16 experts grouped (one grouped GEMM per product, the CPU backend's per-group reference)
+// give the per-expert loop's bits exactly: the same BF16 roundings and, on the CPU, the same
+// per-group GEMMs. Ragged experts with empty ones, strided weights as the model lays them out,
+// dW accumulated onto nonzero values (slack between experts untouched by both).
+TEST(Bf16Experts, GroupedEqualsThePerExpertLoopBitwise) {
+  backend::Backend& be = backend::cpu_backend();
+  const int64_t E = 5, N = 12, K = 20, stride = N * K + 7;
+  const std::vector<int64_t> off = {0, 3, 3, 20, 21, 21};
+  const int64_t rows = off[E];
+  const std::vector<float> x = randn(rows * K, 71), w = randn((E - 1) * stride + N * K, 72);
+  const std::vector<float> dy = randn(rows * N, 73), dw0 = randn(w.size(), 74);
+  std::vector<std::unique_ptr<LinearRecipe>> grouped, loop;
+  std::vector<LinearRecipe*> gp, lp;
+  for (int64_t e = 0; e < E; ++e) {
+    grouped.push_back(make("bf16")), gp.push_back(grouped.back().get());
+    loop.push_back(make("bf16")), lp.push_back(loop.back().get());
+  }
+  ASSERT_TRUE(gp[0]->runs_experts_grouped(be));
+  EXPECT_FALSE(make("fp32")->runs_experts_grouped(be));
+  std::vector<LinearCall> calls(E);
+  ExpertGroup g;
+  g.calls = calls.data(), g.E = E, g.rows = rows, g.w_stride = stride;
+  ExpertGroup gg = g, gl = g;
+  gg.recipes = gp.data(), gg.offsets = off.data();    // CPU backend memory is host memory
+  gl.recipes = lp.data(), gl.offsets_host = off.data();
+
+  std::vector<float> yg(rows * N, -1.0f), yl(rows * N, -2.0f);
+  gp[0]->forward_experts(be, yg.data(), x.data(), w.data(), N, K, gg);
+  lp[0]->LinearRecipe::forward_experts(be, yl.data(), x.data(), w.data(), N, K, gl);  // the default loop
+  EXPECT_EQ(0, std::memcmp(yg.data(), yl.data(), yg.size() * sizeof(float)));
+
+  std::vector<float> dxg(rows * K, -1.0f), dxl(rows * K, -2.0f), dwg = dw0, dwl = dw0;
+  gp[0]->backward_experts(be, dxg.data(), dwg.data(), dy.data(), N, K, gg);
+  lp[0]->LinearRecipe::backward_experts(be, dxl.data(), dwl.data(), dy.data(), N, K, gl);
+  EXPECT_EQ(0, std::memcmp(dxg.data(), dxl.data(), dxg.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(dwg.data(), dwl.data(), dwg.size() * sizeof(float)));
+  // the empty experts' gradients are left as they were; a non-empty one's changed
+  for (int64_t e : {1, 4})
+    EXPECT_EQ(0, std::memcmp(dwg.data() + e * stride, dw0.data() + e * stride, N * K * sizeof(float))) << e;
+  EXPECT_NE(0, std::memcmp(dwg.data() + 2 * stride, dw0.data() + 2 * stride, N * K * sizeof(float)));
 }
 
 }  // namespace
