@@ -213,27 +213,29 @@ int64_t group_rows(const int64_t* offsets, int64_t g, int64_t G, int64_t extent)
                 offsets[g], offsets[g + 1]);
   return offsets[g + 1] - offsets[g];
 }
+
+// Rows grouped (nt, nn): group g's rows of a and y against b + g * b_stride.
+void grouped_rows_cpu(Bf16Layout layout, float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                      int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride, const float* alpha,
+                      bool accumulate) {
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t rows = group_rows(offsets, g, G, extent), r0 = offsets[g];
+    if (rows > 0)
+      matmul_bf16_cpu(layout, y + r0 * N, a + r0 * K, b + g * b_stride, rows, N, K,
+                      alpha != nullptr ? alpha + g : nullptr, accumulate);
+  }
+}
 }  // namespace
 
 void CpuBackend::grouped_matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
                                         int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
                                         const float* alpha, bool accumulate) {
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t rows = group_rows(offsets, g, G, extent), r0 = offsets[g];
-    if (rows > 0)
-      matmul_bf16_cpu(Bf16Layout::kNT, y + r0 * N, a + r0 * K, b + g * b_stride, rows, N, K,
-                      alpha != nullptr ? alpha + g : nullptr, accumulate);
-  }
+  grouped_rows_cpu(Bf16Layout::kNT, y, a, b, offsets, G, extent, N, K, b_stride, alpha, accumulate);
 }
 void CpuBackend::grouped_matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
                                         int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
                                         const float* alpha, bool accumulate) {
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t rows = group_rows(offsets, g, G, extent), r0 = offsets[g];
-    if (rows > 0)
-      matmul_bf16_cpu(Bf16Layout::kNN, y + r0 * N, a + r0 * K, b + g * b_stride, rows, N, K,
-                      alpha != nullptr ? alpha + g : nullptr, accumulate);
-  }
+  grouped_rows_cpu(Bf16Layout::kNN, y, a, b, offsets, G, extent, N, K, b_stride, alpha, accumulate);
 }
 void CpuBackend::grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
                                         int64_t G, int64_t extent, int64_t M, int64_t N, int64_t y_stride,

@@ -692,31 +692,32 @@ void CudaBackend::matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b,
 }
 // Grouped BF16 GEMMs: one launch of the kernel in grouped_gemm_bf16.cuh (tile scheduler over
 // (group, m-tile, n-tile) reading the device offsets; empty groups launch no work).
+void CudaBackend::grouped_rows_bf16(bool nn, float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                    int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
+                                    const float* alpha, bool accumulate) {
+  activate();
+  const char* op = nn ? "grouped_matmul_bf16_nn" : "grouped_matmul_bf16_nt";
+  NIB_OP_REQUIRE(G >= 0 && extent >= 0 && N >= 0 && K >= 0 && (G <= 1 || b_stride >= N * K), op,
+                 "G={} extent={} N={} K={} b_stride={}", G, extent, N, K, b_stride);
+  NIB_OP_CUDA(grouped_gemm::launch(nn ? grouped_gemm::Layout::kNN : grouped_gemm::Layout::kNT, y, a, b, offsets, G,
+                                   extent, 0, N, K, b_stride, alpha, accumulate, stream_),
+              op, "G={} extent={} N={} K={}", G, extent, N, K);
+}
 void CudaBackend::grouped_matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
                                          int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
                                          const float* alpha, bool accumulate) {
-  activate();
-  NIB_OP_REQUIRE(G >= 0 && extent >= 0 && N >= 0 && K >= 0 && b_stride >= N * K, "grouped_matmul_bf16_nt",
-                 "G={} extent={} N={} K={} b_stride={}", G, extent, N, K, b_stride);
-  NIB_OP_CUDA(grouped_gemm::launch(grouped_gemm::Layout::kNT, y, a, b, offsets, G, extent, 0, N, K, b_stride, alpha,
-                                   accumulate, stream_),
-              "grouped_matmul_bf16_nt", "G={} extent={} N={} K={}", G, extent, N, K);
+  grouped_rows_bf16(false, y, a, b, offsets, G, extent, N, K, b_stride, alpha, accumulate);
 }
 void CudaBackend::grouped_matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
                                          int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
                                          const float* alpha, bool accumulate) {
-  activate();
-  NIB_OP_REQUIRE(G >= 0 && extent >= 0 && N >= 0 && K >= 0 && b_stride >= N * K, "grouped_matmul_bf16_nn",
-                 "G={} extent={} N={} K={} b_stride={}", G, extent, N, K, b_stride);
-  NIB_OP_CUDA(grouped_gemm::launch(grouped_gemm::Layout::kNN, y, a, b, offsets, G, extent, 0, N, K, b_stride, alpha,
-                                   accumulate, stream_),
-              "grouped_matmul_bf16_nn", "G={} extent={} N={} K={}", G, extent, N, K);
+  grouped_rows_bf16(true, y, a, b, offsets, G, extent, N, K, b_stride, alpha, accumulate);
 }
 void CudaBackend::grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
                                          int64_t G, int64_t extent, int64_t M, int64_t N, int64_t y_stride,
                                          const float* alpha, bool accumulate) {
   activate();
-  NIB_OP_REQUIRE(G >= 0 && extent >= 0 && M >= 0 && N >= 0 && y_stride >= M * N, "grouped_matmul_bf16_tn",
+  NIB_OP_REQUIRE(G >= 0 && extent >= 0 && M >= 0 && N >= 0 && (G <= 1 || y_stride >= M * N), "grouped_matmul_bf16_tn",
                  "G={} extent={} M={} N={} y_stride={}", G, extent, M, N, y_stride);
   NIB_OP_CUDA(grouped_gemm::launch(grouped_gemm::Layout::kTN, y, a, b, offsets, G, extent, M, N, 0, y_stride, alpha,
                                    accumulate, stream_),

@@ -190,6 +190,9 @@ class CudaBackend final : public backend::Backend {
   void* scratch(size_t bytes, const char* op);
   // Stream sync, then throws if a kernel flagged an id out of range since the last check.
   void sync_and_check_flags(const char* op);
+  // grouped_matmul_bf16_nt (nn false) / _nn (true): the checks and the launch
+  void grouped_rows_bf16(bool nn, float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets, int64_t G,
+                         int64_t extent, int64_t N, int64_t K, int64_t b_stride, const float* alpha, bool accumulate);
   [[noreturn]] void op_failed(const char* op, const std::string& shapes, const std::string& error, const char* expr,
                               const char* file, int line) const;
   // quantize / quantize_operand: operand (out.rows, out.cols) bf16 or null.

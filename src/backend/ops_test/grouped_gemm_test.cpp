@@ -1,12 +1,11 @@
 // Op tests of the grouped BF16 GEMMs (grouped_matmul_bf16_nt / nn / tn, MoE experts, issue #13)
-// against per-group cpu::matmul_* products of the widened BF16 operands, with ragged groups,
-// empty ones (first, middle, last), a single group, rows past offsets[G], per-group alpha in
-// backend memory, overwrite and accumulate. Bound (as gemm_test.cpp's for matmul_bf16_*): BF16
-// products are exact in FP32; an n-term FP32 sum is within (n+1) u sum|terms| of the exact one
-// (Higham Thm 3.5), tensor cores may truncate (<= 2u per addition, Fasi et al. 2021), alpha is one
-// more rounding and y0 one more term, so |y - ref| <= (3n + 8) u (|alpha_g| sum |a b| + |y0|),
-// n the group's reduction length (K; the group's rows for tn). A wrong group, stride or layout is
-// off by O(1) relative; a missing alpha by orders of magnitude.
+// against per-group cpu::matmul_* of the widened BF16 operands: ragged groups, empty ones (first,
+// inside, last), a single group, rows past offsets[G], per-group alpha, overwrite and accumulate.
+// Bound (as gemm_test.cpp's): BF16 products are exact in FP32; an n-term FP32 sum is within
+// (n+1) u sum|terms| (Higham Thm 3.5), tensor cores may truncate (<= 2u per addition, Fasi et al.
+// 2021), alpha is one more rounding and y0 one more term: |y - ref| <= (3n + 8) u (|alpha_g|
+// sum|a b| + |y0|), n the group's reduction length (K; its rows for tn). A wrong group, stride or
+// layout is off by O(1) relative, a missing alpha by a factor of 2 or more.
 #include <cmath>
 #include <vector>
 
