@@ -1,0 +1,85 @@
+// `nibble rl --config FILE --out RUN_DIR [--resume] [--device cpu|cuda]`: GRPO with TIS, R3 and
+// the TRACE arms (rl/rl_loop.h) on a task of rl/task.h, from an SFT/pretrain checkpoint or a
+// fresh model; metrics.jsonl, reward.png, logp_gap.png and checkpoints in --out. The run folder
+// is locked while it works; a folder that holds a run needs --resume, which takes the config
+// saved in the latest checkpoint (--config is then optional) and continues bit-identically on
+// the CPU. A bad config or option is one line and exit 2; a missing or bad input exit 1.
+#include <cstdio>
+#include <limits>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "core/interrupt.h"
+#include "core/log.h"
+#include "rl/rl_loop.h"
+#include "rl/task.h"
+#include "tools/command.h"
+#include "tools/device_option.h"
+#include "tools/option_check.h"
+#include "train/checkpoint.h"
+
+namespace nibble::tools {
+namespace {
+
+struct RlArgs {
+  std::string config, out, device;
+  bool resume = false;
+  int64_t stop_after = -1;
+};
+
+Result<rl::RlConfig> config_of(const RlArgs& a) {
+  if (a.resume) {
+    NIB_ASSIGN_OR_RETURN(std::string dir, train::latest_checkpoint_dir(a.out));
+    NIB_ASSIGN_OR_RETURN(train::Checkpoint ck, train::open_checkpoint(dir));
+    if (!ck.run_config.contains("rl"))
+      return invalid_argument("--resume: '{}' is not an rl run (its checkpoint has no rl config)", a.out);
+    if (!a.config.empty()) NIB_LOG_INFO("--resume: using the rl config saved in the checkpoint (--config ignored)");
+    auto c = rl::parse_rl_config(ck.run_config["rl"]);
+    if (!c) return data_loss("checkpoint '{}': rl config: {}", ck.dir, c.status().message());
+    return c;
+  }
+  if (a.config.empty()) return invalid_argument("--config is required (unless --resume)");
+  return rl::load_rl_config(a.config);
+}
+
+int run_rl_command(const RlArgs& a) {
+  auto cfg = config_of(a);
+  if (!cfg) return report_error("rl", cfg.status());
+  auto task = rl::make_task(cfg->task);
+  if (!task) return report_error("rl", task.status());
+  auto be = open_device(a.device);
+  if (!be) return report_error("rl", be.status());
+  rl::RlOptions o;
+  o.run_dir = a.out;
+  o.resume = a.resume;
+  o.stop_after_step = a.stop_after;
+  o.backend = be->get();
+  o.progress = true;
+  auto r = rl::run_rl(*cfg, **task, o);
+  if (!r) return report_error("rl", r.status());
+  const double reward = r->steps.empty() ? 0.0 : r->steps.back().reward_mean;
+  std::printf("rl: %s step %lld/%lld  reward %.3f  checkpoint %s\n", rl::arm_name(cfg->arm),
+              static_cast<long long>(r->end_step), static_cast<long long>(cfg->steps), reward,
+              r->checkpoint_dir.c_str());
+  return 0;
+}
+
+}  // namespace
+
+NIBBLE_REGISTER_COMMAND(kRlCommand, "rl",
+                        "RL with GRPO (TIS, R3) and the TRACE arms on a task; checkpoints, metrics.jsonl, plots",
+                        [](CLI::App& app) -> CommandRun {
+                          auto a = std::make_shared<RlArgs>();
+                          app.add_option("--config", a->config, "RL config JSON (see docs/rl.md)");
+                          app.add_option("--out", a->out, "Run folder (checkpoints/, metrics.jsonl, reward.png)")
+                              ->required();
+                          app.add_flag("--resume", a->resume, "Continue from the run folder's latest checkpoint");
+                          app.add_option("--stop-after", a->stop_after,
+                                         "Stop after this step with a checkpoint, as if interrupted (for testing --resume)")
+                              ->check(IntegerIn(1, std::numeric_limits<int64_t>::max()));
+                          add_device_option(app, &a->device);
+                          return [a] { return run_rl_command(*a); };
+                        });
+
+}  // namespace nibble::tools
