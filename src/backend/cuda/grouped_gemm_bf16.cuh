@@ -2,8 +2,9 @@
 // C_g = alpha_g · A_g · B_g^T for every group g of an offsets array in device memory (E+1 i64),
 // on mma.sync m16n8k16 BF16 tensor cores. Dependency-free (CUDA runtime only): included verbatim
 // by the sandbox dev/cuda/grouped_gemm_bf16.cu and by the backend (grouped_gemm.cu). Tiles of
-// 128x128x32, 8 warps of 64x32, register-staged double buffering through shared memory (operands
-// stored "transposed" in global memory are transposed on their way into shared memory).
+// 128x128x32, 8 warps of 64x32, register-staged double buffering through shared memory. Each
+// operand keeps its global layout in shared memory (16-byte chunks both ways); fragments come from
+// ldmatrix, with .trans for operands stored transposed (k-major) in global memory.
 // Grouping kRows: groups split the rows of A and C (forward, dX); kReduction: groups split the
 // reduction dimension, each group owns its own C (dW). See docs/cuda-kernels.md.
 #pragma once
@@ -15,7 +16,14 @@
 namespace nibble::cuda::grouped_gemm {
 
 constexpr int kTileM = 128, kTileN = 128, kTileK = 32, kThreads = 256;
-constexpr int kLds = kTileK + 8;  // shared row stride in bf16 elements (80 bytes: conflict-free fragment loads)
+constexpr int kLds = kTileK + 8;   // plain tile (128 r, 32 k): row stride 80 bytes, conflict-free ldmatrix
+constexpr int kLdsT = kTileM + 8;  // transposed tile (32 k, 128 r): row stride 272 bytes, conflict-free
+constexpr int kTileElems = kTileM * kLds > kTileK * kLdsT ? kTileM * kLds : kTileK * kLdsT;
+
+// Blocks per SM the register budget is cut for (2: 128 registers a thread).
+#ifndef NIB_GG_MIN_BLOCKS
+#define NIB_GG_MIN_BLOCKS 2
+#endif
 
 enum class Grouping : int { kRows, kReduction };
 
@@ -45,6 +53,22 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i; register i of a lane
+// holds row lane/4, columns 2*(lane%4), +1 of matrix i (.trans: the transposed matrix's).
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
 }
 
 __device__ __forceinline__ int64_t clamp_offset(const int64_t* offsets, int i, int64_t extent) {
@@ -84,41 +108,34 @@ struct TileLoader {
       reg[i].w = e[6] | (static_cast<uint32_t>(e[7]) << 16);
     }
   }
-  // s: (128, kLds) bf16, element (r, k) at s[r * kLds + k].
+  // Plain: s (128 r, kLds) bf16, element (r, k) at s[r * kLds + k]. Transposed: s (32 k, kLdsT),
+  // element (r, k) at s[k * kLdsT + r]. One 16-byte store per chunk either way.
   __device__ __forceinline__ void store(uint16_t* s) const {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int c = static_cast<int>(threadIdx.x) + i * kThreads;
       int64_t r, k;
       chunk_origin(c, r, k);
-      if (!kTransposed) {
-        *reinterpret_cast<uint4*>(s + r * kLds + k) = reg[i];
-      } else {
-        const uint32_t w[4] = {reg[i].x, reg[i].y, reg[i].z, reg[i].w};
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          s[(r + j) * kLds + k] = static_cast<uint16_t>(w[j / 2] >> (16 * (j % 2)));
-      }
+      uint16_t* dst = kTransposed ? s + k * kLdsT + r : s + r * kLds + k;
+      *reinterpret_cast<uint4*>(dst) = reg[i];
     }
   }
-  // Plain: chunk c = row c/4, k (c%4)*8. Transposed: a warp covers 8 k rows x 32 r (64-byte
-  // global runs); chunk c of warp w = c/32, lane l: k = (w%4)*8 + l%8, r = ((w/4)*4 + l/8)*8.
+  // Plain: chunk c = row c/4, k (c%4)*8 (the 8 run along k). Transposed: chunk c = k c/16, r
+  // (c%16)*8 (the 8 run along r): a warp reads two 256-byte k rows.
   __device__ __forceinline__ static void chunk_origin(int c, int64_t& r, int64_t& k) {
     if (!kTransposed) {
       r = c / 4, k = (c % 4) * 8;
     } else {
-      const int w = c / 32, l = c % 32;
-      k = (w % 4) * 8 + l % 8;
-      r = ((w / 4) * 4 + l / 8) * 8;
+      k = c / 16, r = (c % 16) * 8;
     }
   }
 };
 
 // grid: kRows (m-tile slots, n-tiles); kReduction (m-tiles, n-tiles, G). Block: kThreads.
 template <bool kATransposed, bool kBTransposed, Grouping kGrouping>
-__global__ void __launch_bounds__(kThreads) grouped_gemm_bf16_kernel(Problem p) {
-  __shared__ __align__(16) uint16_t sA[2][kTileM * kLds];
-  __shared__ __align__(16) uint16_t sB[2][kTileN * kLds];
+__global__ void __launch_bounds__(kThreads, NIB_GG_MIN_BLOCKS) grouped_gemm_bf16_kernel(Problem p) {
+  __shared__ __align__(16) uint16_t sA[2][kTileElems];
+  __shared__ __align__(16) uint16_t sB[2][kTileElems];
   __shared__ int s_warp_sum[kThreads / 32];
   __shared__ int s_group, s_tile;
 
@@ -219,21 +236,25 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_bf16_kernel(Problem p) 
     const uint16_t* Bs = sB[buf];
 #pragma unroll
     for (int ks = 0; ks < kTileK / 16; ++ks) {
-      const int kc = ks * 16 + tig * 2;
+      const int k0 = ks * 16;
       uint32_t af[4][4], bf[4][2];
 #pragma unroll
-      for (int mt = 0; mt < 4; ++mt) {
-        const int r = wm * 64 + mt * 16 + gid;
-        af[mt][0] = *reinterpret_cast<const uint32_t*>(As + r * kLds + kc);
-        af[mt][1] = *reinterpret_cast<const uint32_t*>(As + (r + 8) * kLds + kc);
-        af[mt][2] = *reinterpret_cast<const uint32_t*>(As + r * kLds + kc + 8);
-        af[mt][3] = *reinterpret_cast<const uint32_t*>(As + (r + 8) * kLds + kc + 8);
+      for (int mt = 0; mt < 4; ++mt) {  // A (16 m x 16 k): matrices (m0-7,k0-7) (m8-15,k0-7) (m0-7,k8-15) (m8-15,k8-15)
+        const int m0 = wm * 64 + mt * 16;
+        if constexpr (!kATransposed)
+          ldsm_x4(af[mt], As + (m0 + (lane & 15)) * kLds + k0 + (lane >> 4) * 8);
+        else
+          ldsm_x4_trans(af[mt], As + (k0 + (lane & 7) + ((lane >> 4) << 3)) * kLdsT + m0 + ((lane >> 3) & 1) * 8);
       }
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int n = wn * 32 + nt * 8 + gid;
-        bf[nt][0] = *reinterpret_cast<const uint32_t*>(Bs + n * kLds + kc);
-        bf[nt][1] = *reinterpret_cast<const uint32_t*>(Bs + n * kLds + kc + 8);
+      for (int np = 0; np < 2; ++np) {  // B (16 k x 16 n), two n-blocks: regs {0,1} n0-7, {2,3} n8-15
+        const int n0 = wn * 32 + np * 16;
+        uint32_t r4[4];
+        if constexpr (!kBTransposed)
+          ldsm_x4(r4, Bs + (n0 + (lane & 7) + ((lane >> 4) << 3)) * kLds + k0 + ((lane >> 3) & 1) * 8);
+        else
+          ldsm_x4_trans(r4, Bs + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * kLdsT + n0 + (lane >> 4) * 8);
+        bf[2 * np][0] = r4[0], bf[2 * np][1] = r4[1], bf[2 * np + 1][0] = r4[2], bf[2 * np + 1][1] = r4[3];
       }
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt)
