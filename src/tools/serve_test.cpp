@@ -90,8 +90,8 @@ class ServeTest : public ::testing::Test {
 
   std::unique_ptr<httplib::Client> client() const {
     auto c = std::make_unique<httplib::Client>("127.0.0.1", server_->port());
-    c->set_read_timeout(60, 0);
-    c->set_connection_timeout(10, 0);
+    c->set_read_timeout(120, 0);      // generous: CI runs this under ASan on 2 busy cores
+    c->set_connection_timeout(60, 0);
     return c;
   }
   // POST /v1/completions; status -1 when no answer came.
@@ -450,7 +450,7 @@ TEST_F(ServeTest, ManyConcurrentClientsAreAllAnsweredCorrectly) {
   for (std::thread& t : threads) t.join();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(right.load(), kThreads * kPerThread);
-  EXPECT_LT(seconds, 60.0);
+  EXPECT_LT(seconds, 300.0);  // a bound against a hang, not a speed figure (ASan, 2 busy cores in CI)
   const ServeCounters k = server_->counters();
   EXPECT_EQ(k.rejected, 0);
   EXPECT_EQ(k.sequences_in_flight, 0);
