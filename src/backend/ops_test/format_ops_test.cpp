@@ -249,7 +249,8 @@ TEST_P(FormatOpsTest, StochasticRoundingFollowsTheKey) {
 
 TEST_P(FormatOpsTest, TeRhtTransposeOperand) {
   const fm::SrKey key{9, 1};
-  for (auto [M, K] : {std::pair<int64_t, int64_t>{32, 48}, {16, 16}, {48, 80}}) {
+  for (auto shape : {std::pair<int64_t, int64_t>{32, 48}, {16, 16}, {48, 80}}) {
+    const int64_t M = shape.first, K = shape.second;  // named copies: lambdas capture them (clang 14)
     std::vector<uint16_t> x = to_bf16(format_input(M * K, 90 + M));
     for (const fm::SrKey* sr : {static_cast<const fm::SrKey*>(nullptr), &key}) {
       HostQuant ref;
