@@ -6,11 +6,15 @@
 #include "tools/completions_server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <ctime>
 #include <deque>
 #include <limits>
@@ -253,6 +257,9 @@ Result<std::string> choice_text(const train::Tokenizer& tok, std::vector<int32_t
   return text;
 }
 
+// Seconds a client has to send its request once connected, and to send the rest of it.
+constexpr time_t kClientSendTimeoutSeconds = 5;
+
 const char* openai_finish_reason(rollout::FinishReason r) {
   return r == rollout::FinishReason::kLength ? "length" : "stop";
 }
@@ -266,6 +273,8 @@ struct CompletionsServer::Impl {
   Limits limits;
   int64_t started_at = 0;
   httplib::Server http;
+  int listen_socket = -1;  // the socket start() bound (the last one httplib's socket options saw)
+  std::atomic<bool> listen_returned{false};  // httplib's accept loop has ended
   std::thread http_thread, engine_thread;
   std::atomic<uint64_t> next_id{1};
 
@@ -611,20 +620,49 @@ Status CompletionsServer::start() {
   const size_t workers = static_cast<size_t>(std::min<int64_t>(s.limits.capacity + 8, 512));
   s.http.new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
   s.http.set_payload_max_length(size_t{8} << 20);
-  s.http.set_keep_alive_timeout(2);
+  // A worker waits this long for the first bytes of a connection's request (and for the next
+  // request of a kept-alive one) before it closes the connection unanswered; as long as the
+  // read timeout, so a client slow to send its request is not cut off sooner than one slow to
+  // finish it. stop() may wait this long for an idle kept-alive connection.
+  s.http.set_read_timeout(kClientSendTimeoutSeconds, 0);
+  s.http.set_keep_alive_timeout(kClientSendTimeoutSeconds);
+  s.http.set_socket_options([&s](socket_t sock) {
+    httplib::default_socket_options(sock);  // SO_REUSEADDR, as without this hook
+    s.listen_socket = sock;
+  });
   int port = s.options.port;
   if (port == 0) port = s.http.bind_to_any_port(s.options.host);
   else if (!s.http.bind_to_port(s.options.host, port)) port = -1;
   if (port < 0)
     return io_error("cannot listen on {}:{} (address in use, or not an address of this machine)", s.options.host,
                     s.options.port);
+  // Issue #15 item 5, requests lost under load: cpp-httplib 0.11 listens with a backlog of 5
+  // (CPPHTTPLIB_LISTEN_BACKLOG, compiled into Debian's libcpp-httplib). 32 clients connecting at
+  // once overflow it; Linux then answers SYNs with SYN cookies and drops the handshake's last
+  // ACK while the accept queue is full, so a client believes it is connected and sends its
+  // request; a retransmitted later segment of that request (headers and body go out as two)
+  // fails the cookie check and the kernel resets the connection. No handler ever ran: the
+  // request was neither answered nor refused, and the client saw a read error. Listening again
+  // on the bound socket sets a backlog the kernel caps at net.core.somaxconn (4096 since Linux 5.4),
+  // far more connections than the workers take at once: the rest wait in the kernel's queue.
+  if (::listen(s.listen_socket, SOMAXCONN) != 0) {
+    const int err = errno;
+    ::close(s.listen_socket);
+    return io_error("cannot listen on {}:{}: {}", s.options.host, port, std::strerror(err));
+  }
   s.options.port = port;
   {
     std::lock_guard<std::mutex> lk(s.mu);
     s.accepting = true;
   }
   s.engine_thread = std::thread([&s] { s.engine_loop(); });
-  s.http_thread = std::thread([&s] { s.http.listen_after_bind(); });
+  s.http_thread = std::thread([&s] {
+    s.http.listen_after_bind();
+    s.listen_returned = true;
+  });
+  // httplib's Server::stop() does nothing until its accept loop runs: a stop() right after
+  // start() would leave it accepting and stop() waiting for it forever. Return once it runs.
+  while (!s.http.is_running() && !s.listen_returned) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   return Status::ok();
 }
 
