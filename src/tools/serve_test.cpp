@@ -3,18 +3,26 @@
 // completions equal `nibble generate`'s for the same seed (greedy and sampled, text and
 // log-probs); streamed chunks concatenate to the same text, stop strings included; every bad
 // request is a 4xx with an OpenAI-style error; a full queue is 503; a client leaving mid-stream
-// cancels its sequences; 32 concurrent clients are all answered correctly; and the CLI prints
-// its port, answers, and on SIGTERM finishes and exits 143.
+// cancels its sequences; 32 concurrent clients are all answered (correctly, or 503 and retried)
+// and none is lost; the listen backlog queues a burst of connections; and the CLI prints its
+// port, answers, and on SIGTERM finishes and exits 143.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <httplib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -112,6 +120,27 @@ class ServeTest : public ::testing::Test {
 std::unique_ptr<ScratchDir> ServeTest::dir_;
 std::unique_ptr<model::Model> ServeTest::model_;
 std::unique_ptr<train::Tokenizer> ServeTest::tokenizer_;
+
+// The backlog of this process's socket listening on `port` (the kernel's queue of connections
+// not yet accepted; TCP_INFO's tcpi_sacked for a listening socket); -1 if none listens there.
+int listen_backlog(int port) {
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    const int fd = std::atoi(entry.path().filename().c_str());
+    int listening = 0;
+    socklen_t len = sizeof(listening);
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || listening == 0) continue;
+    sockaddr_in addr{};
+    socklen_t addr_len = sizeof(addr);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &addr_len) != 0 || addr.sin_family != AF_INET ||
+        ntohs(addr.sin_port) != port)
+      continue;
+    tcp_info info{};
+    socklen_t info_len = sizeof(info);
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &info_len) != 0) return -1;
+    return static_cast<int>(info.tcpi_sacked);
+  }
+  return -1;
+}
 
 // The events of a server-sent-event body: the JSON of each `data:` line, and whether [DONE] came last.
 std::vector<json> sse_events(const std::string& body, bool* done) {
@@ -405,19 +434,24 @@ TEST_F(ServeTest, ClientLeavingMidStreamCancelsItsSequences) {
   EXPECT_EQ(ok, 200) << j.dump();
 }
 
-// 32 clients x 3 requests at once (greedy and sampled, streamed and not, 4 prompts): every
-// answer equals the one the same request gets alone.
-// DISABLED in CI: about one run in four (ServeTest.* on a busy 2-core machine) 8 of the 96
-// requests come back neither completed nor rejected (no 503), so a request is lost somewhere
-// between httplib's workers and the engine thread. A real bug, open in issue #15; run it by hand
-// with --gtest_also_run_disabled_tests --gtest_filter='ServeTest.*ManyConcurrent*'.
-TEST_F(ServeTest, DISABLED_ManyConcurrentClientsAreAllAnsweredCorrectly) {
-  start(/*max_batch=*/8, /*queue=*/128);
+// 32 clients x 3 requests at once (greedy and sampled, streamed and not, 4 prompts) on a server
+// holding 24 sequences: every request gets exactly one answer per try, a completion equal to the
+// one the same request gets alone or a 503 queue_full (then the client retries); none is lost (a
+// transport error, another status, a truncated stream). Before the server listened with a long
+// backlog (CompletionsServer::start) about one run in four lost ~8 requests to connection resets.
+TEST_F(ServeTest, ManyConcurrentClientsAreAllAnsweredCorrectly) {
+  start(/*max_batch=*/8, /*queue=*/16);
   const std::vector<std::string> prompts = {"And the", "the shepherd", "And the 7 sheep went", "over"};
   auto body_of = [&](int k) {
     json b = {{"prompt", prompts[static_cast<size_t>(k % 4)]}, {"max_tokens", 8 + 4 * (k % 5)}, {"seed", k % 7}};
     b["temperature"] = k % 3 == 0 ? 0.0 : 0.7;
     return b;
+  };
+  // a string field of a JSON body ("" if the body is not JSON or has no such string)
+  auto field = [](const std::string& body, const char* pointer) {
+    const json j = json::parse(body, nullptr, false);
+    const json::json_pointer at(pointer);
+    return j.is_object() && j.contains(at) && j[at].is_string() ? j[at].get<std::string>() : std::string();
   };
   constexpr int kKinds = 20, kThreads = 32, kPerThread = 3;
   std::vector<std::string> expected;
@@ -426,39 +460,79 @@ TEST_F(ServeTest, DISABLED_ManyConcurrentClientsAreAllAnsweredCorrectly) {
     ASSERT_EQ(status, 200) << j.dump();
     expected.push_back(j["choices"][0]["text"]);
   }
+  // bounds against a hang (ASan on 2 busy cores in CI), not speed figures
   const auto t0 = std::chrono::steady_clock::now();
-  std::atomic<int> right{0};
+  const auto give_up = t0 + std::chrono::seconds(90);
+  std::atomic<int> right{0}, rejected{0};
+  std::mutex mu;
+  std::vector<std::string> lost;  // what each lost or wrong try saw
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t)
     threads.emplace_back([&, t] {
+      httplib::Client c("127.0.0.1", server_->port());
+      c.set_connection_timeout(30, 0);
+      c.set_read_timeout(60, 0);
       for (int i = 0; i < kPerThread; ++i) {
         const int k = (t * kPerThread + i) % kKinds;
+        const bool stream = (t + i) % 2 == 1;
         json b = body_of(k);
-        std::string text;
-        if ((t + i) % 2 == 0) {
-          auto [status, j] = post(b);
-          if (status != 200) continue;
-          text = j["choices"][0]["text"];
-        } else {
-          b["stream"] = true;
-          auto r = client()->Post("/v1/completions", b.dump(), "application/json");
-          if (!r || r->status != 200) continue;
-          bool done = false;
-          const auto texts = stream_texts(sse_events(r->body, &done));
-          if (!done || texts.size() != 1) continue;
-          text = texts.begin()->second.first;
+        b["stream"] = stream;
+        for (int attempt = 0;; ++attempt) {
+          auto r = c.Post("/v1/completions", b.dump(), "application/json");
+          std::string seen;  // empty: answered right
+          if (!r) {
+            seen = "no answer: " + httplib::to_string(r.error());
+          } else if (r->status == 503 && field(r->body, "/error/code") == "queue_full") {
+            ++rejected;
+            if (std::chrono::steady_clock::now() < give_up) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(5 * std::min(attempt + 1, 20)));
+              continue;
+            }
+            seen = "still 503 after 90 s";
+          } else if (r->status != 200) {
+            seen = "status " + std::to_string(r->status) + ": " + r->body;
+          } else if (!stream) {
+            if (field(r->body, "/choices/0/text") != expected[static_cast<size_t>(k)]) seen = "wrong text: " + r->body;
+          } else {
+            bool done = false;
+            const auto texts = stream_texts(sse_events(r->body, &done));
+            if (!done || texts.size() != 1 || texts.begin()->second.first != expected[static_cast<size_t>(k)])
+              seen = "wrong or truncated stream: " + r->body;
+          }
+          if (seen.empty()) {
+            ++right;
+          } else {
+            std::lock_guard<std::mutex> lk(mu);
+            lost.push_back("request " + std::to_string(i) + " of client " + std::to_string(t) + " (" +
+                           (stream ? "stream" : "json") + "): " + seen);
+          }
+          break;
         }
-        right += text == expected[static_cast<size_t>(k)];
       }
     });
   for (std::thread& t : threads) t.join();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::string lost_list;
+  for (const std::string& l : lost) lost_list += l + "\n";
+  EXPECT_TRUE(lost.empty()) << lost.size() << " of " << kThreads * kPerThread << " requests lost:\n" << lost_list;
   EXPECT_EQ(right.load(), kThreads * kPerThread);
-  EXPECT_LT(seconds, 300.0);  // a bound against a hang, not a speed figure (ASan, 2 busy cores in CI)
+  EXPECT_LT(seconds, 120.0);
+  RecordProperty("rejected_503", rejected.load());  // retried; none is needed, any is allowed
   const ServeCounters k = server_->counters();
-  EXPECT_EQ(k.rejected, 0);
-  EXPECT_EQ(k.sequences_in_flight, 0);
+  EXPECT_EQ(k.rejected, rejected.load());
   EXPECT_EQ(k.completed, kKinds + kThreads * kPerThread);
+  EXPECT_EQ(k.cancelled, 0);
+  EXPECT_EQ(k.failed, 0);
+  EXPECT_EQ(k.sequences_in_flight, 0);
+}
+
+// The kernel queues a burst of connections for the workers rather than dropping them: the
+// listening socket's backlog is far above cpp-httplib's 5 (which cost the load test above its
+// requests: see CompletionsServer::start), up to what net.core.somaxconn allows.
+TEST_F(ServeTest, ListeningSocketQueuesABurstOfConnections) {
+  start();
+  const int somaxconn = std::stoi(slurp("/proc/sys/net/core/somaxconn"));
+  EXPECT_GE(listen_backlog(server_->port()), std::min(somaxconn, 128)) << "net.core.somaxconn " << somaxconn;
 }
 
 // The CLI: --port 0 prints the port it took; it answers; SIGTERM ends it (143) after the answer.
