@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <exception>
 
 namespace nibble::backend {
@@ -505,12 +506,27 @@ void ProfilingBackend::cross_entropy_forward_backward_sums(double* sums, float* 
 
 // ---- the report -------------------------------------------------------------------------------
 StepProfile make_step_profile(const ProfilingBackend& profiler, double step_seconds) {
+  return make_step_profile(profiler.timings(), step_seconds);
+}
+
+OpTimings per_step_difference(const OpTimings& longer, const OpTimings& shorter, int64_t steps) {
+  OpTimings d{};
+  const double n = static_cast<double>(std::max<int64_t>(steps, 1));
+  for (size_t i = 0; i < d.size(); ++i) {
+    d[i].count = std::llround(static_cast<double>(longer[i].count - shorter[i].count) / n);
+    d[i].seconds = std::max(0.0, (longer[i].seconds - shorter[i].seconds) / n);
+    if (d[i].count <= 0) d[i] = OpTiming{};
+  }
+  return d;
+}
+
+StepProfile make_step_profile(const OpTimings& timings, double step_seconds) {
   StepProfile p;
   p.step_ms = step_seconds * 1e3;
   std::array<ProfileRow, static_cast<size_t>(OpCategory::kCount)> cats{};
   for (size_t i = 0; i < static_cast<size_t>(ProfiledOp::kCount); ++i) {
     const auto op = static_cast<ProfiledOp>(i);
-    const OpTiming& t = profiler.timing(op);
+    const OpTiming& t = timings[i];
     if (t.count == 0) continue;
     const OpCategory c = profiled_op_category(op);
     ProfileRow r{profiled_op_name(op), op_category_name(c), t.count, t.seconds * 1e3, 0};

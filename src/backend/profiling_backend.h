@@ -107,6 +107,7 @@ struct OpTiming {
   int64_t count = 0;   // calls while enabled
   double seconds = 0;  // their synchronised wall time
 };
+using OpTimings = std::array<OpTiming, static_cast<size_t>(ProfiledOp::kCount)>;
 
 class ProfilingBackend final : public Backend {
  public:
@@ -117,6 +118,7 @@ class ProfilingBackend final : public Backend {
   bool enabled() const { return enabled_; }
   void reset_timings() { timings_ = {}; }
   const OpTiming& timing(ProfiledOp op) const { return timings_[static_cast<size_t>(op)]; }
+  const OpTimings& timings() const { return timings_; }
 
   Device device() const override;
   std::string name() const override;
@@ -245,7 +247,7 @@ class ProfilingBackend final : public Backend {
   class Timed;
   Backend* inner_;
   bool enabled_ = false;
-  std::array<OpTiming, static_cast<size_t>(ProfiledOp::kCount)> timings_{};
+  OpTimings timings_{};
 };
 
 // ---- the report -------------------------------------------------------------------------------
@@ -266,6 +268,11 @@ struct StepProfile {
 
 // The timings of `profiler` against a step of step_seconds.
 StepProfile make_step_profile(const ProfilingBackend& profiler, double step_seconds);
+StepProfile make_step_profile(const OpTimings& timings, double step_seconds);
+// Per-step timings of the steps a run `longer` made beyond a run `shorter` (a prefix of the same
+// work): (longer - shorter) / steps per op, counts rounded to the nearest call, times clamped at 0
+// (two runs' timing noise can make a difference slightly negative).
+OpTimings per_step_difference(const OpTimings& longer, const OpTimings& shorter, int64_t steps);
 // The table `bench train --profile` prints: a header naming `title` and the synchronisation
 // caveat, the per-category rows, then the per-op rows.
 std::string format_step_profile(const StepProfile& profile, const std::string& title);

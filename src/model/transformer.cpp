@@ -829,11 +829,16 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   const uint16_t* xf_bits = nullptr;
   if constexpr (std::is_same_v<T, float>) {
     if (head_bf16) {
-      uint16_t* wb = im.lm_w_bits.ensure(mem, V * C, "lm_head BF16 weight");
       uint16_t* xb = im.lm_xf_bits.ensure(mem, N * C, "lm_head BF16 input");
-      mem.to_bf16_bits(wb, W(im.lm_head), V * C);
       mem.to_bf16_bits(xb, im.xf, N * C);
-      w_bits = wb, xf_bits = xb;
+      xf_bits = xb;
+      if (im.decode && im.decode->lm_head_bf16) {
+        w_bits = im.decode->lm_head_bf16;  // the decode caller's snapshot of these very bits
+      } else {
+        uint16_t* wb = im.lm_w_bits.ensure(mem, V * C, "lm_head BF16 weight");
+        mem.to_bf16_bits(wb, W(im.lm_head), V * C);
+        w_bits = wb;
+      }
     }
   }
   // logits: (rows,V) <- xf[r0 : r0+rows] . W^T

@@ -110,6 +110,10 @@ struct DecodeBatch {
   // its last row's alone; 0 rows: no lm_head at all).
   const int32_t* logit_rows = nullptr;
   int64_t num_logit_rows = 0;
+  // (V,C) BF16 bits of the lm_head weight in backend memory, made by the caller from the current
+  // weights (the rollout engine snapshots it with its block linears); null: converted in this
+  // forward. Used only where the lm_head runs on BF16 operands (lm_head_bf16()).
+  const uint16_t* lm_head_bf16 = nullptr;
 };
 
 template <typename T>

@@ -42,13 +42,16 @@ double measure_copy_bandwidth(backend::Backend& be, int64_t bytes, int repeats) 
   return 2.0 * static_cast<double>(bytes) / best;
 }
 
-Result<DecodeBenchResult> bench_decode(backend::Backend& be, const model::ModelConfig& config,
+Result<DecodeBenchResult> bench_decode(backend::Backend& device_be, const model::ModelConfig& config,
                                        const DecodeBenchOptions& o) {
   if (o.batch < 1 || o.prompt < 1 || o.new_tokens < 2)
     return invalid_argument("bench decode: batch and prompt must be >= 1 and new tokens >= 2");
   if (o.prompt + o.new_tokens > config.max_position_embeddings)
     return invalid_argument("bench decode: prompt {} + new {} exceeds the context of {} positions", o.prompt,
                             o.new_tokens, config.max_position_embeddings);
+  // profiled: the model and engine run on a decorator that forwards plainly until enabled
+  backend::ProfilingBackend profiler(device_be);
+  backend::Backend& be = o.profile ? static_cast<backend::Backend&>(profiler) : device_be;
   model::RecipeConfig rc;
   rc.name = "bf16";
   NIB_ASSIGN_OR_RETURN(auto m, model::Model::create(config, rc, &be));
@@ -85,6 +88,20 @@ Result<DecodeBenchResult> bench_decode(backend::Backend& be, const model::ModelC
   NIB_ASSIGN_OR_RETURN(double total, timed(o.new_tokens));
   res.decode_seconds = std::max(total - res.prefill_seconds, 1e-9);
   res.decode_tokens_per_s = static_cast<double>(o.batch * (o.new_tokens - 1)) / res.decode_seconds;
+  if (o.profile) {
+    profiler.set_enabled(true);
+    NIB_ASSIGN_OR_RETURN(double prefill_s, timed(1));
+    const backend::OpTimings prefill = profiler.timings();
+    profiler.reset_timings();
+    NIB_ASSIGN_OR_RETURN(double full_s, timed(o.new_tokens));
+    const backend::OpTimings full = profiler.timings();
+    profiler.set_enabled(false);
+    const int64_t steps = o.new_tokens - 1;
+    res.profiled = true;
+    res.prefill_profile = backend::make_step_profile(prefill, prefill_s);
+    res.decode_step_profile = backend::make_step_profile(backend::per_step_difference(full, prefill, steps),
+                                                         std::max(full_s - prefill_s, 0.0) / static_cast<double>(steps));
+  }
   // bytes one decode step must read: the block linears (MoE: the experts the batch routes to, in
   // expectation E (1 - (1 - k/E)^batch) of E per layer), the lm_head in BF16, the KV pages of
   // the average context
@@ -101,7 +118,7 @@ Result<DecodeBenchResult> bench_decode(backend::Backend& be, const model::ModelC
       2 * config.num_hidden_layers * backend::kv_token_bytes(o.kv_format, config.num_key_value_heads, config.head_dim);
   const double avg_context = static_cast<double>(o.prompt) + static_cast<double>(o.new_tokens) / 2;
   res.bytes_per_step = weights + static_cast<double>(o.batch) * avg_context * static_cast<double>(res.kv_bytes_per_token);
-  res.copy_bytes_per_s = measure_copy_bandwidth(be, o.copy_bytes, 5);
+  res.copy_bytes_per_s = measure_copy_bandwidth(device_be, o.copy_bytes, 5);
   res.bound_tokens_per_s = static_cast<double>(o.batch) * res.copy_bytes_per_s / res.bytes_per_step;
   res.fraction_of_bound = res.decode_tokens_per_s / res.bound_tokens_per_s;
   return res;

@@ -1,15 +1,18 @@
 // `nibble bench decode` (issue #15 §4): decode tokens/s of the rollout engine on random weights for
 // a model config, precision mode and batch size (batch prompts of `prompt` random tokens, `new`
 // greedy tokens each), next to the bound set by the bytes a decode step must read (the block
-// linears in the mode's storage, the FP32 lm_head and embedding rows, the KV pages of the average
+// linears in the mode's storage, the lm_head in BF16 (the engine's snapshot) and embedding rows, the KV pages of the average
 // context) at the device-copy bandwidth measured in the same run. Decode time = time of a run
-// generating `new` tokens minus a run generating 1 (the prefill and its first token).
+// generating `new` tokens minus a run generating 1 (the prefill and its first token). With
+// `profile`, both runs are repeated once more with every op timed (backend/profiling_backend.h):
+// the prefill run's profile, and the per-decode-step profile (their difference / (new - 1)).
 #pragma once
 
 #include <cstdint>
 #include <string>
 
 #include "backend/backend.h"
+#include "backend/profiling_backend.h"
 #include "core/status.h"
 #include "model/config.h"
 #include "rollout/precision.h"
@@ -22,6 +25,7 @@ struct DecodeBenchOptions {
   int64_t batch = 1, prompt = 512, new_tokens = 128;
   uint64_t seed = 1;
   int64_t copy_bytes = int64_t{1} << 30;  // size of the bandwidth-measuring copy
+  bool profile = false;  // after the timed runs, profile the prefill run and the decode steps
 };
 
 struct DecodeBenchResult {
@@ -33,6 +37,9 @@ struct DecodeBenchResult {
   double bound_tokens_per_s = 0;    // batch * copy_bytes_per_s / bytes_per_step
   double fraction_of_bound = 0;
   int64_t weight_bytes = 0, kv_bytes_per_token = 0;
+  bool profiled = false;
+  backend::StepProfile prefill_profile;      // the run generating 1 token (prefill + first token)
+  backend::StepProfile decode_step_profile;  // one decode step: (run of `new` - run of 1) / (new - 1)
 };
 
 // Runs the benchmark on `be`. Errors: bad options (new_tokens < 2, a prompt that does not fit the

@@ -49,26 +49,43 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
   NIB_ASSIGN_OR_RETURN(e->cache_, PagedKvCache::create(model.backend(), kc));
   if (o.mode != PrecisionMode::kRecipe) {
     NIB_ASSIGN_OR_RETURN(e->linears_, QuantizedLinears::create(model, o.mode, o.recipe_name));
+    e->snapshot_lm_head();
   }
   return e;
+}
+
+void Engine::snapshot_lm_head() {
+  lm_head_snapshot_ = false;
+  if (!linears_ || !model_->lm_head_bf16()) return;
+  for (const auto& p : model_->param_refs())
+    if (p.name == "lm_head.weight") {
+      backend::Backend& be = model_->backend();
+      be.to_bf16_bits(lm_head_bits_.ensure(be, p.numel, "rollout lm_head BF16 weight"), p.value, p.numel);
+      lm_head_snapshot_ = true;
+    }
 }
 
 Status Engine::refresh_weights() {
   if (options_.mode != PrecisionMode::kRecipe) {
     NIB_ASSIGN_OR_RETURN(linears_, QuantizedLinears::create(*model_, options_.mode, options_.recipe_name));
+    snapshot_lm_head();
   }
   return Status::ok();
 }
 
 Status Engine::receive_quantized_weights(const std::vector<backend::QuantizedTensor>& per_linear) {
   if (!linears_) return invalid_argument("quantized weights: the recipe mode runs the model's own recipes");
-  return linears_->set_quantized_weights(per_linear, QuantizedLinears::Memory::kBackend);
+  NIB_RETURN_IF_ERROR(linears_->set_quantized_weights(per_linear, QuantizedLinears::Memory::kBackend));
+  snapshot_lm_head();  // the rest of the weights are the model's own, as they are now
+  return Status::ok();
 }
 
 Status Engine::load_quantized_weights(const std::string& path) {
   if (!linears_) return invalid_argument("quantized weights: the recipe mode runs the model's own recipes");
   NIB_ASSIGN_OR_RETURN(HostQuantizedLinears host, read_quantized_linears(path, *model_));
-  return linears_->set_quantized_weights(host.views, QuantizedLinears::Memory::kHost);
+  NIB_RETURN_IF_ERROR(linears_->set_quantized_weights(host.views, QuantizedLinears::Memory::kHost));
+  snapshot_lm_head();
+  return Status::ok();
 }
 
 namespace {
@@ -366,6 +383,7 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
     batch.N = N;
     batch.kv = cache_.get();
     batch.linears = linears_.get();
+    batch.lm_head_bf16 = lm_head_snapshot_ ? lm_head_bits_.data() : nullptr;
     static const int32_t kNoRow = 0;  // a step of unfinished prompt chunks only: no logits at all
     batch.logit_rows = logit_rows.empty() ? &kNoRow : logit_rows.data();
     batch.num_logit_rows = static_cast<int64_t>(logit_rows.size());

@@ -147,11 +147,16 @@ class Engine {
   Engine(model::Model& model, const EngineOptions& options) : model_(&model), options_(options) {}
   Status validate(const std::vector<Request>& requests) const;
   int64_t worst_case_pages(const Request& r) const;
+  // The bf16/w4a16/w4a4 modes: BF16 bits of the lm_head weight, made with the block linears (so a
+  // decode step does not convert the (V,C) weight again); the recipe mode converts per forward.
+  void snapshot_lm_head();
 
   model::Model* model_;
   EngineOptions options_;
   std::unique_ptr<PagedKvCache> cache_;
   std::unique_ptr<QuantizedLinears> linears_;
+  backend::Buffer<uint16_t> lm_head_bits_;  // (V,C) see snapshot_lm_head
+  bool lm_head_snapshot_ = false;
   EngineStats stats_;
 };
 

@@ -580,6 +580,54 @@ TEST(RolloutEngine, DecodeThroughTheProfilingBackendIsForwardedAndCounted) {
   EXPECT_GT(profiler.timing(backend::ProfiledOp::kKvCacheWrite).count, 0);
 }
 
+// The bf16 mode converts no weight during decoding: per forward, to_bf16_bits runs once per
+// block linear (its activation) and once for the lm_head input, never for a weight (the block
+// linears and the lm_head are BF16 bits made with the engine). Refreshing after a weight change
+// gives a fresh engine's results, the lm_head included (a stale snapshot would keep the old tokens).
+TEST(RolloutEngine, Bf16ModeConvertsNoWeightPerStepAndRefreshesTheLmHead) {
+  backend::ProfilingBackend profiler(backend::cpu_backend());
+  nlohmann::json j = model::test::tiny_olmo2_model_json(48);
+  j["initializer_range"] = 0.3;
+  auto cfg = model::parse_model_config(j);
+  ASSERT_TRUE(cfg.is_ok()) << cfg.status().message();
+  model::RecipeConfig rc;
+  rc.name = "bf16";
+  auto m = model::Model::create(cfg.value(), rc, &profiler);
+  ASSERT_TRUE(m.is_ok()) << m.status().message();
+  m.value()->init_weights(7);
+  EngineOptions o;
+  o.mode = PrecisionMode::kBf16;
+  auto e = make_engine(*m.value(), o);
+  std::vector<Request> reqs{greedy_request(prompt_of(5, 1), 12), greedy_request(prompt_of(9, 2), 12)};
+  profiler.set_enabled(true);
+  auto before = e->generate(reqs);
+  profiler.set_enabled(false);
+  ASSERT_TRUE(before.is_ok()) << before.status().message();
+  const int64_t linears = static_cast<int64_t>(m.value()->linear_infos().size());
+  EXPECT_EQ(profiler.timing(backend::ProfiledOp::kToBf16Bits).count, e->stats().steps * (linears + 1));
+  EXPECT_EQ(profiler.timing(backend::ProfiledOp::kMatmulNt).count, 0);  // every GEMM on BF16 bits
+
+  // negate the lm_head: greedy tokens change; refresh_weights must carry it into the snapshot
+  for (const auto& p : m.value()->param_refs())
+    if (p.name == "lm_head.weight") {
+      std::vector<float> w(static_cast<size_t>(p.numel));
+      profiler.copy_to_host(w.data(), p.value, w.size() * sizeof(float));
+      for (float& v : w) v = -v;
+      profiler.copy_to_device(p.value, w.data(), w.size() * sizeof(float));
+    }
+  ASSERT_TRUE(e->refresh_weights().is_ok());
+  auto refreshed = e->generate(reqs);
+  auto fresh = make_engine(*m.value(), o)->generate(reqs);
+  ASSERT_TRUE(refreshed.is_ok() && fresh.is_ok());
+  bool changed = false;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ((*refreshed)[i].tokens, (*fresh)[i].tokens) << "request " << i;
+    EXPECT_EQ((*refreshed)[i].logprobs, (*fresh)[i].logprobs) << "request " << i;
+    changed |= (*refreshed)[i].tokens != (*before)[i].tokens;
+  }
+  EXPECT_TRUE(changed) << "negating the lm_head changed no greedy token: the test shows nothing";
+}
+
 // Serving: requests handed over by EngineCallbacks::admit while others run give each its result
 // alone (same seed and id: same tokens), completions come only through on_finish, and an empty
 // answer while idle ends generate().

@@ -43,18 +43,19 @@ Result<std::unique_ptr<QuantizedLinears>> QuantizedLinears::create(model::Model&
                               precision_mode_name(mode), info.name, info.N, info.K, te ? " and out-features" : "");
     auto slot = std::make_unique<Slot>();
     const float* w = model.linear_weight(info.id);  // (N,K) master weight in backend memory
-    float* wb = slot->w.ensure(be, info.N * info.K, "rollout linear weight");
-    be.round_to_bf16(wb, w, info.N * info.K);  // the recipes quantize the BF16 weight
-    if (four_bit) {
+    if (!four_bit) {
+      be.to_bf16_bits(slot->w_bits.ensure(be, info.N * info.K, "rollout linear BF16 weight"), w, info.N * info.K);
+    } else {
+      float* wb = slot->w.ensure(be, info.N * info.K, "rollout linear weight");
+      be.round_to_bf16(wb, w, info.N * info.K);  // the recipes quantize the BF16 weight
       slot->q = slot->qbuf.view(be, q->weight_format_, info.N, info.K);
       be.quantize(slot->q, wb);  // RTN, the trainer's forward quantizer
       be.dequantize(wb, slot->q);
-      q->weight_bytes_ += backend::QuantizedTensor::code_bytes(q->weight_format_, info.N, info.K) +
-                          backend::QuantizedTensor::scale_bytes(q->weight_format_, info.N, info.K) +
-                          4 * backend::QuantizedTensor::outer_count(q->weight_format_, info.N, info.K);
-    } else {
-      q->weight_bytes_ += 2 * info.N * info.K;
     }
+    q->weight_bytes_ += four_bit ? backend::QuantizedTensor::code_bytes(q->weight_format_, info.N, info.K) +
+                                       backend::QuantizedTensor::scale_bytes(q->weight_format_, info.N, info.K) +
+                                       4 * backend::QuantizedTensor::outer_count(q->weight_format_, info.N, info.K)
+                                 : 2 * info.N * info.K;
     q->slots_.push_back(std::move(slot));
   }
   return q;
@@ -110,6 +111,12 @@ void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, c
   NIB_CHECK(info.id >= 0 && info.id < static_cast<int>(slots_.size()));
   const int64_t N = info.N, K = info.K;
   Slot& s = *slots_[info.id];
+  if (mode_ == PrecisionMode::kBf16) {  // BF16 bits of x against the weight's bits: exact products
+    uint16_t* xb = xb_.ensure(be, M * K, "rollout BF16 activation");
+    be.to_bf16_bits(xb, x, M * K);
+    be.matmul_bf16_nt(y, xb, s.w_bits.data(), M, N, K);
+    return;
+  }
   // the BF16 activation (zero rows pad the TE format's 16-row tiles)
   const int64_t Mp = mode_ == PrecisionMode::kW4A4 ? (M + 15) / 16 * 16 : M;
   float* xs = xs_.ensure(be, Mp * K, "rollout activation");
@@ -124,15 +131,15 @@ void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, c
     be.dequantize(xd, qx);
     a = xd;
   }
-  // bf16: both operands are BF16 numbers; the dequantized NVFP4 values carry FP32 scales. Decode
-  // batches (M <= kPackedGemmMaxRows) of two-level weights read the packed codes (the CUDA GEMV
+  // The dequantized NVFP4 values carry FP32 scales (not BF16 numbers). Decode batches
+  // (M <= kPackedGemmMaxRows) of two-level weights read the packed codes (the CUDA GEMV
   // dequantizes in registers; the CPU's is dequantize + matmul_nt, these very numbers).
-  if (mode_ != PrecisionMode::kBf16 && M <= kPackedGemmMaxRows && s.q.format == QuantFormat::kNvfp4TwoLevel &&
+  if (M <= kPackedGemmMaxRows && s.q.format == QuantFormat::kNvfp4TwoLevel &&
       K % 32 == 0 && be.supports(backend::Op::kNvfp4WeightGemm))
     be.matmul_nt_nvfp4_weight(y, a, s.q, M);
   else
-    be.matmul_nt(y, a, s.w.data(), M, N, K, /*accumulate=*/false, /*operands_bf16=*/mode_ == PrecisionMode::kBf16);
-  if (mode_ != PrecisionMode::kBf16) be.round_to_bf16(y, y, M * N);  // as the 4-bit recipes: the GEMM writes BF16
+    be.matmul_nt(y, a, s.w.data(), M, N, K, /*accumulate=*/false, /*operands_bf16=*/false);
+  be.round_to_bf16(y, y, M * N);  // as the 4-bit recipes: the GEMM writes BF16
 }
 
 }  // namespace nibble::rollout

@@ -2,7 +2,9 @@
 // calls run every block linear through (the router, embedding and lm_head stay FP32):
 //   recipe the model's own linear recipes, forward only (what `nibble generate` ran before the
 //          engine; no override).
-//   bf16   y = bf16(x) . bf16(W)^T, FP32 accumulation (the `bf16` recipe's forward).
+//   bf16   y = bf16(x) . bf16(W)^T, FP32 accumulation (the `bf16` recipe's forward); W is kept as
+//          BF16 bits and x converted to bits per call, so a decode step reads 2 bytes a weight and
+//          no GEMM converts its operands again (matmul_bf16_nt).
 //   w4a16  W quantized once to NVFP4 by the backend quantizer the trainer's recipes call (same
 //          bits: tetrajet-v2's two-level 1x16 format from the BF16 weight; for a checkpoint of
 //          the nvfp4-nvidia recipe its 16x16-tile TE format), kept as codes + scales, and
@@ -77,7 +79,8 @@ class QuantizedLinears final : public model::LinearOverride {
   struct Slot {
     backend::QuantizedBuffer qbuf;
     backend::QuantizedTensor q;  // 4-bit modes
-    backend::Buffer<float> w;    // (N,K): bf16-rounded (bf16) or dequantized (4-bit) weight for the GEMM
+    backend::Buffer<float> w;    // (N,K) 4-bit modes: the dequantized weight for the prefill GEMM
+    backend::Buffer<uint16_t> w_bits;  // (N,K) bf16 mode: BF16 bits of the weight
   };
   backend::Backend* be_ = nullptr;
   std::vector<model::LinearInfo> infos_;
@@ -88,6 +91,7 @@ class QuantizedLinears final : public model::LinearOverride {
   int64_t weight_bytes_ = 0;
   backend::Buffer<float> xs_, xd_;        // (Mp, K) activation scratch: bf16-rounded, dequantized
   backend::QuantizedBuffer xq_;           // (Mp, K) quantized activation
+  backend::Buffer<uint16_t> xb_;          // (M, K) bf16 mode: BF16 bits of the activation
   ActivationObserver* observer_ = nullptr;
 };
 

@@ -109,11 +109,33 @@ TEST(BenchCli, DecodeJsonLinesOnATinyConfig) {
     EXPECT_GT(j.at("fraction_of_bound").get<double>(), 0);
   }
   EXPECT_EQ(batches, (std::vector<int64_t>{1, 3}));
-  for (const std::string& bad : {"--batch 0", "--batch 1,,2", "--mode recipe", "--new 1", "--kv-dtype fp4"}) {
+  for (const char* bad : {"--batch 0", "--batch 1,,2", "--mode recipe", "--new 1", "--kv-dtype fp4"}) {
     RunResult b = run_nibble(dir.path, "bench decode --device cpu --config '" + (dir / "tiny.json") + "' " + bad);
     EXPECT_EQ(b.code, 2) << bad << ": " << b.err;
     EXPECT_EQ(b.err_lines(), 1) << b.err;
   }
+}
+
+// `bench decode --profile`: the JSON line gains the prefill run's and one decode step's op timings;
+// a decode step of the tiny 2-layer model runs the paged attention once per layer (one step's
+// calls: the runs' difference / (new - 1) rounds to exactly that), the tables go to stderr.
+TEST(BenchCli, DecodeProfileTimesThePrefillAndOneDecodeStep) {
+  ScratchDir dir("bench_decode_profile");
+  nlohmann::json cfg = model::test::tiny_olmo2_model_json(48);
+  std::ofstream(dir / "tiny.json") << cfg.dump();
+  RunResult r = run_nibble(dir.path, "bench decode --device cpu --config '" + (dir / "tiny.json") +
+                                         "' --batch 2 --prompt 5 --new 4 --profile");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  const nlohmann::json& step = j.at("profile").at("decode_step");
+  const int64_t layers = cfg.at("num_hidden_layers").get<int64_t>();
+  EXPECT_EQ(step.at("ops").at("paged_attention").at(0).get<int64_t>(), layers) << step.dump();
+  EXPECT_EQ(step.at("ops").at("kv_cache_write").at(0).get<int64_t>(), layers) << step.dump();
+  EXPECT_GT(step.at("ms").get<double>(), 0);
+  const nlohmann::json& prefill = j.at("profile").at("prefill");
+  EXPECT_EQ(prefill.at("ops").at("paged_attention").at(0).get<int64_t>(), layers) << prefill.dump();
+  EXPECT_NE(r.err.find("decode step (per step)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("prefill + first token"), std::string::npos) << r.err;
 }
 
 }  // namespace

@@ -62,6 +62,7 @@ struct DecodeBenchArgs {
   std::string config;  // empty: configs/olmo2-1b.json (here, else in the source tree)
   std::string mode = "bf16", kv_dtype = "bf16", device, batches = "1,16,64,256";
   int64_t prompt = 512, new_tokens = 128;
+  bool profile = false;
   CLI::App* decode = nullptr;
 };
 
@@ -424,6 +425,7 @@ int run_bench_decode(const DecodeBenchArgs& a) {
   if (!be) return report_error("bench", be.status());
   o.prompt = a.prompt;
   o.new_tokens = a.new_tokens;
+  o.profile = a.profile;
   if ((*be)->device() != Device::kCUDA) o.copy_bytes = int64_t{64} << 20;  // the CPU: a smaller copy suffices
   for (int64_t b : batches) {
     o.batch = b;
@@ -436,6 +438,19 @@ int run_bench_decode(const DecodeBenchArgs& a) {
                      {"kv_bytes_per_token", r->kv_bytes_per_token}, {"bytes_per_step", r->bytes_per_step},
                      {"copy_gb_per_s", r->copy_bytes_per_s / 1e9}, {"bound_tokens_per_s", r->bound_tokens_per_s},
                      {"fraction_of_bound", r->fraction_of_bound}};
+    if (r->profiled) {
+      // JSON: op -> [calls, ms]; the tables go to stderr (stdout stays JSON lines)
+      auto ops = [](const backend::StepProfile& p) {
+        nlohmann::json o = nlohmann::json::object();
+        for (const auto& op : p.ops) o[op.name] = {op.count, op.ms};
+        return nlohmann::json{{"ms", p.step_ms}, {"op_ms", p.op_ms}, {"ops", o}};
+      };
+      j["profile"] = {{"prefill", ops(r->prefill_profile)}, {"decode_step", ops(r->decode_step_profile)}};
+      const std::string what = fmt::format("{} {} batch {} on {}", config_path, a.mode, b, (*be)->name());
+      std::fprintf(stderr, "%s\n%s\n",
+                   backend::format_step_profile(r->prefill_profile, "prefill + first token, " + what).c_str(),
+                   backend::format_step_profile(r->decode_step_profile, "decode step (per step), " + what).c_str());
+    }
     std::printf("%s\n", j.dump().c_str());
     std::fflush(stdout);
   }
@@ -488,6 +503,9 @@ CommandRun setup_bench(CLI::App& app) {
   d->decode->add_option("--batch", d->batches, "Comma list of batch sizes (default 1,16,64,256)");
   d->decode->add_option("--prompt", d->prompt, "Prompt tokens per sequence (default 512)")->check(IntegerIn(1, kMaxSeq));
   d->decode->add_option("--new", d->new_tokens, "New tokens per sequence (default 128)")->check(IntegerIn(2, kMaxSeq));
+  d->decode->add_flag("--profile", d->profile,
+                      "Then time every op of the prefill run and of the decode steps (tables on stderr, "
+                      "\"profile\" in the JSON)");
   add_device_option(*d->decode, &d->device);
   return [a, t, at, d]() -> int {
     if (d->decode->parsed()) return run_bench_decode(*d);
