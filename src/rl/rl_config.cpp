@@ -39,6 +39,7 @@ json RlConfig::to_json() const {
               {"r3", r3},
               {"steps", steps},
               {"prompts_per_step", prompts_per_step},
+              {"train_instances", train_instances},
               {"group_size", group_size},
               {"max_new_tokens", max_new_tokens},
               {"minibatches", minibatches},
@@ -89,6 +90,7 @@ Result<RlConfig> parse_rl_config(const json& j) {
   NIB_RETURN_IF_ERROR(get(j, "r3", c.r3));
   NIB_RETURN_IF_ERROR(get(j, "steps", c.steps));
   NIB_RETURN_IF_ERROR(get(j, "prompts_per_step", c.prompts_per_step));
+  NIB_RETURN_IF_ERROR(get(j, "train_instances", c.train_instances));
   NIB_RETURN_IF_ERROR(get(j, "group_size", c.group_size));
   NIB_RETURN_IF_ERROR(get(j, "max_new_tokens", c.max_new_tokens));
   NIB_RETURN_IF_ERROR(get(j, "minibatches", c.minibatches));
@@ -114,6 +116,9 @@ Result<RlConfig> parse_rl_config(const json& j) {
     return invalid_argument("rl config: prompts_per_step must be >= 1 and group_size >= 2 (got {}, {})",
                             c.prompts_per_step, c.group_size);
   if (c.prompts_per_step >= (1 << 16)) return invalid_argument("rl config: prompts_per_step must be below 65536");
+  if (c.train_instances < 0)
+    return invalid_argument("rl config: train_instances must be >= 0 (0: fresh instances every step; got {})",
+                            c.train_instances);
   if (c.max_new_tokens < 1) return invalid_argument("rl config: max_new_tokens must be >= 1");
   const int64_t B = c.prompts_per_step * c.group_size;
   if (c.minibatches < 1 || B % c.minibatches != 0)
@@ -142,6 +147,11 @@ Result<RlConfig> load_rl_config(const std::string& path) {
   auto c = parse_rl_config(j);
   if (!c) return Status(c.status().code(), fmt::format("{}: {}", path, c.status().message()));
   return c;
+}
+
+int64_t prompt_instance_index(const RlConfig& c, int64_t step, int64_t i) {
+  const int64_t k = step * c.prompts_per_step + i;
+  return c.train_instances > 0 ? k % c.train_instances : k;
 }
 
 }  // namespace nibble::rl

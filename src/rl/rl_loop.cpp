@@ -299,7 +299,7 @@ Result<RlStepMetrics> RlRun::step(int64_t s) {
   std::vector<TaskInstance> inst;
   std::vector<rollout::Request> reqs;
   for (int64_t i = 0; i < P; ++i) {
-    inst.push_back(task_.make(static_cast<int>(cfg_.level), cfg_.task_seed, s * P + i));
+    inst.push_back(task_.make(static_cast<int>(cfg_.level), cfg_.task_seed, prompt_instance_index(cfg_, s, i)));
     NIB_ASSIGN_OR_RETURN(std::vector<int32_t> prompt, tok_->encode(inst.back().prompt));
     if (prompt.empty()) return invalid_argument("task '{}' made an empty prompt", task_.name());
     rollout::Request r;

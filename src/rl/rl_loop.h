@@ -54,6 +54,9 @@ struct RlConfig {
   // GRPO
   int64_t steps = 10;
   int64_t prompts_per_step = 4;  // P
+  // > 0: the prompts cycle through instances 0 .. train_instances-1 of the level (a fixed
+  // training set, seen again every train_instances / P steps); 0: fresh instances every step
+  int64_t train_instances = 0;
   int64_t group_size = 4;        // G
   int64_t max_new_tokens = 16;
   int64_t minibatches = 1;       // updates per step (each over B / minibatches sequences)
@@ -72,6 +75,9 @@ struct RlConfig {
 // aggregation, kl_coef, tis, tis_cap, temperature); unknown keys and bad values are errors.
 Result<RlConfig> parse_rl_config(const nlohmann::json& j);
 Result<RlConfig> load_rl_config(const std::string& path);
+// The task instance index of prompt i (0 .. P-1) of step s (0-based): s*P + i, modulo
+// train_instances when that is set.
+int64_t prompt_instance_index(const RlConfig& c, int64_t step, int64_t i);
 
 struct RlOptions {
   std::string run_dir;        // must not hold a run unless resume

@@ -211,7 +211,7 @@ TEST(RlLoop, BadConfigsAreOneLineErrors) {
   const json base = {{"model", dense_model()}};
   for (const auto& [key, value] : std::vector<std::pair<std::string, json>>{
            {"arm", "fp5"}, {"group_size", 1}, {"tis", "maybe"}, {"aggregation", "batch"}, {"typo_key", 1},
-           {"minibatches", 5}, {"clip_eps", 0}, {"steps", "ten"}}) {
+           {"minibatches", 5}, {"clip_eps", 0}, {"steps", "ten"}, {"train_instances", -1}}) {
     json j = base;
     j[key] = value;
     auto c = parse_rl_config(j);
@@ -220,6 +220,22 @@ TEST(RlLoop, BadConfigsAreOneLineErrors) {
     EXPECT_EQ(c.status().message().find('\n'), std::string::npos);
   }
   EXPECT_FALSE(parse_rl_config(json{{"arm", "qat"}}).is_ok());  // neither init nor model
+}
+
+// Prompt i of step s is instance s*P + i, cycled through a fixed training set when
+// train_instances is set; the key survives the config's JSON round trip (checkpoints, resume).
+TEST(RlLoop, TrainInstancesCycleTheStepsPrompts) {
+  RlConfig c = config_for("trace", dense_model());
+  c.prompts_per_step = 4;
+  EXPECT_EQ(prompt_instance_index(c, 0, 3), 3);
+  EXPECT_EQ(prompt_instance_index(c, 5, 2), 22);
+  c.train_instances = 6;
+  EXPECT_EQ(prompt_instance_index(c, 0, 3), 3);
+  EXPECT_EQ(prompt_instance_index(c, 1, 2), 0);   // 6 mod 6
+  EXPECT_EQ(prompt_instance_index(c, 5, 2), 4);   // 22 mod 6
+  auto back = parse_rl_config(c.to_json());
+  ASSERT_TRUE(back.is_ok()) << back.status().message();
+  EXPECT_EQ(back.value().train_instances, 6);
 }
 
 }  // namespace
