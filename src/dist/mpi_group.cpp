@@ -1,7 +1,8 @@
 // The MPI process group (OpenMPI from Debian; any MPI-3 library): one process per rank, host
-// buffers. Sums are done here in rank order (MPI_Alltoall of the slices, then slice owner adds
+// buffers. Sums are done here in rank order (MPI_Ialltoall of the slices, then slice owner adds
 // rank 0's, rank 1's, ... contribution), not by MPI_Allreduce, whose summation order depends on
 // the library's algorithm choice: so every rank gets the same bits and a rerun the same result.
+// The blocking reduce-scatter and all-reduce are their nonblocking forms (MpiPending) waited for.
 // Counts are split below INT_MAX. Built only with MPI (NIBBLE_HAVE_MPI); else a clear error.
 #include "dist/process_group.h"
 
@@ -41,6 +42,82 @@ MPI_Datatype mpi_type<float>() { return MPI_FLOAT; }
 template <>
 MPI_Datatype mpi_type<double>() { return MPI_DOUBLE; }
 
+// A started reduce-scatter or all-reduce: per piece, the slices sent with MPI_Ialltoall (row r
+// of `send` to rank r); once it completes, this rank's slice is the sum over source ranks in rank
+// order (rv[0] + rv[1] + ...). Reduce-scatter (gather = false): the sum is the output, written to
+// out + b. All-reduce (gather = true): the summed slices are all-gathered (blocking, in wait():
+// every rank waits its collectives in the same order) and copied to out + b (m elements).
+template <typename T>
+class MpiPending final : public PendingCollective {
+ public:
+  MpiPending(int world, T* out, bool gather = false) : world_(world), out_(out), gather_(gather) {}
+  ~MpiPending() override {
+    for (Piece& p : pieces_)  // abandoned after an error: let MPI finish with the buffers first
+      if (p.request != MPI_REQUEST_NULL) MPI_Wait(&p.request, MPI_STATUS_IGNORE);
+  }
+
+  // send: (world, c) T; b: the piece's output offset; m: its output elements (c for reduce-scatter).
+  Status start_piece(std::vector<T> send, int64_t b, int64_t c, int64_t m) {
+    pieces_.push_back(Piece{std::move(send), std::vector<T>(static_cast<size_t>(c * world_)), b, c, m, MPI_REQUEST_NULL});
+    Piece& p = pieces_.back();
+    return mpi_status(MPI_Ialltoall(p.send.data(), static_cast<int>(c), mpi_type<T>(), p.recv.data(),
+                                    static_cast<int>(c), mpi_type<T>(), MPI_COMM_WORLD, &p.request),
+                      "all_to_all");
+  }
+
+  Result<bool> test() override {
+    if (done_ || gather_) return done_;  // an all-reduce's all-gather waits for wait()
+    for (Piece& p : pieces_) {
+      int flag = 0;
+      NIB_RETURN_IF_ERROR(mpi_status(MPI_Test(&p.request, &flag, MPI_STATUS_IGNORE), "all_to_all"));
+      if (!flag) return false;
+    }
+    for (Piece& p : pieces_) sum_slices(p, out_ + p.b);
+    done_ = true;
+    return true;
+  }
+
+  Status wait() override {
+    if (done_) return Status::ok();
+    std::vector<T> mine, gathered;
+    for (Piece& p : pieces_) {
+      NIB_RETURN_IF_ERROR(mpi_status(MPI_Wait(&p.request, MPI_STATUS_IGNORE), "all_to_all"));
+      if (!gather_) {
+        sum_slices(p, out_ + p.b);
+        continue;
+      }
+      mine.resize(static_cast<size_t>(p.c));
+      sum_slices(p, mine.data());
+      gathered.resize(static_cast<size_t>(p.c * world_));
+      NIB_RETURN_IF_ERROR(mpi_status(MPI_Allgather(mine.data(), static_cast<int>(p.c), mpi_type<T>(), gathered.data(),
+                                                   static_cast<int>(p.c), mpi_type<T>(), MPI_COMM_WORLD), "all_gather"));
+      std::memcpy(out_ + p.b, gathered.data(), static_cast<size_t>(p.m) * sizeof(T));
+    }
+    done_ = true;
+    return Status::ok();
+  }
+
+ private:
+  struct Piece {
+    std::vector<T> send, recv;  // (world, c) each
+    int64_t b, c, m;
+    MPI_Request request;
+  };
+  // out: (c) T = sum over source ranks of recv's rows, in rank order.
+  void sum_slices(const Piece& p, T* out) const {
+    const T* rv = p.recv.data();
+    for (int64_t i = 0; i < p.c; ++i) out[i] = rv[i];
+    for (int r = 1; r < world_; ++r)
+      for (int64_t i = 0; i < p.c; ++i) out[i] += rv[r * p.c + i];
+  }
+
+  int world_;
+  T* out_;
+  bool gather_;
+  bool done_ = false;
+  std::vector<Piece> pieces_;
+};
+
 class MpiGroup final : public ProcessGroup {
  public:
   MpiGroup() {
@@ -65,16 +142,23 @@ class MpiGroup final : public ProcessGroup {
   Status all_reduce_sum_host(double* buf, int64_t n) override { return all_reduce(buf, n); }
 
   Status reduce_scatter_sum(const float* in, float* out, int64_t n) override {
+    NIB_ASSIGN_OR_RETURN(auto op, start_reduce_scatter_sum(in, out, n));
+    return op->wait();
+  }
+  Result<std::unique_ptr<PendingCollective>> start_reduce_scatter_sum(const float* in, float* out, int64_t n) override {
     if (n < 0) return invalid_argument("reduce_scatter: negative count {}", n);
+    auto op = std::make_unique<MpiPending<float>>(world_, out);
     // Piece by piece of at most kMaxCount elements per rank: piece [b, e) of every rank's slice.
-    std::vector<float> send, recv;
     for (int64_t b = 0; b < n; b += kMaxCount) {
       const int64_t c = std::min(kMaxCount, n - b);
-      send.resize(static_cast<size_t>(c * world_));
+      std::vector<float> send(static_cast<size_t>(c * world_));
       for (int r = 0; r < world_; ++r) std::memcpy(send.data() + r * c, in + r * n + b, static_cast<size_t>(c) * sizeof(float));
-      NIB_RETURN_IF_ERROR(alltoall_sum(send.data(), out + b, c, &recv));
+      NIB_RETURN_IF_ERROR(op->start_piece(std::move(send), b, c, c));
     }
-    return Status::ok();
+    return std::unique_ptr<PendingCollective>(std::move(op));
+  }
+  Result<std::unique_ptr<PendingCollective>> start_all_reduce_sum(float* buf, int64_t n) override {
+    return start_all_reduce(buf, n);
   }
 
   Status all_gather(const float* in, float* out, int64_t n) override {
@@ -104,39 +188,27 @@ class MpiGroup final : public ProcessGroup {
   void abort_world(int exit_code) override { MPI_Abort(MPI_COMM_WORLD, exit_code); }
 
  private:
-  // send: (world, c) T: row r goes to rank r. out: (c) T = sum over source ranks in rank order.
-  template <typename T>
-  Status alltoall_sum(const T* send, T* out, int64_t c, std::vector<T>* recv) {
-    recv->resize(static_cast<size_t>(c * world_));
-    NIB_RETURN_IF_ERROR(mpi_status(MPI_Alltoall(send, static_cast<int>(c), mpi_type<T>(), recv->data(),
-                                                static_cast<int>(c), mpi_type<T>(), MPI_COMM_WORLD), "all_to_all"));
-    const T* rv = recv->data();
-    for (int64_t i = 0; i < c; ++i) out[i] = rv[i];
-    for (int r = 1; r < world_; ++r)
-      for (int64_t i = 0; i < c; ++i) out[i] += rv[r * c + i];
-    return Status::ok();
-  }
-
   // buf: (n) T, in place: per piece of at most world*kMaxCount elements, each rank sums one
-  // slice (zero-padded to a multiple of world) in rank order, then the slices are all-gathered.
+  // slice (zero-padded to a multiple of world) in rank order (MPI_Ialltoall now, the sum in
+  // wait()), then the slices are all-gathered (in wait(), piece by piece).
   template <typename T>
-  Status all_reduce(T* buf, int64_t n) {
+  Result<std::unique_ptr<PendingCollective>> start_all_reduce(T* buf, int64_t n) {
     if (n < 0) return invalid_argument("all_reduce: negative count {}", n);
-    if (world_ == 1) return Status::ok();
-    std::vector<T> send, recv, mine, gathered;
+    auto op = std::make_unique<MpiPending<T>>(world_, buf, /*gather=*/true);
+    if (world_ == 1) return std::unique_ptr<PendingCollective>(std::move(op));
     for (int64_t b = 0; b < n; b += kMaxCount * world_) {
       const int64_t m = std::min(kMaxCount * world_, n - b);
       const int64_t c = (m + world_ - 1) / world_;  // slice per rank
-      send.assign(static_cast<size_t>(c * world_), T(0));
+      std::vector<T> send(static_cast<size_t>(c * world_), T(0));
       std::memcpy(send.data(), buf + b, static_cast<size_t>(m) * sizeof(T));
-      mine.resize(static_cast<size_t>(c));
-      NIB_RETURN_IF_ERROR(alltoall_sum(send.data(), mine.data(), c, &recv));
-      gathered.resize(static_cast<size_t>(c * world_));
-      NIB_RETURN_IF_ERROR(mpi_status(MPI_Allgather(mine.data(), static_cast<int>(c), mpi_type<T>(), gathered.data(),
-                                                   static_cast<int>(c), mpi_type<T>(), MPI_COMM_WORLD), "all_gather"));
-      std::memcpy(buf + b, gathered.data(), static_cast<size_t>(m) * sizeof(T));
+      NIB_RETURN_IF_ERROR(op->start_piece(std::move(send), b, c, m));
     }
-    return Status::ok();
+    return std::unique_ptr<PendingCollective>(std::move(op));
+  }
+  template <typename T>
+  Status all_reduce(T* buf, int64_t n) {
+    NIB_ASSIGN_OR_RETURN(auto op, start_all_reduce(buf, n));
+    return op->wait();
   }
 
   int rank_ = 0, world_ = 1;

@@ -4,7 +4,8 @@
 // the identity), MPI across CPU processes (mpi_group.cpp, when built with MPI) and NCCL between
 // GPUs (dist/nccl/). FP32/FP64 buffers live in the group's memory: host memory for the single and
 // MPI groups, CUDA device memory for NCCL (device_memory()); the *_host calls take host memory
-// everywhere (small control data: loss sums, flags, hashes).
+// everywhere (small control data: loss sums, flags, hashes). start_all_reduce_sum and
+// start_reduce_scatter_sum are the nonblocking forms the trainer overlaps with backward.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +16,18 @@
 #include "core/status.h"
 
 namespace nibble::dist {
+
+// A collective started by ProcessGroup::start_*: its buffers must stay untouched (not read, not
+// written) until wait() returned. It must not outlive its group.
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  // Lets the transport make progress without blocking (MPI moves data only inside its calls);
+  // true once the result is in place.
+  virtual Result<bool> test() = 0;
+  // Blocks until the result is in place (NCCL: within the group's timeout, else an error).
+  virtual Status wait() = 0;
+};
 
 class ProcessGroup {
  public:
@@ -35,6 +48,17 @@ class ProcessGroup {
   virtual Status reduce_scatter_sum(const float* in, float* out, int64_t n_per_rank) = 0;
   // in: (n_per_rank) f32; out: (world*n_per_rank) f32, rank r's `in` at [r*n, (r+1)*n).
   virtual Status all_gather(const float* in, float* out, int64_t n_per_rank) = 0;
+
+  // ---- nonblocking forms (the gradient reduce overlapped with backward) -----------------------
+  // The collectives above, started and returned at once: the same result, bit for bit, once
+  // wait() returned. Every rank must start its collectives, blocking ones included, in the same
+  // order. MPI: the same rank-order sums (MPI_Ialltoall now; for all-reduce the all-gather of the
+  // summed slices runs in wait()). NCCL: the collective on the group's communication stream,
+  // ordered after the work already queued on the compute stream (NcclOptions::compute_stream) by
+  // a CUDA event. The default (single group) runs the blocking call and returns a finished one.
+  virtual Result<std::unique_ptr<PendingCollective>> start_all_reduce_sum(float* buf, int64_t n);
+  virtual Result<std::unique_ptr<PendingCollective>> start_reduce_scatter_sum(const float* in, float* out,
+                                                                              int64_t n_per_rank);
 
   // Host memory: data (bytes) of `root` copied to every rank; buf (n) f64 summed over ranks.
   virtual Status broadcast_host(void* data, int64_t bytes, int root) = 0;
