@@ -50,6 +50,7 @@ Result<std::unique_ptr<ProcessGroupSetup>> open_process_group(const dist::Launch
   }
   dist::NcclOptions no;
   no.cuda_device = cuda_be->device_index();
+  no.compute_stream = cuda_be->stream();  // the overlapped gradient reduce orders after its work
   NIB_ASSIGN_OR_RETURN(s->group, dist::make_nccl_group(launch, s->bootstrap.get(), no));
   return s;
 #else

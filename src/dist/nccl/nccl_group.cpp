@@ -1,5 +1,7 @@
 // The NCCL process group; see nccl_group.h. Host-memory operations (broadcast_host,
-// all_reduce_sum_host) stage through a small device buffer.
+// all_reduce_sum_host) stage through a small device buffer. Reusing `ready_` for every start_*
+// is safe: cudaStreamWaitEvent captures the event's state at the call, a later record does not
+// change what an earlier wait waits for.
 #include "dist/nccl/nccl_group.h"
 
 #include <cuda_runtime_api.h>
@@ -24,8 +26,8 @@ Status nccl_status(ncclResult_t rc, const char* what) {
 
 class NcclGroup final : public ProcessGroup {
  public:
-  NcclGroup(int rank, int world, int device, double timeout_s)
-      : rank_(rank), world_(world), device_(device), timeout_s_(timeout_s) {}
+  NcclGroup(int rank, int world, int device, double timeout_s, cudaStream_t compute_stream)
+      : rank_(rank), world_(world), device_(device), timeout_s_(timeout_s), compute_stream_(compute_stream) {}
   ~NcclGroup() override {
     if (comm_ != nullptr) {
       // A healthy communicator is finalized (waits for peers); a failed one was aborted already.
@@ -36,6 +38,7 @@ class NcclGroup final : public ProcessGroup {
       if (!aborted_) ncclCommDestroy(comm_);
     }
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (ready_ != nullptr) cudaEventDestroy(ready_);
     if (staging_ != nullptr) cudaFree(staging_);
   }
 
@@ -65,6 +68,13 @@ class NcclGroup final : public ProcessGroup {
   }
   Status all_gather(const float* in, float* out, int64_t n) override {
     return run("all_gather", n, [&] { return ncclAllGather(in, out, size(n), ncclFloat32, comm_, stream_); });
+  }
+  Result<std::unique_ptr<PendingCollective>> start_all_reduce_sum(float* buf, int64_t n) override {
+    return start("all_reduce", n, [&] { return ncclAllReduce(buf, buf, size(n), ncclFloat32, ncclSum, comm_, stream_); });
+  }
+  Result<std::unique_ptr<PendingCollective>> start_reduce_scatter_sum(const float* in, float* out, int64_t n) override {
+    return start("reduce_scatter", n,
+                 [&] { return ncclReduceScatter(in, out, size(n), ncclFloat32, ncclSum, comm_, stream_); });
   }
 
   Status broadcast_host(void* data, int64_t bytes, int root) override {
@@ -143,9 +153,16 @@ class NcclGroup final : public ProcessGroup {
     NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize before NCCL"));
     NIB_RETURN_IF_ERROR(nccl_status(call(), what));
     NIB_RETURN_IF_ERROR(wait_comm(what));  // the call enqueued
+    return await(what, [&] { return cudaStreamQuery(stream_); });
+  }
+
+  // Polls query() (cudaStreamQuery / cudaEventQuery) until it says done, the communicator reports
+  // an error, or the deadline passes (then the communicator is aborted).
+  template <typename Query>
+  Status await(const char* what, Query query) {
     const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
     for (;;) {
-      const cudaError_t q = cudaStreamQuery(stream_);
+      const cudaError_t q = query();
       if (q == cudaSuccess) return Status::ok();
       if (q != cudaErrorNotReady) return fail(what, cudaGetErrorString(q));
       ncclResult_t state = ncclSuccess;
@@ -157,10 +174,63 @@ class NcclGroup final : public ProcessGroup {
     }
   }
 
+  // A started collective: `done` recorded on the communication stream after it; wait() polls it.
+  class Pending final : public PendingCollective {
+   public:
+    Pending(NcclGroup* group, const char* what, cudaEvent_t done) : group_(group), what_(what), done_(done) {}
+    ~Pending() override {
+      if (done_ != nullptr) cudaEventDestroy(done_);
+    }
+    Result<bool> test() override {
+      if (done_ == nullptr) return true;
+      const cudaError_t q = cudaEventQuery(done_);
+      if (q == cudaErrorNotReady) return false;
+      NIB_RETURN_IF_ERROR(cuda::cuda_status(q, "cudaEventQuery (NCCL)"));
+      return true;
+    }
+    Status wait() override {
+      if (done_ == nullptr) return Status::ok();
+      return group_->await(what_, [&] { return cudaEventQuery(done_); });
+    }
+
+   private:
+    NcclGroup* group_;
+    const char* what_;
+    cudaEvent_t done_;  // null: nothing was queued (n == 0)
+  };
+
+  // The nonblocking form of run(): the communication stream waits (on the device) for an event
+  // recorded on the compute stream after the work that produced the input; the collective and a
+  // `done` event follow on the communication stream. Without a compute stream: the device is
+  // synchronised first, as run() does.
+  template <typename Call>
+  Result<std::unique_ptr<PendingCollective>> start(const char* what, int64_t n, Call call) {
+    if (n < 0) return invalid_argument("{}: negative count {}", what, n);
+    if (aborted_) return Status(StatusCode::kIoError, fmt::format("NCCL {}: the communicator was aborted", what));
+    if (n == 0) return std::unique_ptr<PendingCollective>(std::make_unique<Pending>(this, what, nullptr));
+    if (compute_stream_ != nullptr) {
+      if (ready_ == nullptr)
+        NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreate"));
+      NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaEventRecord(ready_, compute_stream_), "cudaEventRecord (compute)"));
+      NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaStreamWaitEvent(stream_, ready_, 0), "cudaStreamWaitEvent"));
+    } else {
+      NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize before NCCL"));
+    }
+    NIB_RETURN_IF_ERROR(nccl_status(call(), what));
+    NIB_RETURN_IF_ERROR(wait_comm(what));  // the call enqueued
+    cudaEvent_t done = nullptr;
+    NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate"));
+    auto op = std::make_unique<Pending>(this, what, done);  // owns `done` from here
+    NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaEventRecord(done, stream_), "cudaEventRecord (NCCL)"));
+    return std::unique_ptr<PendingCollective>(std::move(op));
+  }
+
   int rank_, world_, device_;
   double timeout_s_;
   ncclComm_t comm_ = nullptr;
-  cudaStream_t stream_ = nullptr;
+  cudaStream_t compute_stream_;  // the backend's (start_* order after it), or null
+  cudaStream_t stream_ = nullptr;  // the communication stream
+  cudaEvent_t ready_ = nullptr;    // recorded on compute_stream_ by start_*
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
   bool aborted_ = false;
@@ -183,7 +253,8 @@ Result<std::unique_ptr<ProcessGroup>> make_nccl_group(const LaunchEnv& env, Proc
     else
       NIB_RETURN_IF_ERROR(tcp_broadcast_from_rank0(env, &id, sizeof id, options.timeout_s));
   }
-  auto g = std::make_unique<NcclGroup>(env.rank, env.world_size, options.cuda_device, options.timeout_s);
+  auto g = std::make_unique<NcclGroup>(env.rank, env.world_size, options.cuda_device, options.timeout_s,
+                                       options.compute_stream);
   NIB_RETURN_IF_ERROR(g->init(id));
   return std::unique_ptr<ProcessGroup>(std::move(g));
 }

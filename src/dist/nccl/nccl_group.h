@@ -3,10 +3,14 @@
 // its completion by polling (cudaStreamQuery + ncclCommGetAsyncError) up to a timeout, and on
 // timeout aborts the communicator (ncclCommAbort) and returns an error naming the operation: a
 // dead or stuck peer gives an error, not a hang. The unique id goes from rank 0 to the others over
-// the bootstrap MPI group (mpirun) or the TCP rendezvous (env launch). Before each collective the
-// device is synchronised (the backend's work on any stream is done): gradient reduction after
-// backward, not overlapped with it (overlap is a next step).
+// the bootstrap MPI group (mpirun) or the TCP rendezvous (env launch). Before each blocking
+// collective the device is synchronised (the backend's work on any stream is done). The
+// nonblocking start_* forms (the gradient reduce overlapped with backward) instead record a CUDA
+// event on the compute stream and make the communication stream wait for it, so the collective
+// runs after the kernels that produced its input and alongside the ones queued later.
 #pragma once
+
+#include <cuda_runtime_api.h>
 
 #include <memory>
 
@@ -17,6 +21,9 @@ namespace nibble::dist {
 struct NcclOptions {
   int cuda_device = 0;         // the GPU of this rank (the backend's)
   double timeout_s = 600;      // per collective and for communicator creation
+  // The stream the backend queues its work on (CudaBackend::stream()): start_* order their
+  // collective after the work queued there so far. Null: they synchronise the device first.
+  cudaStream_t compute_stream = nullptr;
 };
 
 // env: the launch (rank, world, rendezvous address). bootstrap: an MPI group of the same world

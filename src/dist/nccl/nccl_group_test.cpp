@@ -1,13 +1,18 @@
 // The NCCL group as a one-rank world on one GPU (what one H200 can check): every collective on
 // device buffers (all-reduce FP32/FP64, reduce-scatter, all-gather) and the host ones (broadcast,
 // FP64 all-reduce, barrier) return their input unchanged, bit for bit (a sum over one rank is
-// the value itself); bad arguments are errors. Skips without a device. Multi-rank runs need a
-// multi-GPU machine (docs/training.md, "Data parallelism").
+// the value itself); bad arguments are errors. The nonblocking forms (the gradient reduce
+// overlapped with backward) run after the work queued on the compute stream before them: a
+// reduce-scatter started while that stream is held by a 300 ms host callback, with its input's
+// copy queued behind it, still outputs the copied values. Skips without a device. Multi-rank runs
+// need a multi-GPU machine (docs/training.md, "Data parallelism").
 #include <cuda_runtime_api.h>
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
@@ -87,6 +92,58 @@ TEST(NcclGroupTest, OneRankWorldCollectivesAreExactIdentities) {
   NIB_CUDA_CHECK(cudaFree(df));
   NIB_CUDA_CHECK(cudaFree(dout));
   NIB_CUDA_CHECK(cudaFree(dd));
+}
+
+void CUDART_CB hold_stream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }
+
+TEST(NcclGroupTest, NonblockingCollectivesRunAfterTheComputeStreamsQueuedWork) {
+  if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
+  cudaStream_t compute = nullptr;
+  NIB_CUDA_CHECK(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
+  NcclOptions o;
+  o.compute_stream = compute;
+  auto g = make_nccl_group(LaunchEnv{}, nullptr, o);
+  ASSERT_TRUE(g) << g.status().message();
+  ProcessGroup& pg = **g;
+
+  const int64_t n = 1 << 20;
+  const std::vector<float> f = pattern<float>(n, 0.37f);
+  float* pinned = nullptr;  // pinned: the copy is truly asynchronous, queued behind the callback
+  NIB_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned), n * sizeof(float)));
+  std::memcpy(pinned, f.data(), n * sizeof(float));
+  float *din = nullptr, *dout = nullptr;
+  NIB_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&din), n * sizeof(float)));
+  NIB_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&dout), n * sizeof(float)));
+  NIB_CUDA_CHECK(cudaMemset(din, 0, n * sizeof(float)));
+  NIB_CUDA_CHECK(cudaMemset(dout, 0, n * sizeof(float)));
+  NIB_CUDA_CHECK(cudaDeviceSynchronize());
+  // The compute stream: held 300 ms, then din <- f. A collective not ordered after it would read zeros.
+  NIB_CUDA_CHECK(cudaLaunchHostFunc(compute, hold_stream, nullptr));
+  NIB_CUDA_CHECK(cudaMemcpyAsync(din, pinned, n * sizeof(float), cudaMemcpyHostToDevice, compute));
+  auto op = pg.start_reduce_scatter_sum(din, dout, n);
+  ASSERT_TRUE(op) << op.status().message();
+  auto early = (*op)->test();
+  ASSERT_TRUE(early);
+  EXPECT_FALSE(*early) << "finished while the compute stream was still held";
+  ASSERT_TRUE((*op)->wait());
+  EXPECT_EQ(to_host(dout, n), f);  // a sum over one rank: the values copied before it, bit for bit
+  auto again = (*op)->test();
+  ASSERT_TRUE(again);
+  EXPECT_TRUE(*again);
+  // The in-place all-reduce form: over one rank, the values (ordered the same way).
+  auto ar = pg.start_all_reduce_sum(din, n);
+  ASSERT_TRUE(ar) << ar.status().message();
+  ASSERT_TRUE((*ar)->wait());
+  EXPECT_EQ(to_host(din, n), f);
+  auto empty = pg.start_all_reduce_sum(din, 0);  // nothing queued: finished at once
+  ASSERT_TRUE(empty);
+  EXPECT_TRUE((*empty)->wait());
+  EXPECT_FALSE(pg.start_reduce_scatter_sum(din, dout, -1));
+  NIB_CUDA_CHECK(cudaFree(din));
+  NIB_CUDA_CHECK(cudaFree(dout));
+  NIB_CUDA_CHECK(cudaFreeHost(pinned));
+  g->reset();  // the group (its communicator) before the stream it was given
+  NIB_CUDA_CHECK(cudaStreamDestroy(compute));
 }
 
 TEST(NcclGroupTest, BadOptionsAreErrors) {
