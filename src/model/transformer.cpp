@@ -168,6 +168,7 @@ struct BlockParams {
   int64_t post_attn_ln = -1;              // (C)
   int64_t post_ff_ln = -1;                // olmo: (C)
   int64_t router = -1;                    // qwen moe: mlp.gate (E,C)
+  int64_t first = -1;                     // flat offset of the block's first parameter
   int lin_qkv = -1, lin_o = -1, lin_gate_up = -1, lin_down = -1;
   int lin_expert0 = -1;                   // expert e: gate_up = lin_expert0 + 2e, down = +1
   int lin_shared_gate_up = -1, lin_shared_down = -1;
@@ -300,6 +301,7 @@ Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConf
   im.embed = add("model.embed_tokens.weight", {V, C}, /*wd=*/false);
   for (int64_t l = 0; l < L; ++l) {
     BlockParams bp;
+    bp.first = offset;
     const std::string p = "model.layers." + std::to_string(l) + ".";
     if (!olmo) bp.input_ln = add(p + "input_layernorm.weight", {C}, true);
     int64_t q = add(p + "self_attn.q_proj.weight", {Nq, C}, true);
@@ -949,6 +951,11 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   }
   // dt1 holds dxf (N,C) and the lm_head gradient is accumulated (the chunk loop above)
   ops.rmsnorm_backward(im.dres, G(im.final_norm), im.dt1, im.res[L], W(im.final_norm), im.xf_rstd, N, C);
+  // grads_final_hook_: the gradients from a flat offset to the end are final (see transformer.h).
+  auto grads_final_from = [&](int64_t offset) {
+    if (grads_final_hook_) grads_final_hook_(offset);
+  };
+  grads_final_from(im.final_norm);  // model.norm and lm_head
 
   // dx (N,C) = d MLP(x) / dx applied to dm (N,C)
   auto mlp_backward = [&](T* dx, const T* dm, const T* x, int64_t l) {
@@ -1028,8 +1035,10 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
       ops.rmsnorm_backward(im.dt2, G(bp.input_ln), im.dt1, im.res[l], W(bp.input_ln), a.ln1_rstd, N, C);
       ops.add_inplace(im.dres, im.dt2, N * C);                                                            // dx
     }
+    grads_final_from(bp.first);  // block l and everything after it
   }
   ops.embedding_backward(G(im.embed), im.dres, im.tokens, N, V, C);
+  grads_final_from(0);
   return lp;
 }
 

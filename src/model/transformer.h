@@ -196,6 +196,15 @@ class TransformerT {
 
   int64_t num_moe_layers() const { return num_moe_layers_; }
 
+  // ---- gradient readiness (the data-parallel reduce overlapped with backward) ----
+  // Called during each backward (forward_backward*) with a flat offset f, on the calling thread,
+  // once every gradient in [f, num_params) has its final value for this backward: the kernels
+  // producing them are queued on the backend (not necessarily finished on a GPU). The offsets
+  // fall: model.norm's (with lm_head), each block's first parameter from the last block down,
+  // then 0 (the embedding). Parameters no token reached (an MoE expert without tokens) are final
+  // with their block. Null: none (the default).
+  void set_grads_final_hook(std::function<void(int64_t final_from)> hook) { grads_final_hook_ = std::move(hook); }
+
   // Float models only: Tensor views of the parameters (see Parameter).
   std::vector<Parameter> parameters();
 
@@ -218,6 +227,7 @@ class TransformerT {
   int64_t step_ = 0;
   uint64_t seed_ = 0;
   int64_t micro_step_ = 0;
+  std::function<void(int64_t)> grads_final_hook_;
   std::unique_ptr<Impl> impl_;
 };
 
