@@ -1,7 +1,7 @@
 // Data parallelism of `nibble pretrain` (issue #17): each rank of a dist::ProcessGroup takes
 // batch_size/world consecutive rows of every micro-batch of the global batch (the 1-process run's
 // batch and order), runs forward+backward on them, and the gradients are summed over ranks here,
-// in buckets, after backward (on CUDA, overlapping the reduce with backward is a next step). Every
+// in buckets, after backward (dist.overlap=0; grad_overlap.h starts the same buckets during it). Every
 // rank then runs the same AdamW on the same summed gradients, so the weights stay identical.
 #pragma once
 

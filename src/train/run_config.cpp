@@ -145,7 +145,7 @@ json default_run_config_json() {
       {"max_bad_steps", 5},
       {"threads", 0},
       {"log_interval", 10},
-      {"dist", {{"zero", 1}, {"bucket_elems", 4194304}}},
+      {"dist", {{"zero", 1}, {"bucket_elems", 4194304}, {"overlap", 1}}},
       {"task", {{"name", ""}, {"levels", {0}}, {"seed", 1}, {"train_examples", 2048}, {"val_examples", 128},
                 {"accuracy_examples", 64}, {"max_new_tokens", 32}}},
   };
@@ -301,6 +301,9 @@ Result<RunConfig> resolve_run_config(const json& user, const std::vector<std::st
   NIB_ASSIGN_OR_RETURN(c.zero, get_int(j, "dist.zero", 0));
   if (c.zero > 1) return invalid_argument("run config: bad value for 'dist.zero': must be 0 (off) or 1 (ZeRO-1)");
   NIB_ASSIGN_OR_RETURN(c.bucket_elems, get_int(j, "dist.bucket_elems", 1));
+  NIB_ASSIGN_OR_RETURN(c.overlap, get_int(j, "dist.overlap", 0));
+  if (c.overlap > 1)
+    return invalid_argument("run config: bad value for 'dist.overlap': must be 0 (reduce after backward) or 1 (overlapped)");
   const json& task = j["task"];
   c.task.name = task["name"].get<std::string>();
   c.task.levels.clear();

@@ -61,6 +61,7 @@ struct RunConfig {
   int64_t log_interval = 10;      // plain progress lines at its multiples (plus the first and last step)
   int64_t zero = 1;               // dist.zero: 1 = ZeRO-1 in a data-parallel run (train/zero.h), 0 = off
   int64_t bucket_elems = int64_t{1} << 22;  // dist.bucket_elems: FP32 elements per gradient bucket (16 MiB)
+  int64_t overlap = 1;            // dist.overlap: 1 = buckets reduced during backward (train/grad_overlap.h), 0 = after it
   TaskDataConfig task;            // nibble sft only
 };
 

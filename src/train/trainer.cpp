@@ -18,6 +18,7 @@
 #include "train/atomic_dir.h"
 #include "train/data_parallel.h"
 #include "train/dataset.h"
+#include "train/grad_overlap.h"
 #include "train/metrics.h"
 #include "train/oscireset.h"
 #include "train/plot.h"
@@ -300,6 +301,16 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
                    "all-reduced through the host)", group->kind(), model->backend().name());
     }
   }
+  // dist.overlap: the buckets reduced during the last micro-batch's backward, as the model makes
+  // their gradients final; not where the gradients are staged through the host (MPI + CUDA).
+  std::optional<OverlappedGradReduce> overlap;
+  if (dp && cfg.overlap == 1) {
+    if (group->device_memory() == (model->backend().device() != Device::kCPU))
+      overlap.emplace(*group, model->flat_grads(), model->num_params(), zero ? &*zero : nullptr, cfg.bucket_elems);
+    else
+      NIB_LOG_INFO("dist.overlap off: the {} process group cannot reach the model's memory on {}", group->kind(),
+                   model->backend().name());
+  }
   const std::vector<ParamView>& optimizer_views = zero ? owned : views;
   const int64_t moment_bytes = 2 * static_cast<int64_t>(sizeof(float)) *
                                (zero ? zero->layout().owned_elems() : model->num_params());
@@ -354,9 +365,10 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
                  {"starting step", std::to_string(start)},
                  {"weights", weight_bytes}}));
     NIB_LOG_INFO("data parallel: {} ranks over {}; rank {} takes rows [{}, {}) of every {}-row micro-batch; "
-                 "gradients {} after backward",
+                 "gradients {} {} backward",
                  world, group->kind(), rank, rows.begin, rows.end, B,
-                 zero ? "reduce-scattered (ZeRO-1)" : "all-reduced (summed in rank order)");
+                 zero ? "reduce-scattered (ZeRO-1)" : "all-reduced (summed in rank order)",
+                 overlap ? fmt::format("in {} buckets overlapped with", overlap->num_buckets()) : std::string("after"));
     if (zero)
       NIB_LOG_INFO("ZeRO-1: rank {} holds AdamW moments for {} of {} parameters: {:.3f} MiB (unsharded {:.3f} MiB); "
                    "{} buckets reduce-scattered, the updated weights all-gathered",
@@ -486,8 +498,14 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     for (int64_t a = 0; a < cfg.grad_accum; ++a) {
       NIB_RETURN_IF_ERROR(loader.next(&batch, rows.begin, rows.end));
       model->set_micro_step(s * cfg.grad_accum + a);
+      const bool reduce_in_backward = overlap && a + 1 == cfg.grad_accum;  // the last micro-batch alone
+      if (reduce_in_backward) {
+        overlap->begin();
+        model->set_grads_final_hook([&](int64_t final_from) { overlap->on_grads_final(final_from); });
+      }
       model::LossParts lp = model->forward_backward(batch.tokens.data(), batch.targets.data(), batch.batch, batch.seq_len,
                                                     loss_opt);
+      if (reduce_in_backward) model->set_grads_final_hook(nullptr);
       loss += lp.loss;
       ce += lp.ce;
       zl += lp.z_loss;
@@ -495,11 +513,16 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     if (dp) {
       // Gradients and losses summed over ranks (each rank's are means over its rows: the sum over
       // ranks is world times the global mean, folded into grad_scale and the divisions below).
-      if (zero)
+      if (overlap) {
+        NIB_RETURN_IF_ERROR(overlap->finish());  // every bucket done (started during backward)
+        NIB_LOG_DEBUG("step {}: {} of {} gradient buckets started during backward, {} of them reduced when it ended",
+                      s + 1, overlap->started_during_backward(), overlap->num_buckets(), overlap->done_at_backward_end());
+      } else if (zero) {
         NIB_RETURN_IF_ERROR(zero->reduce_scatter(model->flat_grads()));
-      else
+      } else {
         NIB_RETURN_IF_ERROR(all_reduce_gradients(*group, model->backend(), model->flat_grads(), model->num_params(),
                                                  &grad_stage, cfg.bucket_elems));
+      }
       double sums[4] = {loss, ce, zl, interrupt_signal() != 0 ? 1.0 : 0.0};
       NIB_RETURN_IF_ERROR(group->all_reduce_sum_host(sums, 4));
       loss = sums[0] / world;

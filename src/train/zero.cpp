@@ -86,29 +86,65 @@ std::vector<ParamView> owned_views(const std::vector<ParamView>& full, const Zer
   return out;
 }
 
+Result<std::unique_ptr<dist::PendingCollective>> Zero1::start_reduce(float* grads, const ZeroBucket& k, float* stage) {
+  const int world = layout_.world(), rank = layout_.rank();
+  const int64_t c = k.shard;
+  if (!k.padded(world)) return group_.start_reduce_scatter_sum(grads + k.begin, grads + k.begin + rank * c, c);
+  // stage: (world*c) f32: the bucket, zero past its end.
+  be_.fill_zero(stage, static_cast<size_t>(world * c) * sizeof(float));
+  be_.copy(stage, grads + k.begin, static_cast<size_t>(k.size) * sizeof(float));
+  return group_.start_reduce_scatter_sum(stage, stage + rank * c, c);
+}
+
+void Zero1::finish_reduce(float* grads, const ZeroBucket& k, const float* stage) {
+  const FlatRange own = k.owned(layout_.rank());
+  if (k.padded(layout_.world()) && own.size() > 0)
+    be_.copy(grads + own.begin, stage + layout_.rank() * k.shard, static_cast<size_t>(own.size()) * sizeof(float));
+}
+
+float* Zero1::overlap_stage(size_t k) {
+  if (overlap_offsets_.empty()) {  // first use: every padded bucket's place, end to end
+    int64_t total = 0;
+    for (const ZeroBucket& b : layout_.buckets()) {
+      overlap_offsets_.push_back(total);
+      if (b.padded(layout_.world())) total += b.shard * layout_.world();
+    }
+    if (total > 0) overlap_stage_.ensure(be_, total, "ZeRO-1 padded buckets (overlapped reduce)");
+  }
+  return overlap_stage_.data() + overlap_offsets_[k];
+}
+
+Result<std::unique_ptr<dist::PendingCollective>> Zero1::start_reduce_bucket(float* grads, size_t k) {
+  NIB_CHECK_MSG(k < layout_.buckets().size(), "bucket {} of {}", k, layout_.buckets().size());
+  return start_reduce(grads, layout_.buckets()[k], overlap_stage(k));
+}
+
+void Zero1::finish_reduce_bucket(float* grads, size_t k) {
+  NIB_CHECK_MSG(k < layout_.buckets().size(), "bucket {} of {}", k, layout_.buckets().size());
+  finish_reduce(grads, layout_.buckets()[k], overlap_stage(k));
+}
+
 Status Zero1::each_bucket(float* data, bool reduce) {
   const int world = layout_.world(), rank = layout_.rank();
   for (const ZeroBucket& k : layout_.buckets()) {
     const int64_t c = k.shard;
-    float* mine = data + k.begin + rank * c;
-    if (!k.padded(world)) {
-      NIB_RETURN_IF_ERROR(reduce ? group_.reduce_scatter_sum(data + k.begin, mine, c)
-                                 : group_.all_gather(mine, data + k.begin, c));
+    float* stage = k.padded(world) ? stage_.ensure(be_, layout_.max_padded_elems(), "ZeRO-1 padded bucket") : nullptr;
+    if (reduce) {
+      NIB_ASSIGN_OR_RETURN(auto op, start_reduce(data, k, stage));
+      NIB_RETURN_IF_ERROR(op->wait());
+      finish_reduce(data, k, stage);
       continue;
     }
-    // stage: (world*c) f32: the bucket, zero past its end.
-    float* stage = stage_.ensure(be_, layout_.max_padded_elems(), "ZeRO-1 padded bucket");
+    float* mine = data + k.begin + rank * c;
+    if (!k.padded(world)) {
+      NIB_RETURN_IF_ERROR(group_.all_gather(mine, data + k.begin, c));
+      continue;
+    }
     const FlatRange own = k.owned(rank);
     be_.fill_zero(stage, static_cast<size_t>(world * c) * sizeof(float));
-    if (reduce) {
-      be_.copy(stage, data + k.begin, static_cast<size_t>(k.size) * sizeof(float));
-      NIB_RETURN_IF_ERROR(group_.reduce_scatter_sum(stage, stage + rank * c, c));
-      if (own.size() > 0) be_.copy(data + own.begin, stage + rank * c, static_cast<size_t>(own.size()) * sizeof(float));
-    } else {
-      if (own.size() > 0) be_.copy(stage + rank * c, data + own.begin, static_cast<size_t>(own.size()) * sizeof(float));
-      NIB_RETURN_IF_ERROR(group_.all_gather(stage + rank * c, stage, c));
-      be_.copy(data + k.begin, stage, static_cast<size_t>(k.size) * sizeof(float));
-    }
+    if (own.size() > 0) be_.copy(stage + rank * c, data + own.begin, static_cast<size_t>(own.size()) * sizeof(float));
+    NIB_RETURN_IF_ERROR(group_.all_gather(stage + rank * c, stage, c));
+    be_.copy(data + k.begin, stage, static_cast<size_t>(k.size) * sizeof(float));
   }
   return Status::ok();
 }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -80,6 +81,12 @@ class Zero1 {
   // fixed order: rank order for MPI, the same bits as dist all_reduce_sum); the other elements
   // keep this rank's own values.
   Status reduce_scatter(float* grads);
+  // One bucket's reduce-scatter started (the gradient reduce overlapped with backward,
+  // train/grad_overlap.h); finish_reduce_bucket after its wait() copies a padded bucket's result
+  // back. Afterwards bucket k's elements are as reduce_scatter leaves them, bit for bit. Each
+  // padded bucket has its own stage here (overlap_stage_), so several can be in flight.
+  Result<std::unique_ptr<dist::PendingCollective>> start_reduce_bucket(float* grads, size_t k);
+  void finish_reduce_bucket(float* grads, size_t k);
   // values: (n) f32 whose owned elements are current; afterwards every element is, on every rank.
   Status all_gather(float* values);
   // The squared L2 norm of grad*grad_scale over every rank's owned views (each rank's sum over its
@@ -95,11 +102,19 @@ class Zero1 {
  private:
   // Runs op over bucket b in place on `data` (or through the padded stage).
   Status each_bucket(float* data, bool reduce);
+  // Bucket k's reduce-scatter started / finished; a padded bucket goes through stage
+  // (world*shard f32 in be's memory).
+  Result<std::unique_ptr<dist::PendingCollective>> start_reduce(float* grads, const ZeroBucket& k, float* stage);
+  void finish_reduce(float* grads, const ZeroBucket& k, const float* stage);
+  // Bucket k's own stage in overlap_stage_ (padded buckets only).
+  float* overlap_stage(size_t k);
 
   dist::ProcessGroup& group_;
   backend::Backend& be_;
   ZeroLayout layout_;
   backend::Buffer<float> stage_, flat_moment_;
+  backend::Buffer<float> overlap_stage_;  // every padded bucket's stage, end to end
+  std::vector<int64_t> overlap_offsets_;  // (buckets) offset of bucket k's stage in overlap_stage_
 };
 
 }  // namespace nibble::train
