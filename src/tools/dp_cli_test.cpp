@@ -5,7 +5,7 @@
 // onto the 1-process curve, and a 1-process run resumes under 2 ranks (ZeRO-1 is on by default
 // in these runs); ZeRO-1 against the plain data-parallel path (a tighter tolerance, derived
 // there), its halved AdamW moments, and a ZeRO checkpoint resumed in a world of 2 with ZeRO on
-// and off; ranks with different configs and a batch that does not split fail with one line. Skipped (ctest: skipped, not passed) when mpirun is absent or nibble was built
+// and off; the reduce overlapped with backward against the one after it (bit-identical); ranks with different configs and a batch that does not split fail with one line. Skipped (ctest: skipped, not passed) when mpirun is absent or nibble was built
 // without MPI.
 #include <unistd.h>
 
@@ -263,6 +263,36 @@ TEST(DataParallelCliTest, ZeroOneMatchesThePlainPathHalvesTheMomentsAndResumes) 
   ASSERT_TRUE(zo && po);
   ASSERT_EQ(zo->names(), po->names());
   for (const std::string& name : po->names()) EXPECT_EQ(zo->get(name)->numel(), po->get(name)->numel()) << name;
+}
+
+// The gradient reduce overlapped with backward (dist.overlap=1, the default) against the reduce
+// after backward (dist.overlap=0), with ZeRO-1 and without, two micro-batches per step (only the
+// last one's backward reduces) and buckets of 10007 (13 buckets, padded ones): the same buckets
+// with the same rank-order sums, so every logged loss and gradient norm is the same double.
+TEST(DataParallelCliTest, OverlappedReduceGivesTheSameBitsAsTheReduceAfterBackward) {
+  if (const std::string why = why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
+  ScratchDir d("dp_overlap");
+  const std::string cfg = write_tiny_config(d), corpus = d / "corpus.txt";
+  const std::string base = mpirun(2) + "'" + nibble_binary() + "' pretrain --config '" + cfg + "' --data '" + corpus +
+                           "' --no-progress --stop-after 3 --set dist.bucket_elems=10007 --set grad_accum=2 ";
+  for (const int zero : {1, 0}) {
+    SCOPED_TRACE(::testing::Message() << "dist.zero=" << zero);
+    const std::string z = "--set dist.zero=" + std::to_string(zero) + " ";
+    const fs::path on = d / ("on" + std::to_string(zero)), off = d / ("off" + std::to_string(zero));
+    RunResult r = run_shell(d.path, base + z + "--out '" + on.string() + "'");
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_NE(r.err.find("in 13 buckets overlapped with backward"), std::string::npos) << r.err;
+    r = run_shell(d.path, base + z + "--set dist.overlap=0 --out '" + off.string() + "'");
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_NE(r.err.find("after backward"), std::string::npos) << r.err;
+    const Curve a = read_curve(on / "metrics.jsonl"), b = read_curve(off / "metrics.jsonl");
+    ASSERT_EQ(a.steps.size(), 3u);
+    ASSERT_EQ(b.steps.size(), 3u);
+    for (const auto& [s, e] : a.steps) {
+      EXPECT_EQ(e["loss"].get<double>(), b.steps.at(s)["loss"].get<double>()) << "step " << s;
+      EXPECT_EQ(e["grad_norm"].get<double>(), b.steps.at(s)["grad_norm"].get<double>()) << "step " << s;
+    }
+  }
 }
 
 TEST(DataParallelCliTest, RanksThatDisagreeOrABatchThatDoesNotSplitFailWithOneLine) {
