@@ -513,16 +513,22 @@ Result<TrainResult> run_pretraining_locked(const RunConfig& cfg, const TrainOpti
     if (dp) {
       // Gradients and losses summed over ranks (each rank's are means over its rows: the sum over
       // ranks is world times the global mean, folded into grad_scale and the divisions below).
+      const auto reduce_t0 = std::chrono::steady_clock::now();
       if (overlap) {
         NIB_RETURN_IF_ERROR(overlap->finish());  // every bucket done (started during backward)
-        NIB_LOG_DEBUG("step {}: {} of {} gradient buckets started during backward, {} of them reduced when it ended",
-                      s + 1, overlap->started_during_backward(), overlap->num_buckets(), overlap->done_at_backward_end());
       } else if (zero) {
         NIB_RETURN_IF_ERROR(zero->reduce_scatter(model->flat_grads()));
       } else {
         NIB_RETURN_IF_ERROR(all_reduce_gradients(*group, model->backend(), model->flat_grads(), model->num_params(),
                                                  &grad_stage, cfg.bucket_elems));
       }
+      // The reduce time left after backward (what the overlap hides), for docs/benchmarks.md.
+      NIB_LOG_DEBUG("step {}: gradient reduce after backward {:.2f} ms{}", s + 1,
+                    std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - reduce_t0).count(),
+                    overlap ? fmt::format(" ({} of {} buckets started during backward, {} of them done by its end)",
+                                          overlap->started_during_backward(), overlap->num_buckets(),
+                                          overlap->done_at_backward_end())
+                            : std::string());
       double sums[4] = {loss, ce, zl, interrupt_signal() != 0 ? 1.0 : 0.0};
       NIB_RETURN_IF_ERROR(group->all_reduce_sum_host(sums, 4));
       loss = sums[0] / world;
