@@ -53,6 +53,7 @@ json RlConfig::to_json() const {
               {"weight_decay", weight_decay},
               {"grad_clip", grad_clip},
               {"seed", seed},
+              {"max_staleness", max_staleness},
               {"checkpoint_every", checkpoint_every},
               {"keep_checkpoints", keep_checkpoints}};
 }
@@ -104,6 +105,7 @@ Result<RlConfig> parse_rl_config(const json& j) {
   NIB_RETURN_IF_ERROR(get(j, "weight_decay", c.weight_decay));
   NIB_RETURN_IF_ERROR(get(j, "grad_clip", c.grad_clip));
   NIB_RETURN_IF_ERROR(get(j, "seed", c.seed));
+  NIB_RETURN_IF_ERROR(get(j, "max_staleness", c.max_staleness));
   NIB_RETURN_IF_ERROR(get(j, "checkpoint_every", c.checkpoint_every));
   NIB_RETURN_IF_ERROR(get(j, "keep_checkpoints", c.keep_checkpoints));
   NIB_ASSIGN_OR_RETURN(c.arm, parse_arm(arm));
@@ -130,6 +132,7 @@ Result<RlConfig> parse_rl_config(const json& j) {
   if (!(c.lr > 0) || !(c.weight_decay >= 0) || !(c.grad_clip >= 0))
     return invalid_argument("rl config: lr must be > 0, weight_decay and grad_clip >= 0");
   if (c.level < 0) return invalid_argument("rl config: level must be >= 0");
+  if (c.max_staleness < 0) return invalid_argument("rl config: max_staleness must be >= 0 (got {})", c.max_staleness);
   if (c.checkpoint_every < 0 || c.keep_checkpoints < 1)
     return invalid_argument("rl config: checkpoint_every must be >= 0 and keep_checkpoints >= 1");
   for (int64_t l : c.guidance_layers)

@@ -12,6 +12,7 @@
 #include "core/log.h"
 #include "io/safetensors.h"
 #include "rl/fake_quant.h"
+#include "rl/rollout_worker.h"
 #include "rl/sft.h"
 #include "rollout/engine.h"
 #include "rollout/routing_record.h"
@@ -51,12 +52,22 @@ json RlStepMetrics::to_json() const {
               {"clip_fraction", clip_fraction},
               {"tis_fraction", tis_fraction},
               {"kl_ref", kl_ref},
-              {"grad_norm", grad_norm}};
+              {"grad_norm", grad_norm},
+              {"policy_version", policy_version},
+              {"staleness", staleness},
+              {"overlap_seconds", overlap_seconds}};
 }
 
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr const char* kPolicyFile = "rollout_policies.safetensors";  // pending versions (max_staleness > 0)
+constexpr const char* kRolloutRecipe = "tetrajet-v2";  // two-level NVFP4, the trainer's rl-fake-quant format
+
+double overlap(std::chrono::steady_clock::time_point a0, std::chrono::steady_clock::time_point a1,
+               std::chrono::steady_clock::time_point b0, std::chrono::steady_clock::time_point b1) {
+  return std::max(0.0, std::chrono::duration<double>(std::min(a1, b1) - std::max(a0, b0)).count());
+}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -148,7 +159,16 @@ class RlRun {
  private:
   Status build_models();
   Status resume_state();
-  Result<RlStepMetrics> step(int64_t s);
+  Status start_worker();
+  // The policy version step s's rollouts come from: max(0, s - max_staleness), a function of
+  // (s, N) alone, so runs and resumes are reproducible whatever the threads' timing.
+  int64_t version_for(int64_t s) const { return std::max<int64_t>(0, s - cfg_.max_staleness); }
+  std::vector<TaskInstance> instances(int64_t s) const;
+  Result<RolloutJob> rollout_job(int64_t s);
+  Status start_rollout(int64_t s);
+  // The weight sync: the trainer's current weights as policy version `version` to the worker.
+  Status sync(int64_t version, RlStepMetrics* m);
+  Result<RlStepMetrics> step(int64_t s, RolloutBatch batch);
   Status write_checkpoint(int64_t step);
   Status write_plots();
 
@@ -160,11 +180,15 @@ class RlRun {
   std::unique_ptr<model::Model> model_, ref_;
   std::unique_ptr<train::Tokenizer> tok_;
   std::unique_ptr<train::AdamW> adamw_;
-  std::unique_ptr<rollout::Engine> engine_;
+  std::unique_ptr<backend::Backend> own_rollout_be_;  // when RlOptions::rollout_backend is null
+  std::unique_ptr<ThreadRolloutWorker> worker_;
+  // versions sent and still to be used by a later step's rollout (written into checkpoints)
+  std::map<int64_t, std::shared_ptr<const PolicyWeights>> pending_;
+  std::vector<PolicyWeights> resumed_versions_;  // read by resume_state, sent by start_worker
+  std::chrono::steady_clock::time_point prev_train_began_, prev_train_ended_;
   std::vector<int64_t> guided_layers_;
   TraceGuidance guidance_;
   int64_t start_ = 0;
-  int64_t non_linear_params_ = 0;
   std::vector<train::PlotPoint> reward_pts_, gap_mean_pts_, gap_max_pts_;
 };
 
@@ -221,9 +245,6 @@ Status RlRun::build_models() {
   guidance_.layers.assign(static_cast<size_t>(L), false);
   for (int64_t l : guided_layers_) guidance_.layers[static_cast<size_t>(l)] = true;
   attach_guidance(*model_, &guidance_);
-  int64_t linear_params = 0;
-  for (const model::LinearInfo& info : model_->linear_infos()) linear_params += info.N * info.K;
-  non_linear_params_ = model_->num_params() - linear_params;
   train::AdamWConfig ac;
   ac.weight_decay = cfg_.weight_decay;
   adamw_ = std::make_unique<train::AdamW>(ac, &be_);
@@ -248,6 +269,24 @@ Status RlRun::resume_state() {
   Status s = adamw_->import_state(ostate, param_views(*model_));
   if (!s) return data_loss("checkpoint '{}': optimizer state: {}", opath, s.message());
   start_ = ck.step;
+  if (cfg_.max_staleness > 0 && start_ > 0) {
+    // the policy versions the next steps' rollouts still need (rollout_worker.h)
+    const std::string ppath = (fs::path(ck.dir) / kPolicyFile).string();
+    auto pf = io::SafetensorsFile::open(ppath);
+    if (!pf) return data_loss("checkpoint '{}': {}", ppath, pf.status().message());
+    std::vector<io::NamedTensor> pt;
+    for (auto& n : pf->names()) {
+      NIB_ASSIGN_OR_RETURN(Tensor t, pf->get(n));
+      pt.push_back({n, t});
+    }
+    NIB_ASSIGN_OR_RETURN(resumed_versions_,
+                         policies_from_named(pt, *model_, rollout_mode(cfg_.arm), kRolloutRecipe));
+    for (int64_t v = version_for(start_); v < start_; ++v)
+      if (std::none_of(resumed_versions_.begin(), resumed_versions_.end(),
+                       [v](const PolicyWeights& w) { return w.version == v; }))
+        return data_loss("checkpoint '{}' lacks policy version {}, which step {}'s rollouts need with max_staleness {}",
+                         ck.dir, v, start_ + 1 + (v - version_for(start_)), cfg_.max_staleness);
+  }
   const json& pts = ck.trainer;
   for (const json& p : pts.value("reward", json::array())) reward_pts_.push_back({p[0].get<double>(), p[1].get<double>()});
   for (const json& p : pts.value("gap_mean", json::array())) gap_mean_pts_.push_back({p[0].get<double>(), p[1].get<double>()});
@@ -277,6 +316,14 @@ Status RlRun::write_checkpoint(int64_t step) {
     w.tokenizer_path = ck.tokenizer_path;
   }
   w.keep_last = cfg_.keep_checkpoints;
+  if (cfg_.max_staleness > 0) {
+    // the versions the rollouts of steps step+1.. still need (the trainer's own is version `step`);
+    // a resume regenerates a rollout in flight now from them, bit for bit
+    std::vector<io::NamedTensor> pt;
+    for (const auto& [v, pw] : pending_)
+      if (v >= version_for(step) && v < step) pw->append_named(pt);
+    w.extra_safetensors.push_back({kPolicyFile, std::move(pt)});
+  }
   NIB_ASSIGN_OR_RETURN(std::string dir, train::write_checkpoint(run_.string(), step, w));
   (void)dir;
   return Status::ok();
@@ -287,52 +334,82 @@ Status RlRun::write_plots() {
   return train::write_loss_plot((run_ / "logp_gap.png").string(), gap_mean_pts_, gap_max_pts_);
 }
 
-Result<RlStepMetrics> RlRun::step(int64_t s) {
+std::vector<TaskInstance> RlRun::instances(int64_t s) const {
+  std::vector<TaskInstance> inst;
+  for (int64_t i = 0; i < cfg_.prompts_per_step; ++i)
+    inst.push_back(task_.make(static_cast<int>(cfg_.level), cfg_.task_seed, prompt_instance_index(cfg_, s, i)));
+  return inst;
+}
+
+Result<RolloutJob> RlRun::rollout_job(int64_t s) {
+  RolloutJob job;
+  job.step = s, job.version = version_for(s);
+  for (const TaskInstance& t : instances(s)) {
+    NIB_ASSIGN_OR_RETURN(std::vector<int32_t> prompt, tok_->encode(t.prompt));
+    if (prompt.empty()) return invalid_argument("task '{}' made an empty prompt", task_.name());
+    rollout::Request r;
+    r.prompt = std::move(prompt);
+    r.id = static_cast<uint64_t>(job.requests.size());
+    r.params.sampling.temperature = cfg_.grpo.temperature;
+    r.params.max_new_tokens = cfg_.max_new_tokens;
+    r.params.stop_ids = {tok_->eos_id()};
+    r.params.num_samples = cfg_.group_size;
+    r.params.seed = cfg_.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(s);
+    job.requests.push_back(std::move(r));
+  }
+  job.record_routing = model_->num_moe_layers() > 0;
+  if (guided_arm(cfg_.arm)) {
+    job.record_guidance = true;
+    job.guidance_mode = cfg_.arm == Arm::kTraceFull ? rollout::GuidanceMode::kTraceFull : rollout::GuidanceMode::kTrace;
+    job.guidance_layers = guided_layers_;
+  }
+  // two steps' stores live at once with max_staleness > 0: one spill folder each
+  job.guidance_spill_dir = (run_ / fmt::format("guidance_spill_{}", s % 2)).string();
+  return job;
+}
+
+Status RlRun::start_rollout(int64_t s) {
+  NIB_ASSIGN_OR_RETURN(RolloutJob job, rollout_job(s));
+  pending_.erase(pending_.begin(), pending_.lower_bound(job.version));
+  return worker_->start(std::move(job));
+}
+
+Status RlRun::sync(int64_t version, RlStepMetrics* m) {
+  const auto t_sync = std::chrono::steady_clock::now();
+  NIB_ASSIGN_OR_RETURN(PolicyWeights w, snapshot_policy(*model_, rollout_mode(cfg_.arm), kRolloutRecipe, version));
+  auto shared = std::make_shared<const PolicyWeights>(std::move(w));
+  NIB_RETURN_IF_ERROR(worker_->send(shared));
+  if (m != nullptr) {
+    m->sync_seconds = seconds_since(t_sync);
+    m->sync_bytes = static_cast<double>(shared->bytes());
+  }
+  pending_[version] = std::move(shared);
+  return Status::ok();
+}
+
+Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch) {
   const auto t_step = std::chrono::steady_clock::now();
   const model::ModelConfig& mc = model_->config();
   const int64_t P = cfg_.prompts_per_step, G = cfg_.group_size, V = mc.vocab_size;
   const int64_t Lm = model_->num_moe_layers(), topk = mc.num_experts_per_tok, E = mc.num_experts;
   RlStepMetrics m;
   m.step = s + 1;
+  NIB_CHECK(batch.step == s);
+  m.policy_version = batch.version;
+  m.staleness = s - batch.version;
+  m.overlap_seconds = overlap(batch.began, batch.ended, prev_train_began_, prev_train_ended_);
 
-  // ---- prompts and rollout ----
-  std::vector<TaskInstance> inst;
-  std::vector<rollout::Request> reqs;
-  for (int64_t i = 0; i < P; ++i) {
-    inst.push_back(task_.make(static_cast<int>(cfg_.level), cfg_.task_seed, prompt_instance_index(cfg_, s, i)));
-    NIB_ASSIGN_OR_RETURN(std::vector<int32_t> prompt, tok_->encode(inst.back().prompt));
-    if (prompt.empty()) return invalid_argument("task '{}' made an empty prompt", task_.name());
-    rollout::Request r;
-    r.prompt = std::move(prompt);
-    r.id = static_cast<uint64_t>(i);
-    r.params.sampling.temperature = cfg_.grpo.temperature;
-    r.params.max_new_tokens = cfg_.max_new_tokens;
-    r.params.stop_ids = {tok_->eos_id()};
-    r.params.num_samples = G;
-    r.params.seed = cfg_.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(s);
-    reqs.push_back(std::move(r));
-  }
-  rollout::RecordStoreOptions so;
-  so.name = "routing store";
-  NIB_ASSIGN_OR_RETURN(std::unique_ptr<rollout::RecordStore> routing_store, rollout::RecordStore::open(so));
-  so.name = "guidance store";
-  so.spill_dir = (run_ / "guidance_spill").string();
-  NIB_ASSIGN_OR_RETURN(std::unique_ptr<rollout::RecordStore> guidance_store, rollout::RecordStore::open(so));
-  rollout::RolloutRecorders rec;
-  if (Lm > 0) rec.routing = routing_store.get();
-  if (guided_arm(cfg_.arm)) {
-    rec.guidance = guidance_store.get();
-    rec.guidance_mode = cfg_.arm == Arm::kTraceFull ? rollout::GuidanceMode::kTraceFull : rollout::GuidanceMode::kTrace;
-    rec.guidance_layers = guided_layers_;
-  }
-  rollout::EngineCallbacks cb;
-  cb.recorders = &rec;
-  const auto t_roll = std::chrono::steady_clock::now();
-  NIB_ASSIGN_OR_RETURN(std::vector<rollout::Completion> comps, engine_->generate(reqs, cb));
-  const double roll_s = seconds_since(t_roll);
-  NIB_RETURN_IF_ERROR(guidance_store->flush());
-  NIB_RETURN_IF_ERROR(routing_store->flush());
-  m.rollout_tokens_per_s = static_cast<double>(engine_->stats().generated_tokens) / std::max(roll_s, 1e-9);
+  // ---- the rollout (generated by the worker from policy version batch.version) ----
+  const std::vector<TaskInstance> inst = instances(s);
+  const std::vector<rollout::Request>& reqs = batch.requests;
+  std::unique_ptr<rollout::RecordStore> routing_store = std::move(batch.routing);
+  std::unique_ptr<rollout::RecordStore> guidance_store = std::move(batch.guidance);
+  const std::vector<rollout::Completion>& comps = batch.completions;
+  const double roll_s = std::chrono::duration<double>(batch.ended - batch.began).count();
+  m.rollout_tokens_per_s = static_cast<double>(batch.generated_tokens) / std::max(roll_s, 1e-9);
+  // asynchronous: the next step's rollout (from version max(0, s + 1 - N) <= s, already sent)
+  // runs on the worker while this step trains
+  if (cfg_.max_staleness > 0 && s + 1 < cfg_.steps) NIB_RETURN_IF_ERROR(start_rollout(s + 1));
 
   // ---- rewards and advantages ----
   const int64_t B = P * G;
@@ -415,6 +492,7 @@ Result<RlStepMetrics> RlRun::step(int64_t s) {
 
   // ---- π_old (the trainer's log-probs before the update; guided sites measured here) ----
   const auto t_train = std::chrono::steady_clock::now();
+  prev_train_began_ = t_train;
   guidance_.store = guided_arm(cfg_.arm) ? guidance_store.get() : nullptr;
   guidance_.stats = GuidedSiteStats{};
   guidance_.status = Status::ok();
@@ -504,18 +582,38 @@ Result<RlStepMetrics> RlRun::step(int64_t s) {
   const double nm = static_cast<double>(cfg_.minibatches);
   m.loss = loss / nm, m.clip_fraction = clipf / nm, m.tis_fraction = tisf / nm, m.kl_ref = klr / nm,
   m.grad_norm = gnorm / nm;
+  prev_train_ended_ = std::chrono::steady_clock::now();
   m.train_tokens_per_s = static_cast<double>(all_rows) / std::max(seconds_since(t_train), 1e-9);
   guidance_.store = nullptr;
   NIB_RETURN_IF_ERROR(guidance_store->close());
   NIB_RETURN_IF_ERROR(routing_store->close());
 
-  // ---- weight sync: the trainer's block linears quantized for the engine ----
-  const auto t_sync = std::chrono::steady_clock::now();
-  NIB_RETURN_IF_ERROR(engine_->refresh_weights());
-  m.sync_seconds = seconds_since(t_sync);
-  m.sync_bytes = static_cast<double>(engine_->linears()->weight_bytes() + 4 * non_linear_params_);
+  // ---- weight sync: the trainer's block linears quantized, and the rest, as version s + 1 ----
+  NIB_RETURN_IF_ERROR(sync(s + 1, &m));
   m.step_seconds = seconds_since(t_step);
   return m;
+}
+
+Status RlRun::start_worker() {
+  backend::Backend* rbe = opt_.rollout_backend;
+  if (rbe == nullptr) {
+    const std::string name = be_.name();  // "cpu", "cuda:0 (NVIDIA H200)"
+    NIB_ASSIGN_OR_RETURN(own_rollout_be_, backend::make_backend(name.substr(0, name.find(' '))));
+    rbe = own_rollout_be_.get();
+  }
+  NIB_CHECK_MSG(rbe != &be_, "rl: the rollout worker needs its own backend object (it runs beside the trainer)");
+  rollout::EngineOptions eo;
+  eo.mode = rollout_mode(cfg_.arm);
+  eo.recipe_name = kRolloutRecipe;
+  eo.max_batch = cfg_.prompts_per_step * cfg_.group_size;
+  NIB_ASSIGN_OR_RETURN(worker_, ThreadRolloutWorker::create(model_->config(), trainer_recipe(cfg_.arm), rbe, eo));
+  for (PolicyWeights& w : resumed_versions_) {
+    auto shared = std::make_shared<const PolicyWeights>(std::move(w));
+    NIB_RETURN_IF_ERROR(worker_->send(shared));
+    pending_[shared->version] = std::move(shared);
+  }
+  resumed_versions_.clear();
+  return sync(start_, nullptr);  // the trainer's weights now: version start_
 }
 
 Result<RlResult> RlRun::run() {
@@ -525,11 +623,7 @@ Result<RlResult> RlRun::run() {
     NIB_LOG_INFO("rl: {} on {}, task {} level {}, steps {}..{} of {}x{} samples, out {}", arm_name(cfg_.arm), be_.name(),
                  task_.name(), cfg_.level, start_ + 1, cfg_.steps, cfg_.prompts_per_step, cfg_.group_size,
                  run_.string());
-  rollout::EngineOptions eo;
-  eo.mode = rollout_mode(cfg_.arm);
-  eo.recipe_name = "tetrajet-v2";  // two-level NVFP4, the trainer's rl-fake-quant format
-  eo.max_batch = cfg_.prompts_per_step * cfg_.group_size;
-  NIB_ASSIGN_OR_RETURN(engine_, rollout::Engine::create(*model_, eo));
+  NIB_RETURN_IF_ERROR(start_worker());
   const std::string metrics_path = (run_ / "metrics.jsonl").string();
   if (opt_.resume) NIB_RETURN_IF_ERROR(train::drop_metrics_after_step(metrics_path, start_));
   NIB_ASSIGN_OR_RETURN(train::MetricsWriter mw, train::MetricsWriter::open(metrics_path, /*truncate=*/!opt_.resume));
@@ -538,8 +632,12 @@ Result<RlResult> RlRun::run() {
   RlResult res;
   res.start_step = start_;
   int64_t s = start_;
+  NIB_RETURN_IF_ERROR(start_rollout(s));
   for (; s < cfg_.steps; ++s) {
-    NIB_ASSIGN_OR_RETURN(RlStepMetrics m, step(s));
+    NIB_ASSIGN_OR_RETURN(RolloutBatch batch, worker_->finish());
+    NIB_ASSIGN_OR_RETURN(RlStepMetrics m, step(s, std::move(batch)));
+    // on-policy: the next rollout waits for this step's weights (version s + 1)
+    if (cfg_.max_staleness == 0 && s + 1 < cfg_.steps) NIB_RETURN_IF_ERROR(start_rollout(s + 1));
     NIB_RETURN_IF_ERROR(mw.write(m.to_json()));
     reward_pts_.push_back({static_cast<double>(m.step), m.reward_mean});
     gap_mean_pts_.push_back({static_cast<double>(m.step), m.logp_diff_mean});
@@ -554,6 +652,8 @@ Result<RlResult> RlRun::run() {
       NIB_RETURN_IF_ERROR(write_plots());
     }
     if (stop) {
+      // a rollout started for the next step is dropped: a resume regenerates it bit for bit
+      if (cfg_.max_staleness > 0 && s + 1 < cfg_.steps) (void)worker_->finish();
       ++s;
       break;
     }

@@ -66,6 +66,9 @@ struct RlConfig {
   double weight_decay = 0.0;
   double grad_clip = 1.0;
   uint64_t seed = 1;             // rollout sampling seed base
+  // Asynchronous rollouts: step t's rollouts come from policy version max(0, t - N) (version v =
+  // the weights after v updates), generated while the trainer trains step t-1; 0: on-policy.
+  int64_t max_staleness = 0;
   int64_t checkpoint_every = 0;  // 0: only at the end
   int64_t keep_checkpoints = 2;
 
@@ -84,6 +87,9 @@ struct RlOptions {
   bool resume = false;
   int64_t stop_after_step = -1;  // > 0: stop (with a checkpoint) after this step, as if interrupted
   backend::Backend* backend = nullptr;  // null: the CPU backend
+  // The rollout worker's backend: not the trainer's object (both run at once); null: a fresh
+  // instance of the trainer's kind (backend::make_backend).
+  backend::Backend* rollout_backend = nullptr;
   bool progress = false;
 };
 
@@ -97,6 +103,10 @@ struct RlStepMetrics {
   double guidance_bytes_per_token = 0, rollout_tokens_per_s = 0, train_tokens_per_s = 0;
   double sync_seconds = 0, sync_bytes = 0, step_seconds = 0;
   double loss = 0, clip_fraction = 0, tis_fraction = 0, kl_ref = 0, grad_norm = 0;
+  // the policy version the step's rollouts were generated with, step - 1 - that (versions stale),
+  // and the seconds this step's training overlapped the next step's rollout
+  int64_t policy_version = 0, staleness = 0;
+  double overlap_seconds = 0;
   nlohmann::json to_json() const;
 };
 

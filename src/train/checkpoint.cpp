@@ -119,6 +119,10 @@ Result<std::string> write_checkpoint(const std::string& run_dir, int64_t step, c
                                             w.optimizer_state != nullptr ? *w.optimizer_state : w.optimizer->export_state()));
   NIB_RETURN_IF_ERROR(run_hook(w.hook, "recipe_state.safetensors"));
   NIB_RETURN_IF_ERROR(io::write_safetensors((tmp / "recipe_state.safetensors").string(), recipe_state_tensors(*w.model)));
+  for (const auto& [file, tensors] : w.extra_safetensors) {
+    NIB_RETURN_IF_ERROR(run_hook(w.hook, file));
+    NIB_RETURN_IF_ERROR(io::write_safetensors((tmp / file).string(), tensors, meta));
+  }
   NIB_RETURN_IF_ERROR(run_hook(w.hook, "config.json"));
   NIB_RETURN_IF_ERROR(write_file_atomic((tmp / "config.json").string(), w.model->config().to_json().dump(2) + "\n"));
   NIB_RETURN_IF_ERROR(run_hook(w.hook, "run_config.json"));

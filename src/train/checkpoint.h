@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -42,6 +43,9 @@ struct CheckpointWrite {
   nlohmann::json trainer;                   // trainer.json (must hold "step")
   nlohmann::json run_config;                // run_config.json
   std::string tokenizer_path;               // copied as tokenizer.model
+  // Further safetensors files of the folder, (file name, tensors): e.g. the policy versions an
+  // asynchronous RL run's rollout worker still needs (rl/rollout_worker.h).
+  std::vector<std::pair<std::string, std::vector<io::NamedTensor>>> extra_safetensors;
   int64_t keep_last = 2;
   CheckpointHook hook;
 };
