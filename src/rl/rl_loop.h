@@ -3,9 +3,11 @@
 // precision with its recorders (R3 routing, TRACE guidance), exact rewards, group-normalised
 // advantages, the trainer's log-probs of the rollout tokens (π_old: R3-forced routing, guided
 // rounding) and optionally the frozen reference's, then GRPO/TIS minibatch updates (grpo.h)
-// with AdamW, then the weight sync: the trainer's block linears quantized (codes + scales) for
-// the engine, timed and counted. Colocated and synchronous: the engine runs the trainer's model
-// object (rollouts are on-policy, 0 versions stale). Per step a metrics.jsonl line (spec 03 §5);
+// with AdamW, then the weight sync: the trainer's block linears quantized (codes + scales) and
+// the FP32 rest sent as the next policy version to the rollout worker (rl/rollout_worker.h, its
+// own model copy), timed and counted. Step t's rollouts come from version max(0, t - N)
+// (`max_staleness` N; 0: on-policy); with N >= 1 they are generated while step t-1 trains.
+// Per step a metrics.jsonl line (spec 03 §5);
 // reward.png and logp_gap.png; atomic checkpoints; a resume reproduces the uninterrupted run's
 // metrics bit for bit on the CPU (rollout seeds are a function of (seed, step)).
 //
