@@ -12,6 +12,7 @@
 #include "core/log.h"
 #include "io/safetensors.h"
 #include "rl/fake_quant.h"
+#include "rl/mpi_rollout.h"
 #include "rl/rollout_worker.h"
 #include "rl/sft.h"
 #include "rollout/engine.h"
@@ -64,6 +65,15 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr const char* kPolicyFile = "rollout_policies.safetensors";  // pending versions (max_staleness > 0)
 constexpr const char* kRolloutRecipe = "tetrajet-v2";  // two-level NVFP4, the trainer's rl-fake-quant format
 
+rollout::PrecisionMode rollout_mode(Arm a);
+rollout::EngineOptions rollout_engine_options(const RlConfig& c) {
+  rollout::EngineOptions eo;
+  eo.mode = rollout_mode(c.arm);
+  eo.recipe_name = kRolloutRecipe;
+  eo.max_batch = c.prompts_per_step * c.group_size;
+  return eo;
+}
+
 double overlap(std::chrono::steady_clock::time_point a0, std::chrono::steady_clock::time_point a1,
                std::chrono::steady_clock::time_point b0, std::chrono::steady_clock::time_point b1) {
   return std::max(0.0, std::chrono::duration<double>(std::min(a1, b1) - std::max(a0, b0)).count());
@@ -89,6 +99,18 @@ model::RecipeConfig trainer_recipe(Arm a) {
     case Arm::kQuads: return fake_quant_recipe_config(true, false);
     default: return fake_quant_recipe_config(true, true);
   }
+}
+
+// Every tensor of a checkpoint's safetensors file; errors are data loss naming the file.
+Result<std::vector<io::NamedTensor>> read_checkpoint_file(const std::string& path) {
+  auto f = io::SafetensorsFile::open(path);
+  if (!f) return data_loss("checkpoint '{}': {}", path, f.status().message());
+  std::vector<io::NamedTensor> out;
+  for (auto& n : f->names()) {
+    NIB_ASSIGN_OR_RETURN(Tensor t, f->get(n));
+    out.push_back({n, t});
+  }
+  return out;
 }
 
 // A fresh run folder must not hold a run; a resumed one must.
@@ -181,7 +203,10 @@ class RlRun {
   std::unique_ptr<train::Tokenizer> tok_;
   std::unique_ptr<train::AdamW> adamw_;
   std::unique_ptr<backend::Backend> own_rollout_be_;  // when RlOptions::rollout_backend is null
-  std::unique_ptr<ThreadRolloutWorker> worker_;
+  std::unique_ptr<ThreadRolloutWorker> thread_worker_;  // in-process
+  std::unique_ptr<MpiRolloutClient> mpi_worker_;       // disaggregated: rank 1 rolls out
+  WeightSink* sink_ = nullptr;
+  RolloutSource* source_ = nullptr;
   // versions sent and still to be used by a later step's rollout (written into checkpoints)
   std::map<int64_t, std::shared_ptr<const PolicyWeights>> pending_;
   std::vector<PolicyWeights> resumed_versions_;  // read by resume_state, sent by start_worker
@@ -259,26 +284,14 @@ Status RlRun::resume_state() {
                             ck.dir);
   NIB_RETURN_IF_ERROR(train::load_model_state(model_.get(), ck.dir));
   const std::string opath = (fs::path(ck.dir) / "optimizer.safetensors").string();
-  auto of = io::SafetensorsFile::open(opath);
-  if (!of) return data_loss("checkpoint '{}': {}", opath, of.status().message());
-  std::vector<io::NamedTensor> ostate;
-  for (auto& n : of->names()) {
-    NIB_ASSIGN_OR_RETURN(Tensor t, of->get(n));
-    ostate.push_back({n, t});
-  }
+  NIB_ASSIGN_OR_RETURN(std::vector<io::NamedTensor> ostate, read_checkpoint_file(opath));
   Status s = adamw_->import_state(ostate, param_views(*model_));
   if (!s) return data_loss("checkpoint '{}': optimizer state: {}", opath, s.message());
   start_ = ck.step;
   if (cfg_.max_staleness > 0 && start_ > 0) {
     // the policy versions the next steps' rollouts still need (rollout_worker.h)
-    const std::string ppath = (fs::path(ck.dir) / kPolicyFile).string();
-    auto pf = io::SafetensorsFile::open(ppath);
-    if (!pf) return data_loss("checkpoint '{}': {}", ppath, pf.status().message());
-    std::vector<io::NamedTensor> pt;
-    for (auto& n : pf->names()) {
-      NIB_ASSIGN_OR_RETURN(Tensor t, pf->get(n));
-      pt.push_back({n, t});
-    }
+    NIB_ASSIGN_OR_RETURN(std::vector<io::NamedTensor> pt,
+                         read_checkpoint_file((fs::path(ck.dir) / kPolicyFile).string()));
     NIB_ASSIGN_OR_RETURN(resumed_versions_,
                          policies_from_named(pt, *model_, rollout_mode(cfg_.arm), kRolloutRecipe));
     for (int64_t v = version_for(start_); v < start_; ++v)
@@ -371,14 +384,14 @@ Result<RolloutJob> RlRun::rollout_job(int64_t s) {
 Status RlRun::start_rollout(int64_t s) {
   NIB_ASSIGN_OR_RETURN(RolloutJob job, rollout_job(s));
   pending_.erase(pending_.begin(), pending_.lower_bound(job.version));
-  return worker_->start(std::move(job));
+  return source_->start(std::move(job));
 }
 
 Status RlRun::sync(int64_t version, RlStepMetrics* m) {
   const auto t_sync = std::chrono::steady_clock::now();
   NIB_ASSIGN_OR_RETURN(PolicyWeights w, snapshot_policy(*model_, rollout_mode(cfg_.arm), kRolloutRecipe, version));
   auto shared = std::make_shared<const PolicyWeights>(std::move(w));
-  NIB_RETURN_IF_ERROR(worker_->send(shared));
+  NIB_RETURN_IF_ERROR(sink_->send(shared));
   if (m != nullptr) {
     m->sync_seconds = seconds_since(t_sync);
     m->sync_bytes = static_cast<double>(shared->bytes());
@@ -595,21 +608,24 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch) {
 }
 
 Status RlRun::start_worker() {
-  backend::Backend* rbe = opt_.rollout_backend;
-  if (rbe == nullptr) {
-    const std::string name = be_.name();  // "cpu", "cuda:0 (NVIDIA H200)"
-    NIB_ASSIGN_OR_RETURN(own_rollout_be_, backend::make_backend(name.substr(0, name.find(' '))));
-    rbe = own_rollout_be_.get();
+  if (opt_.group != nullptr && opt_.group->world_size() > 1) {
+    NIB_ASSIGN_OR_RETURN(mpi_worker_, MpiRolloutClient::create(*opt_.group));
+    sink_ = mpi_worker_.get(), source_ = mpi_worker_.get();
+  } else {
+    backend::Backend* rbe = opt_.rollout_backend;
+    if (rbe == nullptr) {
+      const std::string name = be_.name();  // "cpu", "cuda:0 (NVIDIA H200)"
+      NIB_ASSIGN_OR_RETURN(own_rollout_be_, backend::make_backend(name.substr(0, name.find(' '))));
+      rbe = own_rollout_be_.get();
+    }
+    NIB_CHECK_MSG(rbe != &be_, "rl: the rollout worker needs its own backend object (it runs beside the trainer)");
+    NIB_ASSIGN_OR_RETURN(thread_worker_, ThreadRolloutWorker::create(model_->config(), trainer_recipe(cfg_.arm), rbe,
+                                                                     rollout_engine_options(cfg_)));
+    sink_ = thread_worker_.get(), source_ = thread_worker_.get();
   }
-  NIB_CHECK_MSG(rbe != &be_, "rl: the rollout worker needs its own backend object (it runs beside the trainer)");
-  rollout::EngineOptions eo;
-  eo.mode = rollout_mode(cfg_.arm);
-  eo.recipe_name = kRolloutRecipe;
-  eo.max_batch = cfg_.prompts_per_step * cfg_.group_size;
-  NIB_ASSIGN_OR_RETURN(worker_, ThreadRolloutWorker::create(model_->config(), trainer_recipe(cfg_.arm), rbe, eo));
   for (PolicyWeights& w : resumed_versions_) {
     auto shared = std::make_shared<const PolicyWeights>(std::move(w));
-    NIB_RETURN_IF_ERROR(worker_->send(shared));
+    NIB_RETURN_IF_ERROR(sink_->send(shared));
     pending_[shared->version] = std::move(shared);
   }
   resumed_versions_.clear();
@@ -634,7 +650,7 @@ Result<RlResult> RlRun::run() {
   int64_t s = start_;
   NIB_RETURN_IF_ERROR(start_rollout(s));
   for (; s < cfg_.steps; ++s) {
-    NIB_ASSIGN_OR_RETURN(RolloutBatch batch, worker_->finish());
+    NIB_ASSIGN_OR_RETURN(RolloutBatch batch, source_->finish());
     NIB_ASSIGN_OR_RETURN(RlStepMetrics m, step(s, std::move(batch)));
     // on-policy: the next rollout waits for this step's weights (version s + 1)
     if (cfg_.max_staleness == 0 && s + 1 < cfg_.steps) NIB_RETURN_IF_ERROR(start_rollout(s + 1));
@@ -653,7 +669,7 @@ Result<RlResult> RlRun::run() {
     }
     if (stop) {
       // a rollout started for the next step is dropped: a resume regenerates it bit for bit
-      if (cfg_.max_staleness > 0 && s + 1 < cfg_.steps) (void)worker_->finish();
+      if (cfg_.max_staleness > 0 && s + 1 < cfg_.steps) (void)source_->finish();
       ++s;
       break;
     }
@@ -664,6 +680,18 @@ Result<RlResult> RlRun::run() {
 }
 
 }  // namespace
+
+Status serve_rl_rollouts(const RlConfig& config, dist::ProcessGroup& group, backend::Backend* backend) {
+  register_fake_quant_recipe();
+  model::ModelConfig mc;
+  if (!config.init.empty()) {
+    NIB_ASSIGN_OR_RETURN(train::Checkpoint ck, train::open_checkpoint(config.init));
+    mc = ck.model_config;
+  } else {
+    NIB_ASSIGN_OR_RETURN(mc, model::parse_model_config(config.model));
+  }
+  return serve_rollouts(group, mc, trainer_recipe(config.arm), backend, rollout_engine_options(config));
+}
 
 Result<RlResult> run_rl(const RlConfig& config, const Task& task, const RlOptions& options) {
   if (options.run_dir.empty()) return invalid_argument("rl: no output folder given (--out)");

@@ -29,6 +29,7 @@
 
 #include "backend/backend.h"
 #include "core/status.h"
+#include "dist/process_group.h"
 #include "rl/grpo.h"
 #include "rl/task.h"
 
@@ -92,6 +93,9 @@ struct RlOptions {
   // The rollout worker's backend: not the trainer's object (both run at once); null: a fresh
   // instance of the trainer's kind (backend::make_backend).
   backend::Backend* rollout_backend = nullptr;
+  // Disaggregated (rl/mpi_rollout.h): a world of 2 whose rank 1 runs serve_rl_rollouts; this
+  // process (rank 0) trains and its rollouts come from rank 1. Null or a world of 1: in-process.
+  dist::ProcessGroup* group = nullptr;
   bool progress = false;
 };
 
@@ -120,5 +124,9 @@ struct RlResult {
 
 // Runs (or resumes) the RL job. `task` makes the prompts and scores the completions.
 Result<RlResult> run_rl(const RlConfig& config, const Task& task, const RlOptions& options);
+
+// Rank 1 of a disaggregated run: the rollout worker for the model `config` describes (its "init"
+// checkpoint's config or its "model"), on `backend`, serving rank 0's run_rl until it ends.
+Status serve_rl_rollouts(const RlConfig& config, dist::ProcessGroup& group, backend::Backend* backend);
 
 }  // namespace nibble::rl

@@ -101,6 +101,19 @@ void expect_finite(const RlStepMetrics& m, bool guided, bool moe) {
   EXPECT_GT(m.response_len, 0);
 }
 
+// The latest checkpoints of two runs hold the same weights bit for bit.
+void expect_same_weights(const fs::path& a, const fs::path& b) {
+  auto wa = train::load_checkpoint_tensors(train::open_checkpoint(a.string()).value());
+  auto wb = train::load_checkpoint_tensors(train::open_checkpoint(b.string()).value());
+  ASSERT_TRUE(wa.is_ok() && wb.is_ok());
+  ASSERT_EQ(wa.value().size(), wb.value().size());
+  for (size_t i = 0; i < wa.value().size(); ++i) {
+    Tensor ta = wa.value()[i].tensor, tb = wb.value()[i].tensor;
+    ASSERT_EQ(ta.numel(), tb.numel());
+    EXPECT_EQ(0, std::memcmp(ta.data<float>(), tb.data<float>(), static_cast<size_t>(ta.numel()) * 4)) << wa.value()[i].name;
+  }
+}
+
 TEST(RlLoop, EveryArmRunsWithFiniteMetrics) {
   for (const char* arm : {"bf16-rollout", "fp4-naive", "qat", "quads"}) {
     TempDir d(arm);
@@ -167,15 +180,7 @@ TEST(RlLoop, ResumeReproducesTheUninterruptedRunBitForBit) {
   EXPECT_EQ(x.logp_diff_mean, y.logp_diff_mean);
   EXPECT_EQ(x.entropy, y.entropy);
   EXPECT_EQ(x.grad_norm, y.grad_norm);
-  auto wa = train::load_checkpoint_tensors(train::open_checkpoint(a.path.string()).value());
-  auto wb = train::load_checkpoint_tensors(train::open_checkpoint(b.path.string()).value());
-  ASSERT_TRUE(wa.is_ok() && wb.is_ok());
-  ASSERT_EQ(wa.value().size(), wb.value().size());
-  for (size_t i = 0; i < wa.value().size(); ++i) {
-    Tensor ta = wa.value()[i].tensor, tb = wb.value()[i].tensor;
-    ASSERT_EQ(ta.numel(), tb.numel());
-    EXPECT_EQ(0, std::memcmp(ta.data<float>(), tb.data<float>(), static_cast<size_t>(ta.numel()) * 4)) << wa.value()[i].name;
-  }
+  expect_same_weights(a.path, b.path);
   // metrics.jsonl: start, 2 steps, resume, 1 step
   auto lines = train::read_metrics((b.path / "metrics.jsonl").string());
   ASSERT_TRUE(lines.is_ok());
@@ -243,15 +248,7 @@ TEST(RlLoop, AsyncResumeReproducesTheUninterruptedRunBitForBit) {
     EXPECT_EQ(step_values(whole.value().steps[2 + i]), step_values(rest.value().steps[i])) << i;
     EXPECT_EQ(rest.value().steps[i].policy_version, static_cast<int64_t>(i));
   }
-  auto wa = train::load_checkpoint_tensors(train::open_checkpoint(a.path.string()).value());
-  auto wb = train::load_checkpoint_tensors(train::open_checkpoint(b.path.string()).value());
-  ASSERT_TRUE(wa.is_ok() && wb.is_ok());
-  ASSERT_EQ(wa.value().size(), wb.value().size());
-  for (size_t i = 0; i < wa.value().size(); ++i) {
-    Tensor ta = wa.value()[i].tensor, tb = wb.value()[i].tensor;
-    ASSERT_EQ(ta.numel(), tb.numel());
-    EXPECT_EQ(0, std::memcmp(ta.data<float>(), tb.data<float>(), static_cast<size_t>(ta.numel()) * 4)) << wa.value()[i].name;
-  }
+  expect_same_weights(a.path, b.path);
 }
 
 // A checkpoint written on-policy holds no pending versions: resuming it with max_staleness 1

@@ -158,6 +158,16 @@ Result<std::vector<PolicyWeights>> policies_from_named(const std::vector<io::Nam
   return out;
 }
 
+Status open_record_stores(RolloutBatch& batch, const std::string& guidance_spill_dir) {
+  rollout::RecordStoreOptions so;
+  so.name = "routing store";
+  NIB_ASSIGN_OR_RETURN(batch.routing, rollout::RecordStore::open(so));
+  so.name = "guidance store";
+  so.spill_dir = guidance_spill_dir;
+  NIB_ASSIGN_OR_RETURN(batch.guidance, rollout::RecordStore::open(so));
+  return Status::ok();
+}
+
 // ---- ThreadRolloutWorker ----------------------------------------------------------------------------
 
 Result<std::unique_ptr<ThreadRolloutWorker>> ThreadRolloutWorker::create(const model::ModelConfig& config,
@@ -238,12 +248,7 @@ Result<RolloutBatch> ThreadRolloutWorker::run_job(const RolloutJob& job, std::sh
   out.version = applied_version_;  // the version id the weights carried
   out.requests = job.requests;
   out.began = std::chrono::steady_clock::now();
-  rollout::RecordStoreOptions so;
-  so.name = "routing store";
-  NIB_ASSIGN_OR_RETURN(out.routing, rollout::RecordStore::open(so));
-  so.name = "guidance store";
-  so.spill_dir = job.guidance_spill_dir;
-  NIB_ASSIGN_OR_RETURN(out.guidance, rollout::RecordStore::open(so));
+  NIB_RETURN_IF_ERROR(open_record_stores(out, job.guidance_spill_dir));
   rollout::RolloutRecorders rec;
   if (job.record_routing) rec.routing = out.routing.get();
   if (job.record_guidance) {

@@ -92,6 +92,9 @@ struct RolloutBatch {
   std::chrono::steady_clock::time_point began, ended;  // the generation's wall-clock interval
 };
 
+// Opens `batch`'s two record stores (guidance spilling into `guidance_spill_dir`).
+Status open_record_stores(RolloutBatch& batch, const std::string& guidance_spill_dir);
+
 class RolloutSource {
  public:
   virtual ~RolloutSource() = default;
@@ -119,6 +122,7 @@ class ThreadRolloutWorker final : public WeightSink, public RolloutSource {
 
   // For tests: the engine (its linears hold the last applied version) and that version (-1: none).
   const rollout::Engine& engine() const { return *engine_; }
+  model::Model& model() { return *model_; }  // its shapes (the weights it holds are the last applied version's)
   int64_t applied_version() const { return applied_version_; }
 
  private:

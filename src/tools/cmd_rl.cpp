@@ -3,7 +3,8 @@
 // fresh model; metrics.jsonl, reward.png, logp_gap.png and checkpoints in --out. The run folder
 // is locked while it works; a folder that holds a run needs --resume, which takes the config
 // saved in the latest checkpoint (--config is then optional) and continues bit-identically on
-// the CPU. A bad config or option is one line and exit 2; a missing or bad input exit 1.
+// the CPU. A bad config or option is one line and exit 2; a missing or bad input exit 1. Under
+// `mpirun -np 2` the run is disaggregated: rank 0 trains, rank 1 rolls out (rl/mpi_rollout.h).
 #include <cstdio>
 #include <limits>
 #include <memory>
@@ -17,6 +18,7 @@
 #include "tools/command.h"
 #include "tools/device_option.h"
 #include "tools/option_check.h"
+#include "tools/process_group_setup.h"
 #include "train/checkpoint.h"
 
 namespace nibble::tools {
@@ -44,11 +46,13 @@ Result<rl::RlConfig> config_of(const RlArgs& a) {
 }
 
 int run_rl_command(const RlArgs& a) {
+  auto launch = read_launch();
+  if (!launch) return report_error("rl", launch.status());
   auto cfg = config_of(a);
   if (!cfg) return report_error("rl", cfg.status());
   auto task = rl::make_task(cfg->task);
   if (!task) return report_error("rl", task.status());
-  auto be = open_device(a.device);
+  auto be = open_device(device_for_launch(a.device, *launch));
   if (!be) return report_error("rl", be.status());
   rl::RlOptions o;
   o.run_dir = a.out;
@@ -56,8 +60,42 @@ int run_rl_command(const RlArgs& a) {
   o.stop_after_step = a.stop_after;
   o.backend = be->get();
   o.progress = true;
+  std::unique_ptr<ProcessGroupSetup> pg;
+  if (launch->world_size > 1) {
+    // disaggregated (rl/mpi_rollout.h): rank 0 trains, rank 1 rolls out
+    auto opened = open_process_group(*launch, **be);
+    if (!opened) return report_error("rl", opened.status());
+    pg = std::move(opened).value();
+  }
+  dist::ProcessGroup* group = pg ? pg->group.get() : nullptr;
+  const bool rank0 = group == nullptr || group->rank() == 0;
+  if (!rank0) spdlog::set_level(spdlog::level::warn);
+  // an error every rank returned together is printed by rank 0; one this rank alone saw ends the world
+  auto fail = [&](const Status& st) {
+    const bool together = group != nullptr && group->failed_together();
+    int rc = st.code() == StatusCode::kInvalidArgument ? 2 : 1;
+    if (rank0 || !together)
+      rc = report_error("rl", rank0 ? st : Status(st.code(), fmt::format("{} (rank {})", st.message(), group->rank())));
+    if (group != nullptr && !together) group->abort_world(rc);
+    return rc;
+  };
+  if (group != nullptr) {
+    Status st = group->world_size() == 2
+                    ? Status::ok()
+                    : invalid_argument("rl under mpirun runs 2 processes (rank 0 trains, rank 1 rolls out), not {}",
+                                       group->world_size());
+    st = dist::agree(*group, st);
+    if (st) st = dist::check_ranks_agree(*group, {{"rl config", cfg->to_json().dump()}});
+    if (!st) return fail(st);
+    if (!rank0) {
+      Status served = rl::serve_rl_rollouts(*cfg, *group, be->get());
+      return served ? 0 : fail(served);
+    }
+    o.group = group;
+    NIB_LOG_INFO("rl: disaggregated, {} ({}): rank 0 trains, rank 1 rolls out", launch->describe(), group->kind());
+  }
   auto r = rl::run_rl(*cfg, **task, o);
-  if (!r) return report_error("rl", r.status());
+  if (!r) return fail(r.status());
   const double reward = r->steps.empty() ? 0.0 : r->steps.back().reward_mean;
   std::printf("rl: %s step %lld/%lld  reward %.3f  checkpoint %s\n", rl::arm_name(cfg->arm),
               static_cast<long long>(r->end_step), static_cast<long long>(cfg->steps), reward,
