@@ -201,21 +201,29 @@ Status ThreadRolloutWorker::send(std::shared_ptr<const PolicyWeights> weights) {
 Status ThreadRolloutWorker::apply(const PolicyWeights& w) {
   backend::Backend& be = model_->backend();
   const std::vector<model::LinearInfo>& infos = model_->linear_infos();
+  // the rest first: the engine reads the model's own weights (lm_head, ...) when it takes the linears
+  const float* src = w.rest.data<float>();
+  for (const ParamSegment& s : rest_) {
+    be.copy_to_device(model_->flat_values() + s.offset, src, static_cast<size_t>(s.count) * 4);
+    src += s.count;
+  }
   if (four_bit(w.mode)) {
     if (w.codes.size() != infos.size())
       return invalid_argument("rollout worker: version {} holds {} linears, the model has {}", w.version,
                               w.codes.size(), infos.size());
+    // host -> this backend's staging buffers, which the engine copies from (backend memory)
+    staging_.resize(infos.size());
     std::vector<QuantizedTensor> views;
     for (size_t i = 0; i < infos.size(); ++i) {
-      QuantizedTensor q;
-      q.format = w.format, q.rows = infos[i].N, q.cols = infos[i].K;
-      // set_quantized_weights only reads (host memory is copied to the backend)
-      q.codes = const_cast<uint8_t*>(w.codes[i].data<uint8_t>());
-      q.scales = const_cast<uint8_t*>(w.scales[i].data<uint8_t>());
-      q.outer = const_cast<float*>(w.outer[i].data<float>());
+      if (w.codes[i].nbytes() != static_cast<size_t>(QuantizedTensor::code_bytes(w.format, infos[i].N, infos[i].K)))
+        return invalid_argument("rollout worker: version {} linear {} has the wrong size", w.version, infos[i].name);
+      QuantizedTensor q = staging_[i].view(be, w.format, infos[i].N, infos[i].K);
+      be.copy_to_device(q.codes, w.codes[i].raw(), w.codes[i].nbytes());
+      be.copy_to_device(q.scales, w.scales[i].raw(), w.scales[i].nbytes());
+      be.copy_to_device(q.outer, w.outer[i].raw(), w.outer[i].nbytes());
       views.push_back(q);
     }
-    NIB_RETURN_IF_ERROR(engine_->receive_quantized_weights(views, rollout::QuantizedLinears::Memory::kHost));
+    NIB_RETURN_IF_ERROR(engine_->receive_quantized_weights(views));
   } else {
     if (w.bf16.size() != infos.size())
       return invalid_argument("rollout worker: version {} holds {} linears, the model has {}", w.version,
@@ -227,11 +235,6 @@ Status ThreadRolloutWorker::apply(const PolicyWeights& w) {
       for (size_t k = 0; k < host.size(); ++k) host[k] = bf16_bits_to_f32(b[k]);
       be.copy_to_device(model_->linear_weight(infos[i].id), host.data(), host.size() * 4);
     }
-  }
-  const float* src = w.rest.data<float>();
-  for (const ParamSegment& s : rest_) {
-    be.copy_to_device(model_->flat_values() + s.offset, src, static_cast<size_t>(s.count) * 4);
-    src += s.count;
   }
   // the bf16 mode rounds the master weights just written (bf16 values: the same bits)
   if (!four_bit(w.mode)) NIB_RETURN_IF_ERROR(engine_->refresh_weights());

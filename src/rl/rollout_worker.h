@@ -133,6 +133,7 @@ class ThreadRolloutWorker final : public WeightSink, public RolloutSource {
   std::unique_ptr<model::Model> model_;
   std::unique_ptr<rollout::Engine> engine_;
   std::vector<ParamSegment> rest_;
+  std::vector<backend::QuantizedBuffer> staging_;  // per linear: a received version in backend memory
   std::map<int64_t, std::shared_ptr<const PolicyWeights>> versions_;  // received, not yet dropped
   int64_t applied_version_ = -1;
   std::thread thread_;

@@ -132,10 +132,8 @@ class Engine {
   // from a trainer, one QuantizedTensor per block linear (linear_infos() order) in the model's
   // backend memory (RL's weight sync hand-over); or from a `nibble quantize --format nvfp4-2level`
   // file (quantized_weights.h). Bit for bit what refresh_weights() makes from the weights they
-  // were quantized from (for the file: from the BF16 values of those weights). `where`: kHost for
-  // host copies (RL's rollout worker receiving a policy version, rl/rollout_worker.h).
-  Status receive_quantized_weights(const std::vector<backend::QuantizedTensor>& per_linear,
-                                   QuantizedLinears::Memory where = QuantizedLinears::Memory::kBackend);
+  // were quantized from (for the file: from the BF16 values of those weights).
+  Status receive_quantized_weights(const std::vector<backend::QuantizedTensor>& per_linear);
   Status load_quantized_weights(const std::string& path);
 
   const PagedKvCache& cache() const { return *cache_; }
