@@ -27,14 +27,16 @@ using backend::KvPageFormat;
 
 // Weights of std 0.3 (not the training init's 0.02) so the logits are spread and greedy argmaxes
 // are not decided by rounding.
-std::unique_ptr<model::Model> tiny_olmo(const std::string& recipe = "bf16", int64_t vocab = 48) {
+// On `be` (default the CPU; a profiling decorator in some tests below).
+std::unique_ptr<model::Model> tiny_olmo(const std::string& recipe = "bf16", int64_t vocab = 48,
+                                        backend::Backend& be = backend::cpu_backend()) {
   nlohmann::json j = model::test::tiny_olmo2_model_json(vocab);
   j["initializer_range"] = 0.3;
   auto cfg = model::parse_model_config(j);
   EXPECT_TRUE(cfg.is_ok()) << cfg.status().message();
   model::RecipeConfig rc;
   rc.name = recipe;
-  auto m = model::Model::create(cfg.value(), rc);
+  auto m = model::Model::create(cfg.value(), rc, &be);
   EXPECT_TRUE(m.is_ok()) << m.status().message();
   m.value()->init_weights(7);
   return std::move(m).value();
@@ -560,19 +562,11 @@ TEST(RolloutEngine, MoeGreedyDecodeAndRoutingHook) {
 TEST(RolloutEngine, DecodeThroughTheProfilingBackendIsForwardedAndCounted) {
   backend::ProfilingBackend profiler(backend::cpu_backend());
   profiler.set_enabled(true);
-  nlohmann::json j = model::test::tiny_olmo2_model_json(48);
-  j["initializer_range"] = 0.3;
-  auto cfg = model::parse_model_config(j);
-  ASSERT_TRUE(cfg.is_ok()) << cfg.status().message();
-  model::RecipeConfig rc;
-  rc.name = "bf16";
-  auto profiled = model::Model::create(cfg.value(), rc, &profiler);
-  ASSERT_TRUE(profiled.is_ok()) << profiled.status().message();
-  profiled.value()->init_weights(7);
+  auto profiled = tiny_olmo("bf16", 48, profiler);
   auto plain = tiny_olmo();
   std::vector<Request> reqs{greedy_request(prompt_of(5, 1), 12), greedy_request(prompt_of(9, 2), 12)};
   auto a = make_engine(*plain)->generate(reqs);
-  auto b = make_engine(*profiled.value())->generate(reqs);
+  auto b = make_engine(*profiled)->generate(reqs);
   ASSERT_TRUE(a.is_ok()) << a.status().message();
   ASSERT_TRUE(b.is_ok()) << b.status().message();
   for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ((*a)[i].tokens, (*b)[i].tokens) << "request " << i;
@@ -586,29 +580,21 @@ TEST(RolloutEngine, DecodeThroughTheProfilingBackendIsForwardedAndCounted) {
 // gives a fresh engine's results, the lm_head included (a stale snapshot would keep the old tokens).
 TEST(RolloutEngine, Bf16ModeConvertsNoWeightPerStepAndRefreshesTheLmHead) {
   backend::ProfilingBackend profiler(backend::cpu_backend());
-  nlohmann::json j = model::test::tiny_olmo2_model_json(48);
-  j["initializer_range"] = 0.3;
-  auto cfg = model::parse_model_config(j);
-  ASSERT_TRUE(cfg.is_ok()) << cfg.status().message();
-  model::RecipeConfig rc;
-  rc.name = "bf16";
-  auto m = model::Model::create(cfg.value(), rc, &profiler);
-  ASSERT_TRUE(m.is_ok()) << m.status().message();
-  m.value()->init_weights(7);
+  auto m = tiny_olmo("bf16", 48, profiler);
   EngineOptions o;
   o.mode = PrecisionMode::kBf16;
-  auto e = make_engine(*m.value(), o);
+  auto e = make_engine(*m, o);
   std::vector<Request> reqs{greedy_request(prompt_of(5, 1), 12), greedy_request(prompt_of(9, 2), 12)};
   profiler.set_enabled(true);
   auto before = e->generate(reqs);
   profiler.set_enabled(false);
   ASSERT_TRUE(before.is_ok()) << before.status().message();
-  const int64_t linears = static_cast<int64_t>(m.value()->linear_infos().size());
+  const int64_t linears = static_cast<int64_t>(m->linear_infos().size());
   EXPECT_EQ(profiler.timing(backend::ProfiledOp::kToBf16Bits).count, e->stats().steps * (linears + 1));
   EXPECT_EQ(profiler.timing(backend::ProfiledOp::kMatmulNt).count, 0);  // every GEMM on BF16 bits
 
   // negate the lm_head: greedy tokens change; refresh_weights must carry it into the snapshot
-  for (const auto& p : m.value()->param_refs())
+  for (const auto& p : m->param_refs())
     if (p.name == "lm_head.weight") {
       std::vector<float> w(static_cast<size_t>(p.numel));
       profiler.copy_to_host(w.data(), p.value, w.size() * sizeof(float));
@@ -617,7 +603,7 @@ TEST(RolloutEngine, Bf16ModeConvertsNoWeightPerStepAndRefreshesTheLmHead) {
     }
   ASSERT_TRUE(e->refresh_weights().is_ok());
   auto refreshed = e->generate(reqs);
-  auto fresh = make_engine(*m.value(), o)->generate(reqs);
+  auto fresh = make_engine(*m, o)->generate(reqs);
   ASSERT_TRUE(refreshed.is_ok() && fresh.is_ok());
   bool changed = false;
   for (size_t i = 0; i < reqs.size(); ++i) {
