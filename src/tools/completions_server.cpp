@@ -376,8 +376,6 @@ std::optional<ApiError> CompletionsServer::Impl::submit(const std::shared_ptr<Jo
   const int64_t sequences = static_cast<int64_t>(job->choices.size());
   {
     std::lock_guard<std::mutex> lk(mu);
-    int64_t queued = 0;
-    for (const auto& j : pending) queued += static_cast<int64_t>(j->choices.size());
     if (!accepting || counters.sequences_in_flight + sequences > limits.capacity) {
       ++counters.rejected;
       return ApiError{503,
