@@ -18,6 +18,10 @@ namespace nibble::train {
 namespace fs = std::filesystem;
 
 namespace {
+// True when `text` holds only whitespace (or nothing).
+bool is_blank(const std::string& text) {
+  return std::all_of(text.begin(), text.end(), [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; });
+}
 
 // "1Sam3:4" -> "1Sam": the reference minus its trailing "<chapter>:<verse>".
 std::string book_of_reference(const std::string& ref) {
@@ -85,13 +89,7 @@ Result<std::string> read_text_file(const std::string& path) {
   if (!read && read.status().code() == StatusCode::kNotFound) return not_found("text file not found: {}", path);
   if (!read) return read.status();
   std::string text = std::move(read).value();
-  bool blank = true;
-  for (char c : text)
-    if (!std::isspace(static_cast<unsigned char>(c))) {
-      blank = false;
-      break;
-    }
-  if (blank) return data_loss("text file {} is empty", path);
+  if (is_blank(text)) return data_loss("text file {} is empty", path);
   return text;
 }
 
@@ -104,13 +102,7 @@ std::vector<std::vector<std::string>> split_documents(const std::string& text) {
     size_t end = nl == std::string::npos ? text.size() : nl;
     std::string line = text.substr(pos, end - pos);
     if (!line.empty() && line.back() == '\r') line.pop_back();
-    bool blank = true;
-    for (char c : line)
-      if (!std::isspace(static_cast<unsigned char>(c))) {
-        blank = false;
-        break;
-      }
-    if (blank) {
+    if (is_blank(line)) {
       if (!cur.empty()) docs.push_back(std::move(cur));
       cur.clear();
     } else {
@@ -142,13 +134,7 @@ Result<std::vector<std::string>> sample_lines(const std::vector<std::string>& fi
     std::string line;
     while (std::getline(in, line)) {
       if (!line.empty() && line.back() == '\r') line.pop_back();
-      bool blank = true;
-      for (char c : line)
-        if (!std::isspace(static_cast<unsigned char>(c))) {
-          blank = false;
-          break;
-        }
-      if (blank) continue;
+      if (is_blank(line)) continue;
       if (seen < max_lines) {
         reservoir.emplace_back(seen, std::move(line));
       } else {
