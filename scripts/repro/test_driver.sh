@@ -32,6 +32,12 @@ bash "$SRC/scripts/repro/pack_data.sh" --part-size 1K --out "$T/packed" "$T/data
 parts=$(ls "$T/packed"/data.tar.xz.part-* | wc -l)
 [ "$parts" -ge 2 ] || fail "expected >= 2 parts, got $parts"
 grep -q "call 2: carry" "$T/pack.txt" || fail "pack_data.sh printed no carry list"
+# --preset: a fast preset makes a stream the device unpacks the same way; a bad one is exit 2
+bash "$SRC/scripts/repro/pack_data.sh" --preset -1 --out "$T/packed1" "$T/data/tokenizer.model" >/dev/null \
+  || fail "pack_data.sh --preset -1 failed"
+cat "$T/packed1"/data.tar.xz.part-* | xz -dc | tar -tf - | grep -qx tokenizer.model || fail "--preset -1 stream unreadable"
+rc=0; bash "$SRC/scripts/repro/pack_data.sh" --preset fast --out "$T/packed2" "$T/data/tokenizer.model" 2>/dev/null || rc=$?
+[ "$rc" = 2 ] || fail "pack_data.sh --preset fast: exit $rc, want 2"
 
 # 2. The device calls; each "carries" the sha file and some parts.
 export NIBBLE NIBBLE_REPRO_WORK=$T/work NIBBLE_REPRO_DEVICE=cpu
