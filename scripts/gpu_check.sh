@@ -20,7 +20,8 @@
 #                      one-rank pretrain against a plain one), "profile" (bench train --profile),
 #                      "rollout" (the rollout engine on CUDA against the CPU), "decode" (nibble bench
 #                      decode bf16 + w4a16 and bench/hf_generate_baseline.py: NIBBLE_DECODE_CONFIG,
-#                      NIBBLE_DECODE_BATCHES (1,16,64,256), NIBBLE_DECODE_NEW (64), NIBBLE_DECODE_MODES)
+#                      NIBBLE_DECODE_BATCHES (1,16,64,256), NIBBLE_DECODE_NEW (64), NIBBLE_DECODE_MODES),
+#                      "rl" (nibble sft then nibble rl on CUDA, synchronous and with max_staleness 1)
 #   NIBBLE_GPU_BUDGET_S  seconds the whole script may take (default 540): each part's timeout is cut
 #                      to what is left, so the call returns with its logs; the nibble benches keep
 #                      NIBBLE_GPU_TORCH_RESERVE_S (200) for the PyTorch baseline that follows
@@ -269,7 +270,7 @@ if want bench; then
   fi
 fi
 
-ATTN_RC=skip DIST_RC=skip PROF_RC=skip ROLL_RC=skip DEC_RC=skip
+ATTN_RC=skip DIST_RC=skip PROF_RC=skip ROLL_RC=skip DEC_RC=skip RL_RC=skip
 if want attn; then
   # Causal attention alone: nibble's FP32 and BF16 kernels, then PyTorch's SDPA (BF16) at the same
   # shapes in the same call (bench/torch_attention_baseline.py).
@@ -349,22 +350,24 @@ if want dist; then
     d=$(mktemp -d)
     # The bare GPU image lacks the default corpus (a Debian package): train on this repository's docs.
     corpus=$(ls "$ROOT"/docs/*.md "$ROOT"/README.md | python3 -c 'import sys, json; print(json.dumps([l.strip() for l in sys.stdin]))')
-    for w in plain nccl1 nccl1_nozero nccl1_buckets; do
+    for w in plain nccl1 nccl1_nozero nccl1_buckets nccl1_nooverlap; do
       env_args=(); [ $w != plain ] && env_args=(WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29531)
       set_args=(); [ $w = nccl1_nozero ] && set_args=(--set dist.zero=0)
       [ $w = nccl1_buckets ] && set_args=(--set dist.bucket_elems=100003)
+      [ $w = nccl1_nooverlap ] && set_args=(--set dist.overlap=0 --set dist.bucket_elems=100003)
       timeout "$(limit 120)" env "${env_args[@]}" "$NIBBLE" pretrain --config configs/pretrain-tiny.json --device cuda \
         --set steps=20 --set schedule.warmup_steps=5 --set "data.files=$corpus" "${set_args[@]}" --no-progress \
         --out "$d/$w" >"$OUT/dist_pretrain_$w.log" 2>&1 || DIST_RC=$?
     done
     if python3 - "$d/plain/metrics.jsonl" "$d/nccl1/metrics.jsonl" "$d/nccl1_nozero/metrics.jsonl" \
-        "$d/nccl1_buckets/metrics.jsonl" >"$OUT/dist_compare.txt" 2>&1 <<'PY'
+        "$d/nccl1_buckets/metrics.jsonl" "$d/nccl1_nooverlap/metrics.jsonl" >"$OUT/dist_compare.txt" 2>&1 <<'PY'
 import json, sys
 def rows(p):
     return [(r.get("step"), r.get("loss"), r.get("grad_norm")) for r in map(json.loads, open(p)) if "loss" in r]
 a = rows(sys.argv[1])
 ok = bool(a)
-for name, p in zip(["one-rank NCCL ZeRO-1", "one-rank NCCL no ZeRO", "one-rank NCCL ZeRO-1 buckets"], sys.argv[2:]):
+for name, p in zip(["one-rank NCCL ZeRO-1", "one-rank NCCL no ZeRO", "one-rank NCCL ZeRO-1 buckets",
+                    "one-rank NCCL ZeRO-1 buckets, reduce after backward (dist.overlap=0)"], sys.argv[2:]):
     b = rows(p)
     print(f"{len(a)} rows plain, {len(b)} rows {name}, identical: {a == b}")
     ok = ok and a == b
@@ -375,6 +378,37 @@ PY
     rm -rf "$d"
   fi
   stamp "dist exit code $DIST_RC"
+fi
+
+if want rl; then
+  # RL on CUDA (issue #16): the CPU quick start's SFT warm start, then 10 GRPO steps of the TRACE
+  # arm with synchronous rollouts and with max_staleness 1 (the rollout worker is a second CUDA
+  # backend on the same GPU). Logs and metrics.jsonl come back; every metric must be finite.
+  RL_RC=0
+  if [ -n "$NIBBLE" ]; then
+    d=$(mktemp -d)
+    stamp "nibble sft + rl on CUDA"
+    timeout "$(limit 150)" "$NIBBLE" sft --config configs/sft-tiny-moe.json --device cuda --no-progress \
+      --out "$d/sft" >"$OUT/rl_sft.log" 2>&1 || RL_RC=$?
+    tail -n 2 "$OUT/rl_sft.log"
+    for s in 0 1; do
+      python3 -c 'import json, sys; c = json.load(open("configs/rl-tiny-moe.json")); c.update(init=sys.argv[1], steps=10, max_staleness=int(sys.argv[2]), checkpoint_every=5); json.dump(c, open(sys.argv[3], "w"))' \
+        "$d/sft" "$s" "$d/rl$s.json"
+      timeout "$(limit 120)" "$NIBBLE" rl --config "$d/rl$s.json" --device cuda --out "$d/rl$s" >"$OUT/rl_staleness$s.log" 2>&1 || RL_RC=$?
+      tail -n 1 "$OUT/rl_staleness$s.log"
+      cp "$d/rl$s/metrics.jsonl" "$OUT/rl_staleness$s.metrics.jsonl" 2>/dev/null || RL_RC=missing
+    done
+    python3 - "$OUT"/rl_staleness*.metrics.jsonl <<'PY' || RL_RC=1
+import json, math, sys
+for p in sys.argv[1:]:
+    rows = [r for r in map(json.loads, open(p)) if "reward_mean" in r]
+    bad = [(r.get("step"), k) for r in rows for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)]
+    print(p.rsplit("/", 1)[-1], len(rows), "steps, reward", [round(r["reward_mean"], 3) for r in rows], "non-finite:", bad[:5])
+    if bad or len(rows) != 10: sys.exit(1)
+PY
+    rm -rf "$d"
+  fi
+  stamp "rl exit code $RL_RC"
 fi
 
 if want profile; then
@@ -448,9 +482,9 @@ fi
   echo "op suite           rc=$OPS_RC ($(count "$OUT/ops_tests.log"))"
   echo "training step      rc=$TRAIN_RC ($(count "$OUT/train_tests.log"))"
   [ "$BENCH_RC" != skip ] && { echo "bandwidth bench    rc=$BENCH_RC"; grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |floor|te rht)' "$OUT/bench.log"; }
-  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC   rollout rc=$ROLL_RC   decode rc=$DEC_RC"
+  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC   rollout rc=$ROLL_RC   decode rc=$DEC_RC   rl rc=$RL_RC"
   python3 scripts/gpu_table.py "$OUT" 2>&1
 } | tee "$OUT/table.txt"
 ok() { [ "$1" = 0 ] || [ "$1" = skip ]; }
 # A CLI without `bench train` yet, or a python3 without torch, is reported above, not a failure.
-ok "$TEST_RC" && ok "$OPS_RC" && ok "$TRAIN_RC" && ok "$BENCH_RC" && ok "${BENCHT_RC/missing/skip}" && ok "${TORCH_RC/missing/skip}" && ok "$ATTN_RC" && ok "$DIST_RC" && ok "$PROF_RC" && ok "${ROLL_RC/missing/skip}" && ok "${DEC_RC/missing/skip}"
+ok "$TEST_RC" && ok "$OPS_RC" && ok "$TRAIN_RC" && ok "$BENCH_RC" && ok "${BENCHT_RC/missing/skip}" && ok "${TORCH_RC/missing/skip}" && ok "$ATTN_RC" && ok "$DIST_RC" && ok "$PROF_RC" && ok "${ROLL_RC/missing/skip}" && ok "${DEC_RC/missing/skip}" && ok "$RL_RC"
