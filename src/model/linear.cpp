@@ -240,7 +240,9 @@ void LinearRecipe::forward_experts(backend::Backend& be, float* y, const float* 
   for (int64_t e = 0; e < group.E; ++e) {
     const int64_t r0 = off[e], rows = off[e + 1] - r0;
     if (rows == 0) continue;  // no call: quantized recipes never see empty GEMMs
-    group.recipes[e]->forward(be, y + r0 * N, x + r0 * K, w + e * group.w_stride, rows, N, K, group.calls[e]);
+    LinearCall call = group.calls[e];
+    if (group.token_of_row != nullptr) call.token_of_row = group.token_of_row + r0;
+    group.recipes[e]->forward(be, y + r0 * N, x + r0 * K, w + e * group.w_stride, rows, N, K, call);
   }
 }
 

@@ -61,6 +61,11 @@ struct LinearCall {
   // The model's shared scratch; null: the recipe instance's own (tests and tools that call one
   // recipe by itself).
   LinearWorkspace* workspace = nullptr;
+  // A routed expert's linear (kExpertGateUp / kExpertDown): (M) i32 in backend memory, the token
+  // (row of the forward's B*T or N token rows) that each of the call's M rows belongs to — the
+  // dispatch plan's token_of_row for this expert's rows. Null for every other linear (its rows
+  // are the tokens themselves) and where the caller has no plan (a recipe called by itself).
+  const int32_t* token_of_row = nullptr;
 };
 
 enum class LinearKind { kQkv, kAttnOut, kGateUp, kDown, kExpertGateUp, kExpertDown, kSharedGateUp, kSharedDown };
@@ -90,6 +95,9 @@ struct ExpertGroup {
   int64_t E = 0;
   int64_t rows = 0;      // rows of x, y (offsets[E] <= rows)
   int64_t w_stride = 0;  // elements between consecutive experts' weights (and gradients)
+  // (rows) i32 in backend memory: the token of each row (the dispatch plan's token_of_row), or
+  // null; the per-expert default passes expert g's part on as its LinearCall::token_of_row.
+  const int32_t* token_of_row = nullptr;
 };
 
 // One instance per linear layer; per-layer state (saved operands, outlier channels,

@@ -142,7 +142,7 @@ struct LinearSlot {
   // y: (M,N); x: (M,K); w: (N,K)
   void forward(OpsOf<T>& ops, T* y, const T* xx, const T* ww, int64_t M, const LinearCall& call) {
     if constexpr (std::is_same_v<T, float>) {
-      if (decode_override != nullptr) return decode_override->forward(ops, y, xx, ww, M, info);
+      if (decode_override != nullptr) return decode_override->forward(ops, y, xx, ww, M, info, call);
       recipe->forward(ops, y, xx, ww, M, info.N, info.K, call);
     } else {
       ops.matmul_nt(y, xx, ww, M, info.N, info.K);
@@ -680,6 +680,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     g.offsets = a.experts_grouped ? a.offsets_dev : nullptr;
     g.offsets_host = a.experts_grouped ? nullptr : a.offsets;
     g.E = E, g.rows = Nk;
+    g.token_of_row = a.token_of_row;
     g.w_stride = E > 1 ? im.linears[bp.lin_expert0 + 2 + part].w_offset - im.linears[bp.lin_expert0 + part].w_offset : 0;
     return g;
   };
@@ -697,7 +698,9 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
       const int64_t r0 = a.offsets[e], rows = a.offsets[e + 1] - r0;
       if (rows == 0) continue;  // no call: quantized recipes never see empty GEMMs
       auto& s = im.linears[bp.lin_expert0 + 2 * e + part];
-      s.forward(ops, y + r0 * s.info.N, xin + r0 * s.info.K, W(s.w_offset), rows, call(s));
+      LinearCall c = call(s);
+      c.token_of_row = a.token_of_row + r0;  // the plan's tokens of expert e's rows
+      s.forward(ops, y + r0 * s.info.N, xin + r0 * s.info.K, W(s.w_offset), rows, c);
     }
   };
   // dx: (Nk, K of the part) overwritten, dW +=, from dy: (Nk, N of the part)

@@ -92,9 +92,10 @@ class LinearOverride {
  public:
   virtual ~LinearOverride() = default;
   // y: (M, info.N) f32 <- x: (M, info.K) f32 through linear info.id whose master weight is
-  // w: (info.N, info.K) f32; all in be's memory.
+  // w: (info.N, info.K) f32; all in be's memory. call: the model's call context (for a routed
+  // expert, call.token_of_row names the step row of each of the M rows).
   virtual void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
-                       const LinearInfo& info) = 0;
+                       const LinearInfo& info, const LinearCall& call) = 0;
 };
 
 // One prefill/decode call: N rows, each a token at a position of some sequence of the cache.

@@ -38,16 +38,21 @@ void FakeQuantLinear::forward(backend::Backend& be, float* y, const float* x, co
     backend::QuantizedTensor q = qbuf_.view(be, QuantFormat::kNvfp4TwoLevel, M, K);
     be.quantize(q, xq);  // RTN with its own scales, the rollout's w4a4 quantizer
     TraceGuidance* g = options_.guidance;
-    const auto site = rollout::guidance_site(info_.kind);
+    const auto site = rollout::guidance_site(info_);
+    const bool routed = rollout::is_routed_expert(info_.kind);
     const bool guided = g != nullptr && g->store != nullptr && g->status.is_ok() && site.has_value() &&
                         info_.block < static_cast<int>(g->layers.size()) && g->layers[static_cast<size_t>(info_.block)] &&
-                        static_cast<int64_t>(g->row_sequence.size()) == M;
+                        (routed || static_cast<int64_t>(g->row_sequence.size()) == M);
     if (guided) {
       // keep the BF16 input for the guided rows, then dequantize the RTN codes and overwrite them
       std::vector<float> xb(static_cast<size_t>(M * K));
       be.copy_to_host(xb.data(), xq, sizeof(float) * static_cast<size_t>(M * K));
       be.dequantize(xq, q);
-      Status s = apply_guidance(be, xq, xb.data(), q.codes, M, K);
+      Status s = routed && call.token_of_row == nullptr
+                     ? Status(StatusCode::kInternal,
+                              fmt::format("{}: routed expert linear {} ran without its tokens (LinearCall::token_of_row)",
+                                          kFakeQuantRecipe, info_.name))
+                     : apply_guidance(be, xq, xb.data(), q.codes, M, K, *site, routed ? call.token_of_row : nullptr);
       if (!s.is_ok()) g->status = s;
     } else {
       be.dequantize(xq, q);
@@ -58,22 +63,43 @@ void FakeQuantLinear::forward(backend::Backend& be, float* y, const float* x, co
 }
 
 Status FakeQuantLinear::apply_guidance(backend::Backend& be, float* xq, const float* xb, const uint8_t* rtn_codes_dev,
-                                       int64_t M, int64_t K) {
+                                       int64_t M, int64_t K, uint16_t site, const int32_t* token_of_row) {
   TraceGuidance& g = *options_.guidance;
+  std::vector<int32_t> tokens;  // host copy of token_of_row
+  if (token_of_row != nullptr) {
+    tokens.resize(static_cast<size_t>(M));
+    be.copy_to_host(tokens.data(), token_of_row, sizeof(int32_t) * static_cast<size_t>(M));
+  }
+  const auto block = static_cast<uint16_t>(info_.block);
+  GuidedSiteStats st;
   std::vector<int64_t> rows;
   std::vector<uint64_t> seqs;
   std::vector<uint32_t> poss;
-  for (int64_t r = 0; r < M; ++r)
-    if (g.row_recorded[static_cast<size_t>(r)]) {
-      rows.push_back(r);
-      seqs.push_back(g.row_sequence[static_cast<size_t>(r)]);
-      poss.push_back(g.row_position[static_cast<size_t>(r)]);
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t n = tokens.empty() ? r : tokens[static_cast<size_t>(r)];  // the row's token row
+    if (n < 0 || n >= static_cast<int64_t>(g.row_sequence.size()))
+      return Status(StatusCode::kInternal, fmt::format("{}: linear {} row {} is token {}, the batch has {}",
+                                                       kFakeQuantRecipe, info_.name, r, n, g.row_sequence.size()));
+    const auto t = static_cast<size_t>(n);
+    if (!g.row_recorded[t]) continue;
+    if (!tokens.empty()) {  // a routed expert: the rollout may have routed this token elsewhere
+      ++st.routed_rows;
+      if (!g.store->contains(rollout::RecordKey{g.row_sequence[t], g.row_position[t], block, site})) {
+        ++st.routed_fallback_rows;
+        continue;
+      }
     }
-  if (rows.empty()) return Status::ok();
+    rows.push_back(r);
+    seqs.push_back(g.row_sequence[t]);
+    poss.push_back(g.row_position[t]);
+  }
+  if (rows.empty()) {
+    g.stats.add(st);
+    return Status::ok();
+  }
   const int64_t R = static_cast<int64_t>(rows.size());
   NIB_ASSIGN_OR_RETURN(rollout::GuidanceBatch gb,
-                       rollout::gather_guidance(*g.store, seqs.data(), poss.data(), R, static_cast<uint16_t>(info_.block),
-                                                *rollout::guidance_site(info_.kind)));
+                       rollout::gather_guidance(*g.store, seqs.data(), poss.data(), R, block, site));
   if (gb.cols != K || gb.format != QuantFormat::kNvfp4TwoLevel)
     return invalid_argument("{}: guidance of linear {} is {} cols={}, the trainer quantizes {} cols={}",
                             kFakeQuantRecipe, info_.name, backend::quant_format_name(gb.format), gb.cols,
@@ -86,7 +112,6 @@ Status FakeQuantLinear::apply_guidance(backend::Backend& be, float* xq, const fl
   rollout::guided_quantize_cpu(guided.data(), xr.data(), gb);
   std::vector<float> deq(static_cast<size_t>(R * K));
   formats::nvfp4_2level_dequantize_cpu(deq.data(), guided.data(), gb.scales.data(), gb.outer.data(), R, K);
-  GuidedSiteStats st;
   const rollout::GuidanceMode mode = gb.mode;
   for (int64_t i = 0; i < R; ++i) {
     const uint8_t* rtn = rtn_all.data() + rows[static_cast<size_t>(i)] * (K / 2);

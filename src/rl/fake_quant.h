@@ -7,8 +7,11 @@
 // the rollout. TRACE: at a guided site (TraceGuidance: a recorded layer and site, a row with a
 // rollout record) the input is instead rounded under the rollout's block scales to the E2M1
 // neighbour the rollout's code (trace-full) or mantissa bit (trace) names (formats/guided.h).
-// Backward is straight-through: dx = dy ŵ, dw += dy^T x̂. Routed experts' linears are not guided
-// sites (their rows are the tokens routed to one expert; rollout/recorders.h).
+// Backward is straight-through: dx = dy ŵ, dw += dy^T x̂. A routed expert's linear is guided
+// too: its rows are the tokens routed to that expert (LinearCall::token_of_row, the dispatch
+// plan's), each looked up at (its token's sequence and position, layer, routed_expert_site(e,
+// part)); a row whose token the rollout did not route to e (R3 off) has no record and stays RTN,
+// counted in GuidedSiteStats::routed_fallback_rows.
 #pragma once
 
 #include <cstdint>
@@ -29,13 +32,18 @@ struct GuidedSiteStats {
                                // guided code (trace: the rollout's code as far as its mantissa bit says)
   int64_t one_step = 0;        // of those, the two codes are adjacent values of the E2M1 grid
   int64_t reproduced = 0;      // guided code == the rollout's code (trace-full) / its mantissa bit == the rollout's (trace)
+  // rows (not elements) of routed experts' linears at guided layers whose token the rollout recorded
+  int64_t routed_rows = 0;
+  int64_t routed_fallback_rows = 0;  // of those, rows without a record for that expert: RTN
   void add(const GuidedSiteStats& o) {
     elements += o.elements, rtn_mismatch += o.rtn_mismatch, one_step += o.one_step, reproduced += o.reproduced;
+    routed_rows += o.routed_rows, routed_fallback_rows += o.routed_fallback_rows;
   }
 };
 
 // What the RL loop tells the model's fake-quantized linears about the batch being run (shared
-// by all of them). Rows are the (B, T) batch's token rows b*T + t.
+// by all of them). Rows are the (B, T) batch's token rows b*T + t (a routed expert's row r is
+// token row call.token_of_row[r]).
 struct TraceGuidance {
   rollout::RecordStore* store = nullptr;  // null: RTN everywhere
   std::vector<bool> layers;               // guided blocks
@@ -64,9 +72,10 @@ class FakeQuantLinear final : public model::LinearRecipe {
   void set_guidance(TraceGuidance* g) { options_.guidance = g; }
 
  private:
-  // Rows of xq (M, K) whose rollout record exists are re-rounded under the rollout's scales.
+  // Rows of xq (M, K) whose rollout record at `site` exists are re-rounded under the rollout's
+  // scales. token_of_row: (M) i32 backend memory, the token row of each row (routed experts), or null.
   Status apply_guidance(backend::Backend& be, float* xq, const float* xb, const uint8_t* rtn_codes_dev, int64_t M,
-                        int64_t K);
+                        int64_t K, uint16_t site, const int32_t* token_of_row);
   FakeQuantOptions options_;
   model::LinearInfo info_;
   backend::Buffer<float> wq_, xq_;  // saved ŵ (N,K), x̂ (M,K) for backward

@@ -42,6 +42,7 @@ json RlStepMetrics::to_json() const {
               {"guided_mismatch", guided_mismatch},
               {"guided_one_step", guided_one_step},
               {"guided_reproduced", guided_reproduced},
+              {"guided_expert_fallback", guided_expert_fallback},
               {"moe_set_mismatch", moe_set_mismatch},
               {"guidance_bytes_per_token", guidance_bytes_per_token},
               {"rollout_tokens_per_s", rollout_tokens_per_s},
@@ -535,6 +536,9 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch) {
   } else {
     m.guided_mismatch = m.guided_one_step = m.guided_reproduced = kNaN;
   }
+  m.guided_expert_fallback = guided_arm(cfg_.arm) && gs.routed_rows > 0
+                                 ? static_cast<double>(gs.routed_fallback_rows) / static_cast<double>(gs.routed_rows)
+                                 : kNaN;
   if (ref_) {
     ref_->forward_logits(logits.data(), full.inputs.data(), B, T, routing);
     pb.logp_ref.assign(static_cast<size_t>(B * T), 0.0);

@@ -105,6 +105,9 @@ struct RlStepMetrics {
   double reward_mean = 0, reward_std = 0, response_len = 0, entropy = 0;
   double logp_diff_mean = 0, logp_diff_max = 0, kl_rollout_train = 0;
   double guided_mismatch = 0, guided_one_step = 0, guided_reproduced = 0;  // NaN without guidance
+  // routed experts' rows (guided layers, recorded tokens) without a rollout record for their expert,
+  // hence RTN: 0 with R3; NaN without guidance or without routed experts at the guided layers
+  double guided_expert_fallback = 0;
   double moe_set_mismatch = 0;  // NaN for a dense model
   double guidance_bytes_per_token = 0, rollout_tokens_per_s = 0, train_tokens_per_s = 0;
   double sync_seconds = 0, sync_bytes = 0, step_seconds = 0;

@@ -3,7 +3,8 @@
 // a random tiny model's groups already differ): every arm runs and
 // logs finite metrics; in trace-full the trainer's guided sites reproduce the rollout's codes
 // exactly, in trace their mantissa bits; a MoE model measures expert-set mismatches and trains
-// with R3; a run stopped and resumed gives the uninterrupted run's metrics and weights bit for
+// with R3, its routed experts' linears guided too (without R3, rows of other experts fall back to
+// RTN and are counted); a run stopped and resumed gives the uninterrupted run's metrics and weights bit for
 // bit; asynchronous rollouts (max_staleness N) come from version t - N, are deterministic and
 // resume bit for bit; a folder holding a run is refused without --resume; bad configs are
 // one-line errors.
@@ -16,7 +17,9 @@
 #include <filesystem>
 #include <string>
 
+#include "model/config.h"
 #include "rl/rl_loop.h"
+#include "rollout/guidance_store.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
 
@@ -152,14 +155,50 @@ TEST(RlLoop, TraceReproducesTheMantissaBitOnTheLaterHalf) {
   EXPECT_LT(m.guidance_bytes_per_token, 0.5 * full.value().steps[0].guidance_bytes_per_token);
 }
 
+// A MoE model in trace-full with R3: routed experts' linears are guided sites too. Every guided
+// site (routed experts' rows included: guided_expert_fallback is a number, so the trainer looked
+// their rows up) reproduces the rollout's codes, no routed row lacks a record, and the store holds
+// exactly every site of every layer per token, the routed experts' gate/up and down inputs of the
+// token's top_k experts included. The model renormalises its top-k gate weights (norm_topk_prob,
+// as configs/tiny-moe.json): R3's gate weights are the softmax restricted to the replayed set
+// (spec 03 §4), which equals the rollout's own only then, so only then do the layers after a MoE
+// layer see the rollout's inputs exactly.
 TEST(RlLoop, MoeRunMeasuresExpertSetMismatchAndReplaysRouting) {
   TempDir d("moe");
-  auto r = run(config_for("trace-full", moe_model(), 1), d.path);
+  json model = moe_model();
+  model["norm_topk_prob"] = true;
+  auto r = run(config_for("trace-full", model, 1), d.path);
   ASSERT_TRUE(r.is_ok()) << r.status().message();
   const RlStepMetrics& m = r.value().steps[0];
   expect_finite(m, true, true);
   EXPECT_GE(m.moe_set_mismatch, 0.0);
   EXPECT_LE(m.moe_set_mismatch, 1.0);
+  EXPECT_EQ(m.guided_reproduced, 1.0);
+  EXPECT_EQ(m.guided_mismatch, 0.0);
+  EXPECT_EQ(m.guided_expert_fallback, 0.0);
+  auto cfg = model::parse_model_config(model);
+  ASSERT_TRUE(cfg.is_ok());
+  const std::vector<int64_t> layers = {0, 1};
+  EXPECT_EQ(m.guidance_bytes_per_token,
+            static_cast<double>(rollout::guidance_bytes_per_token(backend::QuantFormat::kNvfp4TwoLevel, cfg.value(),
+                                                                  layers, rollout::GuidanceMode::kTraceFull, true,
+                                                                  false)));
+}
+
+// Without R3 the trainer routes by itself: a token whose expert set differs from the rollout's has
+// a routed row without a record (RTN, counted), so rows fall back exactly when sets differ.
+TEST(RlLoop, MoeWithoutR3CountsRoutedRowsWithoutARecord) {
+  TempDir d("moe_no_r3");
+  RlConfig c = config_for("trace-full", moe_model(), 1);  // every layer guided, as the mismatch counts all
+  c.r3 = false;
+  auto r = run(c, d.path);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  const RlStepMetrics& m = r.value().steps[0];
+  expect_finite(m, true, true);
+  ASSERT_TRUE(std::isfinite(m.guided_expert_fallback));
+  EXPECT_EQ(m.guided_expert_fallback > 0.0, m.moe_set_mismatch > 0.0);
+  EXPECT_LE(m.guided_expert_fallback, 1.0);
+  EXPECT_EQ(m.guided_reproduced, 1.0);  // the rows that have a record reproduce it
 }
 
 TEST(RlLoop, ResumeReproducesTheUninterruptedRunBitForBit) {

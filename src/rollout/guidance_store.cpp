@@ -284,6 +284,12 @@ Result<std::vector<uint8_t>> RecordStore::read(const RecordKey& key) {
   return out;
 }
 
+bool RecordStore::contains(const RecordKey& key) {
+  if (!wait_drained()) return false;
+  std::lock_guard lk(index_mu_);
+  return index_.count(key) > 0;
+}
+
 Status RecordStore::for_each_in_sequence(
     uint64_t sequence, const std::function<Status(const RecordKey&, std::span<const uint8_t>)>& fn) {
   if (!wait_drained()) return invalid_argument("{}: read of sequence {} after close", options_.name, sequence);
@@ -401,7 +407,7 @@ Result<std::vector<uint8_t>> extract_guidance(const backend::QuantizedTensor& q,
   uint8_t* p = rec.data();
   p[0] = static_cast<uint8_t>(q.format);
   p[1] = static_cast<uint8_t>(mode);
-  put<uint16_t>(p + 2, 0);
+  put<uint16_t>(p + 2, kGuidanceRecordVersion);
   put<uint32_t>(p + 4, static_cast<uint32_t>(K));
   p += kGuidanceHeaderBytes;
   std::memcpy(p, q.scales + row * (K / 16), static_cast<size_t>(K / 16));
@@ -441,6 +447,9 @@ Result<GuidanceRecordView> parse_guidance_record(std::span<const uint8_t> payloa
   if (p[0] > static_cast<uint8_t>(backend::QuantFormat::kMxfp8) || !is_nvfp4(static_cast<backend::QuantFormat>(p[0])))
     return data_loss("guidance record {}: bad format byte {}", what, p[0]);
   if (p[1] > 1) return data_loss("guidance record {}: bad mode byte {}", what, p[1]);
+  if (get<uint16_t>(p + 2) != kGuidanceRecordVersion)
+    return data_loss("guidance record {}: version {}, this build reads version {}", what, get<uint16_t>(p + 2),
+                     kGuidanceRecordVersion);
   v.format = static_cast<backend::QuantFormat>(p[0]);
   v.mode = static_cast<GuidanceMode>(p[1]);
   v.cols = get<uint32_t>(p + 4);
@@ -501,19 +510,29 @@ void guided_quantize_cpu(uint8_t* codes, const float* x, const GuidanceBatch& g)
 
 // ---- sites and bytes per token ----------------------------------------------------------------------
 
+uint16_t routed_expert_site(int64_t expert, int part) {
+  NIB_CHECK_MSG(expert >= 0 && expert < kMaxGuidedExperts && (part == 0 || part == 1),
+                "routed expert site: expert {} part {} (experts < {}, part 0 or 1)", expert, part, kMaxGuidedExperts);
+  return static_cast<uint16_t>(kRoutedExpertSite0 + 2 * expert + part);
+}
+
 std::vector<TraceSiteWidth> trace_sites(const model::ModelConfig& config, int64_t layer, bool activations,
                                         bool kv_cache) {
   std::vector<TraceSiteWidth> s;
   if (activations) {
     s.push_back({kAttnInput, config.hidden_size});
     s.push_back({kAttnOutputInput, config.q_width()});
-    s.push_back({kMlpInput, config.hidden_size});
     if (config.is_moe_layer(layer)) {
-      for (int64_t j = 0; j < config.num_experts_per_tok; ++j)
-        s.push_back({static_cast<uint16_t>(kExpertDownInput + j), config.moe_intermediate_size});
-      if (config.shared_expert_intermediate_size > 0)
+      for (int64_t j = 0; j < config.num_experts_per_tok; ++j) {
+        s.push_back({routed_expert_site(j, 0), config.hidden_size});
+        s.push_back({routed_expert_site(j, 1), config.moe_intermediate_size});
+      }
+      if (config.shared_expert_intermediate_size > 0) {
+        s.push_back({kMlpInput, config.hidden_size});
         s.push_back({kSharedExpertDownInput, config.shared_expert_intermediate_size});
+      }
     } else {
+      s.push_back({kMlpInput, config.hidden_size});
       s.push_back({kMlpDownInput, config.intermediate_size});
     }
   }

@@ -78,6 +78,8 @@ class RecordStore {
   // The payload of one record (waits for queued records first). Errors: no such key (not found), a
   // damaged or truncated spill record (data loss), a failed read (I/O).
   Result<std::vector<uint8_t>> read(const RecordKey& key);
+  // Whether a record `key` is stored (waits for queued records first); false once closed.
+  bool contains(const RecordKey& key);
   // Calls fn for each record of `sequence` in key order (positions, then layers, then sites), one
   // record in memory at a time; stops at fn's first error and returns it. No records: not found.
   Status for_each_in_sequence(uint64_t sequence,
@@ -134,12 +136,15 @@ inline formats::GuidanceKind guidance_kind(GuidanceMode mode) {
 }
 
 // Record of one token row (cols values) at one site, host byte order:
-//   header  8 bytes: u8 QuantFormat, u8 GuidanceMode, u16 0, u32 cols
+//   header  8 bytes: u8 QuantFormat, u8 GuidanceMode, u16 version (kGuidanceRecordVersion), u32 cols
 //   scales  cols/16 bytes E4M3 block scales
 //   outer   n_outer f32: TE (kNvfp4Te, kNvfp4Te2d) 1 (the tensor amax); 2-level ceil(cols/128)
 //   guide   cols/2 bytes packed E2M1 codes (trace-full) or cols/8 bytes mantissa bits (trace;
 //           bit j of byte i = element 8i+j, as formats::e2m1_mantissa_bits_cpu writes them)
 inline constexpr int64_t kGuidanceHeaderBytes = 8;
+// Version 1: routed experts are sites (routed_expert_site, keyed by expert id). Version 0 (no
+// routed-expert sites; 16 + j was reserved for the token's j-th expert) is refused when read.
+inline constexpr uint16_t kGuidanceRecordVersion = 1;
 int64_t guidance_outer_count(backend::QuantFormat format, int64_t cols);
 int64_t guidance_record_bytes(backend::QuantFormat format, int64_t cols, GuidanceMode mode);
 
@@ -184,23 +189,35 @@ void guided_quantize_cpu(uint8_t* codes, const float* x, const GuidanceBatch& g)
 
 // ---- sites and bytes per token ------------------------------------------------------------------
 
-// Site ids of a transformer block (the key's `site`): activations entering quantized linears, and
-// the KV-cache writes. A MoE layer's routed experts: kExpertDownInput + j for the token's j-th expert.
+// Site ids of a transformer block (the key's `site`; record version 1, kGuidanceRecordVersion):
+// activations entering quantized linears, and the KV-cache writes. A MoE layer's routed expert e
+// has two sites, routed_expert_site(e, 0) (its gate/up input, hidden_size) and
+// routed_expert_site(e, 1) (its down_proj input, moe_intermediate_size), each recorded for every
+// token routed to e: a token has top_k records of each, one per expert of its set, keyed by the
+// expert's id (not its rank in the top-k list), so a trainer that routes a token elsewhere finds
+// no record for that expert.
 enum TraceSite : uint16_t {
   kAttnInput = 0,         // q/k/v projections' input (hidden_size)
   kAttnOutputInput = 1,   // o_proj input (q_width)
-  kMlpInput = 2,          // gate/up input, dense or MoE (hidden_size)
+  kMlpInput = 2,          // gate/up input of a dense MLP or of the shared expert (hidden_size)
   kMlpDownInput = 3,      // dense down_proj input (intermediate_size)
   kKeyCache = 4,          // K written to the cache (kv_width)
   kValueCache = 5,        // V written to the cache (kv_width)
   kSharedExpertDownInput = 6,  // shared expert down_proj input (shared_expert_intermediate_size)
-  kExpertDownInput = 16,  // + j: routed expert j's down_proj input (moe_intermediate_size)
+  kRoutedExpertSite0 = 16,     // + 2e + part: routed expert e's gate/up (part 0) / down (part 1) input
 };
+// The most experts a MoE layer may have for its sites to fit the key's u16.
+inline constexpr int64_t kMaxGuidedExperts = (0xFFFF - kRoutedExpertSite0 + 1) / 2;
+// The site of routed expert `expert`'s gate/up (part 0) or down_proj (part 1) input
+// (expert in [0, kMaxGuidedExperts), checked).
+uint16_t routed_expert_site(int64_t expert, int part);
 struct TraceSiteWidth {
   uint16_t site = 0;
   int64_t cols = 0;
 };
-// The sites of `layer` (activation sites and/or KV-cache sites) and their widths.
+// The records one token adds at `layer` (activation sites and/or KV-cache sites) and their widths.
+// A MoE layer lists its routed experts' sites as those of experts 0..top_k-1, standing for the
+// token's own top_k experts (the widths, and so the bytes, are the same for every expert).
 std::vector<TraceSiteWidth> trace_sites(const model::ModelConfig& config, int64_t layer, bool activations,
                                         bool kv_cache);
 // Guidance bytes one token adds to the store: sum over `layers` of the sites' record bytes.

@@ -2,7 +2,8 @@
 // modes on TE and 2-level NVFP4 (odd multiples of 16 included), mantissa-only reconstruction equal
 // to the full code's choice whenever the trainer's neighbours bracket the rollout's code, spill
 // round trip under a tiny budget, concurrent producers against a tiny queue, damaged spill files,
-// a failing spill write, spill-directory cleanup, errors by key, and bytes per token measured.
+// a failing spill write, spill-directory cleanup, errors by key, bytes per token measured, and
+// routed experts' sites (distinct ids; per-expert records through a spilling store; versioning).
 #include "rollout/guidance_store.h"
 
 #include <signal.h>
@@ -12,6 +13,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -253,6 +256,76 @@ TEST_F(GuidanceStoreTest, ExtractRejectsNonNvfp4AndBadWidths) {
   bad[4] = 17;  // cols 17
   EXPECT_FALSE(parse_guidance_record(bad, "row 1").is_ok());
   EXPECT_TRUE(parse_guidance_record(*rec, "row 1").is_ok());
+  // A record of another version (0: before routed experts had sites) is data loss naming it.
+  std::vector<uint8_t> old = *rec;
+  EXPECT_EQ(old[2] | (old[3] << 8), kGuidanceRecordVersion);
+  old[2] = 0, old[3] = 0;
+  auto o = parse_guidance_record(old, "row 1");
+  ASSERT_FALSE(o.is_ok());
+  EXPECT_EQ(o.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(o.status().message().find("version 0"), std::string::npos) << o.status().message();
+}
+
+// Routed experts' sites: two per expert (gate/up input, down input), distinct from each other and
+// from the fixed sites below kRoutedExpertSite0, up to the last id a u16 holds.
+TEST(GuidanceSites, RoutedExpertSitesAreDistinctPerExpertAndPart) {
+  std::set<uint16_t> seen = {kAttnInput, kAttnOutputInput, kMlpInput,   kMlpDownInput,
+                             kKeyCache,  kValueCache,      kSharedExpertDownInput};
+  for (int64_t e = 0; e < 300; ++e)
+    for (int part : {0, 1}) EXPECT_TRUE(seen.insert(routed_expert_site(e, part)).second) << e << " " << part;
+  EXPECT_EQ(routed_expert_site(0, 0), kRoutedExpertSite0);
+  EXPECT_EQ(routed_expert_site(kMaxGuidedExperts - 1, 1), 0xFFFF);
+}
+
+// A MoE layer's routed-expert records through a store that spills: each token goes to 2 of 4
+// experts, whose gate/up input (48 wide) and down input (32 wide) are recorded under the expert's
+// sites at the token's position; gathered per expert by its tokens (as the trainer does with the
+// dispatch plan) they equal the rollout tensors, in memory or spilled; a token has no record at an
+// expert it was not routed to.
+TEST_F(GuidanceStoreTest, RoutedExpertRecordsRoundTripThroughTheSpillFile) {
+  auto store = open(options(400));  // a few records' worth: most spill
+  const int64_t T = 7, E = 4, C = 48, Im = 32;
+  const uint64_t seq = 21;
+  const uint16_t layer = 2;
+  auto routed = [](int64_t t, int64_t x) { return x == t % 4 || x == (t + 1) % 4; };  // 2 experts a token
+  std::map<std::pair<int64_t, int>, HostQuant> tensors;                            // (expert, part)
+  std::map<int64_t, std::vector<uint32_t>> positions;                              // expert -> its tokens
+  for (int64_t x = 0; x < E; ++x) {
+    for (int64_t t = 0; t < T; ++t)
+      if (routed(t, x)) positions[x].push_back(static_cast<uint32_t>(t));
+    const auto rows = static_cast<int64_t>(positions[x].size());
+    const std::vector<uint64_t> seqs(static_cast<size_t>(rows), seq);
+    for (int part : {0, 1}) {
+      auto it = tensors.emplace(std::make_pair(x, part), quantize(QuantFormat::kNvfp4TwoLevel, rows, part == 0 ? C : Im,
+                                                                   static_cast<uint64_t>(10 * x + part)));
+      ASSERT_TRUE(append_guidance(*store, it.first->second.q, seqs.data(), positions[x].data(), layer,
+                                  routed_expert_site(x, part), GuidanceMode::kTraceFull)
+                      .is_ok());
+    }
+  }
+  ASSERT_TRUE(store->flush().is_ok());
+  EXPECT_GT(store->stats().spilled_records, 0);
+  EXPECT_EQ(store->stats().records, 2 * 2 * T);
+  for (int64_t x = 0; x < E; ++x)
+    for (int part : {0, 1}) {
+      const HostQuant& h = tensors.at({x, part});
+      const std::vector<uint32_t>& pos = positions[x];
+      const std::vector<uint64_t> seqs(pos.size(), seq);
+      auto g = gather_guidance(*store, seqs.data(), pos.data(), static_cast<int64_t>(pos.size()), layer,
+                               routed_expert_site(x, part));
+      ASSERT_TRUE(g.is_ok()) << g.status().message();
+      EXPECT_EQ(g->cols, part == 0 ? C : Im);
+      EXPECT_EQ(g->guide, h.codes) << "expert " << x << " part " << part;
+      EXPECT_EQ(g->scales, h.scales);
+      EXPECT_EQ(g->outer, h.outer);
+      for (int64_t t = 0; t < T; ++t) {
+        const RecordKey key{seq, static_cast<uint32_t>(t), layer, routed_expert_site(x, part)};
+        EXPECT_EQ(store->contains(key), routed(t, x)) << record_key_name(key);
+        if (!routed(t, x)) EXPECT_EQ(store->read(key).status().code(), StatusCode::kNotFound);
+      }
+    }
+  ASSERT_TRUE(store->close().is_ok());
+  EXPECT_FALSE(store->contains(RecordKey{seq, 0, layer, routed_expert_site(0, 0)}));  // closed
 }
 
 TEST(GuidanceMode, NamesParse) {

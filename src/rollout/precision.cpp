@@ -107,7 +107,7 @@ Status QuantizedLinears::set_quantized_weights(const std::vector<backend::Quanti
 }
 
 void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
-                               const model::LinearInfo& info) {
+                               const model::LinearInfo& info, const model::LinearCall& call) {
   NIB_CHECK(info.id >= 0 && info.id < static_cast<int>(slots_.size()));
   const int64_t N = info.N, K = info.K;
   Slot& s = *slots_[info.id];
@@ -126,7 +126,7 @@ void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, c
   if (mode_ == PrecisionMode::kW4A4) {
     backend::QuantizedTensor qx = xq_.view(be, act_format_, Mp, K);
     be.quantize(qx, xs);  // RTN, as the recipes' forward
-    if (observer_ != nullptr) observer_->on_quantized_activation(be, info, qx, M);
+    if (observer_ != nullptr) observer_->on_quantized_activation(be, info, qx, M, call.token_of_row);
     float* xd = xd_.ensure(be, Mp * K, "rollout dequantized activation");
     be.dequantize(xd, qx);
     a = xd;

@@ -32,9 +32,12 @@ class ActivationObserver {
  public:
   virtual ~ActivationObserver() = default;
   // qx: the quantized activation entering linear `info` (backend memory; rows [0, M) are the
-  // call's rows, any further rows are the TE tiles' zero padding).
+  // call's rows, any further rows are the TE tiles' zero padding). token_of_row: (M) i32 backend
+  // memory, the step row of each row for a routed expert's linear (LinearCall::token_of_row);
+  // null for the other linears, whose rows are the step's rows.
   virtual void on_quantized_activation(backend::Backend& be, const model::LinearInfo& info,
-                                       const backend::QuantizedTensor& qx, int64_t M) = 0;
+                                       const backend::QuantizedTensor& qx, int64_t M,
+                                       const int32_t* token_of_row) = 0;
 };
 const char* precision_mode_name(PrecisionMode m);
 // "recipe" | "bf16" | "w4a16" | "w4a4"
@@ -71,7 +74,7 @@ class QuantizedLinears final : public model::LinearOverride {
   Status set_quantized_weights(const std::vector<backend::QuantizedTensor>& weights, Memory where);
 
   void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
-               const model::LinearInfo& info) override;
+               const model::LinearInfo& info, const model::LinearCall& call) override;
   // w4a4: every quantized activation is shown to `observer` (null: none) right after quantizing.
   void set_observer(ActivationObserver* observer) { observer_ = observer; }
 

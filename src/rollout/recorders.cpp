@@ -5,8 +5,12 @@
 
 namespace nibble::rollout {
 
-std::optional<uint16_t> guidance_site(model::LinearKind kind) {
-  switch (kind) {
+bool is_routed_expert(model::LinearKind kind) {
+  return kind == model::LinearKind::kExpertGateUp || kind == model::LinearKind::kExpertDown;
+}
+
+std::optional<uint16_t> guidance_site(const model::LinearInfo& info) {
+  switch (info.kind) {
     case model::LinearKind::kQkv: return kAttnInput;
     case model::LinearKind::kAttnOut: return kAttnOutputInput;
     case model::LinearKind::kGateUp: return kMlpInput;
@@ -14,7 +18,11 @@ std::optional<uint16_t> guidance_site(model::LinearKind kind) {
     case model::LinearKind::kDown: return kMlpDownInput;
     case model::LinearKind::kSharedDown: return kSharedExpertDownInput;
     case model::LinearKind::kExpertGateUp:
-    case model::LinearKind::kExpertDown: return std::nullopt;
+      if (info.expert < 0) return std::nullopt;
+      return routed_expert_site(info.expert, 0);
+    case model::LinearKind::kExpertDown:
+      if (info.expert < 0) return std::nullopt;
+      return routed_expert_site(info.expert, 1);
   }
   return std::nullopt;
 }
@@ -36,20 +44,34 @@ GuidanceRecorder::GuidanceRecorder(const RolloutRecorders& recorders, int64_t nu
 }
 
 void GuidanceRecorder::on_quantized_activation(backend::Backend& be, const model::LinearInfo& info,
-                                               const backend::QuantizedTensor& qx, int64_t M) {
+                                               const backend::QuantizedTensor& qx, int64_t M,
+                                               const int32_t* token_of_row) {
   if (!status_.is_ok() || recorders_.guidance == nullptr) return;
-  status_ = record(be, info, qx, M);
+  status_ = record(be, info, qx, M, token_of_row);
 }
 
 Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& info,
-                                const backend::QuantizedTensor& qx, int64_t M) {
-  const std::optional<uint16_t> site = guidance_site(info.kind);
+                                const backend::QuantizedTensor& qx, int64_t M, const int32_t* token_of_row) {
+  const std::optional<uint16_t> site = guidance_site(info);
   if (!site || info.block < 0 || info.block >= static_cast<int>(layer_on_.size()) ||
       !layer_on_[static_cast<size_t>(info.block)])
     return Status::ok();
-  if (M != static_cast<int64_t>(rows_.positions.size()))
-    return Status(StatusCode::kInternal, fmt::format("guidance recorder: linear {} ran on {} rows, the step has {}",
-                                                     info.name, M, rows_.positions.size()));
+  const int64_t N = static_cast<int64_t>(rows_.positions.size());
+  const bool routed = is_routed_expert(info.kind);
+  if (!routed && M != N)
+    return Status(StatusCode::kInternal,
+                  fmt::format("guidance recorder: linear {} ran on {} rows, the step has {}", info.name, M, N));
+  if (routed) {  // row r of the call is step row tokens_[r]
+    if (token_of_row == nullptr)
+      return Status(StatusCode::kInternal,
+                    fmt::format("guidance recorder: routed expert linear {} ran without its tokens", info.name));
+    tokens_.resize(static_cast<size_t>(M));
+    be.copy_to_host(tokens_.data(), token_of_row, sizeof(int32_t) * static_cast<size_t>(M));
+    for (int64_t r = 0; r < M; ++r)
+      if (tokens_[static_cast<size_t>(r)] < 0 || tokens_[static_cast<size_t>(r)] >= N)
+        return Status(StatusCode::kInternal, fmt::format("guidance recorder: linear {} row {} is token {}, the step has {}",
+                                                         info.name, r, tokens_[static_cast<size_t>(r)], N));
+  }
   // the record reader works on host memory: a device activation is copied first
   backend::QuantizedTensor q = qx;
   q.rows = M;
@@ -66,8 +88,9 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
   RecordStore& store = *recorders_.guidance;
   for (int64_t r = 0; r < M; ++r) {
     NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec, extract_guidance(q, r, recorders_.guidance_mode));
-    const auto pos = static_cast<uint32_t>(rows_.positions[static_cast<size_t>(r)]);
-    NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows_, static_cast<size_t>(r), [&](uint64_t seq) {
+    const auto n = static_cast<size_t>(routed ? tokens_[static_cast<size_t>(r)] : r);  // the step row
+    const auto pos = static_cast<uint32_t>(rows_.positions[n]);
+    NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows_, n, [&](uint64_t seq) {
       return store.append(RecordKey{seq, pos, static_cast<uint16_t>(info.block), *site}, std::vector<uint8_t>(rec));
     }));
   }

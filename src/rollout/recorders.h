@@ -5,9 +5,10 @@
 // activation entering a quantized linear (guidance_store.h), prompt tokens included. Both are
 // keyed by (recorded_sequence(request id, sample), position, layer, site): a prompt row the G
 // samples share is stored once per sample, so the trainer reads every sequence alone.
-// Routed experts' linears (their rows are the tokens routed to one expert) and the KV cache are
-// not guided sites yet: the sites recorded are kAttnInput, kAttnOutputInput, kMlpInput (dense
-// MLP or shared expert), kMlpDownInput and kSharedExpertDownInput.
+// The sites recorded are kAttnInput, kAttnOutputInput, kMlpInput (dense MLP or shared expert),
+// kMlpDownInput, kSharedExpertDownInput and each routed expert's gate/up and down inputs
+// (routed_expert_site(e, part)), the latter for the tokens routed to e, found through the dispatch
+// plan's token_of_row the model passes with the call. The KV cache is not a guided site.
 #pragma once
 
 #include <cstdint>
@@ -35,8 +36,11 @@ struct RolloutRecorders {
   std::vector<int64_t> guidance_layers;  // blocks recorded; empty: all
 };
 
-// The guidance site of a linear's input, or nullopt where it is not a recorded site (routed experts).
-std::optional<uint16_t> guidance_site(model::LinearKind kind);
+// The guidance site of a linear's input: by kind, and for a routed expert's linears by its expert
+// id (routed_expert_site); nullopt for an expert linear without an expert id.
+std::optional<uint16_t> guidance_site(const model::LinearInfo& info);
+// Whether the linear is a routed expert's (its rows are the tokens routed to info.expert).
+bool is_routed_expert(model::LinearKind kind);
 
 // One step's rows as the engine lays them out: row i is position positions[i] of sample
 // samples[i] (-1: a prompt row shared by all samples_of[i] samples) of the request with id ids[i].
@@ -54,17 +58,19 @@ class GuidanceRecorder final : public ActivationObserver {
   GuidanceRecorder(const RolloutRecorders& recorders, int64_t num_layers);
   void set_rows(const RecordedRows& rows) { rows_ = rows; }
   void on_quantized_activation(backend::Backend& be, const model::LinearInfo& info, const backend::QuantizedTensor& qx,
-                               int64_t M) override;
+                               int64_t M, const int32_t* token_of_row) override;
   const Status& status() const { return status_; }
 
  private:
-  Status record(backend::Backend& be, const model::LinearInfo& info, const backend::QuantizedTensor& qx, int64_t M);
+  Status record(backend::Backend& be, const model::LinearInfo& info, const backend::QuantizedTensor& qx, int64_t M,
+                const int32_t* token_of_row);
   RolloutRecorders recorders_;
   std::vector<bool> layer_on_;
   RecordedRows rows_;
   Status status_;
   std::vector<uint8_t> codes_, scales_;  // host copies of a device activation
   std::vector<float> outer_;
+  std::vector<int32_t> tokens_;  // host copy of a routed expert's token_of_row
 };
 
 // Appends the routing records of one step: expert_ids (num_moe_layers, N, top_k) i32 host.

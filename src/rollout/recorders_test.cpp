@@ -2,10 +2,13 @@
 // recorded at guided sites equal the trainer's quantizer (formats::nvfp4_2level_quantize_cpu, what
 // the tetrajet-v2 recipe runs) on the same inputs bit for bit; the engine records every position
 // of every sample (prompt rows shared by G samples once per sample), only the chosen layers,
-// mantissa-bit records that are the full records' bit 0; R3 routing records equal the expert ids
-// the routing hook sees; guidance outside w4a4 is refused.
+// mantissa-bit records that are the full records' bit 0; routed experts' inputs recorded per
+// (token, expert) under the expert's own sites, exactly for the experts the token's routing
+// record names; R3 routing records equal the expert ids the routing hook sees; guidance outside
+// w4a4 is refused.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <tuple>
 #include <vector>
@@ -48,20 +51,26 @@ class InputTap final : public model::LinearOverride {
  public:
   explicit InputTap(QuantizedLinears& q) : q_(q) {}
   void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
-               const model::LinearInfo& info) override {
+               const model::LinearInfo& info, const model::LinearCall& call) override {
     std::vector<float>& xb = inputs[info.id];
     xb.resize(static_cast<size_t>(M * info.K));
     model::round_to_bf16_array(xb.data(), x, M * info.K);
-    q_.forward(be, y, x, w, M, info);
+    if (call.token_of_row != nullptr) tokens[info.id].assign(call.token_of_row, call.token_of_row + M);
+    q_.forward(be, y, x, w, M, info, call);
   }
   std::map<int, std::vector<float>> inputs;
+  std::map<int, std::vector<int32_t>> tokens;  // routed experts: each row's step row (CPU memory)
 
  private:
   QuantizedLinears& q_;
 };
 
-TEST(RolloutRecorders, W4a4GuidanceCodesEqualTheTrainerQuantizerOnTheSameInputs) {
-  auto m = tiny_model(false);
+// One prefill of 9 prompt rows of request id 3, shared by 2 samples, through the w4a4 linears with
+// the guidance recorder on: every record equals the trainer's quantizer on the linear's input row
+// (sequence of the sample, position of the row's token). A routed expert's rows are the tokens the
+// dispatch plan sent to it, so its records sit at those tokens' positions under its own site.
+void expect_w4a4_codes_equal_the_trainer_quantizer(bool moe) {
+  auto m = tiny_model(moe);
   auto q = QuantizedLinears::create(*m, PrecisionMode::kW4A4, "tetrajet-v2");
   ASSERT_TRUE(q.is_ok()) << q.status().message();
   auto store = open_store("guidance store");
@@ -70,7 +79,6 @@ TEST(RolloutRecorders, W4a4GuidanceCodesEqualTheTrainerQuantizerOnTheSameInputs)
   GuidanceRecorder recorder(rec, m->config().num_hidden_layers);
   q.value()->set_observer(&recorder);
   InputTap tap(*q.value());
-  // one prefill of 9 prompt rows of request id 3, shared by 2 samples
   KvCacheConfig kc{m->config().num_hidden_layers, m->config().num_attention_heads, m->config().num_key_value_heads,
                    m->config().head_dim, 16, 4, backend::KvPageFormat::kF32, backend::AttentionPrecision::kFp32};
   auto cache = PagedKvCache::create(m->backend(), kc);
@@ -92,27 +100,47 @@ TEST(RolloutRecorders, W4a4GuidanceCodesEqualTheTrainerQuantizerOnTheSameInputs)
   ASSERT_TRUE(recorder.status().is_ok()) << recorder.status().message();
   ASSERT_TRUE(store->flush().is_ok());
 
-  int64_t checked = 0;
+  int64_t checked = 0, rows_recorded = 0, routed_rows = 0;
   for (const model::LinearInfo& info : m->linear_infos()) {
-    const auto site = guidance_site(info.kind);
+    const auto site = guidance_site(info);
     ASSERT_TRUE(site.has_value());
-    const std::vector<float>& x = tap.inputs.at(info.id);
-    const int64_t K = info.K;
-    std::vector<uint8_t> codes(static_cast<size_t>(N * K / 2)), inner(static_cast<size_t>(N * K / 16));
-    std::vector<float> outer(static_cast<size_t>(N * ((K + 127) / 128)));
-    formats::nvfp4_2level_quantize_cpu(codes.data(), inner.data(), outer.data(), x.data(), N, K);
+    const auto in = tap.inputs.find(info.id);
+    if (in == tap.inputs.end()) {  // only a routed expert no token was sent to is never called
+      EXPECT_TRUE(is_routed_expert(info.kind)) << info.name;
+      continue;
+    }
+    const std::vector<float>& x = in->second;
+    const int64_t K = info.K, rows = static_cast<int64_t>(x.size()) / K;
+    // the position of each row's token: the row's own, or (routed expert) its token's
+    std::vector<uint32_t> row_pos(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r)
+      row_pos[r] = static_cast<uint32_t>(is_routed_expert(info.kind) ? pos[tap.tokens.at(info.id)[r]] : pos[r]);
+    if (is_routed_expert(info.kind)) routed_rows += rows;
+    std::vector<uint8_t> codes(static_cast<size_t>(rows * K / 2)), inner(static_cast<size_t>(rows * K / 16));
+    std::vector<float> outer(static_cast<size_t>(rows * ((K + 127) / 128)));
+    formats::nvfp4_2level_quantize_cpu(codes.data(), inner.data(), outer.data(), x.data(), rows, K);
     for (int64_t sample = 0; sample < 2; ++sample) {
-      const std::vector<uint64_t> row_seq(N, recorded_sequence(3, sample));
-      std::vector<uint32_t> row_pos(pos.begin(), pos.end());
-      auto g = gather_guidance(*store, row_seq.data(), row_pos.data(), N, static_cast<uint16_t>(info.block), *site);
+      const std::vector<uint64_t> row_seq(static_cast<size_t>(rows), recorded_sequence(3, sample));
+      auto g = gather_guidance(*store, row_seq.data(), row_pos.data(), rows, static_cast<uint16_t>(info.block), *site);
       ASSERT_TRUE(g.is_ok()) << info.name << ": " << g.status().message();
       EXPECT_EQ(g.value().guide, codes) << info.name;
       EXPECT_EQ(g.value().scales, inner) << info.name;
       EXPECT_EQ(g.value().outer, outer) << info.name;
-      ++checked;
+      ++checked, rows_recorded += rows;
     }
   }
-  EXPECT_EQ(checked, 2 * static_cast<int64_t>(m->linear_infos().size()));
+  EXPECT_GT(checked, 0);
+  EXPECT_EQ(store->stats().records, rows_recorded);  // nothing else was recorded
+  // every token went through top_k experts' gate/up and down in the MoE layer (layer 1 is dense)
+  EXPECT_EQ(routed_rows, moe ? 2 * N * m->config().num_experts_per_tok : 0);
+}
+
+TEST(RolloutRecorders, W4a4GuidanceCodesEqualTheTrainerQuantizerOnTheSameInputs) {
+  expect_w4a4_codes_equal_the_trainer_quantizer(false);
+}
+
+TEST(RolloutRecorders, W4a4RoutedExpertCodesEqualTheTrainerQuantizerOnTheirTokens) {
+  expect_w4a4_codes_equal_the_trainer_quantizer(true);
 }
 
 Request sampled(std::vector<int32_t> prompt, uint64_t id, int64_t G, int64_t n) {
@@ -175,6 +203,48 @@ TEST(RolloutRecorders, EngineRecordsEveryPositionOfEverySampleAtTheChosenLayers)
       return Status::ok();
     }).is_ok());
   }
+}
+
+// With R3 and guidance recorded together (as the trace arms run a MoE model), a token has records
+// at routed expert e's two sites exactly when its routing record names e: the key says which
+// expert, and no other expert of the layer has one.
+TEST(RolloutRecorders, EngineRecordsRoutedExpertSitesOfTheTokensExpertsOnly) {
+  auto m = tiny_model(true);
+  EngineOptions o;
+  o.mode = PrecisionMode::kW4A4;
+  o.recipe_name = "tetrajet-v2";
+  auto e = Engine::create(*m, o);
+  ASSERT_TRUE(e.is_ok()) << e.status().message();
+  auto routing = open_store("routing store");
+  auto guidance = open_store("guidance store");
+  RolloutRecorders rec;
+  rec.routing = routing.get();
+  rec.guidance = guidance.get();
+  rec.guidance_mode = GuidanceMode::kTrace;
+  EngineCallbacks cb;
+  cb.recorders = &rec;
+  std::vector<Request> reqs = {sampled({1, 2, 3, 4, 5}, 6, 2, 5)};
+  auto out = e.value()->generate(reqs, cb);
+  ASSERT_TRUE(out.is_ok()) << out.status().message();
+  const int64_t topk = m->config().num_experts_per_tok, E = m->config().num_experts;
+  ASSERT_EQ(m->num_moe_layers(), 1);  // layer 0; layer 1 is dense
+  int64_t checked = 0;
+  for (const Completion& c : out.value()) {
+    const uint64_t seq = recorded_sequence(6, c.sample);
+    const int64_t T = 5 + static_cast<int64_t>(c.tokens.size()) - 1;
+    std::vector<int32_t> forced(static_cast<size_t>(T * topk));
+    ASSERT_TRUE(gather_routing(forced.data(), *routing, &seq, nullptr, 1, T, 1, topk, E).is_ok());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t x = 0; x < E; ++x) {
+        const bool routed = std::find(forced.begin() + t * topk, forced.begin() + (t + 1) * topk, x) !=
+                            forced.begin() + (t + 1) * topk;
+        for (int part : {0, 1})
+          EXPECT_EQ(guidance->contains(RecordKey{seq, static_cast<uint32_t>(t), 0, routed_expert_site(x, part)}), routed)
+              << "position " << t << " expert " << x << " part " << part;
+        ++checked;
+      }
+  }
+  EXPECT_GT(checked, 0);
 }
 
 TEST(RolloutRecorders, RoutingRecordsEqualTheRoutingHookIds) {

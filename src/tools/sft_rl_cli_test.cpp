@@ -1,9 +1,10 @@
 // SFT then RL through the built `nibble` binary, CI-sized (issue #16 item 6): a tiny MoE
 // (hidden 64, 2 layers, 4 experts top-2) is warm-started by `nibble sft` on arithmetic level 0 for
 // 150 steps (held-out greedy accuracy ~0.66, sampled reward ~0.3: room to learn), then `nibble rl`
-// trains it with GRPO. The mechanics are asserted: in `trace-full` every guided site reproduces
-// the rollout's E2M1 code and the trainer's own RTN code never differs from it on the CPU; in
-// `trace` the mantissa bit is reproduced; every metric is finite; and the reward on the easy level
+// trains it with GRPO. The mechanics are asserted: in `trace-full` every guided site (the routed
+// experts' linears included, each of their rows with a record) reproduces the rollout's E2M1 code
+// and the trainer's own RTN code never differs from it on the CPU; in `trace` the mantissa bit is
+// reproduced; every metric is finite; and the reward on the easy level
 // rises over 20 steps on a fixed training set of 8 instances (docs/rl.md, "Learning").
 #include <gtest/gtest.h>
 
@@ -112,6 +113,8 @@ void expect_exact_guidance(const std::vector<json>& steps) {
   for (const json& m : steps) {
     EXPECT_EQ(m["guided_reproduced"].get<double>(), 1.0) << "step " << m["step"];
     EXPECT_EQ(m["guided_mismatch"].get<double>(), 0.0) << "step " << m["step"];
+    // routed experts are guided sites too, and with R3 every routed row has its record
+    EXPECT_EQ(m["guided_expert_fallback"].get<double>(), 0.0) << "step " << m["step"];
     EXPECT_GT(m["guidance_bytes_per_token"].get<double>(), 0.0);
   }
 }
