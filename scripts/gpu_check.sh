@@ -383,7 +383,8 @@ fi
 if want rl; then
   # RL on CUDA (issue #16): the CPU quick start's SFT warm start, then 10 GRPO steps of the TRACE
   # arm with synchronous rollouts and with max_staleness 1 (the rollout worker is a second CUDA
-  # backend on the same GPU). Logs and metrics.jsonl come back; every metric must be finite.
+  # backend on the same GPU). Logs and metrics.jsonl come back; every metric must be finite, and
+  # no routed expert's row may lack its guidance record (R3 on: guided_expert_fallback 0).
   RL_RC=0
   if [ -n "$NIBBLE" ]; then
     d=$(mktemp -d)
@@ -404,7 +405,11 @@ for p in sys.argv[1:]:
     rows = [r for r in map(json.loads, open(p)) if "reward_mean" in r]
     bad = [(r.get("step"), k) for r in rows for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)]
     print(p.rsplit("/", 1)[-1], len(rows), "steps, reward", [round(r["reward_mean"], 3) for r in rows], "non-finite:", bad[:5])
-    if bad or len(rows) != 10: sys.exit(1)
+    # guided sites include the routed experts' linears; with R3 every routed row has its record
+    g = lambda k: [r.get(k) for r in rows]
+    print("  guided_reproduced min", min(g("guided_reproduced")), " guided_mismatch max", max(g("guided_mismatch")),
+          " guided_expert_fallback max", max(g("guided_expert_fallback")))
+    if bad or len(rows) != 10 or max(g("guided_expert_fallback")) != 0: sys.exit(1)
 PY
     rm -rf "$d"
   fi

@@ -154,12 +154,17 @@ Request sampled(std::vector<int32_t> prompt, uint64_t id, int64_t G, int64_t n) 
   return r;
 }
 
-TEST(RolloutRecorders, EngineRecordsEveryPositionOfEverySampleAtTheChosenLayers) {
-  auto m = tiny_model(false);
+// An engine in w4a4 with the trainer's two-level format (what the trace arms roll out with).
+Result<std::unique_ptr<Engine>> w4a4_engine(model::Model& m) {
   EngineOptions o;
   o.mode = PrecisionMode::kW4A4;
   o.recipe_name = "tetrajet-v2";
-  auto e = Engine::create(*m, o);
+  return Engine::create(m, o);
+}
+
+TEST(RolloutRecorders, EngineRecordsEveryPositionOfEverySampleAtTheChosenLayers) {
+  auto m = tiny_model(false);
+  auto e = w4a4_engine(*m);
   ASSERT_TRUE(e.is_ok()) << e.status().message();
   auto full = open_store("guidance store");
   std::vector<Request> reqs = {sampled({1, 2, 3, 4, 5}, 7, 3, 6), sampled({9, 8, 7}, 2, 2, 4)};
@@ -210,10 +215,7 @@ TEST(RolloutRecorders, EngineRecordsEveryPositionOfEverySampleAtTheChosenLayers)
 // expert, and no other expert of the layer has one.
 TEST(RolloutRecorders, EngineRecordsRoutedExpertSitesOfTheTokensExpertsOnly) {
   auto m = tiny_model(true);
-  EngineOptions o;
-  o.mode = PrecisionMode::kW4A4;
-  o.recipe_name = "tetrajet-v2";
-  auto e = Engine::create(*m, o);
+  auto e = w4a4_engine(*m);
   ASSERT_TRUE(e.is_ok()) << e.status().message();
   auto routing = open_store("routing store");
   auto guidance = open_store("guidance store");
