@@ -102,7 +102,8 @@ for arm in "$@"; do
     [ -d "$run/checkpoints" ] && RESUME=(--resume)
     limit=$(($(left) - 45))  # room for the last step, the checkpoint and the copies
     log "$arm: ${RESUME[*]:-fresh} for at most ${limit}s"
-    timeout -s INT -k 60 "$limit" "$NIBBLE" pretrain --config scripts/repro/base.json "${SETS[@]}" "${EXTRA[@]}" \
+    # --preserve-status: nibble's own exit code (130 after a clean SIGINT stop, 137 if killed).
+    timeout --preserve-status -s INT -k 60 "$limit" "$NIBBLE" pretrain --config scripts/repro/base.json "${SETS[@]}" "${EXTRA[@]}" \
       --data "$DATA"/train*.bin --set "data.tokenizer=$DATA/tokenizer.model" --set "data.val_files=[\"$DATA/val.bin\"]" \
       --set "data.dir=$WORK/prepared" --out "$run" "${RESUME[@]}" "${DEV[@]}" "${STOP[@]}" --no-progress \
       >"$WORK/$arm.stdout" 2>"$WORK/$arm.stderr"

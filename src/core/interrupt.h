@@ -1,6 +1,8 @@
 // SIGINT/SIGTERM as a polled flag. install_interrupt_handlers() makes the first such signal only
-// record its number (a lock-free atomic store, async-signal-safe; SA_RESETHAND restores the
-// default action, so a second Ctrl-C ends the process at once). Commands that write check
+// record its number (a lock-free atomic store, async-signal-safe). A repeat within one second is
+// the same stop delivered twice (GNU timeout, Slurm and mpirun signal the process and its process
+// group) and is ignored; a repeat after that (a second Ctrl-C) ends the process at once with the
+// signal's default action. Commands that write check
 // interrupt_signal() at safe points of their loops, stop, let their temporaries be removed and
 // return cancelled_status(); the CLI, seeing a failure after a signal, exits 128 + signal (130 for
 // SIGINT, 143 for SIGTERM).
