@@ -34,6 +34,17 @@ const std::map<char, std::array<const char*, 7>>& font() {
       {'-', {"00000", "00000", "00000", "11111", "00000", "00000", "00000"}},
       {'+', {"00000", "00100", "00100", "11111", "00100", "00100", "00000"}},
       {':', {"00000", "01100", "01100", "00000", "01100", "01100", "00000"}},
+      {'_', {"00000", "00000", "00000", "00000", "00000", "00000", "11111"}},
+      {',', {"00000", "00000", "00000", "00000", "01100", "00100", "01000"}},
+      {'(', {"00010", "00100", "01000", "01000", "01000", "00100", "00010"}},
+      {')', {"01000", "00100", "00010", "00010", "00010", "00100", "01000"}},
+      {'/', {"00000", "00001", "00010", "00100", "01000", "10000", "00000"}},
+      {'%', {"11000", "11001", "00010", "00100", "01000", "10011", "00011"}},
+      {'=', {"00000", "00000", "11111", "00000", "11111", "00000", "00000"}},
+      {'<', {"00010", "00100", "01000", "10000", "01000", "00100", "00010"}},
+      {'>', {"01000", "00100", "00010", "00001", "00010", "00100", "01000"}},
+      {'|', {"00100", "00100", "00100", "00100", "00100", "00100", "00100"}},
+      {'\'', {"01100", "00100", "01000", "00000", "00000", "00000", "00000"}},
       {'a', {"00000", "00000", "01110", "00001", "01111", "10001", "01111"}},
       {'b', {"10000", "10000", "10110", "11001", "10001", "10001", "11110"}},
       {'c', {"00000", "00000", "01110", "10000", "10000", "10001", "01110"}},
@@ -142,6 +153,10 @@ std::string tick_label(double v, double step) {
 
 }  // namespace
 
+bool plot_glyph_known(char c) {
+  return c == ' ' || font().count(static_cast<char>(std::tolower(static_cast<unsigned char>(c)))) > 0;
+}
+
 std::vector<double> nice_ticks(double lo, double hi, int target) {
   std::vector<double> ticks;
   if (!(hi > lo) || target < 1) return ticks;
@@ -185,14 +200,18 @@ Result<RgbImage> render_series_plot(const std::vector<PlotSeries>& series, const
   ymin -= pad;
   ymax += pad;
 
-  // Plot area in pixels: [left, right] x [top, bottom].
-  const int left = 90, right = width - 40, top = 40, bottom = height - 60;
+  auto xt = nice_ticks(xmin, xmax, 6), yt = nice_ticks(ymin, ymax, 6);
+  const double xstep = xt.size() > 1 ? xt[1] - xt[0] : 1.0, ystep = yt.size() > 1 ? yt[1] - yt[0] : 1.0;
+  // Plot area in pixels: [left, right] x [top, bottom]; wide y tick labels (4000000) widen the left
+  // margin, and a title gets its own row above the y label's.
+  int widest_y_tick = 0;
+  for (double t : yt) widest_y_tick = std::max(widest_y_tick, text_width(tick_label(t, ystep)));
+  const int left = std::max(90, widest_y_tick + 9 + 8), right = width - 40;
+  const int top = o.title.empty() ? 40 : 40 + kGlyphH + 6, bottom = height - 60;
   auto px = [&](double x) { return left + static_cast<int>(std::lround((x - xmin) / (xmax - xmin) * (right - left))); };
   auto py = [&](double y) { return bottom - static_cast<int>(std::lround((y - ymin) / (ymax - ymin) * (bottom - top))); };
 
   Canvas c(width, height);
-  auto xt = nice_ticks(xmin, xmax, 6), yt = nice_ticks(ymin, ymax, 6);
-  const double xstep = xt.size() > 1 ? xt[1] - xt[0] : 1.0, ystep = yt.size() > 1 ? yt[1] - yt[0] : 1.0;
   for (double t : yt) {
     const int y = py(t);
     c.line(left, y, right, y, kGrid);
@@ -211,7 +230,7 @@ Result<RgbImage> render_series_plot(const std::vector<PlotSeries>& series, const
   c.line(left, bottom, right, bottom, kBlack);
   c.text((left + right - text_width(o.x_label)) / 2, height - 30, o.x_label, kBlack);
   c.text(std::max(4, left - 9 - text_width(o.y_label)), top - 26, o.y_label, kBlack);
-  if (!o.title.empty()) c.text((left + right - text_width(o.title)) / 2, top - 26, o.title, kBlack);
+  if (!o.title.empty()) c.text((left + right - text_width(o.title)) / 2, 8, o.title, kBlack);
 
   auto draw_series = [&](const std::vector<PlotPoint>& pts, Rgb color, bool markers) {
     std::vector<PlotPoint> s;

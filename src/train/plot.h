@@ -1,6 +1,7 @@
 // Loss-curve plots as PNG (libpng): train loss and validation loss against the step, with axes,
 // numbered ticks on "nice" 1-2-5 steps, grid lines and a legend, drawn into an RGB canvas with
-// a built-in 5x7 bitmap font (digits, lowercase letters, . - + :) scaled 2x. Small and
+// a built-in 5x7 bitmap font (digits, letters drawn lowercase, . - + : _ , ( ) / % = < > | ') scaled 2x;
+// other characters are drawn as a box. Small and
 // dependency-light on purpose (no matplotlib/gnuplot at run time), like llm.c's plain outputs.
 #pragma once
 
@@ -27,7 +28,7 @@ struct RgbImage {
 // Any number of named curves (at most 10 colours) on one set of axes: the loss curves of several
 // runs, a late-training window (x_min/x_max), a counter over time.
 struct PlotSeries {
-  std::string name;  // legend text (the font has lowercase letters, digits and . - + :)
+  std::string name;  // legend text (plot_glyph_known says which characters the font draws)
   std::vector<PlotPoint> points;
   bool markers = false;  // a square at every point
 };
@@ -49,5 +50,8 @@ Status write_loss_plot(const std::string& path, const std::vector<PlotPoint>& tr
 
 // Tick positions on 1-2-5 x 10^k steps covering [lo, hi] with about `target` ticks.
 std::vector<double> nice_ticks(double lo, double hi, int target = 6);
+
+// Whether the bitmap font has a glyph for c (letters in either case); others are drawn as a box.
+bool plot_glyph_known(char c);
 
 }  // namespace nibble::train

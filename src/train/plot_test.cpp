@@ -91,6 +91,14 @@ TEST(Plot, SeriesPlotColoursAndWindow) {
   EXPECT_FALSE(render_series_plot(runs, empty_window).is_ok());  // no point inside
 }
 
+// The titles and keys the tools draw (metric names with '_', "last 35 percent," ...) must not
+// fall back to the box glyph.
+TEST(Plot, FontDrawsTheCharactersOfTitlesAndKeys) {
+  for (char c : std::string("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .-+:_,()/%=<>|'"))
+    EXPECT_TRUE(plot_glyph_known(c)) << "no glyph for '" << c << "'";
+  EXPECT_FALSE(plot_glyph_known('#'));
+}
+
 TEST(Plot, NiceTicks) {
   auto t = nice_ticks(0.0, 1000.0, 6);  // raw 166.7 -> 200
   ASSERT_EQ(t.size(), 6u);
