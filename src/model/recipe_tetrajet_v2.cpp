@@ -587,6 +587,8 @@ std::map<std::string, double> TetraJetV2LinearRecipe::stats() const {
     s["oscireset.resets_last"] = static_cast<double>(oscireset_.resets_last());
     s["oscireset.decisions"] = static_cast<double>(oscireset_.decisions());
     s["oscireset.tracked"] = static_cast<double>(oscireset_.tracked());
+    // the weights OsciReset may move: the FP4 elements (outlier channels are excluded)
+    s["oscireset.eligible"] = static_cast<double>(info_.N * (info_.K - static_cast<int64_t>(out_idx_.size())));
     s["oscireset.start_step"] = static_cast<double>(oscireset_.start_step());
   }
   return s;
