@@ -44,8 +44,25 @@ def read_run(path, total_steps):
     return dict(name=name, arm=arm, seed=seed, complete=end is not None and end.get('step') == total, steps_done=steps[-1]['step'] if steps else 0,
                 total_steps=total, val_loss=last_val.get('val_loss'), val_ppl=last_val.get('val_ppl'),
                 val_step=last_val.get('step'),
-                wall_s=end.get('seconds') if end else (steps[-1].get('elapsed_s') if steps else None),
+                wall_s=training_seconds(events),
                 tokens_per_s=statistics.median(tps) if tps else None, recipe=recipe, path=path, vals=vals)
+
+
+def training_seconds(events):
+    """Seconds of training over every segment of a resumed run: each segment's elapsed_s counts from
+    its own start (or resume) event, so sum the last elapsed_s of each segment, the final one's end
+    event if it has one. Steps a killed segment ran past its last checkpoint were cut from the file
+    on resume and are not counted (they were repeated)."""
+    total, last = 0.0, None
+    for e in events:
+        if e.get('event') in ('start', 'resume'):
+            total += last or 0.0
+            last = None
+        elif e.get('event') == 'end' and isinstance(e.get('seconds'), (int, float)):
+            last = float(e['seconds'])
+        elif isinstance(e.get('elapsed_s'), (int, float)):
+            last = float(e['elapsed_s'])
+    return total + last if last is not None else (total or None)
 
 
 def fmt(x, digits=3):
@@ -60,7 +77,15 @@ def gap_fraction(ppl_arm, ppl_nvidia, ppl_bf16):
     return (ppl_nvidia - ppl_arm) / (ppl_nvidia - ppl_bf16)
 
 
-def tables(runs):
+def block_linear_weights(model_config):
+    """Weights of the block linears (q, k, v, o, gate, up, down per layer) of an OLMo-2 config."""
+    c = json.load(open(model_config, encoding='utf-8'))
+    h, i, layers = c['hidden_size'], c['intermediate_size'], c['num_hidden_layers']
+    kv = h // c['num_attention_heads'] * c.get('num_key_value_heads', c['num_attention_heads'])
+    return layers * (2 * h * h + 2 * kv * h + 3 * h * i)
+
+
+def tables(runs, linear_weights=None):
     out = []
     out.append('### Runs\n')
     out.append('| run | arm | seed | status | steps | final val loss | final val ppl | wall time (s) | tokens/s (median) |')
@@ -92,18 +117,23 @@ def tables(runs):
         out.append(f"| {arm} | {', '.join(str(x['seed']) for x in rs)} | {fmt(mean[arm])} | {fmt(spread)} | "
                    f"{fmt(g)} | {per} |")
     out.append('\n### OsciReset and OutControl state at the last validation\n')
-    out.append('oscillating fraction = resets at the last decision / tracked weights (summed over linears).\n')
-    out.append('| run | resets (total) | resets (last) | tracked | oscillating fraction | start step | '
+    out.append('oscillating fraction = resets at the last decision / the weights OsciReset watches (summed over '
+               'linears: `recipe.oscireset.eligible`, the FP4 elements without the outlier channels; where a run '
+               'predates that counter, all block-linear weights of the model config, marked *).\n')
+    out.append('| run | resets (total) | resets (last) | watched weights | oscillating fraction | start step | '
                'outlier channels | selected linears |')
     out.append('|---|---|---|---|---|---|---|---|')
     for r in runs:
         k = r['recipe']
         if not k:
             continue
-        tracked, last = k.get('recipe.oscireset.tracked'), k.get('recipe.oscireset.resets_last')
-        frac = last / tracked if tracked and last is not None else None
+        watched, last = k.get('recipe.oscireset.eligible'), k.get('recipe.oscireset.resets_last')
+        mark = ''
+        if not watched and linear_weights:
+            watched, mark = float(linear_weights), '*'
+        frac = last / watched if watched and last is not None else None
         out.append(f"| {r['name']} | {fmt(k.get('recipe.oscireset.resets_total'), 0)} | {fmt(last, 0)} | "
-                   f"{fmt(tracked, 0)} | {fmt(frac, 5)} | {fmt(k.get('recipe.oscireset.start_step'), 0)} | "
+                   f"{fmt(watched, 0)}{mark} | {fmt(frac, 5)}{mark} | {fmt(k.get('recipe.oscireset.start_step'), 0)} | "
                    f"{fmt(k.get('recipe.outliers.channels'), 0)} | {fmt(k.get('recipe.outliers.selected'), 0)} |")
     return '\n'.join(out) + '\n'
 
@@ -132,6 +162,9 @@ def plots(runs, figures, nibble, rel):
     plot('train_loss.png', 'loss', 'training loss, all runs')
     osc = [r['path'] for r in runs if 'recipe.oscireset.resets_total' in r['recipe']]
     plot('oscireset_resets.png', 'recipe.oscireset.resets_total', 'oscireset resets, total', only=osc)
+    plot('oscireset_resets_last.png', 'recipe.oscireset.resets_last',
+         'oscireset resets at the latest decision (weights moved onto their grid point)', only=osc,
+         extra=('--from-step', str(int(0.6 * steps))))
     return '\n\n'.join(lines) + '\n'
 
 
@@ -156,7 +189,8 @@ def main(argv=None):
         return 1
     rel = os.path.relpath(figures, os.path.dirname(os.path.abspath(args.report)))
     body = f'\n_Generated by scripts/repro/report.py from {len(runs)} metrics file(s)._\n\n'
-    body += tables(runs) + '\n### Figures\n\n' + (plots(runs, figures, args.nibble, rel) if runs else 'No runs yet.\n')
+    base = json.load(open(os.path.join(root, 'scripts/repro/base.json')))
+    body += tables(runs, block_linear_weights(os.path.join(root, base['model']))) + '\n### Figures\n\n' + (plots(runs, figures, args.nibble, rel) if runs else 'No runs yet.\n')
     a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
     with open(args.report + '.tmp', 'w', encoding='utf-8') as f:
         f.write(text[:a] + body + text[b:])
