@@ -18,14 +18,7 @@
 #include <random>
 #include <vector>
 
-#define CK(expr)                                                                                   \
-  do {                                                                                             \
-    cudaError_t e_ = (expr);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
+#include "sandbox_check.h"
 
 // ================================ kernels (the backend's own header) ========================
 #define NIB_FA_CHECK(expr) CK(expr)

@@ -18,24 +18,10 @@
 #include <random>
 #include <vector>
 
+#include "sandbox_check.h"
+
 #include "../../src/backend/cuda/fp4_gemv.cuh"
 
-#define CK(expr)                                                                                   \
-  do {                                                                                             \
-    cudaError_t e_ = (expr);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
-#define CKL(expr)                                                                          \
-  do {                                                                                     \
-    cublasStatus_t s_ = (expr);                                                            \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                     \
-      std::fprintf(stderr, "%s:%d %s: cublas status %d\n", __FILE__, __LINE__, #expr, (int)s_); \
-      std::exit(2);                                                                        \
-    }                                                                                      \
-  } while (0)
 
 namespace g = nibble_fp4_gemv;
 
@@ -88,21 +74,21 @@ struct LtGemm {
   void* ws;
   size_t ws_bytes = 32 << 20;
   LtGemm(int M, int N, int K) {
-    CKL(cublasLtCreate(&h));
-    CKL(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CKB(cublasLtCreate(&h));
+    CKB(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     cublasOperation_t t = CUBLAS_OP_T, nt = CUBLAS_OP_N;
-    CKL(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
-    CKL(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof nt));
-    CKL(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, K, N, K));
-    CKL(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, K, M, K));
-    CKL(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, N, M, N));
+    CKB(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
+    CKB(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof nt));
+    CKB(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, K, N, K));
+    CKB(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, K, M, K));
+    CKB(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, N, M, N));
     CK(cudaMalloc(&ws, ws_bytes));
     cublasLtMatmulPreference_t pref;
-    CKL(cublasLtMatmulPreferenceCreate(&pref));
-    CKL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes));
+    CKB(cublasLtMatmulPreferenceCreate(&pref));
+    CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes));
     cublasLtMatmulHeuristicResult_t res;
     int found = 0;
-    CKL(cublasLtMatmulAlgoGetHeuristic(h, op, a, b, c, c, pref, 1, &res, &found));
+    CKB(cublasLtMatmulAlgoGetHeuristic(h, op, a, b, c, c, pref, 1, &res, &found));
     if (found == 0) {
       std::fprintf(stderr, "cuBLASLt: no algorithm for %d x %d x %d\n", M, N, K);
       std::exit(2);
@@ -112,7 +98,7 @@ struct LtGemm {
   }
   void run(float* y, const __nv_bfloat16* x, const __nv_bfloat16* w) {
     const float one = 1.0f, zero = 0.0f;
-    CKL(cublasLtMatmul(h, op, &one, w, a, x, b, &zero, y, c, y, c, &algo, ws, ws_bytes, 0));
+    CKB(cublasLtMatmul(h, op, &one, w, a, x, b, &zero, y, c, y, c, &algo, ws, ws_bytes, 0));
   }
   ~LtGemm() {
     cublasLtMatrixLayoutDestroy(a), cublasLtMatrixLayoutDestroy(b), cublasLtMatrixLayoutDestroy(c);

@@ -18,24 +18,10 @@
 #include <random>
 #include <vector>
 
+#include "sandbox_check.h"
+
 #include "backend/cuda/grouped_gemm_bf16.cuh"
 
-#define CK(expr)                                                                                   \
-  do {                                                                                             \
-    cudaError_t e_ = (expr);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
-#define CB(expr)                                                                     \
-  do {                                                                               \
-    cublasStatus_t s_ = (expr);                                                      \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                               \
-      std::fprintf(stderr, "%s:%d %s: cublas %d\n", __FILE__, __LINE__, #expr, (int)s_); \
-      std::exit(2);                                                                  \
-    }                                                                                \
-  } while (0)
 
 namespace gg = nibble::cuda::grouped_gemm;
 using gg::Layout;
@@ -180,15 +166,15 @@ static void time_layout(const char* name, Layout layout, const std::vector<int64
       const int64_t rows = sizes[g];
       if (rows == 0) continue;
       if (layout == Layout::kNT)
-        CB(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, rows, K, &one, b + g * N * K, CUDA_R_16BF, K,
+        CKB(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, rows, K, &one, b + g * N * K, CUDA_R_16BF, K,
                         a + off[g] * K, CUDA_R_16BF, K, &zero, y + off[g] * N, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
                         CUBLAS_GEMM_DEFAULT));
       else if (layout == Layout::kNN)
-        CB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, N, rows, K, &one, b + g * N * K, CUDA_R_16BF, N,
+        CKB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, N, rows, K, &one, b + g * N * K, CUDA_R_16BF, N,
                         a + off[g] * K, CUDA_R_16BF, K, &zero, y + off[g] * N, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
                         CUBLAS_GEMM_DEFAULT));
       else
-        CB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, N, M, rows, &one, b + off[g] * N, CUDA_R_16BF, N,
+        CKB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, N, M, rows, &one, b + off[g] * N, CUDA_R_16BF, N,
                         a + off[g] * M, CUDA_R_16BF, M, &zero, y + g * M * N, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
                         CUBLAS_GEMM_DEFAULT));
     }
@@ -254,14 +240,14 @@ int main() {
     return 1;
   }
   cublasHandle_t h;
-  CB(cublasCreate(&h));
+  CKB(cublasCreate(&h));
   time_layout("fwd gate_up NT", Layout::kNT, moe, 0, 512, 768, h);
   time_layout("fwd down NT", Layout::kNT, moe, 0, 768, 256, h);
   time_layout("dX gate_up NN", Layout::kNN, moe, 0, 768, 512, h);
   time_layout("dX down NN", Layout::kNN, moe, 0, 256, 768, h);
   time_layout("dW gate_up TN", Layout::kTN, moe, 512, 768, 0, h);
   time_layout("dW down TN", Layout::kTN, moe, 768, 256, 0, h);
-  CB(cublasDestroy(h));
+  CKB(cublasDestroy(h));
   std::printf("all checks passed\n");
   return 0;
 }

@@ -15,6 +15,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ptx_mma.cuh"
+
 #ifndef NIB_FA_CHECK
 #error "define NIB_FA_CHECK(expr) before including flash_attention_bf16.cuh"
 #endif
@@ -27,45 +29,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kTileN = 64;  // keys per K/V tile (forward, dq); keys per block (dk/dv)
 constexpr int kTileQ = 64;  // queries per Q/dO tile (dk/dv); queries per block (dq)
 
-// ---- PTX wrappers -------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i; register i of a lane
-// holds row lane/4, columns 2*(lane%4), +1 of matrix i (.trans: row 2*(lane%4), +1, column lane/4).
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-// c (16x8 f32) += a (16x16 bf16, row) * b (16x8 bf16, col). Fragments (g = lane/4, t = lane%4):
-// a: {(g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)}; b: {(k 2t..2t+1, n g), (k 2t+8.., n g)};
-// c: {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)}. Lower column / k index in the low 16 bits.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// 16 bytes global -> shared, asynchronously; src_bytes = 0 writes zeros (rows past T).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  return *reinterpret_cast<uint32_t*>(&v);
-}
+// PTX wrappers (smem_addr, ldsm_x4[_trans], mma_bf16_16816, cp_async*, pack_bf16): ptx_mma.cuh.
+using namespace nibble::cuda::ptx;
 
 // Shared tiles are (rows, Dp) bf16 with a row stride of Dp + 8 elements: 8 consecutive rows read by
 // one ldmatrix then start in 8 different 16-byte bank groups (no conflicts), rows stay 16-byte
@@ -245,8 +210,8 @@ __global__ void __launch_bounds__(kWarps * 32)
         ldsm_x4(bf, bt_addr<Dp>(k_s, np * 16, kk * 16, lane));
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          mma_bf16(s[mt][2 * np], qf[mt][kk], bf[0], bf[1]);
-          mma_bf16(s[mt][2 * np + 1], qf[mt][kk], bf[2], bf[3]);
+          mma_bf16_16816(s[mt][2 * np], qf[mt][kk], bf[0], bf[1]);
+          mma_bf16_16816(s[mt][2 * np + 1], qf[mt][kk], bf[2], bf[3]);
         }
       }
 
@@ -305,8 +270,8 @@ __global__ void __launch_bounds__(kWarps * 32)
         ldsm_x4_trans(bf, b_addr_trans<Dp>(v_s, kk * 16, dp * 16, lane));
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          mma_bf16(o[mt][2 * dp], pf[mt][kk], bf[0], bf[1]);
-          mma_bf16(o[mt][2 * dp + 1], pf[mt][kk], bf[2], bf[3]);
+          mma_bf16_16816(o[mt][2 * dp], pf[mt][kk], bf[0], bf[1]);
+          mma_bf16_16816(o[mt][2 * dp + 1], pf[mt][kk], bf[2], bf[3]);
         }
       }
     __syncthreads();  // this buffer is refilled by the prefetch of tile j + 2
@@ -408,10 +373,10 @@ __global__ void __launch_bounds__(128)
         uint32_t bq[4], bd[4];
         ldsm_x4(bq, bt_addr<Dp>(q_s, np * 16, kk * 16, lane));
         ldsm_x4(bd, bt_addr<Dp>(do_s, np * 16, kk * 16, lane));
-        mma_bf16(s[2 * np], kf, bq[0], bq[1]);
-        mma_bf16(s[2 * np + 1], kf, bq[2], bq[3]);
-        mma_bf16(dp[2 * np], vf, bd[0], bd[1]);
-        mma_bf16(dp[2 * np + 1], vf, bd[2], bd[3]);
+        mma_bf16_16816(s[2 * np], kf, bq[0], bq[1]);
+        mma_bf16_16816(s[2 * np + 1], kf, bq[2], bq[3]);
+        mma_bf16_16816(dp[2 * np], vf, bd[0], bd[1]);
+        mma_bf16_16816(dp[2 * np + 1], vf, bd[2], bd[3]);
       }
     }
     // P^T = exp2(S^T * scale*log2e - lse*log2e), dS^T = P^T (dP^T - delta); masked: key > query or
@@ -450,10 +415,10 @@ __global__ void __launch_bounds__(128)
         uint32_t bd[4], bq[4];
         ldsm_x4_trans(bd, b_addr_trans<Dp>(do_s, kk * 16, dpair * 16, lane));
         ldsm_x4_trans(bq, b_addr_trans<Dp>(q_s, kk * 16, dpair * 16, lane));
-        mma_bf16(dv_acc[2 * dpair], pa, bd[0], bd[1]);
-        mma_bf16(dv_acc[2 * dpair + 1], pa, bd[2], bd[3]);
-        mma_bf16(dk_acc[2 * dpair], da, bq[0], bq[1]);
-        mma_bf16(dk_acc[2 * dpair + 1], da, bq[2], bq[3]);
+        mma_bf16_16816(dv_acc[2 * dpair], pa, bd[0], bd[1]);
+        mma_bf16_16816(dv_acc[2 * dpair + 1], pa, bd[2], bd[3]);
+        mma_bf16_16816(dk_acc[2 * dpair], da, bq[0], bq[1]);
+        mma_bf16_16816(dk_acc[2 * dpair + 1], da, bq[2], bq[3]);
       }
     }
     __syncthreads();  // this Q/dO buffer is refilled by the prefetch of iteration it + 2
@@ -552,10 +517,10 @@ __global__ void __launch_bounds__(128)
         uint32_t bk[4], bv[4];
         ldsm_x4(bk, bt_addr<Dp>(k_s, np * 16, kk * 16, lane));
         ldsm_x4(bv, bt_addr<Dp>(v_s, np * 16, kk * 16, lane));
-        mma_bf16(s[2 * np], qf[kk], bk[0], bk[1]);
-        mma_bf16(s[2 * np + 1], qf[kk], bk[2], bk[3]);
-        mma_bf16(dp[2 * np], df[kk], bv[0], bv[1]);
-        mma_bf16(dp[2 * np + 1], df[kk], bv[2], bv[3]);
+        mma_bf16_16816(s[2 * np], qf[kk], bk[0], bk[1]);
+        mma_bf16_16816(s[2 * np + 1], qf[kk], bk[2], bk[3]);
+        mma_bf16_16816(dp[2 * np], df[kk], bv[0], bv[1]);
+        mma_bf16_16816(dp[2 * np + 1], df[kk], bv[2], bv[3]);
       }
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
@@ -580,8 +545,8 @@ __global__ void __launch_bounds__(128)
       for (int dpair = 0; dpair < Dp / 16; ++dpair) {
         uint32_t bk[4];
         ldsm_x4_trans(bk, b_addr_trans<Dp>(k_s, kk * 16, dpair * 16, lane));
-        mma_bf16(dq_acc[2 * dpair], da, bk[0], bk[1]);
-        mma_bf16(dq_acc[2 * dpair + 1], da, bk[2], bk[3]);
+        mma_bf16_16816(dq_acc[2 * dpair], da, bk[0], bk[1]);
+        mma_bf16_16816(dq_acc[2 * dpair + 1], da, bk[2], bk[3]);
       }
     }
     __syncthreads();  // this K/V buffer is refilled by the prefetch of tile j + 2

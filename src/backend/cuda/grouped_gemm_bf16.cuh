@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "ptx_mma.cuh"
+
 namespace nibble::cuda::grouped_gemm {
 
 constexpr int kTileM = 128, kTileN = 128, kTileK = 32, kThreads = 256;
@@ -47,29 +49,8 @@ struct Problem {
   bool accumulate;       // C = fma(alpha, sum, C) instead of alpha · sum
 };
 
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i; register i of a lane
-// holds row lane/4, columns 2*(lane%4), +1 of matrix i (.trans: the transposed matrix's).
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
+// PTX wrappers (smem_addr, ldsm_x4[_trans], mma_bf16_16816): ptx_mma.cuh.
+using namespace nibble::cuda::ptx;
 
 __device__ __forceinline__ int64_t clamp_offset(const int64_t* offsets, int i, int64_t extent) {
   const int64_t v = offsets[i];
