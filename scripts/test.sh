@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # README command 2: installs what is missing, then builds and runs every test that needs no GPU.
-#   1. CPU build (CUDA off), all unit/integration tests through ctest.
-#   2. CUDA build where nvcc exists (compile-only without a GPU; GPU tests skip with code 77).
-#   3. clang build with AddressSanitizer + UndefinedBehaviorSanitizer: unit tests once more, and
-#      the safetensors parser fuzzed by libFuzzer for a bounded time.
+#   1. One Release build of every target and the whole ctest. Where nvcc exists the build has the
+#      CUDA backend on (CPU tests run; the GPU-labelled ones skip with code 77 without a GPU);
+#      without nvcc (or with NIBBLE_SKIP_CUDA=1) it is the CUDA=OFF build.
+#   2. clang build with AddressSanitizer + UndefinedBehaviorSanitizer, CUDA off (so the CUDA=OFF
+#      configuration is compiled on every machine): unit tests once more, and the parsers fuzzed
+#      by libFuzzer for a bounded time.
 # Environment: NIBBLE_SKIP_SETUP=1 skips the package check, NIBBLE_FUZZ_SECONDS (default 60),
-# NIBBLE_SKIP_SANITIZE=1 / NIBBLE_SKIP_CUDA=1 skip steps 3 / 2 (for quick local loops).
+# NIBBLE_SKIP_SANITIZE=1 skips step 2, NIBBLE_SKIP_CUDA=1 builds step 1 without CUDA (quick loops).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -17,22 +19,18 @@ stamp() { echo "== [$(( $(date +%s) - START ))s] $*"; }
 
 [ "${NIBBLE_SKIP_SETUP:-0}" = 1 ] || ./scripts/setup.sh
 
-stamp "1/3 CPU build and tests"
-cmake -S . -B build/cpu -G Ninja -DNIBBLE_CUDA=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build/cpu -j "$JOBS"
-ctest --test-dir build/cpu --output-on-failure -j "$JOBS" --timeout 900
-
 if [ "${NIBBLE_SKIP_CUDA:-0}" != 1 ] && { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }; then
-  stamp "2/3 CUDA build (sm_${NIBBLE_CUDA_ARCH:-90a}); GPU tests run only where a GPU is present"
-  cmake -S . -B build/cuda -G Ninja -DNIBBLE_CUDA=ON -DNIBBLE_BENCH=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
-  cmake --build build/cuda -j "$JOBS" --target nibble nibble_backend_cuda nibble_backend_cuda_tests nibble_backend_ops_tests nibble_dist_nccl_tests
-  ctest --test-dir build/cuda -L gpu --output-on-failure
+  CUDA=ON BUILD=build/cuda WHAT="CUDA on, sm_90a; GPU tests run only where a GPU is present"
 else
-  stamp "2/3 skipped: no nvcc"
+  CUDA=OFF BUILD=build/cpu WHAT="CUDA off: no nvcc or NIBBLE_SKIP_CUDA=1"
 fi
+stamp "1/2 Release build ($WHAT) and every test"
+cmake -S . -B "$BUILD" -G Ninja -DNIBBLE_CUDA=$CUDA -DNIBBLE_BENCH=ON -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$BUILD" -j "$JOBS"
+ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" --timeout 900
 
 if [ "${NIBBLE_SKIP_SANITIZE:-0}" != 1 ]; then
-  stamp "3/3 ASan+UBSan build (clang), unit tests, fuzzing"
+  stamp "2/2 ASan+UBSan build (clang, CUDA off), unit tests, fuzzing"
   CC=clang CXX=clang++ cmake -S . -B build/asan -G Ninja -DNIBBLE_CUDA=OFF -DNIBBLE_SANITIZE=ON \
     -DNIBBLE_FUZZ=ON -DNIBBLE_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   cmake --build build/asan -j "$JOBS"
