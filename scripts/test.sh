@@ -5,7 +5,7 @@
 #      without nvcc (or with NIBBLE_SKIP_CUDA=1) it is the CUDA=OFF build.
 #   2. clang build with AddressSanitizer + UndefinedBehaviorSanitizer, CUDA off (so the CUDA=OFF
 #      configuration is compiled on every machine): unit tests once more, and the parsers fuzzed
-#      by libFuzzer for a bounded time.
+#      by libFuzzer for a bounded time each (the fuzzers side by side, one per core).
 # Environment: NIBBLE_SKIP_SETUP=1 skips the package check, NIBBLE_FUZZ_SECONDS (default 60),
 # NIBBLE_SKIP_SANITIZE=1 skips step 2, NIBBLE_SKIP_CUDA=1 builds step 1 without CUDA (quick loops).
 set -euo pipefail
@@ -36,6 +36,20 @@ if [ "${NIBBLE_SKIP_SANITIZE:-0}" != 1 ]; then
   cmake --build build/asan -j "$JOBS"
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
   ctest --test-dir build/asan --output-on-failure -j "$JOBS" -LE slow --timeout 900
+  # The fuzzers run side by side, at most JOBS at once (libFuzzer fuzzes on one thread, so each
+  # still gets its whole time on a core); a crash fails the script with the fuzzer's log.
+  pids=() names=()
+  wait_fuzzers() {
+    for i in "${!pids[@]}"; do
+      if ! wait "${pids[$i]}"; then
+        tail -n 40 "build/asan/${names[$i]}.log"
+        echo "fuzzer ${names[$i]} failed (log: build/asan/${names[$i]}.log)"
+        exit 1
+      fi
+      echo "${names[$i]}:"; tail -n 3 "build/asan/${names[$i]}.log"
+    done
+    pids=() names=()
+  }
   for fuzzer in build/asan/bin/*_fuzz; do
     [ -x "$fuzzer" ] || continue
     name=$(basename "$fuzzer")
@@ -43,7 +57,10 @@ if [ "${NIBBLE_SKIP_SANITIZE:-0}" != 1 ]; then
     mkdir -p "$corpus"
     cp -n fuzz/corpus/"$name"/* "$corpus"/ 2>/dev/null || true
     stamp "fuzzing $name for ${NIBBLE_FUZZ_SECONDS:-60}s"
-    "$fuzzer" -max_total_time="${NIBBLE_FUZZ_SECONDS:-60}" -print_final_stats=0 "$corpus" 2>&1 | tail -n 3
+    "$fuzzer" -max_total_time="${NIBBLE_FUZZ_SECONDS:-60}" -print_final_stats=0 "$corpus" >"build/asan/$name.log" 2>&1 &
+    pids+=($!) names+=("$name")
+    [ ${#pids[@]} -lt "$JOBS" ] || wait_fuzzers
   done
+  wait_fuzzers
 fi
 stamp "all tests passed"
