@@ -16,6 +16,7 @@
 #include "backend/cpu/moe.h"
 #include "backend/cpu/nn_ops.h"
 #include "core/check.h"
+#include "core/parallel.h"
 #include "core/philox.h"
 
 namespace nibble::model {
@@ -133,7 +134,8 @@ using OpsOf = std::conditional_t<std::is_same_v<T, float>, backend::Backend, Cpu
 template <typename T>
 struct LinearSlot {
   LinearInfo info;
-  int64_t w_offset = 0;  // into the flat parameter / gradient buffers
+  int64_t w_offset = 0;  // into the flat parameter / gradient buffers (-1: not kept, kInference)
+  size_t first_param = 0, num_params = 0;  // its members in param_refs(): [first, first + num)
   std::unique_ptr<LinearRecipe> recipe;
   const T* x = nullptr;  // double path: saved operands
   const T* w = nullptr;
@@ -262,9 +264,13 @@ TransformerT<T>::~TransformerT() = default;
 
 template <typename T>
 Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConfig& cfg, const RecipeConfig& recipe,
-                                                                  backend::Backend* be) {
+                                                                  backend::Backend* be, ParameterStorage storage) {
   std::unique_ptr<TransformerT<T>> m(new TransformerT<T>(cfg));
   Impl& im = *m->impl_;
+  NIB_CHECK_MSG((std::is_same_v<T, float> || storage == ParameterStorage::kTraining),
+                "model: inference storage is for float models");
+  m->storage_ = storage;
+  const bool inference = storage == ParameterStorage::kInference;
   if constexpr (std::is_same_v<T, float>) {
     NIB_CHECK_MSG(be != nullptr, "model: no backend");
     im.mem = be;
@@ -281,19 +287,28 @@ Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConf
   const int64_t C = cfg.hidden_size, V = cfg.vocab_size, D = cfg.head_dim;
   const int64_t Nq = cfg.q_width(), Nkv = cfg.kv_width(), L = cfg.num_hidden_layers;
 
-  int64_t offset = 0;
-  auto add = [&](const std::string& name, Shape shape, bool wd) {
+  // offset: flat elements of the parameters kept (all, or for kInference all but the block
+  // linears' members); kept[i]: parameter i has its values in the flat buffer
+  int64_t offset = 0, logical = 0;
+  std::vector<bool> kept;
+  auto add = [&](const std::string& name, Shape shape, bool wd, bool linear_member = false) -> int64_t {
     int64_t n = shape_numel(shape);
     m->params_.push_back(ParamRef<T>{name, shape, nullptr, nullptr, n, wd});
+    logical += n;
+    kept.push_back(!(inference && linear_member));
+    if (!kept.back()) return -1;
     int64_t at = offset;
     offset += n;
     return at;
   };
+  // linear over the members params_[num_members back from the end, ...), the first at w_offset
   auto add_linear = [&](const std::string& name, LinearKind kind, int block, int expert, int64_t N, int64_t K,
-                        int64_t w_offset) {
+                        int64_t w_offset, size_t first_param, size_t num_members) {
     LinearSlot<T> s;
     s.info = LinearInfo{static_cast<int>(im.linears.size()), name, kind, block, static_cast<int>(L), expert, N, K};
     s.w_offset = w_offset;
+    s.first_param = first_param;
+    s.num_params = num_members;
     im.linears.push_back(std::move(s));
     return static_cast<int>(im.linears.size() - 1);
   };
@@ -304,12 +319,13 @@ Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConf
     bp.first = offset;
     const std::string p = "model.layers." + std::to_string(l) + ".";
     if (!olmo) bp.input_ln = add(p + "input_layernorm.weight", {C}, true);
-    int64_t q = add(p + "self_attn.q_proj.weight", {Nq, C}, true);
-    add(p + "self_attn.k_proj.weight", {Nkv, C}, true);
-    add(p + "self_attn.v_proj.weight", {Nkv, C}, true);
-    int64_t o = add(p + "self_attn.o_proj.weight", {C, Nq}, true);
-    bp.lin_qkv = add_linear(p + "self_attn.qkv_proj", LinearKind::kQkv, (int)l, -1, Nq + 2 * Nkv, C, q);
-    bp.lin_o = add_linear(p + "self_attn.o_proj", LinearKind::kAttnOut, (int)l, -1, C, Nq, o);
+    const size_t qi = m->params_.size();
+    int64_t q = add(p + "self_attn.q_proj.weight", {Nq, C}, true, true);
+    add(p + "self_attn.k_proj.weight", {Nkv, C}, true, true);
+    add(p + "self_attn.v_proj.weight", {Nkv, C}, true, true);
+    int64_t o = add(p + "self_attn.o_proj.weight", {C, Nq}, true, true);
+    bp.lin_qkv = add_linear(p + "self_attn.qkv_proj", LinearKind::kQkv, (int)l, -1, Nq + 2 * Nkv, C, q, qi, 3);
+    bp.lin_o = add_linear(p + "self_attn.o_proj", LinearKind::kAttnOut, (int)l, -1, C, Nq, o, qi + 3, 1);
     bp.q_norm = add(p + "self_attn.q_norm.weight", {olmo ? Nq : D}, true);
     bp.k_norm = add(p + "self_attn.k_norm.weight", {olmo ? Nkv : D}, true);
     bp.post_attn_ln = add(p + "post_attention_layernorm.weight", {C}, true);
@@ -320,29 +336,33 @@ Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConf
       bp.router = add(p + "mlp.gate.weight", {E, C}, true);
       for (int64_t e = 0; e < E; ++e) {
         const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
-        int64_t g = add(ep + "gate_proj.weight", {Im, C}, true);
-        add(ep + "up_proj.weight", {Im, C}, true);
-        int64_t d = add(ep + "down_proj.weight", {C, Im}, true);
-        int id = add_linear(ep + "gate_up_proj", LinearKind::kExpertGateUp, (int)l, (int)e, 2 * Im, C, g);
-        add_linear(ep + "down_proj", LinearKind::kExpertDown, (int)l, (int)e, C, Im, d);
+        const size_t gi = m->params_.size();
+        int64_t g = add(ep + "gate_proj.weight", {Im, C}, true, true);
+        add(ep + "up_proj.weight", {Im, C}, true, true);
+        int64_t d = add(ep + "down_proj.weight", {C, Im}, true, true);
+        int id = add_linear(ep + "gate_up_proj", LinearKind::kExpertGateUp, (int)l, (int)e, 2 * Im, C, g, gi, 2);
+        add_linear(ep + "down_proj", LinearKind::kExpertDown, (int)l, (int)e, C, Im, d, gi + 2, 1);
         if (e == 0) bp.lin_expert0 = id;
       }
       if (cfg.shared_expert_intermediate_size > 0) {
         const int64_t Is = cfg.shared_expert_intermediate_size;
         const std::string sp = p + "mlp.shared_expert.";
-        int64_t g = add(sp + "gate_proj.weight", {Is, C}, true);
-        add(sp + "up_proj.weight", {Is, C}, true);
-        int64_t d = add(sp + "down_proj.weight", {C, Is}, true);
-        bp.lin_shared_gate_up = add_linear(sp + "gate_up_proj", LinearKind::kSharedGateUp, (int)l, -1, 2 * Is, C, g);
-        bp.lin_shared_down = add_linear(sp + "down_proj", LinearKind::kSharedDown, (int)l, -1, C, Is, d);
+        const size_t gi = m->params_.size();
+        int64_t g = add(sp + "gate_proj.weight", {Is, C}, true, true);
+        add(sp + "up_proj.weight", {Is, C}, true, true);
+        int64_t d = add(sp + "down_proj.weight", {C, Is}, true, true);
+        bp.lin_shared_gate_up =
+            add_linear(sp + "gate_up_proj", LinearKind::kSharedGateUp, (int)l, -1, 2 * Is, C, g, gi, 2);
+        bp.lin_shared_down = add_linear(sp + "down_proj", LinearKind::kSharedDown, (int)l, -1, C, Is, d, gi + 2, 1);
       }
     } else {
       const int64_t I = cfg.intermediate_size;
-      int64_t g = add(p + "mlp.gate_proj.weight", {I, C}, true);
-      add(p + "mlp.up_proj.weight", {I, C}, true);
-      int64_t d = add(p + "mlp.down_proj.weight", {C, I}, true);
-      bp.lin_gate_up = add_linear(p + "mlp.gate_up_proj", LinearKind::kGateUp, (int)l, -1, 2 * I, C, g);
-      bp.lin_down = add_linear(p + "mlp.down_proj", LinearKind::kDown, (int)l, -1, C, I, d);
+      const size_t gi = m->params_.size();
+      int64_t g = add(p + "mlp.gate_proj.weight", {I, C}, true, true);
+      add(p + "mlp.up_proj.weight", {I, C}, true, true);
+      int64_t d = add(p + "mlp.down_proj.weight", {C, I}, true, true);
+      bp.lin_gate_up = add_linear(p + "mlp.gate_up_proj", LinearKind::kGateUp, (int)l, -1, 2 * I, C, g, gi, 2);
+      bp.lin_down = add_linear(p + "mlp.down_proj", LinearKind::kDown, (int)l, -1, C, I, d, gi + 2, 1);
     }
     if (olmo) bp.post_ff_ln = add(p + "post_feedforward_layernorm.weight", {C}, true);
     im.blocks.push_back(bp);
@@ -350,22 +370,26 @@ Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConf
   im.final_norm = add("model.norm.weight", {C}, true);
   im.lm_head = add("lm_head.weight", {V, C}, true);
 
-  m->num_params_ = offset;
+  m->num_params_ = logical;
   backend::Backend& mem = *im.mem;
   const size_t bytes = static_cast<size_t>(offset) * sizeof(T);
   im.values = std::make_shared<backend::Buffer<T>>();
-  im.grads = std::make_shared<backend::Buffer<T>>();
   m->values_ = im.values->ensure(mem, offset, "model parameters");
-  m->grads_ = im.grads->ensure(mem, offset, "model gradients");
   mem.fill_zero(m->values_, bytes);
-  mem.fill_zero(m->grads_, bytes);
   // Tensor views of backend memory; the storages keep the buffers alive.
   m->value_storage_ = std::make_shared<Storage>(m->values_, bytes, mem.device(), im.values);
-  m->grad_storage_ = std::make_shared<Storage>(m->grads_, bytes, mem.device(), im.grads);
+  if (!inference) {
+    im.grads = std::make_shared<backend::Buffer<T>>();
+    m->grads_ = im.grads->ensure(mem, offset, "model gradients");
+    mem.fill_zero(m->grads_, bytes);
+    m->grad_storage_ = std::make_shared<Storage>(m->grads_, bytes, mem.device(), im.grads);
+  }
   int64_t at = 0;
-  for (auto& pr : m->params_) {
+  for (size_t i = 0; i < m->params_.size(); ++i) {
+    ParamRef<T>& pr = m->params_[i];
+    if (!kept[i]) continue;  // value and grad stay null
     pr.value = m->values_ + at;
-    pr.grad = m->grads_ + at;
+    pr.grad = inference ? nullptr : m->grads_ + at;
     at += pr.numel;
   }
   for (auto& s : im.linears) {
@@ -383,50 +407,114 @@ Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConf
   return m;
 }
 
+// Candidate c of a matrix parameter's truncated normal is Philox block c of its stream: the four
+// words PhiloxStream(seed, index)::next_normal draws for it (two 53-bit uniforms: u1 from words 0
+// and 1, u2 from words 2 and 3), computed once per block with the seed's round keys kept. A
+// candidate is accepted when |z| <= 3, and element j is the j-th accepted candidate: the values
+// of the sequential draw, bit for bit. A large parameter (the embedding, the lm_head) is drawn in
+// rounds of contiguous candidate ranges in parallel, each range's accepted values then appended in
+// order.
 template <typename T>
-void TransformerT<T>::init_weights(uint64_t seed) {
-  const double std = config_.initializer_range;
-  std::vector<T> host(static_cast<size_t>(num_params_));
-  for (size_t i = 0; i < params_.size(); ++i) {
-    ParamRef<T>& p = params_[i];
-    T* v = host.data() + (p.value - values_);
-    if (p.shape.size() == 1) {
-      for (int64_t j = 0; j < p.numel; ++j) v[j] = T(1);
-      continue;
-    }
-    PhiloxStream rng(seed, i);
-    for (int64_t j = 0; j < p.numel; ++j) {
-      double z;
-      do z = rng.next_normal();
-      while (std::fabs(z) > 3.0);
-      v[j] = static_cast<T>(z * std);
-    }
+void TransformerT<T>::init_parameter(T* v, size_t index, uint64_t seed) const {
+  NIB_CHECK(index < params_.size());
+  const ParamRef<T>& p = params_[index];
+  const int64_t n = p.numel;
+  if (p.shape.size() == 1) {
+    for (int64_t j = 0; j < n; ++j) v[j] = T(1);
+    return;
   }
-  upload_parameters(host.data());
+  const double std = config_.initializer_range;
+  const PhiloxRoundKeys keys = philox_round_keys(seed);
+  // the candidate's value, false where it is rejected
+  auto candidate = [&](uint64_t c, T* out) {
+    const Philox4x32 r = philox4x32_10(philox_counter(index, c), keys);
+    double u1 = static_cast<double>(((uint64_t{r.v[0]} << 32) | r.v[1]) >> 11) * 0x1.0p-53;
+    const double u2 = static_cast<double>(((uint64_t{r.v[2]} << 32) | r.v[3]) >> 11) * 0x1.0p-53;
+    if (u1 < 1e-300) u1 = 1e-300;
+    const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586476925286766559 * u2);
+    if (std::fabs(z) > 3.0) return false;
+    *out = static_cast<T>(z * std);
+    return true;
+  };
+  constexpr int64_t kRange = int64_t{1} << 16;  // candidates per parallel range
+  const int64_t ranges = 4 * static_cast<int64_t>(num_threads());
+  int64_t filled = 0;
+  uint64_t next = 0;
+  if (n < 4 * kRange || ranges <= 4) {
+    while (filled < n)
+      if (candidate(next++, v + filled)) ++filled;
+    return;
+  }
+  std::vector<std::vector<T>> accepted(static_cast<size_t>(ranges));
+  while (filled < n) {
+    parallel_for(ranges, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        std::vector<T>& a = accepted[static_cast<size_t>(t)];
+        a.resize(static_cast<size_t>(kRange));
+        int64_t k = 0;
+        const uint64_t c0 = next + static_cast<uint64_t>(t * kRange);
+        for (int64_t i = 0; i < kRange; ++i) k += candidate(c0 + static_cast<uint64_t>(i), a.data() + k) ? 1 : 0;
+        a.resize(static_cast<size_t>(k));
+      }
+    });
+    for (const std::vector<T>& a : accepted) {
+      const int64_t take = std::min<int64_t>(static_cast<int64_t>(a.size()), n - filled);
+      std::copy(a.begin(), a.begin() + take, v + filled);
+      filled += take;
+    }
+    next += static_cast<uint64_t>(ranges * kRange);
+  }
 }
 
 template <typename T>
+void TransformerT<T>::init_weights(uint64_t seed) {
+  if (storage_ == ParameterStorage::kInference) {  // the kept parameters, one tensor at a time
+    std::vector<T> host;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const ParamRef<T>& p = params_[i];
+      if (p.value == nullptr) continue;
+      host.resize(static_cast<size_t>(p.numel));
+      init_parameter(host.data(), i, seed);
+      be_->copy_to_device(p.value, host.data(), host.size() * sizeof(T));
+    }
+    return;
+  }
+  std::vector<T> host(static_cast<size_t>(num_params_));
+  for (size_t i = 0; i < params_.size(); ++i) init_parameter(host.data() + (params_[i].value - values_), i, seed);
+  upload_parameters(host.data());
+}
+
+// The training-storage entry points name themselves when called on an inference model.
+#define NIB_REQUIRE_TRAINING_STORAGE(what) \
+  NIB_CHECK_MSG(storage_ == ParameterStorage::kTraining, "{}: the model keeps inference storage only", what)
+
+template <typename T>
 void TransformerT<T>::zero_grad() {
+  NIB_REQUIRE_TRAINING_STORAGE("zero_grad");
   be_->fill_zero(grads_, static_cast<size_t>(num_params_) * sizeof(T));
 }
 
 template <typename T>
 void TransformerT<T>::download_parameters(T* host) const {
+  NIB_REQUIRE_TRAINING_STORAGE("download_parameters");
   be_->copy_to_host(host, values_, static_cast<size_t>(num_params_) * sizeof(T));
 }
 
 template <typename T>
 void TransformerT<T>::upload_parameters(const T* host) {
+  NIB_REQUIRE_TRAINING_STORAGE("upload_parameters");
   be_->copy_to_device(values_, host, static_cast<size_t>(num_params_) * sizeof(T));
 }
 
 template <typename T>
 void TransformerT<T>::download_gradients(T* host) const {
+  NIB_REQUIRE_TRAINING_STORAGE("download_gradients");
   be_->copy_to_host(host, grads_, static_cast<size_t>(num_params_) * sizeof(T));
 }
 
 template <typename T>
 void TransformerT<T>::upload_gradients(const T* host) {
+  NIB_REQUIRE_TRAINING_STORAGE("upload_gradients");
   be_->copy_to_device(grads_, host, static_cast<size_t>(num_params_) * sizeof(T));
 }
 
@@ -468,11 +556,44 @@ LinearRecipe* TransformerT<T>::linear_recipe(int id) {
 template <typename T>
 T* TransformerT<T>::linear_weight(int id) {
   NIB_CHECK(id >= 0 && id < (int)impl_->linears.size());
-  return values_ + impl_->linears[id].w_offset;
+  const int64_t off = impl_->linears[id].w_offset;
+  return off < 0 ? nullptr : values_ + off;
+}
+
+template <typename T>
+std::pair<size_t, size_t> TransformerT<T>::linear_params(int id) const {
+  NIB_CHECK(id >= 0 && id < (int)impl_->linears.size());
+  return {impl_->linears[id].first_param, impl_->linears[id].num_params};
+}
+
+template <typename T>
+int64_t TransformerT<T>::value_bytes() const {
+  return impl_->values->size() * static_cast<int64_t>(sizeof(T));
+}
+
+template <typename T>
+int64_t TransformerT<T>::gradient_bytes() const {
+  return impl_->grads ? impl_->grads->size() * static_cast<int64_t>(sizeof(T)) : 0;
+}
+
+template <typename T>
+int64_t TransformerT<T>::activation_bytes() const {
+  return impl_->arena.size() * static_cast<int64_t>(sizeof(T)) +
+         impl_->iarena.size() * static_cast<int64_t>(sizeof(int32_t));
+}
+
+template <typename T>
+int64_t TransformerT<T>::workspace_bytes() const {
+  const Impl& im = *impl_;
+  auto b = [](const auto& buf) { return buf.size() * static_cast<int64_t>(sizeof(*buf.data())); };
+  return b(im.arena) + b(im.iarena) + b(im.offsets_dev) + b(im.rope_cos) + b(im.rope_sin) + b(im.lm_w_bits) +
+         b(im.lm_xf_bits) + b(im.lm_dlogits_bits) + b(im.logits_chunk) + b(im.ce_chunk_sums) + b(im.logits_full) +
+         im.linear_ws.bytes();
 }
 
 template <typename T>
 std::vector<Parameter> TransformerT<T>::parameters() {
+  NIB_REQUIRE_TRAINING_STORAGE("parameters");
   std::vector<Parameter> out;
   if constexpr (std::is_same_v<T, float>) {
     for (auto& p : params_) {
@@ -558,10 +679,15 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   const int64_t Im = cfg.moe_intermediate_size, Is = cfg.shared_expert_intermediate_size, Nk = N * K;
   const double eps = cfg.rms_norm_eps;
   NIB_CHECK_MSG(B > 0 && Tn > 0, "empty batch");
+  // kInference: the block linears' weights are the decode override's, and nothing is saved for a
+  // backward, so one layer's activations serve every layer and two residual streams alternate.
+  const bool inference = storage_ == ParameterStorage::kInference;
+  NIB_CHECK_MSG(!inference || (im.decode != nullptr && im.decode->linears != nullptr),
+                "model: an inference-storage model runs only forward_decode with a linear override");
   NIB_CHECK_MSG(impl_->decode != nullptr || Tn <= cfg.max_position_embeddings,  // decode checks positions instead
                 "sequence length {} > max_position_embeddings {}", Tn,
                 cfg.max_position_embeddings);
-  auto W = [&](int64_t off) { return values_ + off; };
+  auto W = [&](int64_t off) { return off < 0 ? nullptr : values_ + off; };  // -1: a block linear not kept
   auto G = [&](int64_t off) { return grads_ + off; };
   backend::Backend& mem = *im.mem;
   OpsOf<T>& ops = *im.ops;
@@ -575,12 +701,16 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     auto need = [&](T*& p, int64_t n) { req.push_back({&p, n}); };
     im.acts.assign(L, BlockActs<T>{});
     im.res.assign(L + 1, nullptr);
-    for (int64_t l = 0; l <= L; ++l) need(im.res[l], N * C);
+    for (int64_t l = 0; l <= (inference ? 1 : L); ++l) need(im.res[l], N * C);
     int64_t max_hidden = 0;
     bool any_moe = false;
-    for (int64_t l = 0; l < L; ++l) {
-      BlockActs<T>& a = im.acts[l];
-      const BlockParams& bp = im.blocks[l];
+    // inference: one set serves all layers, holding the fields of every kind of layer there is
+    BlockActs<T> shared;
+    const bool moe_layers = Lm > 0, dense_layers = Lm < L;
+    for (int64_t l = 0; l < (inference ? 1 : L); ++l) {
+      BlockActs<T>& a = inference ? shared : im.acts[l];
+      const bool moe_fields = inference ? moe_layers : im.blocks[l].moe;
+      const bool dense_fields = inference ? dense_layers : !im.blocks[l].moe;
       if (!olmo) { need(a.ln1, N * C); need(a.ln1_rstd, N); }
       need(a.q_raw, N * Nq); need(a.k_raw, N * Nkv); need(a.v, N * Nkv);
       need(a.q_rstd, olmo ? N : N * H); need(a.k_rstd, olmo ? N : N * Hkv);
@@ -590,25 +720,28 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
       need(a.h, N * C);
       if (!olmo) { need(a.ln2, N * C); need(a.ln2_rstd, N); }
       if (olmo) { need(a.m, N * C); need(a.m_rstd, N); }
-      if (bp.moe) {
+      if (moe_fields) {
         any_moe = true;
         need(a.rlogits, N * E); need(a.probs, N * E); need(a.rlse, N); need(a.topk_w, N * K);
         ireq.push_back({&a.topk_idx, N * K}); ireq.push_back({&a.row_of_slot, Nk}); ireq.push_back({&a.token_of_row, Nk});
         lreq.push_back({&a.offsets, E + 1});  // host
         need(a.xe, Nk * C); need(a.gue, Nk * 2 * Im); need(a.acte, Nk * Im); need(a.ye, Nk * C);
         if (Is > 0) { need(a.sgu, N * 2 * Is); need(a.sact, N * Is); max_hidden = std::max(max_hidden, Is); }
-      } else {
+      }
+      if (dense_fields) {
         need(a.gu, N * 2 * I); need(a.act, N * I);
         max_hidden = std::max(max_hidden, I);
       }
     }
     need(im.qkv, N * Nqkv); need(im.mtmp, N * C); need(im.sy, N * C);
     need(im.xf, N * C); need(im.xf_rstd, N); need(im.lse, N); need(im.tok_ce, N);
-    need(im.dres, N * C); need(im.dt1, N * C); need(im.dt2, N * C); need(im.dt3, N * C);
-    need(im.dqkv, N * Nqkv); need(im.dq, N * Nq); need(im.dk, N * Nkv); need(im.dv, N * Nkv);
-    need(im.datt, N * Nq); need(im.dk2, N * Nkv);
-    need(im.dgu, N * 2 * max_hidden); need(im.dact, N * max_hidden);
-    if (any_moe) {
+    if (!inference) {  // backward scratch
+      need(im.dres, N * C); need(im.dt1, N * C); need(im.dt2, N * C); need(im.dt3, N * C);
+      need(im.dqkv, N * Nqkv); need(im.dq, N * Nq); need(im.dk, N * Nkv); need(im.dv, N * Nkv);
+      need(im.datt, N * Nq); need(im.dk2, N * Nkv);
+      need(im.dgu, N * 2 * max_hidden); need(im.dact, N * max_hidden);
+    }
+    if (any_moe && !inference) {
       need(im.dye, Nk * C); need(im.dxe, Nk * C); need(im.dgue, Nk * 2 * Im); need(im.dacte, Nk * Im);
       need(im.dtopk, N * K); need(im.drl, N * E); need(im.aux_extra, E);
     }
@@ -637,6 +770,14 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     for (auto& r : ireq) { *r.first = im.iarena.data() + at; at += r.second; }
     at = 0;
     for (auto& r : lreq) { *r.first = im.larena.data() + at; at += r.second; }
+    if (inference) {  // every layer on the shared set; res[l] and res[l + 2] are one buffer
+      for (int64_t l = 0; l < L; ++l) {
+        int64_t* od = im.acts[l].offsets_dev;
+        im.acts[l] = shared;
+        im.acts[l].offsets_dev = od;
+      }
+      for (int64_t l = 2; l <= L; ++l) im.res[l] = im.res[l % 2];
+    }
     im.B = B;
     im.Tn = Tn;
   }

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -117,14 +118,25 @@ struct DecodeBatch {
   const uint16_t* lm_head_bf16 = nullptr;
 };
 
+// What a float model keeps in backend memory (issue #15 item 4: a real-size model on one GPU).
+// kTraining: FP32 values and gradients of every parameter. kInference (the rollout engine's
+// models): FP32 values only of the parameters outside the block linears (embedding, norms,
+// routers, lm_head); no gradients and no master copy of the block linears, whose weights live
+// in the engine's storage of its precision mode (rollout/precision.h) and arrive there tensor by
+// tensor. An inference model runs forward_decode with a LinearOverride only (every training and
+// eval entry point refuses it), with one layer's activations shared by all layers.
+enum class ParameterStorage { kTraining, kInference };
+
 template <typename T>
 class TransformerT {
  public:
   // Builds the model (zero weights; call init_weights) on backend `be` (memory and ops; it must
   // outlive the model). For T = double the recipe and `be` are ignored: every linear is a plain
   // double GEMM on the CPU. Errors: unknown recipe, recipe factory errors.
+  // storage: see ParameterStorage (kInference: float models only).
   static Result<std::unique_ptr<TransformerT>> create(const ModelConfig& config, const RecipeConfig& recipe,
-                                                      backend::Backend* be = &backend::cpu_backend());
+                                                      backend::Backend* be = &backend::cpu_backend(),
+                                                      ParameterStorage storage = ParameterStorage::kTraining);
   ~TransformerT();
   TransformerT(const TransformerT&) = delete;
   TransformerT& operator=(const TransformerT&) = delete;
@@ -132,7 +144,11 @@ class TransformerT {
   const ModelConfig& config() const { return config_; }
   // OLMo-style init: every matrix ~ N(0, initializer_range^2) truncated at 3 std, norm weights 1.
   // Parameter i draws from PhiloxStream(seed, stream = i): independent of threads and of T.
+  // kInference: only the parameters it keeps (one tensor at a time through the host).
   void init_weights(uint64_t seed);
+  // host: (param_refs()[index].numel) <- the values init_weights(seed) gives parameter `index`
+  // (one tensor: what the rollout engine's per-tensor initialisation quantizes).
+  void init_parameter(T* host, size_t index, uint64_t seed) const;
 
   // tokens, targets: (B,T) i32 host arrays (targets < 0 ignored, e.g. -100). Runs forward and backward,
   // ACCUMULATES parameter gradients (call zero_grad between optimizer steps) and returns the loss.
@@ -172,7 +188,8 @@ class TransformerT {
   // All parameters in a stable order (embed, layer 0 .. L-1 in HF order, final norm, lm_head).
   // Values and grads are each one contiguous buffer in this order (flat_values / flat_grads), in
   // backend memory (host memory on the CPU backend). Host code reads and writes them through
-  // the copies below.
+  // the copies below (training storage only). kInference: flat_values holds the kept parameters
+  // in this order, a block linear's members have null value and grad, flat_grads is null.
   const std::vector<ParamRef<T>>& param_refs() const { return params_; }
   T* flat_values() { return values_; }
   T* flat_grads() { return grads_; }
@@ -186,6 +203,19 @@ class TransformerT {
   backend::Backend& backend() const { return *be_; }
   ParamRef<T>* find_param(const std::string& name);
 
+  // ---- storage (ParameterStorage) ----
+  ParameterStorage storage() const { return storage_; }
+  // Bytes of backend memory held for parameter values / gradients (0 for kInference), and for
+  // everything else the model holds: activations, RoPE tables, the linears' workspace, lm_head
+  // scratch (grow-only: what the largest call so far needed).
+  int64_t value_bytes() const;
+  int64_t gradient_bytes() const;
+  int64_t workspace_bytes() const;
+  int64_t activation_bytes() const;  // the part of workspace_bytes() that holds activations
+  // Indices into param_refs() of the parameters whose rows, stacked in order, make up linear
+  // `id`'s (N,K) weight (q|k|v, gate|up, or one matrix): [first, first + count).
+  std::pair<size_t, size_t> linear_params(int id) const;
+
   // Linear instances in model order; recipes are null for T = double.
   const std::vector<LinearInfo>& linear_infos() const { return linear_infos_; }
   LinearRecipe* linear_recipe(int id);
@@ -193,6 +223,7 @@ class TransformerT {
   // model's attention is exact whatever this says.
   backend::AttentionPrecision attention_precision() const;
   // Index of each linear's weight view (N,K) in backend memory: q|k|v and gate|up are adjacent parameters.
+  // Null for kInference (the model keeps no block-linear weights).
   T* linear_weight(int id);
 
   int64_t num_moe_layers() const { return num_moe_layers_; }
@@ -217,6 +248,7 @@ class TransformerT {
                 const LogitsLossFn* custom_loss = nullptr);
 
   ModelConfig config_;
+  ParameterStorage storage_ = ParameterStorage::kTraining;
   backend::Backend* be_ = nullptr;
   std::vector<ParamRef<T>> params_;
   std::shared_ptr<Storage> value_storage_, grad_storage_;
