@@ -6,6 +6,7 @@
 #include <deque>
 
 #include "core/check.h"
+#include "core/parallel.h"
 #include "core/philox.h"
 #include "rollout/quantized_weights.h"
 
@@ -36,6 +37,8 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
   if (o.max_step_tokens < o.max_batch)
     return invalid_argument("rollout: step tokens ({}) must be at least the max batch ({})", o.max_step_tokens,
                             o.max_batch);
+  if (model.storage() == model::ParameterStorage::kInference && o.mode == PrecisionMode::kRecipe)
+    return invalid_argument("rollout: a model of inference storage has no recipe weights (mode bf16, w4a16 or w4a4)");
   std::unique_ptr<Engine> e(new Engine(model, o));
   KvCacheConfig kc;
   kc.num_layers = cfg.num_hidden_layers;
@@ -66,11 +69,64 @@ void Engine::snapshot_lm_head() {
 }
 
 Status Engine::refresh_weights() {
+  if (model_->storage() == model::ParameterStorage::kInference)
+    return invalid_argument("rollout: the model keeps no master weights to re-quantize (inference storage: "
+                            "set_linear_weight per tensor)");
   if (options_.mode != PrecisionMode::kRecipe) {
     NIB_ASSIGN_OR_RETURN(linears_, QuantizedLinears::create(*model_, options_.mode, options_.recipe_name));
     snapshot_lm_head();
   }
   return Status::ok();
+}
+
+Status Engine::set_linear_weight(int id, const float* w) {
+  if (!linears_) return invalid_argument("linear weights: the recipe mode runs the model's own recipes");
+  return linears_->set_weight(id, w, QuantizedLinears::Memory::kHost);
+}
+
+Status Engine::init_random_weights(uint64_t seed) {
+  if (model_->storage() == model::ParameterStorage::kTraining) {
+    model_->init_weights(seed);
+    return refresh_weights();
+  }
+  model_->init_weights(seed);  // the kept parameters, a tensor at a time
+  // the block linears in groups of one per thread: each thread draws one linear's members (their
+  // own Philox streams, as init_weights), then the group is quantized in order
+  const std::vector<model::LinearInfo>& infos = model_->linear_infos();
+  const size_t group = static_cast<size_t>(std::max(1, num_threads()));
+  std::vector<std::vector<float>> host(group);
+  for (size_t first = 0; first < infos.size(); first += group) {
+    const size_t n = std::min(group, infos.size() - first);
+    parallel_for(static_cast<int64_t>(n), 1, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) {
+        const model::LinearInfo& info = infos[first + static_cast<size_t>(j)];
+        std::vector<float>& h = host[static_cast<size_t>(j)];
+        h.resize(static_cast<size_t>(info.N * info.K));
+        const auto [p0, count] = model_->linear_params(info.id);
+        float* at = h.data();
+        for (size_t i = p0; i < p0 + count; ++i) {
+          model_->init_parameter(at, i, seed);
+          at += model_->param_refs()[i].numel;
+        }
+      }
+    });
+    for (size_t j = 0; j < n; ++j) NIB_RETURN_IF_ERROR(set_linear_weight(infos[first + j].id, host[j].data()));
+  }
+  snapshot_lm_head();
+  return Status::ok();
+}
+
+EngineMemory Engine::memory() const {
+  EngineMemory m;
+  if (model_->storage() == model::ParameterStorage::kTraining)
+    for (const model::LinearInfo& info : model_->linear_infos())
+      m.master_weights += static_cast<int64_t>(sizeof(float)) * info.N * info.K;
+  m.high_precision_weights = model_->value_bytes() - m.master_weights + 2 * lm_head_bits_.size();
+  m.gradients = model_->gradient_bytes();
+  m.packed_weights = linears_ ? linears_->storage_bytes() : 0;
+  m.kv_pages = cache_->bytes();
+  m.workspace = model_->workspace_bytes() + (linears_ ? linears_->workspace_bytes() : 0) + cache_->table_bytes();
+  return m;
 }
 
 Status Engine::receive_quantized_weights(const std::vector<backend::QuantizedTensor>& per_linear) {
@@ -82,8 +138,15 @@ Status Engine::receive_quantized_weights(const std::vector<backend::QuantizedTen
 
 Status Engine::load_quantized_weights(const std::string& path) {
   if (!linears_) return invalid_argument("quantized weights: the recipe mode runs the model's own recipes");
-  NIB_ASSIGN_OR_RETURN(HostQuantizedLinears host, read_quantized_linears(path, *model_));
-  NIB_RETURN_IF_ERROR(linears_->set_quantized_weights(host.views, QuantizedLinears::Memory::kHost));
+  if (linears_->mode() == PrecisionMode::kBf16)
+    return invalid_argument("quantized weights: the bf16 mode keeps BF16 weights (use w4a16 or w4a4)");
+  if (linears_->weight_format() != backend::QuantFormat::kNvfp4TwoLevel)
+    return invalid_argument("quantized weights: the file holds {} weights, this engine's are {}",
+                            backend::quant_format_name(backend::QuantFormat::kNvfp4TwoLevel),
+                            backend::quant_format_name(linears_->weight_format()));
+  NIB_RETURN_IF_ERROR(read_quantized_linears(path, *model_, [&](int id, const backend::QuantizedTensor& w) {
+    return linears_->set_quantized_weight(id, w, QuantizedLinears::Memory::kHost);
+  }));
   snapshot_lm_head();
   return Status::ok();
 }
@@ -141,6 +204,9 @@ Status Engine::validate(const std::vector<Request>& requests) const {
 
 Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& given,
                                                  const EngineCallbacks& callbacks) {
+  if (linears_ && !linears_->weights_ready())
+    return invalid_argument("rollout: linear {} has no weight yet (the weights arrive per tensor)",
+                               model_->linear_infos()[static_cast<size_t>(linears_->first_waiting())].name);
   NIB_RETURN_IF_ERROR(validate(given));
   // given, then what callbacks.admit hands over (a deque: references stay valid as it grows)
   std::deque<Request> requests(given.begin(), given.end());

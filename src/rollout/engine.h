@@ -104,6 +104,20 @@ struct EngineCallbacks {
   std::function<bool(int64_t request)> cancelled;
 };
 
+// Backend memory the engine and its model hold, by kind (issue #15 item 4; bytes).
+struct EngineMemory {
+  int64_t packed_weights = 0;          // block linears in the mode's storage: codes + scales (+ outer), or BF16
+  int64_t high_precision_weights = 0;  // the model's FP32 values (inference storage: embedding, norms,
+                                       // routers, lm_head) + the lm_head's BF16 snapshot
+  int64_t master_weights = 0;          // training storage only: the FP32 block linears the model keeps
+  int64_t gradients = 0;               // training storage only
+  int64_t kv_pages = 0;                // the paged cache's K and V pages
+  int64_t workspace = 0;               // activations, scratch, page tables, RoPE tables (grow-only)
+  int64_t total() const {
+    return packed_weights + high_precision_weights + master_weights + gradients + kv_pages + workspace;
+  }
+};
+
 // Counters of the last generate() call.
 struct EngineStats {
   int64_t steps = 0, prompt_tokens = 0, generated_tokens = 0, peak_running = 0, peak_pages_in_use = 0;
@@ -126,8 +140,24 @@ class Engine {
   // a bad one alone rather than fail a whole generate()).
   Status check_request(const Request& request) const { return validate({request}); }
 
-  // Re-quantizes the weights after the model's master weights changed (weight sync).
+  // Re-quantizes the weights after the model's master weights changed (weight sync). Not for a
+  // model of inference storage (no master weights: use set_linear_weight and
+  // refresh_high_precision_weights).
   Status refresh_weights();
+  // Weights arriving tensor by tensor (models of inference storage; bf16 / w4a16 / w4a4):
+  // w: (N,K) f32 host, linear `id`'s weight (its members stacked, linear_params), quantized or
+  // made BF16 as refresh_weights() would from the same master weight (the same bits). After the
+  // model's kept parameters changed, refresh_high_precision_weights() re-snapshots the lm_head.
+  // generate() refuses to run while a linear has no weight.
+  Status set_linear_weight(int id, const float* w);
+  void refresh_high_precision_weights() { snapshot_lm_head(); }
+  // Random weights, tensor by tensor: bit for bit a training-storage model's init_weights(seed)
+  // followed by refresh_weights(). The block linears are drawn on the host in parallel, one per
+  // thread (num_threads() tensors on the host at once), each quantized as it arrives. On a
+  // training-storage model: init_weights(seed) then refresh_weights().
+  Status init_random_weights(uint64_t seed);
+  // Backend memory held now, by kind (the model's included).
+  EngineMemory memory() const;
   // Weights received already quantized (w4a16 / w4a4; QuantizedLinears::set_quantized_weights):
   // from a trainer, one QuantizedTensor per block linear (linear_infos() order) in the model's
   // backend memory (RL's weight sync hand-over); or from a `nibble quantize --format nvfp4-2level`

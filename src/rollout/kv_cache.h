@@ -40,6 +40,10 @@ class PagedKvCache final : public model::KvCacheAttention {
   int64_t live_sequences() const { return live_; }
   // Bytes of K and V pages over all layers.
   int64_t bytes() const;
+  // Bytes of the current batch's slots, block tables and context lengths in backend memory.
+  int64_t table_bytes() const {
+    return static_cast<int64_t>(sizeof(int32_t)) * (slots_.size() + table_.size() + ctx_.size());
+  }
 
   // A new empty sequence.
   SeqId add_sequence();

@@ -42,23 +42,70 @@ Result<std::unique_ptr<QuantizedLinears>> QuantizedLinears::create(model::Model&
       return invalid_argument("{} mode: linear {} is ({}, {}); NVFP4 needs in-features{} a multiple of 16",
                               precision_mode_name(mode), info.name, info.N, info.K, te ? " and out-features" : "");
     auto slot = std::make_unique<Slot>();
-    const float* w = model.linear_weight(info.id);  // (N,K) master weight in backend memory
-    if (!four_bit) {
-      be.to_bf16_bits(slot->w_bits.ensure(be, info.N * info.K, "rollout linear BF16 weight"), w, info.N * info.K);
-    } else {
-      float* wb = slot->w.ensure(be, info.N * info.K, "rollout linear weight");
-      be.round_to_bf16(wb, w, info.N * info.K);  // the recipes quantize the BF16 weight
+    if (four_bit)
       slot->q = slot->qbuf.view(be, q->weight_format_, info.N, info.K);
-      be.quantize(slot->q, wb);  // RTN, the trainer's forward quantizer
-      be.dequantize(wb, slot->q);
-    }
+    else
+      slot->w_bits.ensure(be, info.N * info.K, "rollout linear BF16 weight");
     q->weight_bytes_ += four_bit ? backend::QuantizedTensor::code_bytes(q->weight_format_, info.N, info.K) +
                                        backend::QuantizedTensor::scale_bytes(q->weight_format_, info.N, info.K) +
                                        4 * backend::QuantizedTensor::outer_count(q->weight_format_, info.N, info.K)
                                  : 2 * info.N * info.K;
     q->slots_.push_back(std::move(slot));
   }
+  q->waiting_ = static_cast<int64_t>(q->slots_.size());
+  // a model with master weights: quantize them now (an inference-storage model has none: its
+  // weights arrive through set_weight / set_quantized_weight(s))
+  if (model.storage() == model::ParameterStorage::kTraining)
+    for (const model::LinearInfo& info : model.linear_infos())
+      q->quantize_from(info.id, model.linear_weight(info.id));  // (N,K) master weight in backend memory
   return q;
+}
+
+void QuantizedLinears::quantize_from(int id, const float* w) {
+  const model::LinearInfo& info = infos_[id];
+  Slot& slot = *slots_[id];
+  backend::Backend& be = *be_;
+  if (mode_ == PrecisionMode::kBf16) {
+    be.to_bf16_bits(slot.w_bits.data(), w, info.N * info.K);
+  } else {
+    float* wb = wd_.ensure(be, info.N * info.K, "rollout weight scratch");
+    be.round_to_bf16(wb, w, info.N * info.K);  // the recipes quantize the BF16 weight
+    be.quantize(slot.q, wb);                   // RTN, the trainer's forward quantizer
+  }
+  if (!slot.ready) --waiting_;
+  slot.ready = true;
+}
+
+Status QuantizedLinears::set_weight(int id, const float* w, Memory where) {
+  if (id < 0 || id >= static_cast<int>(slots_.size()))
+    return invalid_argument("weight of linear {}: the model has {} block linears", id, slots_.size());
+  if (w == nullptr) return invalid_argument("weight of linear {}: null", infos_[id].name);
+  const int64_t n = infos_[id].N * infos_[id].K;
+  if (where == Memory::kHost) {
+    float* up = upload_.ensure(*be_, n, "rollout weight upload");
+    be_->copy_to_device(up, w, static_cast<size_t>(n) * sizeof(float));
+    w = up;
+  }
+  quantize_from(id, w);
+  return Status::ok();
+}
+
+int64_t QuantizedLinears::storage_bytes() const {
+  int64_t b = 0;
+  for (const auto& s : slots_)
+    b += s->qbuf.codes.size() + s->qbuf.scales.size() + 4 * s->qbuf.outer.size() + 2 * s->w_bits.size();
+  return b;
+}
+
+int64_t QuantizedLinears::workspace_bytes() const {
+  return 4 * (wd_.size() + upload_.size() + xs_.size() + xd_.size()) + xq_.codes.size() + xq_.scales.size() +
+         4 * xq_.outer.size() + 2 * xb_.size();
+}
+
+int QuantizedLinears::first_waiting() const {
+  for (size_t i = 0; i < slots_.size(); ++i)
+    if (!slots_[i]->ready) return static_cast<int>(i);
+  return -1;
 }
 
 const backend::QuantizedTensor& QuantizedLinears::quantized_weight(int id) const {
@@ -67,48 +114,70 @@ const backend::QuantizedTensor& QuantizedLinears::quantized_weight(int id) const
   return slots_[id]->q;
 }
 
-Status QuantizedLinears::set_quantized_weights(const std::vector<backend::QuantizedTensor>& weights, Memory where) {
+Status QuantizedLinears::check_quantized(int id, const backend::QuantizedTensor& w) const {
+  if (mode_ == PrecisionMode::kBf16)
+    return invalid_argument("quantized weights: the bf16 mode keeps BF16 weights (use w4a16 or w4a4)");
+  if (id < 0 || id >= static_cast<int>(infos_.size()))
+    return invalid_argument("quantized weights: linear {} of {}", id, infos_.size());
+  const model::LinearInfo& info = infos_[id];
+  if (w.format != weight_format_)
+    return invalid_argument("quantized weights: {} is {}, this engine's weights are {}", info.name,
+                            backend::quant_format_name(w.format), backend::quant_format_name(weight_format_));
+  if (w.rows != info.N || w.cols != info.K)
+    return invalid_argument("quantized weights: {} is ({}, {}), the model's is ({}, {})", info.name, w.rows, w.cols,
+                            info.N, info.K);
+  if (!w.codes || !w.scales || !w.outer) return invalid_argument("quantized weights: {} has a null part", info.name);
+  return Status::ok();
+}
+
+void QuantizedLinears::copy_quantized(int id, const backend::QuantizedTensor& w, Memory where) {
   using backend::QuantizedTensor;
+  backend::Backend& be = *be_;
+  Slot& slot = *slots_[id];
+  const size_t cb = static_cast<size_t>(QuantizedTensor::code_bytes(w.format, w.rows, w.cols));
+  const size_t sb = static_cast<size_t>(QuantizedTensor::scale_bytes(w.format, w.rows, w.cols));
+  const size_t ob = static_cast<size_t>(4 * QuantizedTensor::outer_count(w.format, w.rows, w.cols));
+  if (where == Memory::kHost) {
+    be.copy_to_device(slot.q.codes, w.codes, cb);
+    be.copy_to_device(slot.q.scales, w.scales, sb);
+    be.copy_to_device(slot.q.outer, w.outer, ob);
+  } else {
+    be.copy(slot.q.codes, w.codes, cb);
+    be.copy(slot.q.scales, w.scales, sb);
+    be.copy(slot.q.outer, w.outer, ob);
+  }
+  if (!slot.ready) --waiting_;
+  slot.ready = true;
+}
+
+Status QuantizedLinears::set_quantized_weight(int id, const backend::QuantizedTensor& w, Memory where) {
+  NIB_RETURN_IF_ERROR(check_quantized(id, w));
+  copy_quantized(id, w, where);
+  return Status::ok();
+}
+
+Status QuantizedLinears::set_quantized_weights(const std::vector<backend::QuantizedTensor>& weights, Memory where) {
   if (mode_ == PrecisionMode::kBf16)
     return invalid_argument("quantized weights: the bf16 mode keeps BF16 weights (use w4a16 or w4a4)");
   if (weights.size() != infos_.size())
     return invalid_argument("quantized weights: {} given, the model has {} block linears", weights.size(),
                             infos_.size());
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const QuantizedTensor& w = weights[i];
-    const model::LinearInfo& info = infos_[i];
-    if (w.format != weight_format_)
-      return invalid_argument("quantized weights: {} is {}, this engine's weights are {}", info.name,
-                              backend::quant_format_name(w.format), backend::quant_format_name(weight_format_));
-    if (w.rows != info.N || w.cols != info.K)
-      return invalid_argument("quantized weights: {} is ({}, {}), the model's is ({}, {})", info.name, w.rows, w.cols,
-                              info.N, info.K);
-    if (!w.codes || !w.scales || !w.outer) return invalid_argument("quantized weights: {} has a null part", info.name);
-  }
-  backend::Backend& be = *be_;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const QuantizedTensor& w = weights[i];
-    Slot& slot = *slots_[i];
-    const int64_t cb = QuantizedTensor::code_bytes(w.format, w.rows, w.cols);
-    const int64_t sb = QuantizedTensor::scale_bytes(w.format, w.rows, w.cols);
-    const int64_t ob = 4 * QuantizedTensor::outer_count(w.format, w.rows, w.cols);
-    if (where == Memory::kHost) {
-      be.copy_to_device(slot.q.codes, w.codes, static_cast<size_t>(cb));
-      be.copy_to_device(slot.q.scales, w.scales, static_cast<size_t>(sb));
-      be.copy_to_device(slot.q.outer, w.outer, static_cast<size_t>(ob));
-    } else {
-      be.copy(slot.q.codes, w.codes, static_cast<size_t>(cb));
-      be.copy(slot.q.scales, w.scales, static_cast<size_t>(sb));
-      be.copy(slot.q.outer, w.outer, static_cast<size_t>(ob));
-    }
-    be.dequantize(slot.w.data(), slot.q);  // create()'s GEMM weight from the same codes
-  }
+  for (size_t i = 0; i < weights.size(); ++i) NIB_RETURN_IF_ERROR(check_quantized(static_cast<int>(i), weights[i]));
+  for (size_t i = 0; i < weights.size(); ++i) copy_quantized(static_cast<int>(i), weights[i], where);
   return Status::ok();
+}
+
+float* QuantizedLinears::dequantized_weight(backend::Backend& be, const backend::QuantizedTensor& q) {
+  float* wd = wd_.ensure(be, q.rows * q.cols, "rollout weight scratch");
+  be.dequantize(wd, q);
+  return wd;
 }
 
 void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
                                const model::LinearInfo& info, const model::LinearCall& call) {
   NIB_CHECK(info.id >= 0 && info.id < static_cast<int>(slots_.size()));
+  NIB_CHECK(M > 0 && info.N == infos_[info.id].N && info.K == infos_[info.id].K);
+  NIB_CHECK_MSG(slots_[info.id]->ready, "rollout: linear {} has no weight yet", info.name);
   const int64_t N = info.N, K = info.K;
   Slot& s = *slots_[info.id];
   if (mode_ == PrecisionMode::kBf16) {  // BF16 bits of x against the weight's bits: exact products
@@ -137,8 +206,8 @@ void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, c
   if (M <= kPackedGemmMaxRows && s.q.format == QuantFormat::kNvfp4TwoLevel &&
       K % 32 == 0 && be.supports(backend::Op::kNvfp4WeightGemm))
     be.matmul_nt_nvfp4_weight(y, a, s.q, M);
-  else
-    be.matmul_nt(y, a, s.w.data(), M, N, K, /*accumulate=*/false, /*operands_bf16=*/false);
+  else  // the dequantized weight, made for this call in the shared scratch
+    be.matmul_nt(y, a, dequantized_weight(be, s.q), M, N, K, /*accumulate=*/false, /*operands_bf16=*/false);
   be.round_to_bf16(y, y, M * N);  // as the 4-bit recipes: the GEMM writes BF16
 }
 

@@ -11,8 +11,11 @@
 //          dequantized exactly for the GEMM; activations BF16.
 //   w4a4   as w4a16, and the BF16 activation entering each linear quantized (RTN) with the
 //          same quantizer and dequantized.
-// The CPU emulates the math; the dequantized weight is kept beside the codes. The 4-bit weights
-// may also arrive already quantized (set_quantized_weights: a trainer or a checkpoint).
+// The CPU emulates the math. Only the mode's storage is kept per linear (codes + block scales +
+// outer scales, or BF16 bits): a GEMM that needs the dequantized weight (prefill chunks) makes it
+// in one scratch shared by all linears. Weights arrive from the model's master weights (training
+// storage), tensor by tensor (set_weight: an FP32 tensor quantized here), or already quantized
+// (set_quantized_weight(s): a trainer or a checkpoint).
 #pragma once
 
 #include <memory>
@@ -49,7 +52,9 @@ class QuantizedLinears final : public model::LinearOverride {
   // weights; decode batches), above it through the dequantized weight (prefill chunks).
   static constexpr int64_t kPackedGemmMaxRows = 64;
   // Prepares every block linear of `model` for `mode` (not kRecipe) from its current master weights (call again
-  // after the weights change). recipe_name picks the NVFP4 layout ("nvfp4-nvidia": TE formats;
+  // after the weights change); for a model of inference storage (no master weights) the storage
+  // is allocated and each weight must arrive through set_weight / set_quantized_weight(s).
+  // recipe_name picks the NVFP4 layout ("nvfp4-nvidia": TE formats;
   // any other: two-level). Errors: a linear whose in-features (or, for the TE tile format,
   // out-features) is not a multiple of 16 in a 4-bit mode.
   static Result<std::unique_ptr<QuantizedLinears>> create(model::Model& model, PrecisionMode mode,
@@ -62,6 +67,14 @@ class QuantizedLinears final : public model::LinearOverride {
   const backend::QuantizedTensor& quantized_weight(int id) const;
   // Bytes the weights of the block linears take in this mode's storage (codes + scales, or BF16).
   int64_t weight_bytes() const { return weight_bytes_; }
+  // Backend memory held now: the weights' storage (== weight_bytes()), and the scratch of the
+  // calls (activations, the dequantized weight of a prefill GEMM, an FP32 weight being quantized).
+  int64_t storage_bytes() const;
+  int64_t workspace_bytes() const;
+  // True once every linear holds a weight (always, when made from master weights); otherwise
+  // the first linear still waiting.
+  bool weights_ready() const { return waiting_ == 0; }
+  int first_waiting() const;
 
   // Weights received already quantized (issue #15 §2): weights[i] is the weight of linear i
   // (linear_infos() order) in weight_format(), shape (N, K); `where` says whether its pointers are
@@ -72,6 +85,12 @@ class QuantizedLinears final : public model::LinearOverride {
   // that does not match.
   enum class Memory { kHost, kBackend };
   Status set_quantized_weights(const std::vector<backend::QuantizedTensor>& weights, Memory where);
+  // One linear's weight at a time (what set_quantized_weights does per linear, same checks).
+  Status set_quantized_weight(int id, const backend::QuantizedTensor& weight, Memory where);
+  // w: (N,K) f32 FP32 weight of linear `id` in `where` memory: quantized (or made BF16 bits) as
+  // create() does from a master weight, the same bits. A host weight goes through one (N,K)
+  // upload scratch, so loading a model tensor by tensor holds one tensor at a time.
+  Status set_weight(int id, const float* w, Memory where);
 
   void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
                const model::LinearInfo& info, const model::LinearCall& call) override;
@@ -82,9 +101,15 @@ class QuantizedLinears final : public model::LinearOverride {
   struct Slot {
     backend::QuantizedBuffer qbuf;
     backend::QuantizedTensor q;  // 4-bit modes
-    backend::Buffer<float> w;    // (N,K) 4-bit modes: the dequantized weight for the prefill GEMM
     backend::Buffer<uint16_t> w_bits;  // (N,K) bf16 mode: BF16 bits of the weight
+    bool ready = false;          // holds a weight
   };
+  // (q.rows, q.cols) f32 in wd_ <- dequantize(q): the GEMM weight of a prefill chunk.
+  float* dequantized_weight(backend::Backend& be, const backend::QuantizedTensor& q);
+  // Makes slot `id`'s storage from w: (N,K) f32 in backend memory.
+  void quantize_from(int id, const float* w);
+  Status check_quantized(int id, const backend::QuantizedTensor& w) const;
+  void copy_quantized(int id, const backend::QuantizedTensor& w, Memory where);
   backend::Backend* be_ = nullptr;
   std::vector<model::LinearInfo> infos_;
   PrecisionMode mode_ = PrecisionMode::kBf16;
@@ -92,6 +117,9 @@ class QuantizedLinears final : public model::LinearOverride {
   backend::QuantFormat act_format_ = backend::QuantFormat::kNvfp4TwoLevel;
   std::vector<std::unique_ptr<Slot>> slots_;
   int64_t weight_bytes_ = 0;
+  int64_t waiting_ = 0;                   // linears without a weight
+  backend::Buffer<float> wd_;             // (N, K) of the largest linear: dequantized / BF16-rounded weight
+  backend::Buffer<float> upload_;         // (N, K) set_weight: a host FP32 weight in backend memory
   backend::Buffer<float> xs_, xd_;        // (Mp, K) activation scratch: bf16-rounded, dequantized
   backend::QuantizedBuffer xq_;           // (Mp, K) quantized activation
   backend::Buffer<uint16_t> xb_;          // (M, K) bf16 mode: BF16 bits of the activation
