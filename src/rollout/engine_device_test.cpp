@@ -6,7 +6,8 @@
 // backends); every page comes back. Sampled decoding may differ where the two backends' logits
 // straddle a sampling boundary, and the 4-bit modes where an activation or output rounds
 // differently; both only through those summation-order differences. Skips without a device
-// (NIBBLE_ENGINE_TEST_DEVICE=cpu runs the cases CPU against CPU in a CPU-only build too).
+// (NIBBLE_ENGINE_TEST_DEVICE=cpu runs the cases CPU against CPU in a CPU-only build too). Also the
+// inference-only model (issue #15 item 4) on the device against the CPU training path.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -45,14 +46,18 @@ std::unique_ptr<backend::Backend> make_device_backend(std::string* why) {
 
 // The tiny model of engine_test.cpp (std 0.3 weights) on backend `be`, weights copied from `from`
 // when given.
-std::unique_ptr<model::Model> tiny_olmo(backend::Backend* be, model::Model* from = nullptr) {
+model::ModelConfig tiny_config() {
   nlohmann::json j = model::test::tiny_olmo2_model_json(48);
   j["initializer_range"] = 0.3;
   auto cfg = model::parse_model_config(j);
   EXPECT_TRUE(cfg.is_ok());
+  return cfg.value();
+}
+
+std::unique_ptr<model::Model> tiny_olmo(backend::Backend* be, model::Model* from = nullptr) {
   model::RecipeConfig rc;
   rc.name = "bf16";
-  auto m = model::Model::create(cfg.value(), rc, be);
+  auto m = model::Model::create(tiny_config(), rc, be);
   EXPECT_TRUE(m.is_ok()) << m.status().message();
   if (from) {
     std::vector<float> host(static_cast<size_t>(from->num_params()));
@@ -162,6 +167,61 @@ TEST(RolloutEngineDevice, W4A16WeightsAreTheSameBitsAsOnTheCpu) {
   auto d = (*de)->generate(greedy_requests());
   ASSERT_TRUE(d.is_ok()) << d.status().message();
   EXPECT_EQ((*de)->cache().free_pages(), (*de)->cache().num_pages());
+}
+
+// The inference-only model on the device (issue #15 item 4): no gradients, no FP32 block
+// linears; the weights drawn per tensor on the host and quantized on the device are the CPU
+// training path's bits (init_weights, then quantizing the master weights), the greedy w4a16
+// tokens match within engine_test.cpp's bf16 tolerance, the memory by kind has no master or
+// gradient bytes and does not exceed what the device backend holds.
+TEST(RolloutEngineDevice, InferenceStorageWeightsPerTensorAreTheCpuTrainingPathsBits) {
+  std::string why;
+  auto dev = make_device_backend(&why);
+  if (!dev) GTEST_SKIP() << why;
+  auto cpu_model = tiny_olmo(&backend::cpu_backend());  // init_weights(7)
+  model::RecipeConfig rc;
+  rc.name = "bf16";
+  auto lean = model::Model::create(tiny_config(), rc, dev.get(), model::ParameterStorage::kInference);
+  ASSERT_TRUE(lean.is_ok()) << lean.status().message();
+  EngineOptions o;
+  o.mode = PrecisionMode::kW4A16;
+  o.recipe_name = "tetrajet-v2";
+  o.page_size = 8;
+  auto ce = Engine::create(*cpu_model, o);
+  auto de = Engine::create(**lean, o);
+  ASSERT_TRUE(ce.is_ok() && de.is_ok());
+  ASSERT_TRUE((*de)->init_random_weights(7).is_ok());
+  for (const model::LinearInfo& info : cpu_model->linear_infos()) {
+    const backend::QuantizedTensor& a = (*ce)->linears()->quantized_weight(info.id);
+    const backend::QuantizedTensor& b = (*de)->linears()->quantized_weight(info.id);
+    const int64_t cb = backend::QuantizedTensor::code_bytes(a.format, a.rows, a.cols);
+    const int64_t sb = backend::QuantizedTensor::scale_bytes(a.format, a.rows, a.cols);
+    const int64_t ob = backend::QuantizedTensor::outer_count(a.format, a.rows, a.cols);
+    std::vector<uint8_t> codes(cb), scales(sb);
+    std::vector<float> outer(ob);
+    dev->copy_to_host(codes.data(), b.codes, cb);
+    dev->copy_to_host(scales.data(), b.scales, sb);
+    dev->copy_to_host(outer.data(), b.outer, ob * sizeof(float));
+    ASSERT_EQ(std::memcmp(codes.data(), a.codes, cb), 0) << info.name;
+    ASSERT_EQ(std::memcmp(scales.data(), a.scales, sb), 0) << info.name;
+    ASSERT_EQ(std::memcmp(outer.data(), a.outer, ob * sizeof(float)), 0) << info.name;
+  }
+  auto c = (*ce)->generate(greedy_requests());
+  auto d = (*de)->generate(greedy_requests());
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  ASSERT_TRUE(d.is_ok()) << d.status().message();
+  for (size_t i = 0; i < c->size(); ++i) {
+    EXPECT_EQ((*c)[i].tokens, (*d)[i].tokens) << "request " << i;
+    for (size_t t = 0; t < std::min((*c)[i].logprobs.size(), (*d)[i].logprobs.size()); ++t)
+      EXPECT_NEAR((*c)[i].logprobs[t], (*d)[i].logprobs[t], 0.05) << "request " << i << " token " << t;
+  }
+  EXPECT_EQ((*de)->cache().free_pages(), (*de)->cache().num_pages());
+  const EngineMemory mem = (*de)->memory();
+  EXPECT_EQ(mem.master_weights, 0);
+  EXPECT_EQ(mem.gradients, 0);
+  EXPECT_EQ(mem.packed_weights, (*de)->linears()->weight_bytes());
+  const int64_t held = dev->memory_stats().in_use_bytes;
+  if (held >= 0) EXPECT_LE(mem.total(), held);
 }
 
 }  // namespace

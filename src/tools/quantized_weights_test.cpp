@@ -2,8 +2,9 @@
 // nvfp4-2level` (the built binary) of a model's weights, loaded by the rollout engine
 // (Engine::load_quantized_weights), gives bit for bit the weights the engine makes by quantizing
 // the same BF16 weights itself (fused q|k|v and gate|up stacked from their HF members), and the
-// same tokens and log-probs; files of another format, layout or rounding, or not quantized at
-// all, are one-line errors that change nothing.
+// same tokens and log-probs, also in an engine whose model keeps no master weights (inference
+// storage, read linear by linear); files of another format, layout or rounding, or not quantized
+// at all, are one-line errors that change nothing.
 #include <cstring>
 
 #include <gtest/gtest.h>
@@ -35,6 +36,19 @@ std::unique_ptr<model::Model> model_128(uint64_t seed) {
   m->download_parameters(p.data());
   for (float& x : p) x = round_to_bf16(x);
   m->upload_parameters(p.data());
+  return m;
+}
+
+// An inference-storage model (no master weights) holding `from`'s parameters outside the block
+// linears, copied one tensor at a time.
+std::unique_ptr<model::Model> lean_copy(model::Model& from) {
+  model::RecipeConfig rc;
+  rc.name = "tetrajet-v2";
+  auto m = model::Model::create(from.config(), rc, &backend::cpu_backend(), model::ParameterStorage::kInference).value();
+  for (size_t i = 0; i < m->param_refs().size(); ++i) {
+    const model::ParamRef<float>& p = m->param_refs()[i];
+    if (p.value != nullptr) std::memcpy(p.value, from.param_refs()[i].value, static_cast<size_t>(p.numel) * 4);
+  }
   return m;
 }
 
@@ -70,22 +84,31 @@ TEST(QuantizedWeightsFile, NibbleQuantizeOutputEqualsTheEnginesOwnQuantization) 
     auto loaded = rollout::Engine::create(*other, o).value();
     auto st = loaded->load_quantized_weights(dir / "q.safetensors");
     ASSERT_TRUE(st.is_ok()) << st.message();
-    for (const model::LinearInfo& info : trained->linear_infos()) {
-      const backend::QuantizedTensor& a = own->linears()->quantized_weight(info.id);
-      const backend::QuantizedTensor& b = loaded->linears()->quantized_weight(info.id);
-      ASSERT_EQ(std::memcmp(a.codes, b.codes, info.N * info.K / 2), 0) << info.name;
-      ASSERT_EQ(std::memcmp(a.scales, b.scales, info.N * info.K / 16), 0) << info.name;
-      ASSERT_EQ(std::memcmp(a.outer, b.outer, info.N * info.K / 128 * sizeof(float)), 0) << info.name;
-    }
+    // also into an engine whose model has no master weights (inference storage): linear by linear
+    auto lean_model = lean_copy(*trained);
+    auto lean = rollout::Engine::create(*lean_model, o).value();
+    st = lean->load_quantized_weights(dir / "q.safetensors");
+    ASSERT_TRUE(st.is_ok()) << st.message();
+    lean->refresh_high_precision_weights();  // the lm_head snapshot of the copied parameters
+    for (const rollout::Engine* e : {loaded.get(), lean.get()})
+      for (const model::LinearInfo& info : trained->linear_infos()) {
+        const backend::QuantizedTensor& a = own->linears()->quantized_weight(info.id);
+        const backend::QuantizedTensor& b = e->linears()->quantized_weight(info.id);
+        ASSERT_EQ(std::memcmp(a.codes, b.codes, info.N * info.K / 2), 0) << info.name;
+        ASSERT_EQ(std::memcmp(a.scales, b.scales, info.N * info.K / 16), 0) << info.name;
+        ASSERT_EQ(std::memcmp(a.outer, b.outer, info.N * info.K / 128 * sizeof(float)), 0) << info.name;
+      }
     rollout::Request r;
     r.prompt = {3, 14, 15, 9, 26, 5};
     r.params.sampling.temperature = 0;
     r.params.max_new_tokens = 10;
     auto want = own->generate({r});
-    auto got = loaded->generate({r});
-    ASSERT_TRUE(want.is_ok() && got.is_ok());
-    EXPECT_EQ((*want)[0].tokens, (*got)[0].tokens);
-    EXPECT_EQ((*want)[0].logprobs, (*got)[0].logprobs);
+    for (rollout::Engine* e : {loaded.get(), lean.get()}) {
+      auto got = e->generate({r});
+      ASSERT_TRUE(want.is_ok() && got.is_ok());
+      EXPECT_EQ((*want)[0].tokens, (*got)[0].tokens);
+      EXPECT_EQ((*want)[0].logprobs, (*got)[0].logprobs);
+    }
   }
   // other formats, the unquantized file, a missing file: one-line errors
   RunResult te = run_nibble(dir.path, "quantize '" + (dir / "model.safetensors") + "' '" + (dir / "te.safetensors") +
