@@ -42,10 +42,12 @@ double measure_copy_bandwidth(backend::Backend& be, int64_t bytes, int repeats) 
   return 2.0 * static_cast<double>(bytes) / best;
 }
 
-Result<DecodeBenchResult> bench_decode(backend::Backend& device_be, const model::ModelConfig& config,
-                                       const DecodeBenchOptions& o) {
-  if (o.batch < 1 || o.prompt < 1 || o.new_tokens < 2)
+Status bench_decode(backend::Backend& device_be, const model::ModelConfig& config, const DecodeBenchOptions& o,
+                    const std::vector<int64_t>& batches, const DecodeBenchSink& on_result) {
+  if (batches.empty() || o.prompt < 1 || o.new_tokens < 2)
     return invalid_argument("bench decode: batch and prompt must be >= 1 and new tokens >= 2");
+  for (int64_t b : batches)
+    if (b < 1) return invalid_argument("bench decode: batch and prompt must be >= 1 and new tokens >= 2");
   if (o.prompt + o.new_tokens > config.max_position_embeddings)
     return invalid_argument("bench decode: prompt {} + new {} exceeds the context of {} positions", o.prompt,
                             o.new_tokens, config.max_position_embeddings);
@@ -54,74 +56,91 @@ Result<DecodeBenchResult> bench_decode(backend::Backend& device_be, const model:
   backend::Backend& be = o.profile ? static_cast<backend::Backend&>(profiler) : device_be;
   model::RecipeConfig rc;
   rc.name = "bf16";
-  NIB_ASSIGN_OR_RETURN(auto m, model::Model::create(config, rc, &be));
-  m->init_weights(o.seed);
+  be.synchronize();
+  be.reset_peak_memory();
+  // one model and engine for every batch, sized for the largest
+  const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
+  const auto t_init = std::chrono::steady_clock::now();
+  NIB_ASSIGN_OR_RETURN(auto m, model::Model::create(config, rc, &be, o.storage));
   EngineOptions eo;
   eo.mode = o.mode;
   eo.kv_format = o.kv_format;
-  eo.max_batch = o.batch;
+  eo.max_batch = max_batch;
   eo.page_size = 16;
   const int64_t per_seq = (o.prompt + o.new_tokens + eo.page_size - 1) / eo.page_size + 1;
-  eo.num_pages = o.batch * per_seq + 1;
-  eo.max_step_tokens = std::max<int64_t>(o.batch, std::min<int64_t>(8192, o.batch * o.prompt));
+  eo.num_pages = max_batch * per_seq + 1;
+  eo.max_step_tokens = std::max<int64_t>(max_batch, std::min<int64_t>(8192, max_batch * o.prompt));
   eo.share_prefix = false;
   NIB_ASSIGN_OR_RETURN(auto engine, Engine::create(*m, eo));
-  std::vector<Request> reqs(static_cast<size_t>(o.batch));
-  PhiloxStream rng(o.seed, 0xBE7C);
-  for (int64_t b = 0; b < o.batch; ++b) {
-    Request& r = reqs[b];
-    r.id = static_cast<uint64_t>(b);
-    for (int64_t t = 0; t < o.prompt; ++t) r.prompt.push_back(static_cast<int32_t>(rng.next_u32() % config.vocab_size));
-    r.params.sampling.temperature = 0;  // greedy: every sequence runs all new tokens (no stop ids)
+  NIB_RETURN_IF_ERROR(engine->init_random_weights(o.seed));
+  be.synchronize();
+  const double init_seconds = seconds_since(t_init);
+  for (const int64_t batch : batches) {
+    std::vector<Request> reqs(static_cast<size_t>(batch));
+    PhiloxStream rng(o.seed, 0xBE7C);
+    for (int64_t b = 0; b < batch; ++b) {
+      Request& r = reqs[b];
+      r.id = static_cast<uint64_t>(b);
+      for (int64_t t = 0; t < o.prompt; ++t)
+        r.prompt.push_back(static_cast<int32_t>(rng.next_u32() % config.vocab_size));
+      r.params.sampling.temperature = 0;  // greedy: every sequence runs all new tokens (no stop ids)
+    }
+    auto timed = [&](int64_t new_tokens) -> Result<double> {
+      for (Request& r : reqs) r.params.max_new_tokens = new_tokens;
+      const auto t0 = std::chrono::steady_clock::now();
+      NIB_ASSIGN_OR_RETURN(auto out, engine->generate(reqs));
+      (void)out;
+      be.synchronize();
+      return seconds_since(t0);
+    };
+    NIB_RETURN_IF_ERROR(timed(2).status());  // warm-up (allocations, kernels)
+    DecodeBenchResult res;
+    res.batch = batch;
+    res.init_seconds = init_seconds;
+    NIB_ASSIGN_OR_RETURN(res.prefill_seconds, timed(1));
+    NIB_ASSIGN_OR_RETURN(double total, timed(o.new_tokens));
+    res.decode_seconds = std::max(total - res.prefill_seconds, 1e-9);
+    res.decode_tokens_per_s = static_cast<double>(batch * (o.new_tokens - 1)) / res.decode_seconds;
+    if (o.profile) {
+      profiler.reset_timings();
+      profiler.set_enabled(true);
+      NIB_ASSIGN_OR_RETURN(double prefill_s, timed(1));
+      const backend::OpTimings prefill = profiler.timings();
+      profiler.reset_timings();
+      NIB_ASSIGN_OR_RETURN(double full_s, timed(o.new_tokens));
+      const backend::OpTimings full = profiler.timings();
+      profiler.set_enabled(false);
+      const int64_t steps = o.new_tokens - 1;
+      res.profiled = true;
+      res.prefill_profile = backend::make_step_profile(prefill, prefill_s);
+      res.decode_step_profile = backend::make_step_profile(
+          backend::per_step_difference(full, prefill, steps), std::max(full_s - prefill_s, 0.0) / static_cast<double>(steps));
+    }
+    // bytes one decode step must read: the block linears (MoE: the experts the batch routes to, in
+    // expectation E (1 - (1 - k/E)^batch) of E per layer), the lm_head in BF16, the KV pages of
+    // the average context
+    const double E = static_cast<double>(std::max<int64_t>(config.num_experts, 1));
+    const double k = static_cast<double>(std::max<int64_t>(config.num_experts_per_tok, 1));
+    const double expert_share =
+        config.num_experts > 0 ? std::min(1.0, (1.0 - std::pow(1.0 - k / E, static_cast<double>(batch)))) : 1.0;
+    double weights = 0;
+    for (const model::LinearInfo& info : m->linear_infos())
+      weights += linear_bytes(info, o.mode) * (info.expert >= 0 ? expert_share : 1.0);
+    weights += 2.0 * static_cast<double>(config.vocab_size) * static_cast<double>(config.hidden_size);
+    res.weight_bytes = static_cast<int64_t>(weights);
+    res.kv_bytes_per_token =
+        2 * config.num_hidden_layers * backend::kv_token_bytes(o.kv_format, config.num_key_value_heads, config.head_dim);
+    const double avg_context = static_cast<double>(o.prompt) + static_cast<double>(o.new_tokens) / 2;
+    res.bytes_per_step =
+        weights + static_cast<double>(batch) * avg_context * static_cast<double>(res.kv_bytes_per_token);
+    res.memory = engine->memory();
+    res.peak_bytes = be.memory_stats().peak_bytes;
+    res.copy_bytes_per_s = measure_copy_bandwidth(device_be, o.copy_bytes, 5);
+    res.bound_tokens_per_s = static_cast<double>(batch) * res.copy_bytes_per_s / res.bytes_per_step;
+    res.fraction_of_bound = res.decode_tokens_per_s / res.bound_tokens_per_s;
+    NIB_RETURN_IF_ERROR(on_result(res));
   }
-  auto timed = [&](int64_t new_tokens) -> Result<double> {
-    for (Request& r : reqs) r.params.max_new_tokens = new_tokens;
-    const auto t0 = std::chrono::steady_clock::now();
-    NIB_ASSIGN_OR_RETURN(auto out, engine->generate(reqs));
-    (void)out;
-    be.synchronize();
-    return seconds_since(t0);
-  };
-  NIB_RETURN_IF_ERROR(timed(2).status());  // warm-up (allocations, kernels)
-  DecodeBenchResult res;
-  NIB_ASSIGN_OR_RETURN(res.prefill_seconds, timed(1));
-  NIB_ASSIGN_OR_RETURN(double total, timed(o.new_tokens));
-  res.decode_seconds = std::max(total - res.prefill_seconds, 1e-9);
-  res.decode_tokens_per_s = static_cast<double>(o.batch * (o.new_tokens - 1)) / res.decode_seconds;
-  if (o.profile) {
-    profiler.set_enabled(true);
-    NIB_ASSIGN_OR_RETURN(double prefill_s, timed(1));
-    const backend::OpTimings prefill = profiler.timings();
-    profiler.reset_timings();
-    NIB_ASSIGN_OR_RETURN(double full_s, timed(o.new_tokens));
-    const backend::OpTimings full = profiler.timings();
-    profiler.set_enabled(false);
-    const int64_t steps = o.new_tokens - 1;
-    res.profiled = true;
-    res.prefill_profile = backend::make_step_profile(prefill, prefill_s);
-    res.decode_step_profile = backend::make_step_profile(backend::per_step_difference(full, prefill, steps),
-                                                         std::max(full_s - prefill_s, 0.0) / static_cast<double>(steps));
-  }
-  // bytes one decode step must read: the block linears (MoE: the experts the batch routes to, in
-  // expectation E (1 - (1 - k/E)^batch) of E per layer), the lm_head in BF16, the KV pages of
-  // the average context
-  const double E = static_cast<double>(std::max<int64_t>(config.num_experts, 1));
-  const double k = static_cast<double>(std::max<int64_t>(config.num_experts_per_tok, 1));
-  const double expert_share =
-      config.num_experts > 0 ? std::min(1.0, (1.0 - std::pow(1.0 - k / E, static_cast<double>(o.batch)))) : 1.0;
-  double weights = 0;
-  for (const model::LinearInfo& info : m->linear_infos())
-    weights += linear_bytes(info, o.mode) * (info.expert >= 0 ? expert_share : 1.0);
-  weights += 2.0 * static_cast<double>(config.vocab_size) * static_cast<double>(config.hidden_size);
-  res.weight_bytes = static_cast<int64_t>(weights);
-  res.kv_bytes_per_token =
-      2 * config.num_hidden_layers * backend::kv_token_bytes(o.kv_format, config.num_key_value_heads, config.head_dim);
-  const double avg_context = static_cast<double>(o.prompt) + static_cast<double>(o.new_tokens) / 2;
-  res.bytes_per_step = weights + static_cast<double>(o.batch) * avg_context * static_cast<double>(res.kv_bytes_per_token);
-  res.copy_bytes_per_s = measure_copy_bandwidth(device_be, o.copy_bytes, 5);
-  res.bound_tokens_per_s = static_cast<double>(o.batch) * res.copy_bytes_per_s / res.bytes_per_step;
-  res.fraction_of_bound = res.decode_tokens_per_s / res.bound_tokens_per_s;
-  return res;
+  return Status::ok();
 }
 
 }  // namespace nibble::rollout

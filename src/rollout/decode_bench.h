@@ -6,15 +6,22 @@
 // generating `new` tokens minus a run generating 1 (the prefill and its first token). With
 // `profile`, both runs are repeated once more with every op timed (backend/profiling_backend.h):
 // the prefill run's profile, and the per-decode-step profile (their difference / (new - 1)).
+// The model is built in inference storage (no gradients, no FP32 block linears) and its random
+// weights arrive tensor by tensor (Engine::init_random_weights), so a model whose FP32 weights
+// alone exceed device and host memory (Qwen3-30B-A3B: 122 GB) runs in w4a16 on one GPU; the
+// engine's memory by kind and the time the weights took are reported.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "backend/profiling_backend.h"
 #include "core/status.h"
 #include "model/config.h"
+#include "rollout/engine.h"
 #include "rollout/precision.h"
 
 namespace nibble::rollout {
@@ -22,13 +29,17 @@ namespace nibble::rollout {
 struct DecodeBenchOptions {
   PrecisionMode mode = PrecisionMode::kBf16;
   backend::KvPageFormat kv_format = backend::KvPageFormat::kBf16;
-  int64_t batch = 1, prompt = 512, new_tokens = 128;
+  int64_t prompt = 512, new_tokens = 128;
   uint64_t seed = 1;
   int64_t copy_bytes = int64_t{1} << 30;  // size of the bandwidth-measuring copy
   bool profile = false;  // after the timed runs, profile the prefill run and the decode steps
+  // kTraining: the model of the training path (FP32 master weights and gradients, quantized
+  // from them) as before inference storage existed; the same bits, for comparisons.
+  model::ParameterStorage storage = model::ParameterStorage::kInference;
 };
 
 struct DecodeBenchResult {
+  int64_t batch = 0;
   double prefill_seconds = 0;       // prefill + the first token of every sequence
   double decode_seconds = 0;        // the remaining new_tokens - 1 steps
   double decode_tokens_per_s = 0;   // batch * (new_tokens - 1) / decode_seconds
@@ -37,15 +48,21 @@ struct DecodeBenchResult {
   double bound_tokens_per_s = 0;    // batch * copy_bytes_per_s / bytes_per_step
   double fraction_of_bound = 0;
   int64_t weight_bytes = 0, kv_bytes_per_token = 0;
+  double init_seconds = 0;          // the model, the engine and their random weights
+  EngineMemory memory;              // after the runs (workspace grown to the prefill's)
+  int64_t peak_bytes = -1;          // the backend's peak allocation since the start (-1: not tracked)
   bool profiled = false;
   backend::StepProfile prefill_profile;      // the run generating 1 token (prefill + first token)
   backend::StepProfile decode_step_profile;  // one decode step: (run of `new` - run of 1) / (new - 1)
 };
 
-// Runs the benchmark on `be`. Errors: bad options (new_tokens < 2, a prompt that does not fit the
-// context), out of memory (one line).
-Result<DecodeBenchResult> bench_decode(backend::Backend& be, const model::ModelConfig& config,
-                                       const DecodeBenchOptions& options);
+// Runs the benchmark on `be` for each batch size of `batches`, in order, on one model and engine
+// built (and given its weights) once, sized for the largest batch; on_result receives each
+// batch's result as soon as it is measured. Errors: bad options (no batch, a batch < 1,
+// new_tokens < 2, a prompt that does not fit the context), out of memory (one line), on_result's.
+using DecodeBenchSink = std::function<Status(const DecodeBenchResult&)>;
+Status bench_decode(backend::Backend& be, const model::ModelConfig& config, const DecodeBenchOptions& options,
+                    const std::vector<int64_t>& batches, const DecodeBenchSink& on_result);
 
 // Bandwidth of `be` measured with a device-to-device copy of `bytes` (best of `repeats`): bytes
 // moved (2 * bytes: read and written) per second, what a read-only stream can reach at best.

@@ -84,7 +84,8 @@ TEST(BenchCli, BadAttentionShapeIsAnArgumentError) {
 }
 
 // `bench decode` on the CPU with a tiny config: one JSON line per batch with positive tokens/s,
-// a bound from the measured copy bandwidth and the bytes a step reads; bad values exit 2.
+// a bound from the measured copy bandwidth and the bytes a step reads, the engine's memory by
+// kind; bad values exit 2.
 TEST(BenchCli, DecodeJsonLinesOnATinyConfig) {
   ScratchDir dir("bench_decode");
   nlohmann::json cfg = model::test::tiny_olmo2_model_json(48);
@@ -107,6 +108,17 @@ TEST(BenchCli, DecodeJsonLinesOnATinyConfig) {
     const double kv = 2 * 2 * 64 * 2.0 * (5 + 4 / 2.0);  // layers x K,V x Hkv*D x bf16 x average context
     EXPECT_NEAR(j.at("bytes_per_step").get<double>(), linears + 2 * 48 * 64 + j.at("batch").get<double>() * kv, 1.0);
     EXPECT_GT(j.at("fraction_of_bound").get<double>(), 0);
+    // the engine's memory: the packed linears are their formula's bytes, an inference model has no
+    // master weights and no gradients, and the backend's peak covers the kinds' total
+    const nlohmann::json& mem = j.at("memory_bytes");
+    EXPECT_EQ(mem.at("packed_weights").get<double>(), linears);
+    EXPECT_EQ(mem.at("master_weights").get<int64_t>(), 0);
+    EXPECT_EQ(mem.at("gradients").get<int64_t>(), 0);
+    EXPECT_GT(mem.at("high_precision_weights").get<int64_t>(), 2 * 48 * 64 * 4);  // embedding + lm_head FP32
+    EXPECT_GT(mem.at("kv_pages").get<int64_t>(), 0);
+    EXPECT_GT(mem.at("workspace").get<int64_t>(), 0);
+    EXPECT_GE(j.at("peak_bytes").get<int64_t>(), mem.at("total").get<int64_t>());
+    EXPECT_GT(j.at("init_s").get<double>(), 0);
   }
   EXPECT_EQ(batches, (std::vector<int64_t>{1, 3}));
   for (const char* bad : {"--batch 0", "--batch 1,,2", "--mode recipe", "--new 1", "--kv-dtype fp4"}) {

@@ -427,33 +427,41 @@ int run_bench_decode(const DecodeBenchArgs& a) {
   o.new_tokens = a.new_tokens;
   o.profile = a.profile;
   if ((*be)->device() != Device::kCUDA) o.copy_bytes = int64_t{64} << 20;  // the CPU: a smaller copy suffices
-  for (int64_t b : batches) {
-    o.batch = b;
-    auto r = rollout::bench_decode(**be, *config, o);
-    if (!r) return report_error("bench", r.status());
+  // one JSON line per batch, printed as each is measured
+  auto print = [&](const rollout::DecodeBenchResult& r) -> Status {
+    const int64_t b = r.batch;
     nlohmann::json j{{"bench", "decode"}, {"config", config_path}, {"device", (*be)->name()},
                      {"mode", a.mode}, {"kv_dtype", a.kv_dtype}, {"batch", b}, {"prompt", a.prompt},
-                     {"new_tokens", a.new_tokens}, {"prefill_s", r->prefill_seconds}, {"decode_s", r->decode_seconds},
-                     {"decode_tokens_per_s", r->decode_tokens_per_s}, {"weight_bytes", r->weight_bytes},
-                     {"kv_bytes_per_token", r->kv_bytes_per_token}, {"bytes_per_step", r->bytes_per_step},
-                     {"copy_gb_per_s", r->copy_bytes_per_s / 1e9}, {"bound_tokens_per_s", r->bound_tokens_per_s},
-                     {"fraction_of_bound", r->fraction_of_bound}};
-    if (r->profiled) {
+                     {"new_tokens", a.new_tokens}, {"prefill_s", r.prefill_seconds}, {"decode_s", r.decode_seconds},
+                     {"decode_tokens_per_s", r.decode_tokens_per_s}, {"weight_bytes", r.weight_bytes},
+                     {"kv_bytes_per_token", r.kv_bytes_per_token}, {"bytes_per_step", r.bytes_per_step},
+                     {"copy_gb_per_s", r.copy_bytes_per_s / 1e9}, {"bound_tokens_per_s", r.bound_tokens_per_s},
+                     {"fraction_of_bound", r.fraction_of_bound}, {"init_s", r.init_seconds}};
+    // backend memory by kind (rollout::EngineMemory) and the peak since the model was built
+    const rollout::EngineMemory& mem = r.memory;
+    j["memory_bytes"] = {{"packed_weights", mem.packed_weights}, {"high_precision_weights", mem.high_precision_weights},
+                         {"master_weights", mem.master_weights}, {"gradients", mem.gradients},
+                         {"kv_pages", mem.kv_pages}, {"workspace", mem.workspace}, {"total", mem.total()}};
+    j["peak_bytes"] = r.peak_bytes >= 0 ? nlohmann::json(r.peak_bytes) : nlohmann::json(nullptr);
+    if (r.profiled) {
       // JSON: op -> [calls, ms]; the tables go to stderr (stdout stays JSON lines)
       auto ops = [](const backend::StepProfile& p) {
         nlohmann::json o = nlohmann::json::object();
         for (const auto& op : p.ops) o[op.name] = {op.count, op.ms};
         return nlohmann::json{{"ms", p.step_ms}, {"op_ms", p.op_ms}, {"ops", o}};
       };
-      j["profile"] = {{"prefill", ops(r->prefill_profile)}, {"decode_step", ops(r->decode_step_profile)}};
+      j["profile"] = {{"prefill", ops(r.prefill_profile)}, {"decode_step", ops(r.decode_step_profile)}};
       const std::string what = fmt::format("{} {} batch {} on {}", config_path, a.mode, b, (*be)->name());
       std::fprintf(stderr, "%s\n%s\n",
-                   backend::format_step_profile(r->prefill_profile, "prefill + first token, " + what).c_str(),
-                   backend::format_step_profile(r->decode_step_profile, "decode step (per step), " + what).c_str());
+                   backend::format_step_profile(r.prefill_profile, "prefill + first token, " + what).c_str(),
+                   backend::format_step_profile(r.decode_step_profile, "decode step (per step), " + what).c_str());
     }
     std::printf("%s\n", j.dump().c_str());
     std::fflush(stdout);
-  }
+    return Status::ok();
+  };
+  const Status st = rollout::bench_decode(**be, *config, o, batches, print);
+  if (!st.is_ok()) return report_error("bench", st);
   return 0;
 }
 
