@@ -102,6 +102,25 @@ void expect_same_greedy_tokens(model::Model& cpu_model, model::Model& dev_model,
   EXPECT_EQ((*de)->cache().free_pages(), (*de)->cache().num_pages());
 }
 
+// Every quantized weight of the device engine `de` (on `dev`) equals the CPU engine's bit for bit.
+void expect_same_weight_bits(const Engine& ce, const Engine& de, backend::Backend& dev, const model::Model& m) {
+  for (const model::LinearInfo& info : m.linear_infos()) {
+    const backend::QuantizedTensor& a = ce.linears()->quantized_weight(info.id);
+    const backend::QuantizedTensor& b = de.linears()->quantized_weight(info.id);
+    const int64_t cb = backend::QuantizedTensor::code_bytes(a.format, a.rows, a.cols);
+    const int64_t sb = backend::QuantizedTensor::scale_bytes(a.format, a.rows, a.cols);
+    const int64_t ob = backend::QuantizedTensor::outer_count(a.format, a.rows, a.cols);
+    std::vector<uint8_t> codes(cb), scales(sb);
+    std::vector<float> outer(ob);
+    dev.copy_to_host(codes.data(), b.codes, cb);
+    dev.copy_to_host(scales.data(), b.scales, sb);
+    dev.copy_to_host(outer.data(), b.outer, ob * sizeof(float));
+    ASSERT_EQ(std::memcmp(codes.data(), a.codes, cb), 0) << info.name;
+    ASSERT_EQ(std::memcmp(scales.data(), a.scales, sb), 0) << info.name;
+    ASSERT_EQ(std::memcmp(outer.data(), a.outer, ob * sizeof(float)), 0) << info.name;
+  }
+}
+
 TEST(RolloutEngineDevice, GreedyBf16TokensMatchTheCpu) {
   std::string why;
   auto dev = make_device_backend(&why);
@@ -149,21 +168,7 @@ TEST(RolloutEngineDevice, W4A16WeightsAreTheSameBitsAsOnTheCpu) {
   auto ce = Engine::create(*cpu_model, o);
   auto de = Engine::create(*dev_model, o);
   ASSERT_TRUE(ce.is_ok() && de.is_ok());
-  for (const model::LinearInfo& info : cpu_model->linear_infos()) {
-    const backend::QuantizedTensor& a = (*ce)->linears()->quantized_weight(info.id);
-    const backend::QuantizedTensor& b = (*de)->linears()->quantized_weight(info.id);
-    const int64_t cb = backend::QuantizedTensor::code_bytes(a.format, a.rows, a.cols);
-    const int64_t sb = backend::QuantizedTensor::scale_bytes(a.format, a.rows, a.cols);
-    const int64_t ob = backend::QuantizedTensor::outer_count(a.format, a.rows, a.cols);
-    std::vector<uint8_t> codes(cb), scales(sb);
-    std::vector<float> outer(ob);
-    dev->copy_to_host(codes.data(), b.codes, cb);
-    dev->copy_to_host(scales.data(), b.scales, sb);
-    dev->copy_to_host(outer.data(), b.outer, ob * sizeof(float));
-    ASSERT_EQ(std::memcmp(codes.data(), a.codes, cb), 0) << info.name;
-    ASSERT_EQ(std::memcmp(scales.data(), a.scales, sb), 0) << info.name;
-    ASSERT_EQ(std::memcmp(outer.data(), a.outer, ob * sizeof(float)), 0) << info.name;
-  }
+  expect_same_weight_bits(**ce, **de, *dev, *cpu_model);
   auto d = (*de)->generate(greedy_requests());
   ASSERT_TRUE(d.is_ok()) << d.status().message();
   EXPECT_EQ((*de)->cache().free_pages(), (*de)->cache().num_pages());
@@ -191,21 +196,7 @@ TEST(RolloutEngineDevice, InferenceStorageWeightsPerTensorAreTheCpuTrainingPaths
   auto de = Engine::create(**lean, o);
   ASSERT_TRUE(ce.is_ok() && de.is_ok());
   ASSERT_TRUE((*de)->init_random_weights(7).is_ok());
-  for (const model::LinearInfo& info : cpu_model->linear_infos()) {
-    const backend::QuantizedTensor& a = (*ce)->linears()->quantized_weight(info.id);
-    const backend::QuantizedTensor& b = (*de)->linears()->quantized_weight(info.id);
-    const int64_t cb = backend::QuantizedTensor::code_bytes(a.format, a.rows, a.cols);
-    const int64_t sb = backend::QuantizedTensor::scale_bytes(a.format, a.rows, a.cols);
-    const int64_t ob = backend::QuantizedTensor::outer_count(a.format, a.rows, a.cols);
-    std::vector<uint8_t> codes(cb), scales(sb);
-    std::vector<float> outer(ob);
-    dev->copy_to_host(codes.data(), b.codes, cb);
-    dev->copy_to_host(scales.data(), b.scales, sb);
-    dev->copy_to_host(outer.data(), b.outer, ob * sizeof(float));
-    ASSERT_EQ(std::memcmp(codes.data(), a.codes, cb), 0) << info.name;
-    ASSERT_EQ(std::memcmp(scales.data(), a.scales, sb), 0) << info.name;
-    ASSERT_EQ(std::memcmp(outer.data(), a.outer, ob * sizeof(float)), 0) << info.name;
-  }
+  expect_same_weight_bits(**ce, **de, *dev, *cpu_model);
   auto c = (*ce)->generate(greedy_requests());
   auto d = (*de)->generate(greedy_requests());
   ASSERT_TRUE(c.is_ok()) << c.status().message();
