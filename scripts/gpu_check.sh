@@ -21,7 +21,9 @@
 #                      "rollout" (the rollout engine on CUDA against the CPU), "decode" (nibble bench
 #                      decode bf16 + w4a16 and bench/hf_generate_baseline.py: NIBBLE_DECODE_CONFIG,
 #                      NIBBLE_DECODE_BATCHES (1,16,64,256), NIBBLE_DECODE_NEW (64), NIBBLE_DECODE_MODES),
-#                      "rl" (nibble sft then nibble rl on CUDA, synchronous and with max_staleness 1)
+#                      "rl" (nibble sft then nibble rl on CUDA, synchronous and with max_staleness 1),
+#                      "decode30b" (nibble bench decode of the Qwen3-30B-A3B shape in w4a16, batches 1,16,
+#                      prompt 512, new 32: the inference-storage engine on one GPU; decode30b.jsonl)
 #   NIBBLE_GPU_BUDGET_S  seconds the whole script may take (default 540): each part's timeout is cut
 #                      to what is left, so the call returns with its logs; the nibble benches keep
 #                      NIBBLE_GPU_TORCH_RESERVE_S (200) for the PyTorch baseline that follows
@@ -270,7 +272,7 @@ if want bench; then
   fi
 fi
 
-ATTN_RC=skip DIST_RC=skip PROF_RC=skip ROLL_RC=skip DEC_RC=skip RL_RC=skip
+ATTN_RC=skip DIST_RC=skip PROF_RC=skip ROLL_RC=skip DEC_RC=skip RL_RC=skip D30_RC=skip
 if want attn; then
   # Causal attention alone: nibble's FP32 and BF16 kernels, then PyTorch's SDPA (BF16) at the same
   # shapes in the same call (bench/torch_attention_baseline.py).
@@ -333,6 +335,22 @@ if want decode; then
     cat "$OUT/hf_generate.jsonl"; tail -3 "$OUT/hf_generate.log"
   fi
   stamp "decode benches exit code $DEC_RC"
+fi
+
+if want decode30b; then
+  # Qwen3-30B-A3B in w4a16 on one GPU (issue #15 item 4): the inference-storage engine, random
+  # weights drawn on the host per tensor (init_s, a few minutes), memory_bytes and peak_bytes.
+  D30_RC=0
+  if [ -n "$NIBBLE" ] && "$NIBBLE" bench decode --help >/dev/null 2>&1; then
+    stamp "nibble bench decode --config configs/qwen3-30b-a3b.json --mode w4a16 --batch 1,16 --prompt 512 --new 32"
+    timeout "$(limit 570)" "$NIBBLE" bench decode --device cuda --config configs/qwen3-30b-a3b.json --mode w4a16 \
+      --batch 1,16 --prompt 512 --new 32 >"$OUT/decode30b.jsonl" 2>"$OUT/decode30b.log" || D30_RC=$?
+    note_rc "bench decode 30b" "$D30_RC"
+    cat "$OUT/decode30b.jsonl"; tail -5 "$OUT/decode30b.log"
+  else
+    D30_RC=missing
+  fi
+  stamp "decode30b exit code $D30_RC"
 fi
 
 if want dist; then
@@ -487,7 +505,7 @@ fi
   echo "op suite           rc=$OPS_RC ($(count "$OUT/ops_tests.log"))"
   echo "training step      rc=$TRAIN_RC ($(count "$OUT/train_tests.log"))"
   [ "$BENCH_RC" != skip ] && { echo "bandwidth bench    rc=$BENCH_RC"; grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |floor|te rht)' "$OUT/bench.log"; }
-  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC   rollout rc=$ROLL_RC   decode rc=$DEC_RC   rl rc=$RL_RC"
+  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC   rollout rc=$ROLL_RC   decode rc=$DEC_RC   decode30b rc=$D30_RC   rl rc=$RL_RC"
   python3 scripts/gpu_table.py "$OUT" 2>&1
 } | tee "$OUT/table.txt"
 ok() { [ "$1" = 0 ] || [ "$1" = skip ]; }
