@@ -49,6 +49,16 @@ function(nibble_layer dir)
   endif()
 endfunction()
 
+# Test programs' own C++ (the *_test.cpp files; the code under test is in the libraries, built
+# with the build type's flags) is compiled at -O1: their compile time is mostly the optimizer's
+# (inlining, vectorization), -O1 cuts it by about 30% (trainer_test.cpp: 26.6 s -> 18.8 s), and
+# without fast-math or FP contraction the results are the same bits at any level.
+function(nibble_test_code_flags target)
+  if(CMAKE_BUILD_TYPE MATCHES "^(Release|RelWithDebInfo)$")
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-O1>)
+  endif()
+endfunction()
+
 # nibble_tests(<dir> DEPS ...): one GoogleTest program per folder from src/<dir>/*_test.cpp.
 function(nibble_tests dir)
   cmake_parse_arguments(ARG "" "" "DEPS" ${ARGN})
@@ -60,6 +70,9 @@ function(nibble_tests dir)
   set(target nibble_${name}_tests)
   add_executable(${target} ${tests})
   nibble_target_defaults(${target})
+  if(NOT name STREQUAL "formats")  # the format tests enumerate every float in their own loops: full -O
+    nibble_test_code_flags(${target})
+  endif()
   target_link_libraries(${target} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main)
   target_compile_definitions(${target} PRIVATE
     NIBBLE_TESTDATA_DIR="${PROJECT_SOURCE_DIR}/../shared/testdata"
@@ -87,6 +100,7 @@ function(nibble_cuda_layer dir)
     if(tests)
       add_executable(${target}_tests ${tests})
       nibble_target_defaults(${target}_tests)
+      nibble_test_code_flags(${target}_tests)
       set_target_properties(${target}_tests PROPERTIES CUDA_ARCHITECTURES ${NIBBLE_CUDA_ARCH})
       target_link_libraries(${target}_tests PRIVATE ${target} nibble_io GTest::gtest GTest::gtest_main)
       target_compile_definitions(${target}_tests PRIVATE
