@@ -1,9 +1,11 @@
-// Rank 0's rollout client and rank 1's rollout server over the process group's host broadcasts
-// (mpi_rollout.h): message framing in buckets, and the binary forms of weights, jobs and replies.
+// Rank 0's rollout client and the rollout ranks' server over the process group's host broadcasts
+// (mpi_rollout.h): message framing in buckets, the binary forms of weights, jobs and replies, the
+// split of a step's requests among the rollout ranks and their reassembly on rank 0.
 #include "rl/mpi_rollout.h"
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <type_traits>
@@ -241,9 +243,30 @@ Status put_reply(Writer& w, Result<RolloutBatch>& res) {
 
 // ---- rank 0 ----------------------------------------------------------------------------------------
 
+RequestShare rollout_share(int64_t requests, int rollout_ranks, int index) {
+  NIB_CHECK(rollout_ranks >= 1 && index >= 0 && index < rollout_ranks && requests >= 0);
+  const int64_t base = requests / rollout_ranks, extra = requests % rollout_ranks, k = index;
+  RequestShare s;
+  s.begin = k * base + std::min(k, extra);
+  s.end = s.begin + base + (k < extra ? 1 : 0);
+  return s;
+}
+
+Status check_rollout_world(int world_size, int64_t prompts_per_step) {
+  if (world_size < 2)
+    return invalid_argument("disaggregated rl: a world of at least 2 processes (rank 0 trains, the others roll out), got {}",
+                            world_size);
+  if (world_size - 1 > prompts_per_step)
+    return invalid_argument(
+        "disaggregated rl: {} rollout ranks but {} prompts per step (each rank needs a whole prompt group): "
+        "run at most {} processes or raise prompts_per_step",
+        world_size - 1, prompts_per_step, prompts_per_step + 1);
+  return Status::ok();
+}
+
 Result<std::unique_ptr<MpiRolloutClient>> MpiRolloutClient::create(dist::ProcessGroup& group) {
-  if (group.world_size() != 2 || group.rank() != 0)
-    return invalid_argument("disaggregated rl: a world of 2 processes (rank 0 trains, rank 1 rolls out), got rank {} of {}",
+  if (group.world_size() < 2 || group.rank() != 0)
+    return invalid_argument("disaggregated rl: rank 0 of a world of at least 2 processes trains, got rank {} of {}",
                             group.rank(), group.world_size());
   return std::unique_ptr<MpiRolloutClient>(new MpiRolloutClient(group));
 }
@@ -260,6 +283,7 @@ Status MpiRolloutClient::send(std::shared_ptr<const PolicyWeights> weights) {
 
 Status MpiRolloutClient::start(RolloutJob job) {
   NIB_CHECK_MSG(!running_, "rollout client: start() while a job runs (call finish() first)");
+  NIB_RETURN_IF_ERROR(check_rollout_world(group_.world_size(), static_cast<int64_t>(job.requests.size())));
   Writer w;
   put_job(w, job);
   NIB_RETURN_IF_ERROR(send_message(group_, 0, MsgKind::kJob, &w.bytes));
@@ -268,44 +292,80 @@ Status MpiRolloutClient::start(RolloutJob job) {
   return Status::ok();
 }
 
-Result<RolloutBatch> MpiRolloutClient::finish() {
-  NIB_CHECK_MSG(running_, "rollout client: finish() without a started job");
-  running_ = false;
-  NIB_RETURN_IF_ERROR(send_message(group_, 0, MsgKind::kFinish, nullptr));
-  NIB_ASSIGN_OR_RETURN(auto msg, receive_message(group_, 1));
-  if (msg.first != MsgKind::kReply) return data_loss("rollout client: expected a reply, got message kind {}", static_cast<int64_t>(msg.first));
-  Reader r{msg.second};
+namespace {
+
+// Adds rollout rank `rank`'s reply (its share starting at request `first`) to `b`: completions
+// with their request index made global, its records, its token count and time interval. The
+// first reply sets the step and version; the others must carry the same.
+Status add_reply(Reader& r, int rank, int64_t first, int64_t share, bool first_reply, RolloutBatch& b) {
   const auto code = static_cast<StatusCode>(r.get<int32_t>());
   std::string message = r.get_str();
   NIB_RETURN_IF_ERROR(r.status);
-  if (code != StatusCode::kOk) return Status(code, "rollout rank 1: " + message);
-  RolloutBatch b;
-  b.step = r.get<int64_t>(), b.version = r.get<int64_t>(), b.generated_tokens = r.get<int64_t>();
-  b.began = std::chrono::steady_clock::time_point(std::chrono::nanoseconds(r.get<int64_t>()));
-  b.ended = std::chrono::steady_clock::time_point(std::chrono::nanoseconds(r.get<int64_t>()));
+  if (code != StatusCode::kOk) return Status(code, fmt::format("rollout rank {}: {}", rank, message));
+  const int64_t step = r.get<int64_t>(), version = r.get<int64_t>(), tokens = r.get<int64_t>();
+  const auto began = std::chrono::steady_clock::time_point(std::chrono::nanoseconds(r.get<int64_t>()));
+  const auto ended = std::chrono::steady_clock::time_point(std::chrono::nanoseconds(r.get<int64_t>()));
+  NIB_RETURN_IF_ERROR(r.status);
+  if (first_reply) {
+    b.step = step, b.version = version, b.began = began, b.ended = ended;
+  } else if (step != b.step || version != b.version) {
+    return data_loss("rollout rank {}: step {} version {}, rank 1 sent step {} version {}", rank, step, version, b.step,
+                     b.version);
+  }
+  b.generated_tokens += tokens;
+  b.began = std::min(b.began, began), b.ended = std::max(b.ended, ended);
   const int64_t n = r.get<int64_t>();
   for (int64_t i = 0; i < n && r.status.is_ok(); ++i) {
     rollout::Completion c;
     c.request = r.get<int64_t>(), c.sample = r.get<int64_t>();
     c.tokens = r.get_vec<int32_t>(), c.logprobs = r.get_vec<double>();
     c.finish = static_cast<rollout::FinishReason>(r.get<int32_t>());
+    if (r.status.is_ok() && (c.request < 0 || c.request >= share))
+      return data_loss("rollout rank {}: completion of request {} outside its share of {}", rank, c.request, share);
+    c.request += first;
     b.completions.push_back(std::move(c));
   }
   NIB_RETURN_IF_ERROR(r.status);
-  NIB_RETURN_IF_ERROR(open_record_stores(b, job_.guidance_spill_dir));
   NIB_RETURN_IF_ERROR(get_records(r, *b.routing));
-  NIB_RETURN_IF_ERROR(get_records(r, *b.guidance));
+  return get_records(r, *b.guidance);
+}
+
+}  // namespace
+
+Result<RolloutBatch> MpiRolloutClient::finish() {
+  NIB_CHECK_MSG(running_, "rollout client: finish() without a started job");
+  running_ = false;
+  NIB_RETURN_IF_ERROR(send_message(group_, 0, MsgKind::kFinish, nullptr));
+  RolloutBatch b;
+  NIB_RETURN_IF_ERROR(open_record_stores(b, job_.guidance_spill_dir));
+  const int ranks = group_.world_size() - 1;
+  const auto requests = static_cast<int64_t>(job_.requests.size());
+  Status first_error = Status::ok();  // every reply is received (the servers send them all) before it is returned
+  for (int k = 0; k < ranks; ++k) {
+    NIB_ASSIGN_OR_RETURN(auto msg, receive_message(group_, k + 1));
+    if (!first_error.is_ok()) continue;
+    if (msg.first != MsgKind::kReply) {
+      first_error = data_loss("rollout client: expected a reply from rank {}, got message kind {}", k + 1,
+                              static_cast<int64_t>(msg.first));
+      continue;
+    }
+    const RequestShare sh = rollout_share(requests, ranks, k);
+    Reader r{msg.second};
+    first_error = add_reply(r, k + 1, sh.begin, sh.end - sh.begin, k == 0, b);
+  }
+  NIB_RETURN_IF_ERROR(first_error);
   b.requests = std::move(job_.requests);
   return b;
 }
 
-// ---- rank 1 ----------------------------------------------------------------------------------------
+// ---- ranks 1..N-1 ----------------------------------------------------------------------------------
 
 Status serve_rollouts(dist::ProcessGroup& group, const model::ModelConfig& config, const model::RecipeConfig& recipe,
                       backend::Backend* backend, const rollout::EngineOptions& engine_options) {
-  if (group.world_size() != 2 || group.rank() != 1)
-    return invalid_argument("disaggregated rl: the rollout server is rank 1 of 2, got rank {} of {}", group.rank(),
-                            group.world_size());
+  if (group.world_size() < 2 || group.rank() < 1)
+    return invalid_argument("disaggregated rl: the rollout servers are ranks 1.. of a world of at least 2, got rank {} of {}",
+                            group.rank(), group.world_size());
+  const int ranks = group.world_size() - 1, index = group.rank() - 1;
   NIB_ASSIGN_OR_RETURN(std::unique_ptr<ThreadRolloutWorker> worker,
                        ThreadRolloutWorker::create(config, recipe, backend, engine_options));
   Status pending = Status::ok();  // the first error of a version or job, reported at the next finish
@@ -323,12 +383,15 @@ Status serve_rollouts(dist::ProcessGroup& group, const model::ModelConfig& confi
       case MsgKind::kJob: {
         Result<RolloutJob> job = get_job(r);
         if (job.is_ok() && pending.is_ok()) {
+          RolloutJob& j = job.value();
+          // this rank's share: whole requests, their ids (Philox streams, record keys) kept
+          const RequestShare sh = rollout_share(static_cast<int64_t>(j.requests.size()), ranks, index);
+          j.requests = std::vector<rollout::Request>(j.requests.begin() + sh.begin, j.requests.begin() + sh.end);
           // rank 0's run folder may not be visible here: spill into this host's temp folder
-          job.value().guidance_spill_dir =
-              (std::filesystem::temp_directory_path() /
-               fmt::format("nibble_rollout_spill_{}_{}", static_cast<long>(::getpid()), job.value().step % 2))
-                  .string();
-          pending = worker->start(std::move(job).value());
+          j.guidance_spill_dir = (std::filesystem::temp_directory_path() /
+                                  fmt::format("nibble_rollout_spill_{}_{}", static_cast<long>(::getpid()), j.step % 2))
+                                     .string();
+          pending = worker->start(std::move(j));
           running = pending.is_ok();
         } else if (pending.is_ok()) {
           pending = job.status();
@@ -340,9 +403,16 @@ Status serve_rollouts(dist::ProcessGroup& group, const model::ModelConfig& confi
         if (running) res = worker->finish();
         running = false;
         if (!pending.is_ok()) res = pending;
-        Writer w;
-        NIB_RETURN_IF_ERROR(put_reply(w, res));
-        NIB_RETURN_IF_ERROR(send_message(group, 1, MsgKind::kReply, &w.bytes));
+        // the replies go in rank order, each a broadcast from its rank: the others' are dropped
+        for (int k = 1; k <= ranks; ++k) {
+          if (k == group.rank()) {
+            Writer w;
+            NIB_RETURN_IF_ERROR(put_reply(w, res));
+            NIB_RETURN_IF_ERROR(send_message(group, k, MsgKind::kReply, &w.bytes));
+          } else {
+            NIB_RETURN_IF_ERROR(receive_message(group, k).status());
+          }
+        }
         pending = Status::ok();
         break;
       }

@@ -1,15 +1,19 @@
-// Disaggregated rollouts across processes (issue #17 item 3; CPU processes under `mpirun -np 2
-// nibble rl`): rank 0 trains, rank 1 rolls out. MpiRolloutClient is rank 0's WeightSink and
-// RolloutSource (rollout_worker.h); serve_rollouts is rank 1's loop, which runs the messages on a
-// ThreadRolloutWorker of its own, so its generation overlaps the weights arriving for later steps.
-// Transport: the process group's host broadcasts (dist/process_group.h), rank 0 the root of what
-// it sends and rank 1 of its replies; each message is a header {kind, bytes} and its payload in
-// buckets of kBucketBytes. Messages: weights (a policy version's NVFP4 codes + scales + outer
-// scales, or BF16, and the FP32 rest: PolicyWeights::append_named's tensors), job (a step's
-// requests and what to record), finish (the reply: completions with their log-probs, the R3
-// routing and TRACE guidance records, the version id the worker generated with, or its error),
-// stop. The rollouts equal the in-process worker's bit for bit: the same weights, requests and
-// seeds reach the same engine code.
+// Disaggregated rollouts across processes (issue #17 item 3; `mpirun -np N nibble rl`, N >= 2):
+// rank 0 trains, ranks 1..N-1 roll out. MpiRolloutClient is rank 0's WeightSink and
+// RolloutSource (rollout_worker.h); serve_rollouts is a rollout rank's loop, which runs the
+// messages on a ThreadRolloutWorker of its own, so its generation overlaps the weights arriving
+// for later steps. Transport: the process group's host broadcasts (dist/process_group.h), rank 0
+// the root of what it sends and each rollout rank, in rank order, of its reply (the group has
+// collectives only: the other rollout ranks receive a reply and drop it); each message is a
+// header {kind, bytes} and its payload in buckets of kBucketBytes. Messages: weights (a policy
+// version's NVFP4 codes + scales + outer scales, or BF16, and the FP32 rest:
+// PolicyWeights::append_named's tensors), job (a step's requests and what to record; every rollout
+// rank takes its share, rollout_share), finish (the replies: completions with their log-probs, the
+// R3 routing and TRACE guidance records, the version id the worker generated with, or its error),
+// stop. A request keeps its id on its rank, so it draws from the Philox streams and writes the
+// record keys it would in one process; rank 0 puts the completions back in (request, sample)
+// order. The rollouts equal the in-process worker's bit for bit: the same weights, requests and
+// seeds reach the same engine code, whatever N.
 #pragma once
 
 #include <cstdint>
@@ -22,9 +26,22 @@ namespace nibble::rl {
 
 inline constexpr int64_t kBucketBytes = int64_t{16} << 20;
 
+// The requests [begin, end) of a step's `requests` (whole GRPO groups: a request carries its G
+// samples) that rollout rank `index` (0 .. rollout_ranks-1, i.e. world rank index+1) generates:
+// contiguous shares in rank order, sizes differing by at most one, the larger ones first.
+struct RequestShare {
+  int64_t begin = 0, end = 0;
+};
+RequestShare rollout_share(int64_t requests, int rollout_ranks, int index);
+
+// The one-line error of a world whose rollout ranks (world_size - 1) exceed the prompts per step,
+// or of a world of one; ok otherwise.
+Status check_rollout_world(int world_size, int64_t prompts_per_step);
+
 class MpiRolloutClient final : public WeightSink, public RolloutSource {
  public:
-  // `group`: a world of 2 whose rank 1 runs serve_rollouts; this is rank 0 (else invalid_argument).
+  // `group`: a world of N >= 2 whose ranks 1..N-1 run serve_rollouts; this is rank 0 (else
+  // invalid_argument). Every job must hold at least N-1 requests (check_rollout_world).
   static Result<std::unique_ptr<MpiRolloutClient>> create(dist::ProcessGroup& group);
   ~MpiRolloutClient() override;  // stops the worker's loop (a job in flight is dropped)
 
@@ -39,9 +56,10 @@ class MpiRolloutClient final : public WeightSink, public RolloutSource {
   RolloutJob job_;  // the started job's requests and record options
 };
 
-// Rank 1: serves MpiRolloutClient's messages with a ThreadRolloutWorker (model `config` with
-// `recipe` on `backend`, engine `engine_options`) until the client stops. Errors of a job or of a
-// version received go back in the next finish reply; a transport error is returned.
+// Ranks 1..N-1: serves MpiRolloutClient's messages with a ThreadRolloutWorker (model `config` with
+// `recipe` on `backend`, engine `engine_options`) until the client stops, generating this rank's
+// share of each job. Errors of a job or of a version received go back in the next finish reply;
+// a transport error is returned.
 Status serve_rollouts(dist::ProcessGroup& group, const model::ModelConfig& config, const model::RecipeConfig& recipe,
                       backend::Backend* backend, const rollout::EngineOptions& engine_options);
 

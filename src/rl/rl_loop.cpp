@@ -205,7 +205,7 @@ class RlRun {
   std::unique_ptr<train::AdamW> adamw_;
   std::unique_ptr<backend::Backend> own_rollout_be_;  // when RlOptions::rollout_backend is null
   std::unique_ptr<ThreadRolloutWorker> thread_worker_;  // in-process
-  std::unique_ptr<MpiRolloutClient> mpi_worker_;       // disaggregated: rank 1 rolls out
+  std::unique_ptr<MpiRolloutClient> mpi_worker_;       // disaggregated: ranks 1..N-1 roll out
   WeightSink* sink_ = nullptr;
   RolloutSource* source_ = nullptr;
   // versions sent and still to be used by a later step's rollout (written into checkpoints)
@@ -613,6 +613,7 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch) {
 
 Status RlRun::start_worker() {
   if (opt_.group != nullptr && opt_.group->world_size() > 1) {
+    NIB_RETURN_IF_ERROR(check_rollout_world(opt_.group->world_size(), cfg_.prompts_per_step));
     NIB_ASSIGN_OR_RETURN(mpi_worker_, MpiRolloutClient::create(*opt_.group));
     sink_ = mpi_worker_.get(), source_ = mpi_worker_.get();
   } else {

@@ -93,8 +93,9 @@ struct RlOptions {
   // The rollout worker's backend: not the trainer's object (both run at once); null: a fresh
   // instance of the trainer's kind (backend::make_backend).
   backend::Backend* rollout_backend = nullptr;
-  // Disaggregated (rl/mpi_rollout.h): a world of 2 whose rank 1 runs serve_rl_rollouts; this
-  // process (rank 0) trains and its rollouts come from rank 1. Null or a world of 1: in-process.
+  // Disaggregated (rl/mpi_rollout.h): a world of N >= 2 whose ranks 1..N-1 run serve_rl_rollouts
+  // (at most prompts_per_step of them); this process (rank 0) trains and its rollouts come from
+  // them. Null or a world of 1: in-process.
   dist::ProcessGroup* group = nullptr;
   bool progress = false;
 };
@@ -128,8 +129,9 @@ struct RlResult {
 // Runs (or resumes) the RL job. `task` makes the prompts and scores the completions.
 Result<RlResult> run_rl(const RlConfig& config, const Task& task, const RlOptions& options);
 
-// Rank 1 of a disaggregated run: the rollout worker for the model `config` describes (its "init"
-// checkpoint's config or its "model"), on `backend`, serving rank 0's run_rl until it ends.
+// A rollout rank (1..N-1) of a disaggregated run: the rollout worker for the model `config`
+// describes (its "init" checkpoint's config or its "model"), on `backend`, serving rank 0's run_rl
+// until it ends.
 Status serve_rl_rollouts(const RlConfig& config, dist::ProcessGroup& group, backend::Backend* backend);
 
 }  // namespace nibble::rl

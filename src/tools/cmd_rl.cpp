@@ -4,7 +4,9 @@
 // is locked while it works; a folder that holds a run needs --resume, which takes the config
 // saved in the latest checkpoint (--config is then optional) and continues bit-identically on
 // the CPU. A bad config or option is one line and exit 2; a missing or bad input exit 1. Under
-// `mpirun -np 2` the run is disaggregated: rank 0 trains, rank 1 rolls out (rl/mpi_rollout.h).
+// `mpirun -np N` (N >= 2) the run is disaggregated: rank 0 trains, ranks 1..N-1 roll out, each a
+// share of every step's prompt groups (rl/mpi_rollout.h); more rollout ranks than prompts per
+// step is exit 2.
 #include <cstdio>
 #include <limits>
 #include <memory>
@@ -13,6 +15,7 @@
 
 #include "core/interrupt.h"
 #include "core/log.h"
+#include "rl/mpi_rollout.h"
 #include "rl/rl_loop.h"
 #include "rl/task.h"
 #include "tools/command.h"
@@ -62,7 +65,7 @@ int run_rl_command(const RlArgs& a) {
   o.progress = true;
   std::unique_ptr<ProcessGroupSetup> pg;
   if (launch->world_size > 1) {
-    // disaggregated (rl/mpi_rollout.h): rank 0 trains, rank 1 rolls out
+    // disaggregated (rl/mpi_rollout.h): rank 0 trains, ranks 1..N-1 roll out
     auto opened = open_process_group(*launch, **be);
     if (!opened) return report_error("rl", opened.status());
     pg = std::move(opened).value();
@@ -80,11 +83,7 @@ int run_rl_command(const RlArgs& a) {
     return rc;
   };
   if (group != nullptr) {
-    Status st = group->world_size() == 2
-                    ? Status::ok()
-                    : invalid_argument("rl under mpirun runs 2 processes (rank 0 trains, rank 1 rolls out), not {}",
-                                       group->world_size());
-    st = dist::agree(*group, st);
+    Status st = dist::agree(*group, rl::check_rollout_world(group->world_size(), cfg->prompts_per_step));
     if (st) st = dist::check_ranks_agree(*group, {{"rl config", cfg->to_json().dump()}});
     if (!st) return fail(st);
     if (!rank0) {
@@ -92,7 +91,8 @@ int run_rl_command(const RlArgs& a) {
       return served ? 0 : fail(served);
     }
     o.group = group;
-    NIB_LOG_INFO("rl: disaggregated, {} ({}): rank 0 trains, rank 1 rolls out", launch->describe(), group->kind());
+    NIB_LOG_INFO("rl: disaggregated, {} ({}): rank 0 trains, ranks 1..{} roll out", launch->describe(), group->kind(),
+                 group->world_size() - 1);
   }
   auto r = rl::run_rl(*cfg, **task, o);
   if (!r) return fail(r.status());

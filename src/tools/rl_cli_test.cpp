@@ -2,13 +2,18 @@
 // metrics.jsonl (a start line and one line per step), reward.png and a checkpoint and prints its
 // result line; a second run into the same folder needs --resume (exit 2); a missing config file
 // is exit 1, an unknown key or task exit 2, --resume of an empty folder exit 1 — each one line.
-// Disaggregated under `mpirun -np 2` (rank 0 trains, rank 1 rolls out; MoE trace arm, so routing
-// and guidance records cross the process boundary): on-policy and with max_staleness 1 the
-// metrics equal the one-process run's bit for bit, and a run stopped mid-way resumes in one
-// process onto the same metrics. Skipped when mpirun or MPI is missing.
+// Disaggregated under `mpirun -np N` (rank 0 trains, ranks 1..N-1 roll out; MoE trace arm, so
+// routing and guidance records cross the process boundary): for N = 2 (both prompt groups on
+// rank 1) and N = 3 (3 prompt groups per step split 2 + 1 over the two rollout ranks),
+// on-policy and with max_staleness 1, the metrics equal the one-process run's bit for bit, and a
+// run stopped mid-way resumes in another world size (N = 2: in one process; N = 3: under
+// mpirun -np 2) onto the same metrics. More rollout ranks than prompts per step: exit 2, one
+// line. Skipped when mpirun or MPI is missing.
 #include <gtest/gtest.h>
 
 #include <fstream>
+
+#include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
 
@@ -76,6 +81,15 @@ constexpr const char* kMoeConfig = R"({"model": {"architectures": ["Qwen3MoeForC
   "tokenizer_vocab_size": 300, "task": "arithmetic", "arm": "trace", "steps": 3, "prompts_per_step": 2,
   "group_size": 2, "max_new_tokens": 4, "lr": 0.01, "weight_decay": 0.5, "max_staleness": STALENESS})";
 
+// kMoeConfig with max_staleness `staleness` and `prompts` prompts per step.
+std::string moe_config(const std::string& staleness, int prompts) {
+  std::string cfg = kMoeConfig;
+  cfg.replace(cfg.find("STALENESS"), 9, staleness);
+  const std::string p = "\"prompts_per_step\": 2";
+  cfg.replace(cfg.find(p), p.size(), "\"prompts_per_step\": " + std::to_string(prompts));
+  return cfg;
+}
+
 // (A random tiny model scores 0 on arithmetic, so every advantage is 0: the weight decay is what
 // moves the weights from version to version, so that a stale rollout differs from a fresh one.)
 
@@ -94,37 +108,68 @@ std::vector<nlohmann::json> step_lines(const std::string& path) {
   return out;
 }
 
+// The last step line of a 3-step run of the MoE config (max_staleness `staleness`, `prompts` per
+// step) under `mpirun -np np`, after checking that every step line equals the one-process run's
+// and that a run stopped after step 2 under mpirun -np np and resumed with `resume_np` processes
+// (1: no mpirun) ends on the same metrics.
+nlohmann::json disaggregated_run_equals_one_process(int np, int resume_np, const std::string& staleness, int prompts) {
+  const std::string label = fmt::format("np {} staleness {}", np, staleness);
+  ScratchDir d(fmt::format("rl_mpi{}_{}", np, staleness));
+  write(d / "rl.json", moe_config(staleness, prompts));
+  RunResult one = run_nibble(d.path, "rl --config '" + d / "rl.json" + "' --out '" + d / "one" + "' --device cpu");
+  EXPECT_EQ(one.code, 0) << one.err;
+  const std::string many_cmd = mpirun(np) + "'" + nibble_binary() + "' rl --config '" + d / "rl.json" + "' --device cpu ";
+  RunResult many = run_shell(d.path, many_cmd + "--out '" + d / "many" + "'");
+  EXPECT_EQ(many.code, 0) << many.err;
+  EXPECT_NE(many.out.find("rl: trace step 3/3"), std::string::npos) << many.out;
+  EXPECT_NE(many.err.find(fmt::format("ranks 1..{} roll out", np - 1)), std::string::npos) << many.err;
+  const auto a = step_lines(d / "one/metrics.jsonl"), b = step_lines(d / "many/metrics.jsonl");
+  EXPECT_EQ(a.size(), 3u) << label;
+  EXPECT_EQ(b.size(), 3u) << label << ": one writer, rank 0";
+  if (a.size() != 3u || b.size() != 3u) return {};
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << label << " step " << i + 1;
+  EXPECT_EQ(b[2]["policy_version"], staleness == "0" ? 2 : 1);
+  // stopped after step 2 under mpirun (a rollout in flight with staleness 1), resumed in another world
+  RunResult first = run_shell(d.path, many_cmd + "--out '" + d / "split" + "' --stop-after 2");
+  EXPECT_EQ(first.code, 0) << first.err;
+  const std::string rest_cmd = "rl --out '" + d / "split" + "' --resume --device cpu";
+  RunResult rest = resume_np == 1 ? run_nibble(d.path, rest_cmd)
+                                   : run_shell(d.path, mpirun(resume_np) + "'" + nibble_binary() + "' " + rest_cmd);
+  EXPECT_EQ(rest.code, 0) << rest.err;
+  const auto c = step_lines(d / "split/metrics.jsonl");
+  EXPECT_EQ(c.size(), 3u) << label;
+  if (c.size() == 3u) EXPECT_EQ(a[2], c[2]) << label << ", resumed with " << resume_np;
+  return b[2];
+}
+
 TEST(RlCli, DisaggregatedUnderMpirunEqualsTheOneProcessRun) {
   if (const std::string why = why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
-  std::vector<nlohmann::json> last_steps;
-  for (const char* n : {"0", "1"}) {
-    ScratchDir d(std::string("rl_mpi") + n);
-    std::string cfg = kMoeConfig;
-    cfg.replace(cfg.find("STALENESS"), 9, n);
-    write(d / "rl.json", cfg);
-    RunResult one = run_nibble(d.path, "rl --config '" + d / "rl.json" + "' --out '" + d / "one" + "' --device cpu");
-    ASSERT_EQ(one.code, 0) << one.err;
-    const std::string two_cmd = mpirun(2) + "'" + nibble_binary() + "' rl --config '" + d / "rl.json" + "' --device cpu ";
-    RunResult two = run_shell(d.path, two_cmd + "--out '" + d / "two" + "'");
-    ASSERT_EQ(two.code, 0) << two.err;
-    EXPECT_NE(two.out.find("rl: trace step 3/3"), std::string::npos) << two.out;
-    const auto a = step_lines(d / "one/metrics.jsonl"), b = step_lines(d / "two/metrics.jsonl");
-    ASSERT_EQ(a.size(), 3u);
-    ASSERT_EQ(b.size(), 3u) << "one writer: rank 0";
-    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "N " << n << " step " << i + 1;
-    EXPECT_EQ(b[2]["policy_version"], n[0] == '0' ? 2 : 1);
-    last_steps.push_back(b[2]);
-    // stopped after step 2 under mpirun (a rollout in flight when N = 1), resumed in one process
-    RunResult first = run_shell(d.path, two_cmd + "--out '" + d / "split" + "' --stop-after 2");
-    ASSERT_EQ(first.code, 0) << first.err;
-    RunResult rest = run_nibble(d.path, "rl --out '" + d / "split" + "' --resume --device cpu");
-    ASSERT_EQ(rest.code, 0) << rest.err;
-    const auto c = step_lines(d / "split/metrics.jsonl");
-    ASSERT_EQ(c.size(), 3u);
-    EXPECT_EQ(a[2], c[2]) << "N " << n;
-  }
-  ASSERT_EQ(last_steps.size(), 2u);
-  EXPECT_NE(last_steps[0]["logp_diff_mean"], last_steps[1]["logp_diff_mean"]) << "a stale rollout (N 1) looks fresh";
+  const nlohmann::json fresh = disaggregated_run_equals_one_process(2, 1, "0", 2);
+  const nlohmann::json stale = disaggregated_run_equals_one_process(2, 1, "1", 2);
+  ASSERT_FALSE(fresh.is_null() || stale.is_null());
+  EXPECT_NE(fresh["logp_diff_mean"], stale["logp_diff_mean"]) << "a stale rollout (N 1) looks fresh";
+}
+
+TEST(RlCli, DisaggregatedOverTwoRolloutRanksEqualsTheOneProcessRun) {
+  if (const std::string why = why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
+  // 3 prompt groups over 2 rollout ranks: 2 on rank 1, 1 on rank 2
+  const nlohmann::json fresh = disaggregated_run_equals_one_process(3, 2, "0", 3);
+  const nlohmann::json stale = disaggregated_run_equals_one_process(3, 2, "1", 3);
+  ASSERT_FALSE(fresh.is_null() || stale.is_null());
+  EXPECT_NE(fresh["logp_diff_mean"], stale["logp_diff_mean"]) << "a stale rollout (N 1) looks fresh";
+}
+
+TEST(RlCli, MoreRolloutRanksThanPromptsIsOneLine) {
+  if (const std::string why = why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
+  ScratchDir d("rl_mpi_too_many");
+  write(d / "rl.json", moe_config("0", 1));
+  RunResult r = run_shell(d.path, mpirun(3) + "'" + nibble_binary() + "' rl --config '" + d / "rl.json" +
+                                      "' --device cpu --out '" + d / "run" + "'");
+  EXPECT_EQ(r.code, 2) << r.err;
+  const std::string line = "2 rollout ranks but 1 prompts per step";
+  ASSERT_NE(r.err.find(line), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find(line), r.err.rfind(line)) << "printed by more than one rank: " << r.err;
+  EXPECT_FALSE(fs::exists(d / "run/metrics.jsonl"));
 }
 
 }  // namespace
