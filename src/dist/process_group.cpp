@@ -77,6 +77,12 @@ Result<std::unique_ptr<PendingCollective>> ProcessGroup::start_reduce_scatter_su
   return std::unique_ptr<PendingCollective>(std::make_unique<FinishedCollective>());
 }
 
+Status ProcessGroup::broadcast(void* data, int64_t bytes, int root) {
+  if (device_memory())
+    return unimplemented("the {} group has no device-memory broadcast", kind());
+  return broadcast_host(data, bytes, root);
+}
+
 std::unique_ptr<ProcessGroup> make_single_group() { return std::make_unique<SingleGroup>(); }
 
 std::string LaunchEnv::describe() const {

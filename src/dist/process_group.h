@@ -60,6 +60,11 @@ class ProcessGroup {
   virtual Result<std::unique_ptr<PendingCollective>> start_reduce_scatter_sum(const float* in, float* out,
                                                                               int64_t n_per_rank);
 
+  // ---- byte broadcast in group memory (the RL weight sync, rl/weight_transport.h) ------------
+  // data (bytes) of `root`, in group memory (device for NCCL: GPU to GPU, no host copy), copied to
+  // every rank. The default (host-memory groups): broadcast_host.
+  virtual Status broadcast(void* data, int64_t bytes, int root);
+
   // Host memory: data (bytes) of `root` copied to every rank; buf (n) f64 summed over ranks.
   virtual Status broadcast_host(void* data, int64_t bytes, int root) = 0;
   virtual Status all_reduce_sum_host(double* buf, int64_t n) = 0;

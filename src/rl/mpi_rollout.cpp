@@ -139,6 +139,34 @@ Result<PolicyWeights> get_weights(Reader& r, model::Model& model, rollout::Preci
   return std::move(ps[0]);
 }
 
+// ---- the host weight transport: the version's tensors serialized, one message over the host path ----
+class HostWeightTransport final : public WeightTransport {
+ public:
+  HostWeightTransport(dist::ProcessGroup& group, model::Model& model, rollout::PrecisionMode mode,
+                      std::string recipe_name)
+      : group_(group), model_(model), mode_(mode), recipe_name_(std::move(recipe_name)) {}
+  const char* name() const override { return "host"; }
+  bool wants_packed() const override { return false; }
+  Status send(const PolicyWeights& w) override {
+    Writer out;
+    put_weights(out, w);  // a packed version is copied to host by append_named
+    return send_message(group_, 0, MsgKind::kWeights, &out.bytes);
+  }
+  Result<PolicyWeights> receive() override {
+    NIB_ASSIGN_OR_RETURN(auto msg, receive_message(group_, 0));
+    if (msg.first != MsgKind::kWeights)
+      return data_loss("host weight transport: expected weights, got message kind {}", static_cast<int64_t>(msg.first));
+    Reader r{msg.second};
+    return get_weights(r, model_, mode_, recipe_name_);
+  }
+
+ private:
+  dist::ProcessGroup& group_;
+  model::Model& model_;
+  rollout::PrecisionMode mode_;
+  std::string recipe_name_;
+};
+
 // ---- jobs ----
 void put_job(Writer& w, const RolloutJob& j) {
   w.put<int64_t>(j.step), w.put<int64_t>(j.version);
@@ -264,11 +292,23 @@ Status check_rollout_world(int world_size, int64_t prompts_per_step) {
   return Status::ok();
 }
 
-Result<std::unique_ptr<MpiRolloutClient>> MpiRolloutClient::create(dist::ProcessGroup& group) {
+Result<std::unique_ptr<WeightTransport>> make_weight_transport(dist::ProcessGroup& group, model::Model& model,
+                                                               rollout::PrecisionMode mode,
+                                                               const std::string& recipe_name, int64_t versions_held) {
+  if (group.device_memory() && model.backend().device() != Device::kCPU)
+    return make_device_weight_transport(group, model, mode, recipe_name, versions_held);
+  return std::unique_ptr<WeightTransport>(new HostWeightTransport(group, model, mode, recipe_name));
+}
+
+Result<std::unique_ptr<MpiRolloutClient>> MpiRolloutClient::create(dist::ProcessGroup& group, model::Model& trainer,
+                                                                   rollout::PrecisionMode mode,
+                                                                   const std::string& recipe_name) {
   if (group.world_size() < 2 || group.rank() != 0)
     return invalid_argument("disaggregated rl: rank 0 of a world of at least 2 processes trains, got rank {} of {}",
                             group.rank(), group.world_size());
-  return std::unique_ptr<MpiRolloutClient>(new MpiRolloutClient(group));
+  std::unique_ptr<MpiRolloutClient> c(new MpiRolloutClient(group));
+  NIB_ASSIGN_OR_RETURN(c->transport_, make_weight_transport(group, trainer, mode, recipe_name, /*versions_held=*/1));
+  return c;
 }
 
 MpiRolloutClient::~MpiRolloutClient() {
@@ -276,9 +316,8 @@ MpiRolloutClient::~MpiRolloutClient() {
 }
 
 Status MpiRolloutClient::send(std::shared_ptr<const PolicyWeights> weights) {
-  Writer w;
-  put_weights(w, *weights);
-  return send_message(group_, 0, MsgKind::kWeights, &w.bytes);
+  NIB_RETURN_IF_ERROR(send_message(group_, 0, MsgKind::kWeights, nullptr));  // then the transport's own
+  return transport_->send(*weights);
 }
 
 Status MpiRolloutClient::start(RolloutJob job) {
@@ -361,13 +400,17 @@ Result<RolloutBatch> MpiRolloutClient::finish() {
 // ---- ranks 1..N-1 ----------------------------------------------------------------------------------
 
 Status serve_rollouts(dist::ProcessGroup& group, const model::ModelConfig& config, const model::RecipeConfig& recipe,
-                      backend::Backend* backend, const rollout::EngineOptions& engine_options) {
+                      backend::Backend* backend, const rollout::EngineOptions& engine_options, int64_t max_staleness) {
   if (group.world_size() < 2 || group.rank() < 1)
     return invalid_argument("disaggregated rl: the rollout servers are ranks 1.. of a world of at least 2, got rank {} of {}",
                             group.rank(), group.world_size());
   const int ranks = group.world_size() - 1, index = group.rank() - 1;
   NIB_ASSIGN_OR_RETURN(std::unique_ptr<ThreadRolloutWorker> worker,
                        ThreadRolloutWorker::create(config, recipe, backend, engine_options));
+  // room for the versions the worker may still generate from (max_staleness + 1) and the one arriving
+  NIB_ASSIGN_OR_RETURN(std::unique_ptr<WeightTransport> transport,
+                       make_weight_transport(group, worker->model(), engine_options.mode, engine_options.recipe_name,
+                                             std::max<int64_t>(max_staleness, 0) + 2));
   Status pending = Status::ok();  // the first error of a version or job, reported at the next finish
   bool running = false;
   for (;;) {
@@ -375,7 +418,7 @@ Status serve_rollouts(dist::ProcessGroup& group, const model::ModelConfig& confi
     Reader r{msg.second};
     switch (msg.first) {
       case MsgKind::kWeights: {
-        Result<PolicyWeights> w = get_weights(r, worker->model(), engine_options.mode, engine_options.recipe_name);
+        Result<PolicyWeights> w = transport->receive();
         Status st = w.is_ok() ? worker->send(std::make_shared<const PolicyWeights>(std::move(w).value())) : w.status();
         if (pending.is_ok()) pending = st;
         break;

@@ -6,8 +6,10 @@
 // the root of what it sends and each rollout rank, in rank order, of its reply (the group has
 // collectives only: the other rollout ranks receive a reply and drop it); each message is a
 // header {kind, bytes} and its payload in buckets of kBucketBytes. Messages: weights (a policy
-// version's NVFP4 codes + scales + outer scales, or BF16, and the FP32 rest:
-// PolicyWeights::append_named's tensors), job (a step's requests and what to record; every rollout
+// version's NVFP4 codes + scales + outer scales, or BF16, and the FP32 rest, through the weight
+// transport (weight_transport.h): the host one serializes PolicyWeights::append_named's tensors
+// over the host path; on CUDA with an NCCL group the device one broadcasts the packed version
+// GPU to GPU), job (a step's requests and what to record; every rollout
 // rank takes its share, rollout_share), finish (the replies: completions with their log-probs, the
 // R3 routing and TRACE guidance records, the version id the worker generated with, or its error),
 // stop. A request keeps its id on its rank, so it draws from the Philox streams and writes the
@@ -21,10 +23,9 @@
 
 #include "dist/process_group.h"
 #include "rl/rollout_worker.h"
+#include "rl/weight_transport.h"
 
 namespace nibble::rl {
-
-inline constexpr int64_t kBucketBytes = int64_t{16} << 20;
 
 // The requests [begin, end) of a step's `requests` (whole GRPO groups: a request carries its G
 // samples) that rollout rank `index` (0 .. rollout_ranks-1, i.e. world rank index+1) generates:
@@ -42,16 +43,22 @@ class MpiRolloutClient final : public WeightSink, public RolloutSource {
  public:
   // `group`: a world of N >= 2 whose ranks 1..N-1 run serve_rollouts; this is rank 0 (else
   // invalid_argument). Every job must hold at least N-1 requests (check_rollout_world).
-  static Result<std::unique_ptr<MpiRolloutClient>> create(dist::ProcessGroup& group);
+  // `trainer` (its policy in rollout `mode`) picks the weight transport: device when the group's
+  // memory and the trainer's backend are both the device's (NCCL on CUDA), else host.
+  static Result<std::unique_ptr<MpiRolloutClient>> create(dist::ProcessGroup& group, model::Model& trainer,
+                                                          rollout::PrecisionMode mode, const std::string& recipe_name);
   ~MpiRolloutClient() override;  // stops the worker's loop (a job in flight is dropped)
 
   Status send(std::shared_ptr<const PolicyWeights> weights) override;
+  bool wants_packed() const override { return transport_->wants_packed(); }
+  const char* transport_name() const { return transport_->name(); }
   Status start(RolloutJob job) override;
   Result<RolloutBatch> finish() override;
 
  private:
   explicit MpiRolloutClient(dist::ProcessGroup& group) : group_(group) {}
   dist::ProcessGroup& group_;
+  std::unique_ptr<WeightTransport> transport_;
   bool running_ = false, stopped_ = false;
   RolloutJob job_;  // the started job's requests and record options
 };
@@ -59,8 +66,15 @@ class MpiRolloutClient final : public WeightSink, public RolloutSource {
 // Ranks 1..N-1: serves MpiRolloutClient's messages with a ThreadRolloutWorker (model `config` with
 // `recipe` on `backend`, engine `engine_options`) until the client stops, generating this rank's
 // share of each job. Errors of a job or of a version received go back in the next finish reply;
-// a transport error is returned.
+// a transport error is returned. The weight transport is the client's (the same rule, on
+// `backend`); max_staleness: the run's (how many versions the device transport keeps room for).
 Status serve_rollouts(dist::ProcessGroup& group, const model::ModelConfig& config, const model::RecipeConfig& recipe,
-                      backend::Backend* backend, const rollout::EngineOptions& engine_options);
+                      backend::Backend* backend, const rollout::EngineOptions& engine_options, int64_t max_staleness);
+
+// The weight transport of `group` for `model`'s policy in `mode`: device when group.device_memory()
+// and model's backend is not the CPU, else host.
+Result<std::unique_ptr<WeightTransport>> make_weight_transport(dist::ProcessGroup& group, model::Model& model,
+                                                               rollout::PrecisionMode mode,
+                                                               const std::string& recipe_name, int64_t versions_held);
 
 }  // namespace nibble::rl

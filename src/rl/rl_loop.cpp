@@ -390,7 +390,15 @@ Status RlRun::start_rollout(int64_t s) {
 
 Status RlRun::sync(int64_t version, RlStepMetrics* m) {
   const auto t_sync = std::chrono::steady_clock::now();
-  NIB_ASSIGN_OR_RETURN(PolicyWeights w, snapshot_policy(*model_, rollout_mode(cfg_.arm), kRolloutRecipe, version));
+  PolicyWeights w;
+  if (sink_->wants_packed()) {  // the device transport: packed in the trainer's memory, no host copy
+    w.version = version, w.mode = rollout_mode(cfg_.arm);
+    NIB_ASSIGN_OR_RETURN(std::shared_ptr<PackedPolicy> p, pack_policy(*model_, w.mode, kRolloutRecipe));
+    w.format = p->layout.format;
+    w.packed = std::move(p);
+  } else {
+    NIB_ASSIGN_OR_RETURN(w, snapshot_policy(*model_, rollout_mode(cfg_.arm), kRolloutRecipe, version));
+  }
   auto shared = std::make_shared<const PolicyWeights>(std::move(w));
   NIB_RETURN_IF_ERROR(sink_->send(shared));
   if (m != nullptr) {
@@ -614,7 +622,11 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch) {
 Status RlRun::start_worker() {
   if (opt_.group != nullptr && opt_.group->world_size() > 1) {
     NIB_RETURN_IF_ERROR(check_rollout_world(opt_.group->world_size(), cfg_.prompts_per_step));
-    NIB_ASSIGN_OR_RETURN(mpi_worker_, MpiRolloutClient::create(*opt_.group));
+    NIB_ASSIGN_OR_RETURN(mpi_worker_,
+                         MpiRolloutClient::create(*opt_.group, *model_, rollout_mode(cfg_.arm), kRolloutRecipe));
+    if (opt_.progress)
+      NIB_LOG_INFO("rl: weights go to {} rollout ranks over the {} transport ({} group)", opt_.group->world_size() - 1,
+                   mpi_worker_->transport_name(), opt_.group->kind());
     sink_ = mpi_worker_.get(), source_ = mpi_worker_.get();
   } else {
     backend::Backend* rbe = opt_.rollout_backend;
@@ -695,7 +707,8 @@ Status serve_rl_rollouts(const RlConfig& config, dist::ProcessGroup& group, back
   } else {
     NIB_ASSIGN_OR_RETURN(mc, model::parse_model_config(config.model));
   }
-  return serve_rollouts(group, mc, trainer_recipe(config.arm), backend, rollout_engine_options(config));
+  return serve_rollouts(group, mc, trainer_recipe(config.arm), backend, rollout_engine_options(config),
+                        config.max_staleness);
 }
 
 Result<RlResult> run_rl(const RlConfig& config, const Task& task, const RlOptions& options) {

@@ -34,6 +34,7 @@ Tensor host_bytes(backend::Backend& be, const void* src, int64_t n) {
 }  // namespace
 
 int64_t PolicyWeights::bytes() const {
+  if (packed) return packed->layout.payload_bytes;
   int64_t n = static_cast<int64_t>(rest.nbytes());
   for (const auto* v : {&codes, &scales, &outer, &bf16})
     for (const Tensor& t : *v) n += static_cast<int64_t>(t.nbytes());
@@ -41,6 +42,7 @@ int64_t PolicyWeights::bytes() const {
 }
 
 void PolicyWeights::append_named(std::vector<io::NamedTensor>& out) const {
+  if (packed) return unpack_policy(*packed, version).append_named(out);
   const std::string p = "policy.v" + std::to_string(version) + ".";
   for (size_t i = 0; i < codes.size(); ++i) {
     out.push_back({p + std::to_string(i) + ".codes", codes[i]});
@@ -109,6 +111,136 @@ Result<PolicyWeights> snapshot_policy(model::Model& trainer, PrecisionMode mode,
     be.copy_to_host(dst, trainer.flat_values() + s.offset, static_cast<size_t>(s.count) * 4);
     dst += s.count;
   }
+  return w;
+}
+
+// ---- the packed form ---------------------------------------------------------------------------------
+
+PolicyLayout policy_layout(model::Model& m, PrecisionMode mode, const std::string& recipe_name) {
+  PolicyLayout l;
+  l.mode = mode, l.format = weight_format_for(recipe_name);
+  auto place = [&](int64_t bytes) {
+    PolicyLayout::Part part{l.total_bytes, bytes};
+    l.total_bytes += (bytes + PolicyLayout::kPackedAlign - 1) / PolicyLayout::kPackedAlign * PolicyLayout::kPackedAlign;
+    l.payload_bytes += bytes;
+    return part;
+  };
+  for (const model::LinearInfo& info : m.linear_infos()) {
+    if (four_bit(mode)) {
+      l.codes.push_back(place(QuantizedTensor::code_bytes(l.format, info.N, info.K)));
+      l.scales.push_back(place(QuantizedTensor::scale_bytes(l.format, info.N, info.K)));
+      l.outer.push_back(place(4 * QuantizedTensor::outer_count(l.format, info.N, info.K)));
+    } else {
+      l.weights.push_back(place(4 * info.N * info.K));
+    }
+  }
+  int64_t r = 0;
+  for (const ParamSegment& seg : rest_segments(m)) r += seg.count;
+  l.rest = place(4 * r);
+  return l;
+}
+
+Result<std::shared_ptr<PackedPolicy>> allocate_packed(backend::Backend& be, const PolicyLayout& layout) {
+  auto p = std::make_shared<PackedPolicy>();
+  p->layout = layout, p->backend = &be;
+  try {
+    p->data.ensure(be, layout.total_bytes, "rl policy version (packed)");
+  } catch (const backend::AllocationError& e) {
+    return Status(StatusCode::kInternal, e.what());
+  }
+  return p;
+}
+
+Result<std::shared_ptr<PackedPolicy>> pack_policy(model::Model& trainer, PrecisionMode mode,
+                                                  const std::string& recipe_name) {
+  NIB_CHECK_MSG(mode != PrecisionMode::kRecipe, "pack_policy: the recipe mode has no weight sync");
+  backend::Backend& be = trainer.backend();
+  NIB_ASSIGN_OR_RETURN(std::shared_ptr<PackedPolicy> p, allocate_packed(be, policy_layout(trainer, mode, recipe_name)));
+  const PolicyLayout& l = p->layout;
+  uint8_t* base = p->data.data();
+  const std::vector<model::LinearInfo>& infos = trainer.linear_infos();
+  if (four_bit(mode)) {
+    NIB_ASSIGN_OR_RETURN(std::unique_ptr<rollout::QuantizedLinears> q,
+                         rollout::QuantizedLinears::create(trainer, mode, recipe_name));
+    for (size_t i = 0; i < infos.size(); ++i) {
+      const QuantizedTensor& qt = q->quantized_weight(infos[i].id);
+      be.copy(base + l.codes[i].offset, qt.codes, static_cast<size_t>(l.codes[i].bytes));
+      be.copy(base + l.scales[i].offset, qt.scales, static_cast<size_t>(l.scales[i].bytes));
+      be.copy(base + l.outer[i].offset, qt.outer, static_cast<size_t>(l.outer[i].bytes));
+    }
+  } else {
+    for (size_t i = 0; i < infos.size(); ++i)  // the bf16 mode's rounding, kept in FP32
+      be.round_to_bf16(reinterpret_cast<float*>(base + l.weights[i].offset), trainer.linear_weight(infos[i].id),
+                       infos[i].N * infos[i].K);
+  }
+  auto* rest = reinterpret_cast<float*>(base + l.rest.offset);
+  for (const ParamSegment& seg : rest_segments(trainer)) {
+    be.copy(rest, trainer.flat_values() + seg.offset, static_cast<size_t>(seg.count) * 4);
+    rest += seg.count;
+  }
+  return p;
+}
+
+Status pack_host_policy(const PolicyWeights& w, PackedPolicy& out) {
+  const PolicyLayout& l = out.layout;
+  backend::Backend& be = *out.backend;
+  uint8_t* base = out.data.data();
+  if (w.mode != l.mode || w.format != l.format)
+    return invalid_argument("rl policy version {}: {} weights, the packed layout is for {}", w.version,
+                            rollout::precision_mode_name(w.mode), rollout::precision_mode_name(l.mode));
+  auto put = [&](const PolicyLayout::Part& part, const Tensor& t, const char* what, size_t i) -> Status {
+    if (static_cast<int64_t>(t.nbytes()) != part.bytes)
+      return invalid_argument("rl policy version {}: linear {} {} holds {} bytes, the layout {}", w.version, i, what,
+                              t.nbytes(), part.bytes);
+    be.copy_to_device(base + part.offset, t.raw(), t.nbytes());
+    return Status::ok();
+  };
+  const size_t n = four_bit(l.mode) ? l.codes.size() : l.weights.size();
+  if ((four_bit(l.mode) ? w.codes.size() : w.bf16.size()) != n)
+    return invalid_argument("rl policy version {}: {} linears, the layout {}", w.version,
+                            four_bit(l.mode) ? w.codes.size() : w.bf16.size(), n);
+  for (size_t i = 0; i < n; ++i) {
+    if (four_bit(l.mode)) {
+      NIB_RETURN_IF_ERROR(put(l.codes[i], w.codes[i], "codes", i));
+      NIB_RETURN_IF_ERROR(put(l.scales[i], w.scales[i], "scales", i));
+      NIB_RETURN_IF_ERROR(put(l.outer[i], w.outer[i], "outer scales", i));
+    } else {
+      if (static_cast<int64_t>(w.bf16[i].nbytes()) * 2 != l.weights[i].bytes)
+        return invalid_argument("rl policy version {}: linear {} has the wrong size", w.version, i);
+      const uint16_t* b = w.bf16[i].data<uint16_t>();
+      std::vector<float> f(static_cast<size_t>(w.bf16[i].numel()));
+      for (size_t k = 0; k < f.size(); ++k) f[k] = bf16_bits_to_f32(b[k]);
+      be.copy_to_device(base + l.weights[i].offset, f.data(), f.size() * 4);
+    }
+  }
+  return put(l.rest, w.rest, "rest", n);
+}
+
+PolicyWeights unpack_policy(const PackedPolicy& p, int64_t version) {
+  const PolicyLayout& l = p.layout;
+  backend::Backend& be = *p.backend;
+  const uint8_t* base = p.data.data();
+  PolicyWeights w;
+  w.version = version, w.mode = l.mode, w.format = l.format;
+  auto take = [&](const PolicyLayout::Part& part, DType dt) {
+    Tensor t(dt, {part.bytes / static_cast<int64_t>(dtype_size(dt))});
+    be.copy_to_host(t.raw(), base + part.offset, static_cast<size_t>(part.bytes));
+    return t;
+  };
+  for (size_t i = 0; i < l.codes.size(); ++i) {
+    w.codes.push_back(take(l.codes[i], DType::kU8));
+    w.scales.push_back(take(l.scales[i], DType::kU8));
+    w.outer.push_back(take(l.outer[i], DType::kF32));
+  }
+  for (const PolicyLayout::Part& part : l.weights) {
+    const Tensor f = take(part, DType::kF32);
+    Tensor t(DType::kBF16, {f.numel()});
+    const float* src = f.data<float>();
+    uint16_t* dst = t.data<uint16_t>();
+    for (int64_t k = 0; k < f.numel(); ++k) dst[k] = f32_to_bf16_bits(src[k]);  // exact: already BF16 values
+    w.bf16.push_back(std::move(t));
+  }
+  w.rest = take(l.rest, DType::kF32);
   return w;
 }
 
@@ -198,7 +330,45 @@ Status ThreadRolloutWorker::send(std::shared_ptr<const PolicyWeights> weights) {
   return Status::ok();
 }
 
+Status ThreadRolloutWorker::apply_packed(const PolicyWeights& w) {
+  backend::Backend& be = model_->backend();
+  const PackedPolicy& p = *w.packed;
+  const PolicyLayout& l = p.layout;
+  const std::vector<model::LinearInfo>& infos = model_->linear_infos();
+  if (p.backend != &be)
+    return invalid_argument("rollout worker: packed version {} lives in another backend's memory", w.version);
+  const PolicyLayout mine = policy_layout(*model_, w.mode, engine_->options().recipe_name);
+  if (l.total_bytes != mine.total_bytes || l.format != mine.format)
+    return invalid_argument("rollout worker: packed version {} is laid out for another model ({} bytes, this one {})",
+                            w.version, l.total_bytes, mine.total_bytes);
+  uint8_t* base = p.data.data();  // backend memory, read only
+  // the rest first: the engine reads the model's own weights (lm_head, ...) when it takes the linears
+  const auto* src = reinterpret_cast<const float*>(base + l.rest.offset);
+  for (const ParamSegment& seg : rest_) {
+    be.copy(model_->flat_values() + seg.offset, src, static_cast<size_t>(seg.count) * 4);
+    src += seg.count;
+  }
+  if (four_bit(w.mode)) {
+    std::vector<QuantizedTensor> views;
+    for (size_t i = 0; i < infos.size(); ++i) {
+      QuantizedTensor q;
+      q.format = l.format, q.rows = infos[i].N, q.cols = infos[i].K;
+      q.codes = base + l.codes[i].offset, q.scales = base + l.scales[i].offset;
+      q.outer = reinterpret_cast<float*>(base + l.outer[i].offset);
+      views.push_back(q);
+    }
+    NIB_RETURN_IF_ERROR(engine_->receive_quantized_weights(views));
+  } else {
+    for (size_t i = 0; i < infos.size(); ++i)  // BF16 values in FP32: the master weights' bits as the host form's
+      be.copy(model_->linear_weight(infos[i].id), base + l.weights[i].offset, static_cast<size_t>(l.weights[i].bytes));
+    NIB_RETURN_IF_ERROR(engine_->refresh_weights());
+  }
+  applied_version_ = w.version;
+  return Status::ok();
+}
+
 Status ThreadRolloutWorker::apply(const PolicyWeights& w) {
+  if (w.packed) return apply_packed(w);
   backend::Backend& be = model_->backend();
   const std::vector<model::LinearInfo>& infos = model_->linear_infos();
   // the rest first: the engine reads the model's own weights (lm_head, ...) when it takes the linears

@@ -29,8 +29,10 @@
 
 namespace nibble::rl {
 
-// One policy version as the weight sync carries it (host memory). Version v = the trainer's
-// weights after v updates.
+struct PackedPolicy;
+
+// One policy version as the weight sync carries it (host memory, or packed in backend memory).
+// Version v = the trainer's weights after v updates.
 struct PolicyWeights {
   int64_t version = 0;
   rollout::PrecisionMode mode = rollout::PrecisionMode::kW4A4;
@@ -40,12 +42,53 @@ struct PolicyWeights {
   backend::QuantFormat format = backend::QuantFormat::kNvfp4TwoLevel;
   std::vector<Tensor> bf16;  // bf16 mode, per block linear: (N, K) BF16
   Tensor rest;               // (R) f32: the parameters outside the block linears, rest_segments() order
-  // Bytes the sync carries: the linears' storage (QuantizedLinears::weight_bytes) + 4 R.
+  // Set: the version lives packed in backend memory (the device weight transport) and the host
+  // tensors above are empty.
+  std::shared_ptr<const PackedPolicy> packed;
+  // Bytes the sync carries: the linears' storage (QuantizedLinears::weight_bytes) + 4 R (packed:
+  // its parts' bytes, PolicyLayout::payload_bytes).
   int64_t bytes() const;
   // Checkpoint form: tensors named "policy.v<version>.<linear index>.codes" (.scales, .outer,
-  // .bf16) and "policy.v<version>.rest".
+  // .bf16) and "policy.v<version>.rest" (a packed version is copied to host first).
   void append_named(std::vector<io::NamedTensor>& out) const;
 };
+
+// ---- the packed form: a version in one buffer of backend memory (rl/weight_transport.h) ----
+// Where each part sits: per block linear (linear_infos() order) the 4-bit modes' codes, block
+// scales and outer scales, or the bf16 mode's weight as BF16-rounded FP32 (N, K) (the values the
+// host form's BF16 bits hold; FP32 because no backend op widens BF16 bits on the device: twice the
+// BF16 bytes), then the rest (R) f32; every part at a kPackedAlign-aligned offset.
+struct PolicyLayout {
+  static constexpr int64_t kPackedAlign = 256;
+  struct Part {
+    int64_t offset = 0, bytes = 0;
+  };
+  rollout::PrecisionMode mode = rollout::PrecisionMode::kW4A4;
+  backend::QuantFormat format = backend::QuantFormat::kNvfp4TwoLevel;
+  std::vector<Part> codes, scales, outer, weights;  // per linear (4-bit modes / bf16 mode)
+  Part rest;
+  int64_t total_bytes = 0;    // the buffer, alignment padding included
+  int64_t payload_bytes = 0;  // the parts alone
+};
+PolicyLayout policy_layout(model::Model& m, rollout::PrecisionMode mode, const std::string& recipe_name);
+
+struct PackedPolicy {
+  PolicyLayout layout;
+  backend::Backend* backend = nullptr;
+  backend::Buffer<uint8_t> data;  // (layout.total_bytes) u8 in backend's memory
+};
+// A packed buffer of `layout` in `be`'s memory (contents undefined). Errors: out of memory.
+Result<std::shared_ptr<PackedPolicy>> allocate_packed(backend::Backend& be, const PolicyLayout& layout);
+// The trainer's policy packed in its own backend memory: the bits snapshot_policy copies to host
+// (the same quantizer calls), gathered with device-to-device copies only.
+Result<std::shared_ptr<PackedPolicy>> pack_policy(model::Model& trainer, rollout::PrecisionMode mode,
+                                                  const std::string& recipe_name);
+// `w`'s host tensors uploaded into `out` (a version read from a checkpoint, sent packed).
+// Errors: parts whose sizes differ from out.layout's.
+Status pack_host_policy(const PolicyWeights& w, PackedPolicy& out);
+// The host form of packed version `version` (checkpoints, tests): bit for bit what
+// snapshot_policy makes from the same weights.
+PolicyWeights unpack_policy(const PackedPolicy& p, int64_t version);
 
 // The flat-parameter ranges [offset, offset + count) of `m` that no block linear's weight covers.
 struct ParamSegment {
@@ -69,6 +112,9 @@ class WeightSink {
   virtual ~WeightSink() = default;
   // Hands policy version w->version to the rollout side (versions arrive in increasing order).
   virtual Status send(std::shared_ptr<const PolicyWeights> weights) = 0;
+  // Whether send() wants versions packed in the trainer's backend memory (pack_policy: the device
+  // weight transport) rather than host snapshots (snapshot_policy). Either form is accepted.
+  virtual bool wants_packed() const { return false; }
 };
 
 // One step's rollout request: what to generate and what to record.
@@ -127,7 +173,8 @@ class ThreadRolloutWorker final : public WeightSink, public RolloutSource {
 
  private:
   ThreadRolloutWorker() = default;
-  Status apply(const PolicyWeights& w);  // worker thread
+  Status apply(const PolicyWeights& w);         // worker thread
+  Status apply_packed(const PolicyWeights& w);  // a packed version: device-to-device copies only
   Result<RolloutBatch> run_job(const RolloutJob& job, std::shared_ptr<const PolicyWeights> w, int threads);
 
   std::unique_ptr<model::Model> model_;

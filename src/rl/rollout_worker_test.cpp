@@ -2,7 +2,11 @@
 // trainer's quantizer output bit for bit; its rollouts equal those of an engine running the
 // trainer's own model (the colocated loop before the worker) in every precision mode, dense and
 // MoE; the rest segments are exactly the parameters outside the block linears; the checkpoint
-// form round-trips and names a missing member; versions not sent, or dropped, are errors.
+// form round-trips and names a missing member; versions not sent, or dropped, are errors. The
+// packed form (the device weight transport's): packing the trainer in its backend memory gives the
+// host snapshot's bits, a host version uploads and reads back unchanged, its checkpoint form is
+// the host one's, and a worker given a packed version rolls out as with the host one (a version
+// in another backend's memory is an error).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -206,6 +210,82 @@ TEST(RolloutWorker, AVersionNotSentOrDroppedIsAnError) {
   // a version for another precision mode is refused
   PolicyWeights bf = snapshot_policy(*trainer, PrecisionMode::kBf16, "tetrajet-v2", 3).value();
   EXPECT_FALSE(wk.w->send(std::make_shared<const PolicyWeights>(std::move(bf))).is_ok());
+}
+
+// The bytes of a tensor list, concatenated (shapes aside: the packed BF16 form is flat).
+std::vector<uint8_t> raw(const std::vector<Tensor>& ts) {
+  std::vector<uint8_t> out;
+  for (const Tensor& t : ts) {
+    const auto* p = static_cast<const uint8_t*>(t.raw());
+    out.insert(out.end(), p, p + t.nbytes());
+  }
+  return out;
+}
+
+void expect_same_policy(const PolicyWeights& a, const PolicyWeights& b, const std::string& what) {
+  EXPECT_EQ(a.version, b.version) << what;
+  EXPECT_EQ(a.codes.size(), b.codes.size()) << what;
+  EXPECT_EQ(raw(a.codes), raw(b.codes)) << what;
+  EXPECT_EQ(raw(a.scales), raw(b.scales)) << what;
+  EXPECT_EQ(raw(a.outer), raw(b.outer)) << what;
+  EXPECT_EQ(a.bf16.size(), b.bf16.size()) << what;
+  EXPECT_EQ(raw(a.bf16), raw(b.bf16)) << what;
+  EXPECT_EQ(raw({a.rest}), raw({b.rest})) << what;
+}
+
+TEST(RolloutWorker, PackedVersionsCarryTheHostSnapshotsBitsAndRollTheSame) {
+  for (PrecisionMode mode : {PrecisionMode::kBf16, PrecisionMode::kW4A16, PrecisionMode::kW4A4}) {
+    const std::string what = rollout::precision_mode_name(mode);
+    auto trainer = trainer_model(true, 11);
+    PolicyWeights host = snapshot_policy(*trainer, mode, "tetrajet-v2", 3).value();
+    auto packed = pack_policy(*trainer, mode, "tetrajet-v2");
+    ASSERT_TRUE(packed.is_ok()) << what << ": " << packed.status().message();
+    const PolicyLayout& l = packed.value()->layout;
+    EXPECT_EQ(l.total_bytes % PolicyLayout::kPackedAlign, 0) << what;
+    expect_same_policy(unpack_policy(*packed.value(), 3), host, what + " packed from the trainer");
+    PolicyWeights pw;
+    pw.version = 3, pw.mode = mode, pw.format = l.format, pw.packed = packed.value();
+    // the sync's byte count: the host form's, but the bf16 mode's weights travel as FP32
+    int64_t bf16_bytes = 0;
+    for (const Tensor& t : host.bf16) bf16_bytes += static_cast<int64_t>(t.nbytes());
+    EXPECT_EQ(pw.bytes(), host.bytes() + bf16_bytes) << what;
+    std::vector<io::NamedTensor> a, b;  // the checkpoint form
+    pw.append_named(a), host.append_named(b);
+    ASSERT_EQ(a.size(), b.size()) << what;
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i].name, b[i].name) << what;
+      EXPECT_EQ(raw({a[i].tensor}), raw({b[i].tensor})) << what << " " << a[i].name;
+    }
+
+    // a host version uploaded into a worker's backend memory; rollouts as from the host form
+    Worker from_host = make_worker(*trainer, mode), from_packed = make_worker(*trainer, mode);
+    ASSERT_TRUE(from_host.w->send(std::make_shared<const PolicyWeights>(host)).is_ok()) << what;
+    auto up = allocate_packed(*from_packed.be, policy_layout(from_packed.w->model(), mode, "tetrajet-v2"));
+    ASSERT_TRUE(up.is_ok()) << what;
+    ASSERT_TRUE(pack_host_policy(host, *up.value()).is_ok()) << what;
+    expect_same_policy(unpack_policy(*up.value(), 3), host, what + " uploaded");
+    PolicyWeights in_worker = pw;
+    in_worker.packed = up.value();
+    ASSERT_TRUE(from_packed.w->send(std::make_shared<const PolicyWeights>(in_worker)).is_ok()) << what;
+    auto want = roll(*from_host.w, 0, 3), got = roll(*from_packed.w, 0, 3);
+    ASSERT_TRUE(want.is_ok()) << what << ": " << want.status().message();
+    ASSERT_TRUE(got.is_ok()) << what << ": " << got.status().message();
+    ASSERT_EQ(got.value().completions.size(), want.value().completions.size()) << what;
+    for (size_t i = 0; i < want.value().completions.size(); ++i) {
+      EXPECT_EQ(got.value().completions[i].tokens, want.value().completions[i].tokens) << what << " " << i;
+      EXPECT_EQ(got.value().completions[i].logprobs, want.value().completions[i].logprobs) << what << " " << i;
+    }
+
+    // the trainer's packed version lives in the trainer's backend, not the worker's
+    pw.version = 4;
+    ASSERT_TRUE(from_packed.w->send(std::make_shared<const PolicyWeights>(pw)).is_ok()) << what;
+    auto wrong = roll(*from_packed.w, 1, 4);
+    EXPECT_EQ(wrong.status().code(), StatusCode::kInvalidArgument) << what;
+    // a host version of another mode does not upload
+    PolicyWeights other = host;
+    other.mode = mode == PrecisionMode::kBf16 ? PrecisionMode::kW4A4 : PrecisionMode::kBf16;
+    EXPECT_EQ(pack_host_policy(other, *up.value()).code(), StatusCode::kInvalidArgument) << what;
+  }
 }
 
 }  // namespace

@@ -77,6 +77,10 @@ class NcclGroup final : public ProcessGroup {
                  [&] { return ncclReduceScatter(in, out, size(n), ncclFloat32, ncclSum, comm_, stream_); });
   }
 
+  Status broadcast(void* data, int64_t bytes, int root) override {  // data: (bytes) u8 device memory
+    if (root < 0 || root >= world_) return invalid_argument("broadcast: root {} outside the world of {}", root, world_);
+    return run("broadcast", bytes, [&] { return ncclBroadcast(data, data, size(bytes), ncclUint8, root, comm_, stream_); });
+  }
   Status broadcast_host(void* data, int64_t bytes, int root) override {
     if (root < 0 || root >= world_) return invalid_argument("broadcast: root {} outside the world of {}", root, world_);
     if (bytes <= 0) return bytes < 0 ? invalid_argument("broadcast: negative size {}", bytes) : Status::ok();
