@@ -294,20 +294,23 @@ Status check_rollout_world(int world_size, int64_t prompts_per_step) {
 
 Result<std::unique_ptr<WeightTransport>> make_weight_transport(dist::ProcessGroup& group, model::Model& model,
                                                                rollout::PrecisionMode mode,
-                                                               const std::string& recipe_name, int64_t versions_held) {
-  if (group.device_memory() && model.backend().device() != Device::kCPU)
+                                                               const std::string& recipe_name, int64_t versions_held,
+                                                               WeightTransportKind kind) {
+  const bool on_gpus = group.device_memory() && model.backend().device() != Device::kCPU;
+  if (kind == WeightTransportKind::kDevice || (kind == WeightTransportKind::kAuto && on_gpus))
     return make_device_weight_transport(group, model, mode, recipe_name, versions_held);
   return std::unique_ptr<WeightTransport>(new HostWeightTransport(group, model, mode, recipe_name));
 }
 
 Result<std::unique_ptr<MpiRolloutClient>> MpiRolloutClient::create(dist::ProcessGroup& group, model::Model& trainer,
                                                                    rollout::PrecisionMode mode,
-                                                                   const std::string& recipe_name) {
+                                                                   const std::string& recipe_name,
+                                                                   WeightTransportKind transport) {
   if (group.world_size() < 2 || group.rank() != 0)
     return invalid_argument("disaggregated rl: rank 0 of a world of at least 2 processes trains, got rank {} of {}",
                             group.rank(), group.world_size());
   std::unique_ptr<MpiRolloutClient> c(new MpiRolloutClient(group));
-  NIB_ASSIGN_OR_RETURN(c->transport_, make_weight_transport(group, trainer, mode, recipe_name, /*versions_held=*/1));
+  NIB_ASSIGN_OR_RETURN(c->transport_, make_weight_transport(group, trainer, mode, recipe_name, /*versions_held=*/1, transport));
   return c;
 }
 
@@ -400,7 +403,8 @@ Result<RolloutBatch> MpiRolloutClient::finish() {
 // ---- ranks 1..N-1 ----------------------------------------------------------------------------------
 
 Status serve_rollouts(dist::ProcessGroup& group, const model::ModelConfig& config, const model::RecipeConfig& recipe,
-                      backend::Backend* backend, const rollout::EngineOptions& engine_options, int64_t max_staleness) {
+                      backend::Backend* backend, const rollout::EngineOptions& engine_options, int64_t max_staleness,
+                      WeightTransportKind transport_kind) {
   if (group.world_size() < 2 || group.rank() < 1)
     return invalid_argument("disaggregated rl: the rollout servers are ranks 1.. of a world of at least 2, got rank {} of {}",
                             group.rank(), group.world_size());
@@ -410,7 +414,7 @@ Status serve_rollouts(dist::ProcessGroup& group, const model::ModelConfig& confi
   // room for the versions the worker may still generate from (max_staleness + 1) and the one arriving
   NIB_ASSIGN_OR_RETURN(std::unique_ptr<WeightTransport> transport,
                        make_weight_transport(group, worker->model(), engine_options.mode, engine_options.recipe_name,
-                                             std::max<int64_t>(max_staleness, 0) + 2));
+                                             std::max<int64_t>(max_staleness, 0) + 2, transport_kind));
   Status pending = Status::ok();  // the first error of a version or job, reported at the next finish
   bool running = false;
   for (;;) {

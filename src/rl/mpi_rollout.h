@@ -43,10 +43,11 @@ class MpiRolloutClient final : public WeightSink, public RolloutSource {
  public:
   // `group`: a world of N >= 2 whose ranks 1..N-1 run serve_rollouts; this is rank 0 (else
   // invalid_argument). Every job must hold at least N-1 requests (check_rollout_world).
-  // `trainer` (its policy in rollout `mode`) picks the weight transport: device when the group's
-  // memory and the trainer's backend are both the device's (NCCL on CUDA), else host.
+  // The weight transport: `transport` for `trainer`'s policy in rollout `mode`
+  // (make_weight_transport); the rollout ranks must be given the same kind.
   static Result<std::unique_ptr<MpiRolloutClient>> create(dist::ProcessGroup& group, model::Model& trainer,
-                                                          rollout::PrecisionMode mode, const std::string& recipe_name);
+                                                          rollout::PrecisionMode mode, const std::string& recipe_name,
+                                                          WeightTransportKind transport);
   ~MpiRolloutClient() override;  // stops the worker's loop (a job in flight is dropped)
 
   Status send(std::shared_ptr<const PolicyWeights> weights) override;
@@ -66,15 +67,17 @@ class MpiRolloutClient final : public WeightSink, public RolloutSource {
 // Ranks 1..N-1: serves MpiRolloutClient's messages with a ThreadRolloutWorker (model `config` with
 // `recipe` on `backend`, engine `engine_options`) until the client stops, generating this rank's
 // share of each job. Errors of a job or of a version received go back in the next finish reply;
-// a transport error is returned. The weight transport is the client's (the same rule, on
-// `backend`); max_staleness: the run's (how many versions the device transport keeps room for).
+// a transport error is returned. `transport`: the client's kind (the same rule on `backend`);
+// max_staleness: the run's (how many versions the device transport keeps room for).
 Status serve_rollouts(dist::ProcessGroup& group, const model::ModelConfig& config, const model::RecipeConfig& recipe,
-                      backend::Backend* backend, const rollout::EngineOptions& engine_options, int64_t max_staleness);
+                      backend::Backend* backend, const rollout::EngineOptions& engine_options, int64_t max_staleness,
+                      WeightTransportKind transport);
 
-// The weight transport of `group` for `model`'s policy in `mode`: device when group.device_memory()
-// and model's backend is not the CPU, else host.
+// The weight transport of `group` for `model`'s policy in `mode`: `kind`, where auto is device
+// when group.device_memory() and model's backend is not the CPU (NCCL on CUDA), else host.
 Result<std::unique_ptr<WeightTransport>> make_weight_transport(dist::ProcessGroup& group, model::Model& model,
                                                                rollout::PrecisionMode mode,
-                                                               const std::string& recipe_name, int64_t versions_held);
+                                                               const std::string& recipe_name, int64_t versions_held,
+                                                               WeightTransportKind kind);
 
 }  // namespace nibble::rl

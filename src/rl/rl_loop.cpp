@@ -623,7 +623,8 @@ Status RlRun::start_worker() {
   if (opt_.group != nullptr && opt_.group->world_size() > 1) {
     NIB_RETURN_IF_ERROR(check_rollout_world(opt_.group->world_size(), cfg_.prompts_per_step));
     NIB_ASSIGN_OR_RETURN(mpi_worker_,
-                         MpiRolloutClient::create(*opt_.group, *model_, rollout_mode(cfg_.arm), kRolloutRecipe));
+                         MpiRolloutClient::create(*opt_.group, *model_, rollout_mode(cfg_.arm), kRolloutRecipe,
+                                                  opt_.weight_transport));
     if (opt_.progress)
       NIB_LOG_INFO("rl: weights go to {} rollout ranks over the {} transport ({} group)", opt_.group->world_size() - 1,
                    mpi_worker_->transport_name(), opt_.group->kind());
@@ -698,7 +699,8 @@ Result<RlResult> RlRun::run() {
 
 }  // namespace
 
-Status serve_rl_rollouts(const RlConfig& config, dist::ProcessGroup& group, backend::Backend* backend) {
+Status serve_rl_rollouts(const RlConfig& config, dist::ProcessGroup& group, backend::Backend* backend,
+                         WeightTransportKind weight_transport) {
   register_fake_quant_recipe();
   model::ModelConfig mc;
   if (!config.init.empty()) {
@@ -708,7 +710,7 @@ Status serve_rl_rollouts(const RlConfig& config, dist::ProcessGroup& group, back
     NIB_ASSIGN_OR_RETURN(mc, model::parse_model_config(config.model));
   }
   return serve_rollouts(group, mc, trainer_recipe(config.arm), backend, rollout_engine_options(config),
-                        config.max_staleness);
+                        config.max_staleness, weight_transport);
 }
 
 Result<RlResult> run_rl(const RlConfig& config, const Task& task, const RlOptions& options) {

@@ -32,6 +32,7 @@
 #include "dist/process_group.h"
 #include "rl/grpo.h"
 #include "rl/task.h"
+#include "rl/weight_transport.h"
 
 namespace nibble::rl {
 
@@ -97,6 +98,9 @@ struct RlOptions {
   // (at most prompts_per_step of them); this process (rank 0) trains and its rollouts come from
   // them. Null or a world of 1: in-process.
   dist::ProcessGroup* group = nullptr;
+  // Disaggregated: how the policy versions travel (rl/weight_transport.h); the rollout ranks'
+  // serve_rl_rollouts must be given the same.
+  WeightTransportKind weight_transport = WeightTransportKind::kAuto;
   bool progress = false;
 };
 
@@ -132,6 +136,7 @@ Result<RlResult> run_rl(const RlConfig& config, const Task& task, const RlOption
 // A rollout rank (1..N-1) of a disaggregated run: the rollout worker for the model `config`
 // describes (its "init" checkpoint's config or its "model"), on `backend`, serving rank 0's run_rl
 // until it ends.
-Status serve_rl_rollouts(const RlConfig& config, dist::ProcessGroup& group, backend::Backend* backend);
+Status serve_rl_rollouts(const RlConfig& config, dist::ProcessGroup& group, backend::Backend* backend,
+                         WeightTransportKind weight_transport);
 
 }  // namespace nibble::rl

@@ -89,15 +89,31 @@ class DeviceWeightTransport final : public WeightTransport {
 
 }  // namespace
 
+Result<WeightTransportKind> parse_weight_transport(const std::string& s) {
+  if (s == "auto") return WeightTransportKind::kAuto;
+  if (s == "host") return WeightTransportKind::kHost;
+  if (s == "device") return WeightTransportKind::kDevice;
+  return invalid_argument("weight transport '{}': use auto, host or device", s);
+}
+
+const char* weight_transport_name(WeightTransportKind k) {
+  switch (k) {
+    case WeightTransportKind::kAuto: return "auto";
+    case WeightTransportKind::kHost: return "host";
+    case WeightTransportKind::kDevice: return "device";
+  }
+  return "?";
+}
+
 Result<std::unique_ptr<WeightTransport>> make_device_weight_transport(dist::ProcessGroup& group, model::Model& model,
                                                                       rollout::PrecisionMode mode,
                                                                       const std::string& recipe_name,
                                                                       int64_t versions_held, int64_t bucket_bytes) {
-  if (!group.device_memory())
-    return invalid_argument("device weight transport: the {} group broadcasts host memory", group.kind());
-  if (model.backend().device() == Device::kCPU)
-    return invalid_argument("device weight transport: the model lives in host memory (backend {})",
-                            model.backend().name());
+  const bool model_on_device = model.backend().device() != Device::kCPU;
+  if (group.device_memory() != model_on_device)
+    return invalid_argument("device weight transport: the {} group broadcasts {} memory, the model lives in {} ({})",
+                            group.kind(), group.device_memory() ? "device" : "host",
+                            model_on_device ? "device memory" : "host memory", model.backend().name());
   if (versions_held < 1 || bucket_bytes < 1)
     return invalid_argument("device weight transport: {} versions held, {} bytes a bucket", versions_held, bucket_bytes);
   return std::unique_ptr<WeightTransport>(

@@ -3,10 +3,12 @@
 //   host    the version's host tensors (PolicyWeights::append_named's) serialized and broadcast
 //           over the group's host path (broadcast_host) in buckets: MPI between CPU processes.
 //   device  the version packed in one buffer of backend memory (PackedPolicy, rollout_worker.h)
-//           and broadcast with the group's device broadcast (NCCL) in buckets, from rank 0's
-//           device buffer straight into each rollout rank's (no host copy); only a small header
-//           {version, mode, bytes} goes over the host path.
-// Either way one broadcast per bucket reaches every rollout rank at once.
+//           and broadcast in buckets with the group's broadcast in group memory: on GPUs (NCCL)
+//           from rank 0's device buffer straight into each rollout rank's (no host copy); CPU
+//           processes (MPI) can run the same path on host memory (the tests do). Only a small
+//           header {version, mode, bytes} goes over the host path.
+// Either way one broadcast per bucket reaches every rollout rank at once. `auto` picks device
+// where the group's memory and the model's backend are the GPU's, else host.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +21,11 @@
 namespace nibble::rl {
 
 inline constexpr int64_t kBucketBytes = int64_t{16} << 20;
+
+enum class WeightTransportKind { kAuto, kHost, kDevice };
+// "auto" | "host" | "device"; anything else: invalid_argument naming the three.
+Result<WeightTransportKind> parse_weight_transport(const std::string& s);
+const char* weight_transport_name(WeightTransportKind k);
 
 class WeightTransport {
  public:
@@ -34,8 +41,8 @@ class WeightTransport {
   virtual Result<PolicyWeights> receive() = 0;
 };
 
-// The device transport over `group` (its memory the device's: NCCL) for `model`'s policy in
-// `mode` (its layout; the packed buffers live in model.backend()). A rollout rank holds at most
+// The device transport over `group` for `model`'s policy in `mode` (its layout; the packed buffers
+// live in model.backend(), whose memory must be the group's: GPU with NCCL, host with MPI). A rollout rank holds at most
 // `versions_held` versions at once (max_staleness + 2: those its worker may still generate
 // from, and the one arriving): their buffers are allocated on the first receive, before any
 // rollout runs, and reused once the worker released them, so that receiving never allocates

@@ -6,7 +6,8 @@
 // the CPU. A bad config or option is one line and exit 2; a missing or bad input exit 1. Under
 // `mpirun -np N` (N >= 2) the run is disaggregated: rank 0 trains, ranks 1..N-1 roll out, each a
 // share of every step's prompt groups (rl/mpi_rollout.h); more rollout ranks than prompts per
-// step is exit 2.
+// step is exit 2. --weight-transport picks how the weights travel (rl/weight_transport.h; auto:
+// NCCL GPU to GPU on CUDA, host broadcasts otherwise); every rank must be given the same.
 #include <cstdio>
 #include <limits>
 #include <memory>
@@ -28,7 +29,7 @@ namespace nibble::tools {
 namespace {
 
 struct RlArgs {
-  std::string config, out, device;
+  std::string config, out, device, weight_transport = "auto";
   bool resume = false;
   int64_t stop_after = -1;
 };
@@ -53,6 +54,8 @@ int run_rl_command(const RlArgs& a) {
   if (!launch) return report_error("rl", launch.status());
   auto cfg = config_of(a);
   if (!cfg) return report_error("rl", cfg.status());
+  auto transport = rl::parse_weight_transport(a.weight_transport);
+  if (!transport) return report_error("rl", transport.status());
   auto task = rl::make_task(cfg->task);
   if (!task) return report_error("rl", task.status());
   auto be = open_device(device_for_launch(a.device, *launch));
@@ -63,6 +66,7 @@ int run_rl_command(const RlArgs& a) {
   o.stop_after_step = a.stop_after;
   o.backend = be->get();
   o.progress = true;
+  o.weight_transport = *transport;
   std::unique_ptr<ProcessGroupSetup> pg;
   if (launch->world_size > 1) {
     // disaggregated (rl/mpi_rollout.h): rank 0 trains, ranks 1..N-1 roll out
@@ -84,10 +88,11 @@ int run_rl_command(const RlArgs& a) {
   };
   if (group != nullptr) {
     Status st = dist::agree(*group, rl::check_rollout_world(group->world_size(), cfg->prompts_per_step));
-    if (st) st = dist::check_ranks_agree(*group, {{"rl config", cfg->to_json().dump()}});
+    if (st)
+      st = dist::check_ranks_agree(*group, {{"rl config", cfg->to_json().dump()}, {"weight transport", a.weight_transport}});
     if (!st) return fail(st);
     if (!rank0) {
-      Status served = rl::serve_rl_rollouts(*cfg, *group, be->get());
+      Status served = rl::serve_rl_rollouts(*cfg, *group, be->get(), *transport);
       return served ? 0 : fail(served);
     }
     o.group = group;
@@ -116,6 +121,10 @@ NIBBLE_REGISTER_COMMAND(kRlCommand, "rl",
                           app.add_option("--stop-after", a->stop_after,
                                          "Stop after this step with a checkpoint, as if interrupted (for testing --resume)")
                               ->check(IntegerIn(1, std::numeric_limits<int64_t>::max()));
+                          app.add_option("--weight-transport", a->weight_transport,
+                                         "Disaggregated runs (mpirun): how the weights reach the rollout ranks: auto "
+                                         "(NCCL GPU to GPU on CUDA, else host), host, or device (packed in backend memory)")
+                              ->check(CLI::IsMember({"auto", "host", "device"}));
                           add_device_option(app, &a->device);
                           return [a] { return run_rl_command(*a); };
                         });

@@ -5,12 +5,16 @@
 // Disaggregated under `mpirun -np N` (rank 0 trains, ranks 1..N-1 roll out; MoE trace arm, so
 // routing and guidance records cross the process boundary): for N = 2 (both prompt groups on
 // rank 1) and N = 3 (3 prompt groups per step split 2 + 1 over the two rollout ranks),
-// on-policy and with max_staleness 1, the metrics equal the one-process run's bit for bit, and a
+// on-policy and with max_staleness 1 (N = 3: 2), the metrics equal the one-process run's bit for bit, and a
 // run stopped mid-way resumes in another world size (N = 2: in one process; N = 3: under
-// mpirun -np 2) onto the same metrics. More rollout ranks than prompts per step: exit 2, one
-// line. Skipped when mpirun or MPI is missing.
+// mpirun -np 2) onto the same metrics. The weights go over the host transport (auto on CPU
+// processes), and for N = 3 with max_staleness 2 (4 steps) over the device one (the packed form in
+// backend memory, here host memory over MPI: the NCCL path's code on CPU processes, its buffer
+// pool reused while versions wait to be used). More rollout ranks than prompts per step: exit 2,
+// one line. Skipped when mpirun or MPI is missing.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -81,10 +85,12 @@ constexpr const char* kMoeConfig = R"({"model": {"architectures": ["Qwen3MoeForC
   "tokenizer_vocab_size": 300, "task": "arithmetic", "arm": "trace", "steps": 3, "prompts_per_step": 2,
   "group_size": 2, "max_new_tokens": 4, "lr": 0.01, "weight_decay": 0.5, "max_staleness": STALENESS})";
 
-// kMoeConfig with max_staleness `staleness` and `prompts` prompts per step.
-std::string moe_config(const std::string& staleness, int prompts) {
+// kMoeConfig with max_staleness `staleness`, `prompts` prompts per step and `steps` steps.
+std::string moe_config(const std::string& staleness, int prompts, int steps = 3) {
   std::string cfg = kMoeConfig;
   cfg.replace(cfg.find("STALENESS"), 9, staleness);
+  const std::string st = "\"steps\": 3";
+  cfg.replace(cfg.find(st), st.size(), "\"steps\": " + std::to_string(steps));
   const std::string p = "\"prompts_per_step\": 2";
   cfg.replace(cfg.find(p), p.size(), "\"prompts_per_step\": " + std::to_string(prompts));
   return cfg;
@@ -108,28 +114,34 @@ std::vector<nlohmann::json> step_lines(const std::string& path) {
   return out;
 }
 
-// The last step line of a 3-step run of the MoE config (max_staleness `staleness`, `prompts` per
-// step) under `mpirun -np np`, after checking that every step line equals the one-process run's
-// and that a run stopped after step 2 under mpirun -np np and resumed with `resume_np` processes
-// (1: no mpirun) ends on the same metrics.
-nlohmann::json disaggregated_run_equals_one_process(int np, int resume_np, const std::string& staleness, int prompts) {
-  const std::string label = fmt::format("np {} staleness {}", np, staleness);
+// The third step line of a `steps`-step run of the MoE config (max_staleness `staleness`,
+// `prompts` per step) under `mpirun -np np` with `--weight-transport transport`, after checking
+// that every step line equals the one-process run's and that a run stopped after step 2 under
+// mpirun -np np and resumed with `resume_np` processes (1: no mpirun) ends on the same metrics.
+nlohmann::json disaggregated_run_equals_one_process(int np, int resume_np, const std::string& staleness, int prompts,
+                                                    const std::string& transport, int steps = 3) {
+  const std::string label = fmt::format("np {} staleness {} transport {}", np, staleness, transport);
+  const auto n = static_cast<size_t>(steps);
   ScratchDir d(fmt::format("rl_mpi{}_{}", np, staleness));
-  write(d / "rl.json", moe_config(staleness, prompts));
+  write(d / "rl.json", moe_config(staleness, prompts, steps));
   RunResult one = run_nibble(d.path, "rl --config '" + d / "rl.json" + "' --out '" + d / "one" + "' --device cpu");
   EXPECT_EQ(one.code, 0) << one.err;
-  const std::string many_cmd = mpirun(np) + "'" + nibble_binary() + "' rl --config '" + d / "rl.json" + "' --device cpu ";
+  const std::string many_cmd = mpirun(np) + "'" + nibble_binary() + "' rl --config '" + d / "rl.json" +
+                               "' --device cpu --weight-transport " + transport + " ";
   RunResult many = run_shell(d.path, many_cmd + "--out '" + d / "many" + "'");
   EXPECT_EQ(many.code, 0) << many.err;
-  EXPECT_NE(many.out.find("rl: trace step 3/3"), std::string::npos) << many.out;
+  EXPECT_NE(many.out.find(fmt::format("rl: trace step {0}/{0}", steps)), std::string::npos) << many.out;
   EXPECT_NE(many.err.find(fmt::format("ranks 1..{} roll out", np - 1)), std::string::npos) << many.err;
+  const std::string used = transport == "device" ? "device" : "host";  // auto: host on CPU processes
+  EXPECT_NE(many.err.find(fmt::format("to {} rollout ranks over the {} transport", np - 1, used)), std::string::npos)
+      << many.err;
   const auto a = step_lines(d / "one/metrics.jsonl"), b = step_lines(d / "many/metrics.jsonl");
-  EXPECT_EQ(a.size(), 3u) << label;
-  EXPECT_EQ(b.size(), 3u) << label << ": one writer, rank 0";
-  if (a.size() != 3u || b.size() != 3u) return {};
+  EXPECT_EQ(a.size(), n) << label;
+  EXPECT_EQ(b.size(), n) << label << ": one writer, rank 0";
+  if (a.size() != n || b.size() != n) return {};
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << label << " step " << i + 1;
-  EXPECT_EQ(b[2]["policy_version"], staleness == "0" ? 2 : 1);
-  // stopped after step 2 under mpirun (a rollout in flight with staleness 1), resumed in another world
+  EXPECT_EQ(b[n - 1]["policy_version"], std::max(0, steps - 1 - std::stoi(staleness))) << label;
+  // stopped after step 2 under mpirun (rollouts in flight with staleness >= 1), resumed in another world
   RunResult first = run_shell(d.path, many_cmd + "--out '" + d / "split" + "' --stop-after 2");
   EXPECT_EQ(first.code, 0) << first.err;
   const std::string rest_cmd = "rl --out '" + d / "split" + "' --resume --device cpu";
@@ -137,26 +149,28 @@ nlohmann::json disaggregated_run_equals_one_process(int np, int resume_np, const
                                    : run_shell(d.path, mpirun(resume_np) + "'" + nibble_binary() + "' " + rest_cmd);
   EXPECT_EQ(rest.code, 0) << rest.err;
   const auto c = step_lines(d / "split/metrics.jsonl");
-  EXPECT_EQ(c.size(), 3u) << label;
-  if (c.size() == 3u) EXPECT_EQ(a[2], c[2]) << label << ", resumed with " << resume_np;
+  EXPECT_EQ(c.size(), n) << label;
+  if (c.size() == n) EXPECT_EQ(a[n - 1], c[n - 1]) << label << ", resumed with " << resume_np;
   return b[2];
 }
 
 TEST(RlCli, DisaggregatedUnderMpirunEqualsTheOneProcessRun) {
   if (const std::string why = why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
-  const nlohmann::json fresh = disaggregated_run_equals_one_process(2, 1, "0", 2);
-  const nlohmann::json stale = disaggregated_run_equals_one_process(2, 1, "1", 2);
+  const nlohmann::json fresh = disaggregated_run_equals_one_process(2, 1, "0", 2, "auto");
+  const nlohmann::json stale = disaggregated_run_equals_one_process(2, 1, "1", 2, "host");
   ASSERT_FALSE(fresh.is_null() || stale.is_null());
   EXPECT_NE(fresh["logp_diff_mean"], stale["logp_diff_mean"]) << "a stale rollout (N 1) looks fresh";
 }
 
 TEST(RlCli, DisaggregatedOverTwoRolloutRanksEqualsTheOneProcessRun) {
   if (const std::string why = why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
-  // 3 prompt groups over 2 rollout ranks: 2 on rank 1, 1 on rank 2
-  const nlohmann::json fresh = disaggregated_run_equals_one_process(3, 2, "0", 3);
-  const nlohmann::json stale = disaggregated_run_equals_one_process(3, 2, "1", 3);
+  // 3 prompt groups over 2 rollout ranks: 2 on rank 1, 1 on rank 2. The device transport with
+  // max_staleness 2 over 4 steps: a version arrives while the one before it still waits to be
+  // used (its pooled buffer must not be reused)
+  const nlohmann::json fresh = disaggregated_run_equals_one_process(3, 2, "0", 3, "auto");
+  const nlohmann::json stale = disaggregated_run_equals_one_process(3, 2, "2", 3, "device", 4);
   ASSERT_FALSE(fresh.is_null() || stale.is_null());
-  EXPECT_NE(fresh["logp_diff_mean"], stale["logp_diff_mean"]) << "a stale rollout (N 1) looks fresh";
+  EXPECT_NE(fresh["logp_diff_mean"], stale["logp_diff_mean"]) << "a stale rollout (N 2) looks fresh";
 }
 
 TEST(RlCli, MoreRolloutRanksThanPromptsIsOneLine) {

@@ -3,7 +3,7 @@
 // packed in device memory and sent in 4 KiB buckets (several ncclBroadcast calls on the device
 // buffer; over one rank each is the identity), reads back bit for bit as the host snapshot of
 // the same weights in every precision mode; a host version (a checkpoint's) uploads and sends;
-// the transport is "device" for a CUDA model on an NCCL group and "host" for a CPU one; a worker
+// auto picks "device" for a CUDA model on an NCCL group and "host" for a CPU one; a worker
 // on another CUDA backend fed the packed version rolls out exactly as one fed the host version;
 // the group's device broadcast keeps its bytes and refuses a root outside the world. Skips
 // without a device. The rollout ranks' receive needs a world of 2 GPUs (docs/rl.md).
@@ -107,12 +107,18 @@ TEST(NcclWeightTransportTest, OneRankWorldSendsAPackedPolicyBitForBit) {
 
   for (PrecisionMode mode : {PrecisionMode::kBf16, PrecisionMode::kW4A16, PrecisionMode::kW4A4}) {
     const std::string what = rollout::precision_mode_name(mode);
-    auto picked = rl::make_weight_transport(pg, *trainer, mode, "tetrajet-v2", 2);
+    using rl::WeightTransportKind;
+    auto picked = rl::make_weight_transport(pg, *trainer, mode, "tetrajet-v2", 2, WeightTransportKind::kAuto);
     ASSERT_TRUE(picked.is_ok()) << what << ": " << picked.status().message();
     EXPECT_STREQ(picked.value()->name(), "device") << what;
-    auto on_cpu = rl::make_weight_transport(pg, *cpu_model, mode, "tetrajet-v2", 2);
+    auto forced = rl::make_weight_transport(pg, *trainer, mode, "tetrajet-v2", 2, WeightTransportKind::kHost);
+    ASSERT_TRUE(forced.is_ok()) << what;
+    EXPECT_STREQ(forced.value()->name(), "host") << what;
+    auto on_cpu = rl::make_weight_transport(pg, *cpu_model, mode, "tetrajet-v2", 2, WeightTransportKind::kAuto);
     ASSERT_TRUE(on_cpu.is_ok()) << what;
     EXPECT_STREQ(on_cpu.value()->name(), "host") << what;
+    // host memory (the CPU model) cannot go through the NCCL group's device broadcast
+    EXPECT_FALSE(rl::make_weight_transport(pg, *cpu_model, mode, "tetrajet-v2", 2, WeightTransportKind::kDevice).is_ok());
 
     const int64_t bucket = 4096;
     auto transport = rl::make_device_weight_transport(pg, *trainer, mode, "tetrajet-v2", 2, bucket);
