@@ -41,6 +41,7 @@ struct Writer {
 };
 
 struct Reader {
+  explicit Reader(const std::vector<uint8_t>& b) : bytes(b) {}
   const std::vector<uint8_t>& bytes;
   size_t off = 0;
   Status status;

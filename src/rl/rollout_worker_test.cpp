@@ -12,6 +12,7 @@
 #include <cstring>
 #include <memory>
 
+#include "rl/policy_test_util.h"
 #include "rl/rollout_worker.h"
 #include "rollout/precision.h"
 
@@ -56,19 +57,7 @@ rollout::EngineOptions engine_options(PrecisionMode mode) {
   return eo;
 }
 
-std::vector<rollout::Request> requests() {
-  std::vector<rollout::Request> reqs;
-  for (int i = 0; i < 2; ++i) {
-    rollout::Request r;
-    r.prompt = {3 + i, 7, 11 + 5 * i};
-    r.id = static_cast<uint64_t>(i);
-    r.params.num_samples = 3;
-    r.params.max_new_tokens = 6;
-    r.params.seed = 42;
-    reqs.push_back(r);
-  }
-  return reqs;
-}
+std::vector<rollout::Request> requests() { return test::small_requests(3, 6); }
 
 struct Worker {
   std::unique_ptr<backend::Backend> be;
@@ -144,11 +133,7 @@ TEST(RolloutWorker, RolloutsEqualAnEngineOnTheTrainersModel) {
       auto got = roll(*wk.w, 0, 0);
       ASSERT_TRUE(got.is_ok()) << what << ": " << got.status().message();
       EXPECT_EQ(got.value().version, 0);
-      ASSERT_EQ(got.value().completions.size(), want.value().size()) << what;
-      for (size_t i = 0; i < want.value().size(); ++i) {
-        EXPECT_EQ(got.value().completions[i].tokens, want.value()[i].tokens) << what << " " << i;
-        EXPECT_EQ(got.value().completions[i].logprobs, want.value()[i].logprobs) << what << " " << i;
-      }
+      test::expect_same_completions(got.value().completions, want.value(), what);
     }
 }
 
@@ -212,26 +197,8 @@ TEST(RolloutWorker, AVersionNotSentOrDroppedIsAnError) {
   EXPECT_FALSE(wk.w->send(std::make_shared<const PolicyWeights>(std::move(bf))).is_ok());
 }
 
-// The bytes of a tensor list, concatenated (shapes aside: the packed BF16 form is flat).
-std::vector<uint8_t> raw(const std::vector<Tensor>& ts) {
-  std::vector<uint8_t> out;
-  for (const Tensor& t : ts) {
-    const auto* p = static_cast<const uint8_t*>(t.raw());
-    out.insert(out.end(), p, p + t.nbytes());
-  }
-  return out;
-}
-
-void expect_same_policy(const PolicyWeights& a, const PolicyWeights& b, const std::string& what) {
-  EXPECT_EQ(a.version, b.version) << what;
-  EXPECT_EQ(a.codes.size(), b.codes.size()) << what;
-  EXPECT_EQ(raw(a.codes), raw(b.codes)) << what;
-  EXPECT_EQ(raw(a.scales), raw(b.scales)) << what;
-  EXPECT_EQ(raw(a.outer), raw(b.outer)) << what;
-  EXPECT_EQ(a.bf16.size(), b.bf16.size()) << what;
-  EXPECT_EQ(raw(a.bf16), raw(b.bf16)) << what;
-  EXPECT_EQ(raw({a.rest}), raw({b.rest})) << what;
-}
+using test::expect_same_policy;
+using test::raw;
 
 TEST(RolloutWorker, PackedVersionsCarryTheHostSnapshotsBitsAndRollTheSame) {
   for (PrecisionMode mode : {PrecisionMode::kBf16, PrecisionMode::kW4A16, PrecisionMode::kW4A4}) {
@@ -270,11 +237,7 @@ TEST(RolloutWorker, PackedVersionsCarryTheHostSnapshotsBitsAndRollTheSame) {
     auto want = roll(*from_host.w, 0, 3), got = roll(*from_packed.w, 0, 3);
     ASSERT_TRUE(want.is_ok()) << what << ": " << want.status().message();
     ASSERT_TRUE(got.is_ok()) << what << ": " << got.status().message();
-    ASSERT_EQ(got.value().completions.size(), want.value().completions.size()) << what;
-    for (size_t i = 0; i < want.value().completions.size(); ++i) {
-      EXPECT_EQ(got.value().completions[i].tokens, want.value().completions[i].tokens) << what << " " << i;
-      EXPECT_EQ(got.value().completions[i].logprobs, want.value().completions[i].logprobs) << what << " " << i;
-    }
+    test::expect_same_completions(got.value().completions, want.value().completions, what);
 
     // the trainer's packed version lives in the trainer's backend, not the worker's
     pw.version = 4;

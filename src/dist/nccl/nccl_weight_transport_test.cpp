@@ -20,6 +20,7 @@
 #include "dist/nccl/nccl_group.h"
 #include "model/transformer.h"
 #include "rl/mpi_rollout.h"
+#include "rl/policy_test_util.h"
 #include "rl/rollout_worker.h"
 #include "rl/weight_transport.h"
 
@@ -48,36 +49,12 @@ std::unique_ptr<model::Model> tiny_moe(backend::Backend* be) {
   return std::move(m).value();
 }
 
-std::vector<uint8_t> raw(const std::vector<Tensor>& ts) {
-  std::vector<uint8_t> out;
-  for (const Tensor& t : ts) {
-    const auto* p = static_cast<const uint8_t*>(t.raw());
-    out.insert(out.end(), p, p + t.nbytes());
-  }
-  return out;
-}
-
-void expect_same_policy(const rl::PolicyWeights& a, const rl::PolicyWeights& b, const std::string& what) {
-  EXPECT_EQ(raw(a.codes), raw(b.codes)) << what;
-  EXPECT_EQ(raw(a.scales), raw(b.scales)) << what;
-  EXPECT_EQ(raw(a.outer), raw(b.outer)) << what;
-  EXPECT_EQ(raw(a.bf16), raw(b.bf16)) << what;
-  EXPECT_EQ(raw({a.rest}), raw({b.rest})) << what;
-  EXPECT_FALSE(raw({a.rest}).empty()) << what;
-}
+using rl::test::expect_same_policy;
 
 Result<rl::RolloutBatch> roll(rl::ThreadRolloutWorker& w, int64_t version) {
   rl::RolloutJob job;
   job.version = version;
-  for (int i = 0; i < 2; ++i) {
-    rollout::Request r;
-    r.prompt = {3 + i, 7, 11 + 5 * i};
-    r.id = static_cast<uint64_t>(i);
-    r.params.num_samples = 2;
-    r.params.max_new_tokens = 5;
-    r.params.seed = 42;
-    job.requests.push_back(r);
-  }
+  job.requests = rl::test::small_requests(2, 5);
   NIB_RETURN_IF_ERROR(w.start(std::move(job)));
   return w.finish();
 }
@@ -155,11 +132,7 @@ TEST(NcclWeightTransportTest, OneRankWorldSendsAPackedPolicyBitForBit) {
     auto want = roll(*wa.value(), 2), got = roll(*wb.value(), 2);
     ASSERT_TRUE(want.is_ok()) << what << ": " << want.status().message();
     ASSERT_TRUE(got.is_ok()) << what << ": " << got.status().message();
-    ASSERT_EQ(got.value().completions.size(), want.value().completions.size()) << what;
-    for (size_t i = 0; i < want.value().completions.size(); ++i) {
-      EXPECT_EQ(got.value().completions[i].tokens, want.value().completions[i].tokens) << what << " " << i;
-      EXPECT_EQ(got.value().completions[i].logprobs, want.value().completions[i].logprobs) << what << " " << i;
-    }
+    rl::test::expect_same_completions(got.value().completions, want.value().completions, what);
   }
   // a host-memory group has no device transport
   auto single = make_single_group();
