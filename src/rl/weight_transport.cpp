@@ -1,6 +1,7 @@
 // The device weight transport (weight_transport.h): a header over the host path, then the packed
-// version's buffer in kBucketBytes buckets with the group's device broadcast; on the rollout
-// ranks a pool of packed buffers allocated before the first rollout and reused.
+// version's buffer in kBucketBytes buckets with the group's broadcast; on the rollout ranks a pool
+// of packed buffers allocated before the first rollout and reused, and a one-bucket drop buffer
+// that a body which cannot be kept is received into (so that the ranks stay in step).
 #include "rl/weight_transport.h"
 
 #include <algorithm>
@@ -41,13 +42,20 @@ class DeviceWeightTransport final : public WeightTransport {
     NIB_RETURN_IF_ERROR(group_.broadcast_host(header, sizeof header, 0));
     const int64_t version = header[0], bytes = header[2];
     if (bytes < 0) return data_loss("device weight transport: version {} of negative size {}", version, bytes);
-    NIB_ASSIGN_OR_RETURN(std::shared_ptr<PackedPolicy> buf, free_buffer());
-    // another model's version still goes by in full (into this buffer, bucket by bucket)
+    NIB_RETURN_IF_ERROR(grow_pool());
+    std::shared_ptr<PackedPolicy> buf = free_buffer();
     const bool fits = bytes == layout_.total_bytes && header[1] == static_cast<int64_t>(layout_.mode);
-    NIB_RETURN_IF_ERROR(broadcast_body(buf->data.data(), bytes, fits ? bytes : std::min(bucket_bytes_, layout_.total_bytes)));
-    if (!fits)
+    if (!fits || buf == nullptr) {
+      // the body still goes by in full (bucket by bucket into the drop buffer): the ranks stay in step
+      NIB_RETURN_IF_ERROR(broadcast_body(drop_.data(), bytes, drop_.size()));
+      if (buf == nullptr)
+        return Status(StatusCode::kInternal,
+                      fmt::format("device weight transport: version {} arrived while all {} version buffers are in use",
+                                  version, pool_.size()));
       return data_loss("device weight transport: version {} holds {} bytes in mode {}, this model's {} bytes in mode {}",
                        version, bytes, header[1], layout_.total_bytes, static_cast<int64_t>(layout_.mode));
+    }
+    NIB_RETURN_IF_ERROR(broadcast_body(buf->data.data(), bytes, bytes));
     PolicyWeights w;
     w.version = version, w.mode = layout_.mode, w.format = layout_.format;
     w.packed = std::move(buf);
@@ -67,17 +75,28 @@ class DeviceWeightTransport final : public WeightTransport {
     return Status::ok();
   }
 
-  // A pooled buffer no version still uses (the pool holds the only reference), the pool grown to
-  // versions_held_ on the first call.
-  Result<std::shared_ptr<PackedPolicy>> free_buffer() {
+  // The pool's versions_held_ buffers and the drop buffer (one bucket), allocated on the first
+  // receive (before any rollout runs), then never again.
+  Status grow_pool() {
     while (static_cast<int64_t>(pool_.size()) < versions_held_) {
       NIB_ASSIGN_OR_RETURN(std::shared_ptr<PackedPolicy> b, allocate_packed(model_.backend(), layout_));
       pool_.push_back(std::move(b));
     }
+    if (drop_.data() == nullptr) {
+      try {
+        drop_.ensure(model_.backend(), std::min(bucket_bytes_, layout_.total_bytes), "rl weight transport drop bucket");
+      } catch (const backend::AllocationError& e) {
+        return Status(StatusCode::kInternal, e.what());
+      }
+    }
+    return Status::ok();
+  }
+
+  // A pooled buffer no version still uses (the pool holds the only reference), or null.
+  std::shared_ptr<PackedPolicy> free_buffer() {
     for (const std::shared_ptr<PackedPolicy>& b : pool_)
       if (b.use_count() == 1) return b;
-    return Status(StatusCode::kInternal,
-                  fmt::format("device weight transport: all {} version buffers are in use", pool_.size()));
+    return nullptr;
   }
 
   dist::ProcessGroup& group_;
@@ -85,6 +104,7 @@ class DeviceWeightTransport final : public WeightTransport {
   PolicyLayout layout_;
   int64_t versions_held_, bucket_bytes_;
   std::vector<std::shared_ptr<PackedPolicy>> pool_;
+  backend::Buffer<uint8_t> drop_;  // (min(bucket, layout total)) u8 backend memory: bodies received to be dropped
 };
 
 }  // namespace
@@ -94,15 +114,6 @@ Result<WeightTransportKind> parse_weight_transport(const std::string& s) {
   if (s == "host") return WeightTransportKind::kHost;
   if (s == "device") return WeightTransportKind::kDevice;
   return invalid_argument("weight transport '{}': use auto, host or device", s);
-}
-
-const char* weight_transport_name(WeightTransportKind k) {
-  switch (k) {
-    case WeightTransportKind::kAuto: return "auto";
-    case WeightTransportKind::kHost: return "host";
-    case WeightTransportKind::kDevice: return "device";
-  }
-  return "?";
 }
 
 Result<std::unique_ptr<WeightTransport>> make_device_weight_transport(dist::ProcessGroup& group, model::Model& model,

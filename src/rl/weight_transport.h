@@ -25,7 +25,6 @@ inline constexpr int64_t kBucketBytes = int64_t{16} << 20;
 enum class WeightTransportKind { kAuto, kHost, kDevice };
 // "auto" | "host" | "device"; anything else: invalid_argument naming the three.
 Result<WeightTransportKind> parse_weight_transport(const std::string& s);
-const char* weight_transport_name(WeightTransportKind k);
 
 class WeightTransport {
  public:
