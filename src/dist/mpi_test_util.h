@@ -1,6 +1,6 @@
 // Test helper for MPI code: re-launches the running GoogleTest program under `mpirun -np N` with
 // a test filter, so one TEST both starts the workers (from ctest) and is their body (under
-// mpirun: OMPI_COMM_WORLD_SIZE set). Used by process_group_test.cpp and train/zero_test.cpp.
+// mpirun: OMPI_COMM_WORLD_SIZE set). Used by the MPI tests of dist/, train/ and rl/.
 // LeakSanitizer is off for the workers (sanitizer CI): OpenMPI keeps allocations past MPI_Finalize.
 #pragma once
 
@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+
+#include <gtest/gtest.h>
 
 #include "dist/process_group.h"
 
@@ -44,6 +46,16 @@ inline std::string run_self_under_mpirun(int np, const std::string& filter, bool
   for (size_t at = out.find("[  PASSED  ] 1 test"); at != std::string::npos; at = out.find("[  PASSED  ] 1 test", at + 1))
     ++*passed;
   return out;
+}
+
+// The launching half of such a TEST: `filter` under mpirun -np np must exit 0 with every worker
+// passing its one test (the caller skips first when why_no_mpirun() says why it cannot run).
+inline void expect_every_rank_passes(int np, const std::string& filter) {
+  bool ok = false;
+  int passed = 0;
+  const std::string out = run_self_under_mpirun(np, filter, &ok, &passed);
+  EXPECT_TRUE(ok) << out;
+  EXPECT_EQ(passed, np) << out;
 }
 
 }  // namespace nibble::dist::test

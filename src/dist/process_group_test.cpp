@@ -246,12 +246,7 @@ TEST(MpiGroupTest, CollectivesAcrossThreeProcesses) {
     return;
   }
   if (const std::string why = dist::test::why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
-  bool ok = false;
-  int passed = 0;
-  const std::string out = test::run_self_under_mpirun(3, "MpiGroupTest.CollectivesAcrossThreeProcesses", &ok, &passed);
-  EXPECT_TRUE(ok) << out;
-  // Each of the three workers ran the checks (and passed them).
-  EXPECT_EQ(passed, 3) << out;
+  test::expect_every_rank_passes(3, "MpiGroupTest.CollectivesAcrossThreeProcesses");
 }
 
 }  // namespace

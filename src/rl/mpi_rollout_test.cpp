@@ -121,12 +121,7 @@ TEST(WeightTransportMpiTest, DeviceTransportAcrossThreeProcessesStaysInStep) {
     return;
   }
   if (const std::string why = dist::test::why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
-  bool ok = false;
-  int passed = 0;
-  const std::string out =
-      dist::test::run_self_under_mpirun(3, "WeightTransportMpiTest.DeviceTransportAcrossThreeProcessesStaysInStep", &ok, &passed);
-  EXPECT_TRUE(ok) << out;
-  EXPECT_EQ(passed, 3) << out;
+  dist::test::expect_every_rank_passes(3, "WeightTransportMpiTest.DeviceTransportAcrossThreeProcessesStaysInStep");
 }
 
 }  // namespace
