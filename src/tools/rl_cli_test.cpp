@@ -75,6 +75,13 @@ TEST(RlCli, BadInputsAreOneLineWithTheirExitCodes) {
   EXPECT_EQ(resume.err_lines(), 1) << resume.err;
   RunResult noconfig = run_nibble(d.path, "rl --out '" + d / "x" + "'");
   EXPECT_EQ(noconfig.code, 2);
+  // an unknown weight transport: refused before anything is written
+  RunResult transport = run_nibble(d.path, "rl --config '" + d / "task.json" + "' --out '" + d / "t" +
+                                               "' --weight-transport foo");
+  EXPECT_EQ(transport.code, 2);
+  EXPECT_EQ(transport.err_lines(), 1) << transport.err;
+  EXPECT_NE(transport.err.find("--weight-transport"), std::string::npos) << transport.err;
+  EXPECT_FALSE(fs::exists(d / "t"));
 }
 
 constexpr const char* kMoeConfig = R"({"model": {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32,
