@@ -129,7 +129,7 @@ def tables(runs, linear_weights=None):
             continue
         watched, last = k.get('recipe.oscireset.eligible'), k.get('recipe.oscireset.resets_last')
         mark = ''
-        if not watched and linear_weights:
+        if not watched and linear_weights and last is not None:  # only runs with OsciReset on
             watched, mark = float(linear_weights), '*'
         frac = last / watched if watched and last is not None else None
         out.append(f"| {r['name']} | {fmt(k.get('recipe.oscireset.resets_total'), 0)} | {fmt(last, 0)} | "
