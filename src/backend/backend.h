@@ -269,6 +269,8 @@ class Backend {
   virtual void round_to_bf16(float* dst, const float* src, int64_t n) = 0;
   // dst (n) bf16 bits <- src (n) f32 rounded to nearest even
   virtual void to_bf16_bits(uint16_t* dst, const float* src, int64_t n) = 0;
+  // dst (n) f32 <- src (n) bf16 bits widened (exact: the inverse of to_bf16_bits on BF16 values)
+  virtual void from_bf16_bits(float* dst, const uint16_t* src, int64_t n) = 0;
   // dst (rows_p, cols_p) <- bf16(src[r, idx[j]]) for r < rows, j < n_idx (idx null: j), else 0.
   // src: (rows, src_cols) f32; idx: (n_idx) i64 in backend memory.
   virtual void gather_columns_bf16(float* dst, const float* src, int64_t rows, int64_t rows_p, int64_t src_cols,

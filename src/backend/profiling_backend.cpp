@@ -55,6 +55,7 @@ constexpr OpInfo kOps[] = {
     {"scale", OpCategory::kOptimizer},
     {"round_to_bf16", OpCategory::kQuantize},
     {"to_bf16_bits", OpCategory::kQuantize},
+    {"from_bf16_bits", OpCategory::kQuantize},
     {"gather_columns_bf16", OpCategory::kQuantize},
     {"scatter_add_columns", OpCategory::kQuantize},
     {"scatter_columns", OpCategory::kQuantize},
@@ -355,6 +356,10 @@ void ProfilingBackend::round_to_bf16(float* dst, const float* src, int64_t n) {
 void ProfilingBackend::to_bf16_bits(uint16_t* dst, const float* src, int64_t n) {
   Timed timed(*this, ProfiledOp::kToBf16Bits);
   inner_->to_bf16_bits(dst, src, n);
+}
+void ProfilingBackend::from_bf16_bits(float* dst, const uint16_t* src, int64_t n) {
+  Timed timed(*this, ProfiledOp::kFromBf16Bits);
+  inner_->from_bf16_bits(dst, src, n);
 }
 void ProfilingBackend::gather_columns_bf16(float* dst, const float* src, int64_t rows, int64_t rows_p, int64_t src_cols,
                                            const int64_t* idx, int64_t n_idx, int64_t cols_p) {

@@ -131,7 +131,7 @@ PolicyLayout policy_layout(model::Model& m, PrecisionMode mode, const std::strin
       l.scales.push_back(place(QuantizedTensor::scale_bytes(l.format, info.N, info.K)));
       l.outer.push_back(place(4 * QuantizedTensor::outer_count(l.format, info.N, info.K)));
     } else {
-      l.weights.push_back(place(4 * info.N * info.K));
+      l.weights.push_back(place(2 * info.N * info.K));
     }
   }
   int64_t r = 0;
@@ -169,9 +169,9 @@ Result<std::shared_ptr<PackedPolicy>> pack_policy(model::Model& trainer, Precisi
       be.copy(base + l.outer[i].offset, qt.outer, static_cast<size_t>(l.outer[i].bytes));
     }
   } else {
-    for (size_t i = 0; i < infos.size(); ++i)  // the bf16 mode's rounding, kept in FP32
-      be.round_to_bf16(reinterpret_cast<float*>(base + l.weights[i].offset), trainer.linear_weight(infos[i].id),
-                       infos[i].N * infos[i].K);
+    for (size_t i = 0; i < infos.size(); ++i)  // the bf16 mode's rounding: the host form's bits
+      be.to_bf16_bits(reinterpret_cast<uint16_t*>(base + l.weights[i].offset), trainer.linear_weight(infos[i].id),
+                      infos[i].N * infos[i].K);
   }
   auto* rest = reinterpret_cast<float*>(base + l.rest.offset);
   for (const ParamSegment& seg : rest_segments(trainer)) {
@@ -205,12 +205,7 @@ Status pack_host_policy(const PolicyWeights& w, PackedPolicy& out) {
       NIB_RETURN_IF_ERROR(put(l.scales[i], w.scales[i], "scales", i));
       NIB_RETURN_IF_ERROR(put(l.outer[i], w.outer[i], "outer scales", i));
     } else {
-      if (static_cast<int64_t>(w.bf16[i].nbytes()) * 2 != l.weights[i].bytes)
-        return invalid_argument("rl policy version {}: linear {} has the wrong size", w.version, i);
-      const uint16_t* b = w.bf16[i].data<uint16_t>();
-      std::vector<float> f(static_cast<size_t>(w.bf16[i].numel()));
-      for (size_t k = 0; k < f.size(); ++k) f[k] = bf16_bits_to_f32(b[k]);
-      be.copy_to_device(base + l.weights[i].offset, f.data(), f.size() * 4);
+      NIB_RETURN_IF_ERROR(put(l.weights[i], w.bf16[i], "BF16 weight", i));
     }
   }
   return put(l.rest, w.rest, "rest", n);
@@ -232,14 +227,7 @@ PolicyWeights unpack_policy(const PackedPolicy& p, int64_t version) {
     w.scales.push_back(take(l.scales[i], DType::kU8));
     w.outer.push_back(take(l.outer[i], DType::kF32));
   }
-  for (const PolicyLayout::Part& part : l.weights) {
-    const Tensor f = take(part, DType::kF32);
-    Tensor t(DType::kBF16, {f.numel()});
-    const float* src = f.data<float>();
-    uint16_t* dst = t.data<uint16_t>();
-    for (int64_t k = 0; k < f.numel(); ++k) dst[k] = f32_to_bf16_bits(src[k]);  // exact: already BF16 values
-    w.bf16.push_back(std::move(t));
-  }
+  for (const PolicyLayout::Part& part : l.weights) w.bf16.push_back(take(part, DType::kBF16));
   w.rest = take(l.rest, DType::kF32);
   return w;
 }
@@ -359,8 +347,9 @@ Status ThreadRolloutWorker::apply_packed(const PolicyWeights& w) {
     }
     NIB_RETURN_IF_ERROR(engine_->receive_quantized_weights(views));
   } else {
-    for (size_t i = 0; i < infos.size(); ++i)  // BF16 values in FP32: the master weights' bits as the host form's
-      be.copy(model_->linear_weight(infos[i].id), base + l.weights[i].offset, static_cast<size_t>(l.weights[i].bytes));
+    for (size_t i = 0; i < infos.size(); ++i)  // BF16 bits widened: the master weights' bits as the host form's
+      be.from_bf16_bits(model_->linear_weight(infos[i].id), reinterpret_cast<const uint16_t*>(base + l.weights[i].offset),
+                        infos[i].N * infos[i].K);
     NIB_RETURN_IF_ERROR(engine_->refresh_weights());
   }
   applied_version_ = w.version;

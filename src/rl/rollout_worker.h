@@ -55,9 +55,9 @@ struct PolicyWeights {
 
 // ---- the packed form: a version in one buffer of backend memory (rl/weight_transport.h) ----
 // Where each part sits: per block linear (linear_infos() order) the 4-bit modes' codes, block
-// scales and outer scales, or the bf16 mode's weight as BF16-rounded FP32 (N, K) (the values the
-// host form's BF16 bits hold; FP32 because no backend op widens BF16 bits on the device: twice the
-// BF16 bytes), then the rest (R) f32; every part at a kPackedAlign-aligned offset.
+// scales and outer scales, or the bf16 mode's weight as BF16 bits (N, K) (the host form's bits;
+// the receiver widens them with from_bf16_bits), then the rest (R) f32; every part at a
+// kPackedAlign-aligned offset.
 struct PolicyLayout {
   static constexpr int64_t kPackedAlign = 256;
   struct Part {

@@ -212,10 +212,9 @@ TEST(RolloutWorker, PackedVersionsCarryTheHostSnapshotsBitsAndRollTheSame) {
     expect_same_policy(unpack_policy(*packed.value(), 3), host, what + " packed from the trainer");
     PolicyWeights pw;
     pw.version = 3, pw.mode = mode, pw.format = l.format, pw.packed = packed.value();
-    // the sync's byte count: the host form's, but the bf16 mode's weights travel as FP32
-    int64_t bf16_bytes = 0;
-    for (const Tensor& t : host.bf16) bf16_bytes += static_cast<int64_t>(t.nbytes());
-    EXPECT_EQ(pw.bytes(), host.bytes() + bf16_bytes) << what;
+    // the sync's byte count: exactly the host form's in every mode (the bf16 mode's weights
+    // travel as BF16 bits, not widened)
+    EXPECT_EQ(pw.bytes(), host.bytes()) << what;
     std::vector<io::NamedTensor> a, b;  // the checkpoint form
     pw.append_named(a), host.append_named(b);
     ASSERT_EQ(a.size(), b.size()) << what;

@@ -261,6 +261,10 @@ class GuardBackend final : public backend::Backend {
     all("to_bf16_bits", {dst, src});
     cpu_->to_bf16_bits(dst, src, n);
   }
+  void from_bf16_bits(float* dst, const uint16_t* src, int64_t n) override {
+    all("from_bf16_bits", {dst, src});
+    cpu_->from_bf16_bits(dst, src, n);
+  }
   void gather_columns_bf16(float* dst, const float* src, int64_t rows, int64_t rows_p, int64_t src_cols,
                            const int64_t* idx, int64_t n_idx, int64_t cols_p) override {
     all("gather_columns_bf16", {dst, src}), opt("gather_columns_bf16", idx);

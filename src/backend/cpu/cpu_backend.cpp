@@ -430,6 +430,11 @@ void CpuBackend::to_bf16_bits(uint16_t* dst, const float* src, int64_t n) {
     for (int64_t i = b; i < e; ++i) dst[i] = f32_to_bf16_bits(src[i]);
   });
 }
+void CpuBackend::from_bf16_bits(float* dst, const uint16_t* src, int64_t n) {
+  parallel_for(n, 1 << 14, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = bf16_bits_to_f32(src[i]);
+  });
+}
 void CpuBackend::gather_columns_bf16(float* dst, const float* src, int64_t rows, int64_t rows_p, int64_t src_cols,
                                      const int64_t* idx, int64_t n_idx, int64_t cols_p) {
   parallel_for(rows_p, grain(cols_p), [&](int64_t r0, int64_t r1) {

@@ -584,6 +584,11 @@ void CudaBackend::to_bf16_bits(uint16_t* dst, const float* src, int64_t n) {
   NIB_OP_CUDA(cuda::to_bf16_bits(dst, src, n, stream_), "to_bf16_bits", "n={}", n);
 }
 
+void CudaBackend::from_bf16_bits(float* dst, const uint16_t* src, int64_t n) {
+  activate();
+  NIB_OP_CUDA(cuda::from_bf16_bits(dst, src, n, stream_), "from_bf16_bits", "n={}", n);
+}
+
 void CudaBackend::gather_columns_bf16(float* dst, const float* src, int64_t rows, int64_t rows_p, int64_t src_cols,
                                       const int64_t* idx, int64_t n_idx, int64_t cols_p) {
   activate();

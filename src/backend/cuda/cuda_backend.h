@@ -141,6 +141,7 @@ class CudaBackend final : public backend::Backend {
   // ---- format ops ------------------------------------------------------------------------------
   void round_to_bf16(float* dst, const float* src, int64_t n) override;
   void to_bf16_bits(uint16_t* dst, const float* src, int64_t n) override;
+  void from_bf16_bits(float* dst, const uint16_t* src, int64_t n) override;
   void gather_columns_bf16(float* dst, const float* src, int64_t rows, int64_t rows_p, int64_t src_cols,
                            const int64_t* idx, int64_t n_idx, int64_t cols_p) override;
   void scatter_add_columns(float* dw, const float* t, int64_t N, int64_t K, const int64_t* idx, int64_t n_idx,

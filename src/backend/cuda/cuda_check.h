@@ -20,8 +20,12 @@ namespace nibble::cuda {
 }
 
 // A Status for a failed CUDA call (for code that must not throw, such as init()).
+// The error is also taken off the thread's last-error slot (cudaGetLastError), so a recoverable
+// failure (cudaSetDevice on a GPU that does not exist) is not reported again by the next kernel
+// launch's check; sticky errors (a faulted context) stay and fail every later call anyway.
 inline Status cuda_status(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return Status::ok();
+  (void)cudaGetLastError();
   return {StatusCode::kInternal, fmt::format("{}: CUDA error {} ({})", what, cudaGetErrorName(err), cudaGetErrorString(err))};
 }
 

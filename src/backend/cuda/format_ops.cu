@@ -30,6 +30,10 @@ __global__ void to_bf16_bits_kernel(uint16_t* dst, const float* src, int64_t n) 
   NIB_GRID_STRIDE(i, n) dst[i] = f32_to_bf16_bits(src[i]);
 }
 
+__global__ void from_bf16_bits_kernel(float* dst, const uint16_t* src, int64_t n) {
+  NIB_GRID_STRIDE(i, n) dst[i] = bf16_bits_to_f32(src[i]);
+}
+
 __global__ void gather_columns_bf16_kernel(float* dst, const float* src, int64_t rows, int64_t src_cols,
                                            const int64_t* idx, int64_t n_idx, int64_t cols_p, int64_t total) {
   NIB_GRID_STRIDE(i, total) {
@@ -96,6 +100,12 @@ cudaError_t nvfp4_te_alpha(float* alpha, const float* amax_a, const float* amax_
 cudaError_t to_bf16_bits(uint16_t* dst, const float* src, int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   to_bf16_bits_kernel<<<grid_for(n), kThreads, 0, stream>>>(dst, src, n);
+  return cudaGetLastError();
+}
+
+cudaError_t from_bf16_bits(float* dst, const uint16_t* src, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  from_bf16_bits_kernel<<<grid_for(n), kThreads, 0, stream>>>(dst, src, n);
   return cudaGetLastError();
 }
 

@@ -15,6 +15,8 @@ namespace nibble::cuda {
 cudaError_t round_to_bf16(float* dst, const float* src, int64_t n, cudaStream_t stream);
 // dst (n) bf16 bits <- src (n) f32, round to nearest even.
 cudaError_t to_bf16_bits(uint16_t* dst, const float* src, int64_t n, cudaStream_t stream);
+// dst (n) f32 <- src (n) bf16 bits widened (exact).
+cudaError_t from_bf16_bits(float* dst, const uint16_t* src, int64_t n, cudaStream_t stream);
 // alpha (1) <- formats::nvfp4_te_gemm_alpha(*amax_a, *amax_b): the BF16 GEMM's alpha of two TE
 // operands, computed on the device (one thread).
 cudaError_t nvfp4_te_alpha(float* alpha, const float* amax_a, const float* amax_b, cudaStream_t stream);

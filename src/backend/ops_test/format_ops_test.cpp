@@ -318,6 +318,10 @@ TEST_P(FormatOpsTest, Bf16RoundingAndBits) {
   uint16_t* b = zeros<uint16_t>(n);
   be().to_bf16_bits(b, xd, n);
   EXPECT_TRUE(same_bits(download(b, n), bits_ref));
+  // widening the bits back gives the rounded values, NaN payloads and -0 included
+  float* w = zeros<float>(n);
+  be().from_bf16_bits(w, b, n);
+  EXPECT_TRUE(bits_equal(download(w, n), ref));
   be().round_to_bf16(xd, xd, n);  // in place
   EXPECT_TRUE(bits_equal(download(xd, n), ref));
 }

@@ -154,6 +154,9 @@ TEST(NcclGroupTest, BadOptionsAreErrors) {
   o = NcclOptions{};
   o.cuda_device = 1 << 20;  // no such GPU
   EXPECT_FALSE(make_nccl_group(LaunchEnv{}, nullptr, o));
+  // the refused device is not left behind for the next kernel launch's check (it was, and failed
+  // the weight-transport test that ran next in this program on the H200)
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
 }  // namespace
