@@ -71,6 +71,7 @@ Status bench_decode(backend::Backend& device_be, const model::ModelConfig& confi
   eo.num_pages = max_batch * per_seq + 1;
   eo.max_step_tokens = std::max<int64_t>(max_batch, std::min<int64_t>(8192, max_batch * o.prompt));
   eo.share_prefix = false;
+  eo.reference_sampler = o.reference_sampler;
   NIB_ASSIGN_OR_RETURN(auto engine, Engine::create(*m, eo));
   NIB_RETURN_IF_ERROR(engine->init_random_weights(o.seed));
   be.synchronize();
@@ -83,7 +84,8 @@ Status bench_decode(backend::Backend& device_be, const model::ModelConfig& confi
       r.id = static_cast<uint64_t>(b);
       for (int64_t t = 0; t < o.prompt; ++t)
         r.prompt.push_back(static_cast<int32_t>(rng.next_u32() % config.vocab_size));
-      r.params.sampling.temperature = 0;  // greedy: every sequence runs all new tokens (no stop ids)
+      r.params.sampling.temperature = o.temperature;  // no stop ids: every sequence runs all new tokens
+      r.params.sampling.top_p = o.top_p;
     }
     auto timed = [&](int64_t new_tokens) -> Result<double> {
       for (Request& r : reqs) r.params.max_new_tokens = new_tokens;
@@ -98,7 +100,14 @@ Status bench_decode(backend::Backend& device_be, const model::ModelConfig& confi
     res.batch = batch;
     res.init_seconds = init_seconds;
     NIB_ASSIGN_OR_RETURN(res.prefill_seconds, timed(1));
+    const EngineStats first = engine->stats();
     NIB_ASSIGN_OR_RETURN(double total, timed(o.new_tokens));
+    const EngineStats all = engine->stats();
+    const double per_step_ms = 1e3 / static_cast<double>(o.new_tokens - 1);
+    res.host_forward_ms = (all.forward_seconds - first.forward_seconds) * per_step_ms;
+    res.host_sample_ms = (all.sample_seconds - first.sample_seconds) * per_step_ms;
+    res.host_metadata_ms = (all.metadata_seconds - first.metadata_seconds) * per_step_ms;
+    res.host_step_ms = (all.total_seconds - first.total_seconds) * per_step_ms;
     res.decode_seconds = std::max(total - res.prefill_seconds, 1e-9);
     res.decode_tokens_per_s = static_cast<double>(batch * (o.new_tokens - 1)) / res.decode_seconds;
     if (o.profile) {

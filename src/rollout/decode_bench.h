@@ -32,6 +32,8 @@ struct DecodeBenchOptions {
   int64_t prompt = 512, new_tokens = 128;
   uint64_t seed = 1;
   int64_t copy_bytes = int64_t{1} << 30;  // size of the bandwidth-measuring copy
+  double temperature = 0, top_p = 1;  // the requests' sampling (0: greedy; no stop ids either way)
+  bool reference_sampler = false;  // EngineOptions::reference_sampler (the host-time comparison)
   bool profile = false;  // after the timed runs, profile the prefill run and the decode steps
   // kTraining: the model of the training path (FP32 master weights and gradients, quantized
   // from them) as before inference storage existed; the same bits, for comparisons.
@@ -51,6 +53,10 @@ struct DecodeBenchResult {
   double init_seconds = 0;          // the model, the engine and their random weights
   EngineMemory memory;              // after the runs (workspace grown to the prefill's)
   int64_t peak_bytes = -1;          // the backend's peak allocation since the start (-1: not tracked)
+  // Host wall time of one decode step by part (ms; EngineStats, the run of `new` minus the run of
+  // 1, per step): the forward (issuing ops + the logits copy's wait), sampling and log-probs, the
+  // cache's block tables, and the whole step.
+  double host_forward_ms = 0, host_sample_ms = 0, host_metadata_ms = 0, host_step_ms = 0;
   bool profiled = false;
   backend::StepProfile prefill_profile;      // the run generating 1 token (prefill + first token)
   backend::StepProfile decode_step_profile;  // one decode step: (run of `new` - run of 1) / (new - 1)

@@ -2,6 +2,7 @@
 #include "rollout/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <deque>
 
@@ -11,6 +12,11 @@
 #include "rollout/quantized_weights.h"
 
 namespace nibble::rollout {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+}  // namespace
 
 const char* finish_reason_name(FinishReason r) {
   switch (r) {
@@ -211,6 +217,12 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
   // given, then what callbacks.admit hands over (a deque: references stay valid as it grows)
   std::deque<Request> requests(given.begin(), given.end());
   stats_ = EngineStats{};
+  const auto t_generate = Clock::now();
+  struct TotalTime {  // stats_.total_seconds, however generate() returns
+    EngineStats& stats;
+    Clock::time_point t0;
+    ~TotalTime() { stats.total_seconds = seconds_since(t0); }
+  } total_time{stats_, t_generate};
   auto check_stops = [&](const std::vector<Request>& rs) -> Status {
     for (const Request& r : rs)
       if (!r.params.stop_strings.empty() && !callbacks.detokenize)
@@ -274,12 +286,12 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
   std::vector<std::vector<Completion>> done_by_request(requests.size());
   int64_t budget_used = 0, running = 0;
 
-  // Records a sampled token for sample s from logits row (V); true when s stops.
-  auto take_token = [&](Sample& s, const float* row) -> Result<bool> {
+  // Records token `drawn` (sampled for sample s by draw_tokens); true when s stops.
+  auto take_token = [&](Sample& s, const SampledToken& drawn) -> Result<bool> {
     const GenerationParams& g = requests[s.request].params;
-    const int32_t tok = sample_token(row, V, g.sampling, &s.rng);
+    const int32_t tok = drawn.token;
     s.out.tokens.push_back(tok);
-    s.out.logprobs.push_back(token_logprob(row, V, tok, g.sampling.temperature));
+    s.out.logprobs.push_back(drawn.logprob);
     ++stats_.generated_tokens;
     if (callbacks.on_token) NIB_RETURN_IF_ERROR(callbacks.on_token(s.request, s.index, tok));
     if (std::find(g.stop_ids.begin(), g.stop_ids.end(), tok) != g.stop_ids.end()) {
@@ -315,6 +327,40 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
     return Status::ok();
   };
 
+  // This step's draws: the token and log-prob of samples[draw_sample[j]] from logits row
+  // draw_row[j] (V). Each draw reads only its row and its own sample's Philox stream, so the rows
+  // are drawn in parallel (the same tokens as one after the other) before take_token records them
+  // in order.
+  std::vector<size_t> draw_sample;
+  std::vector<const float*> draw_row;
+  std::vector<SampledToken> drawn;
+  auto draw_tokens = [&] {
+    const auto t0 = Clock::now();
+    drawn.resize(draw_sample.size());
+    if (options_.reference_sampler) {
+      for (size_t j = 0; j < drawn.size(); ++j) {
+        Sample& s = samples[draw_sample[j]];
+        const SamplingParams& sp = requests[s.request].params.sampling;
+        drawn[j].token = sample_token(draw_row[j], V, sp, &s.rng);
+        drawn[j].logprob = token_logprob(draw_row[j], V, drawn[j].token, sp.temperature);
+      }
+    } else {
+      // rows over the threads; fewer rows than threads: one row after the other, each split
+      const int64_t rows = static_cast<int64_t>(draw_sample.size());
+      const bool split_rows = rows < num_threads();
+      auto draw = [&](int64_t j) {
+        Sample& s = samples[draw_sample[j]];
+        drawn[j] = sample_with_logprob(draw_row[j], V, requests[s.request].params.sampling, &s.rng, split_rows);
+      };
+      if (split_rows)
+        for (int64_t j = 0; j < rows; ++j) draw(j);
+      else
+        parallel_for(rows, 1, [&](int64_t b, int64_t e) {
+          for (int64_t j = b; j < e; ++j) draw(j);
+        });
+    }
+    stats_.sample_seconds += seconds_since(t0);
+  };
   std::vector<float> logits;
   std::vector<SeqId> row_seq;
   std::vector<int32_t> row_pos, row_tok, routing, logit_rows;
@@ -440,7 +486,9 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
       }
 
     // ---- one forward over all rows ----
+    const auto t_meta = Clock::now();
     NIB_RETURN_IF_ERROR(cache_->begin_batch(row_seq, row_pos));
+    stats_.metadata_seconds += seconds_since(t_meta);
     stats_.peak_pages_in_use = std::max(stats_.peak_pages_in_use, cache_->num_pages() - cache_->free_pages());
     logits.resize(std::max<size_t>(logit_rows.size(), 1) * static_cast<size_t>(V));
     model::DecodeBatch batch;
@@ -469,7 +517,9 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
       routing.assign(static_cast<size_t>(Lm * N * topk), -1);
       batch.routing_record = routing.data();
     }
+    const auto t_forward = Clock::now();
     model_->forward_decode(logits.data(), batch);
+    stats_.forward_seconds += seconds_since(t_forward);
     cache_->finish_batch();
     ++stats_.steps;
     if (guidance) NIB_RETURN_IF_ERROR(guidance->status());
@@ -480,10 +530,24 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
       NIB_RETURN_IF_ERROR(callbacks.on_routing(rs));
     }
 
-    // ---- sample: decode rows, then prompts whose last chunk ran ----
+    // ---- sample: decode rows, then prompts whose last chunk ran (all drawn at once, then
+    // recorded in this order) ----
+    draw_sample.clear(), draw_row.clear();
+    for (size_t d = 0; d < decode_rows.size(); ++d) {
+      draw_sample.push_back(decode_rows[d]);
+      draw_row.push_back(logits.data() + static_cast<int64_t>(d) * V);
+    }
+    for (const Chunk& c : chunks)
+      if (c.logit >= 0)
+        for (size_t si : prefills[c.prefill].samples) {
+          draw_sample.push_back(si);
+          draw_row.push_back(logits.data() + c.logit * V);  // the last prompt position
+        }
+    draw_tokens();
+    size_t next_draw = 0;
     for (size_t d = 0; d < decode_rows.size(); ++d) {
       Sample& s = samples[decode_rows[d]];
-      NIB_ASSIGN_OR_RETURN(bool stop, take_token(s, logits.data() + static_cast<int64_t>(d) * V));
+      NIB_ASSIGN_OR_RETURN(bool stop, take_token(s, drawn[next_draw++]));
       if (stop) NIB_RETURN_IF_ERROR(finish(s));
     }
     std::vector<size_t> finished_prefills;
@@ -491,16 +555,17 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
       Prefill& pf = prefills[c.prefill];
       pf.fed += c.rows;
       if (pf.fed < static_cast<int64_t>(requests[pf.request].prompt.size())) continue;
-      const float* row = logits.data() + c.logit * V;  // the last prompt position
+      NIB_CHECK(c.logit >= 0);
       for (size_t si : pf.samples) samples[si].seq = pf.samples.size() == 1 ? pf.seq : cache_->fork(pf.seq);
       if (pf.samples.size() > 1) cache_->release(pf.seq);
       pf.seq = -1;  // handed to the samples
       for (size_t si : pf.samples) {
-        NIB_ASSIGN_OR_RETURN(bool stop, take_token(samples[si], row));
+        NIB_ASSIGN_OR_RETURN(bool stop, take_token(samples[si], drawn[next_draw++]));
         if (stop) NIB_RETURN_IF_ERROR(finish(samples[si]));
       }
       finished_prefills.push_back(c.prefill);
     }
+    NIB_CHECK(next_draw == drawn.size());
     for (auto it = finished_prefills.rbegin(); it != finished_prefills.rend(); ++it)
       prefills.erase(prefills.begin() + static_cast<std::ptrdiff_t>(*it));
     // drop finished samples from the front (indices of live samples stay valid: only a prefix goes)

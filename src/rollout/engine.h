@@ -43,6 +43,10 @@ struct EngineOptions {
   int64_t max_batch = 16;       // sequences decoding at once (a request's G samples join together)
   int64_t max_step_tokens = 0;  // rows per forward (prompt chunks); 0: max(max_position_embeddings, max_batch)
   bool share_prefix = true;     // prefill a prompt once for its G samples
+  // Draw with the reference sampler (sample_token then token_logprob, one row after the other)
+  // instead of sample_with_logprob over the rows in parallel: the same tokens and log-probs,
+  // slower; kept for comparisons (tests, `nibble bench decode --reference-sampler`).
+  bool reference_sampler = false;
 };
 
 struct GenerationParams {
@@ -122,6 +126,12 @@ struct EngineMemory {
 struct EngineStats {
   int64_t steps = 0, prompt_tokens = 0, generated_tokens = 0, peak_running = 0, peak_pages_in_use = 0;
   int64_t waits = 0;  // steps on which a request waited for cache pages or batch room
+  // Host wall time of generate() by part (seconds; docs/benchmarks.md "Decode: host time"):
+  // forward = forward_decode (issuing the ops; on an asynchronous backend also the wait for the
+  // logits copy, the step's one sync), sample = tokens and log-probs over the vocabulary,
+  // metadata = the cache's block tables and slots (begin_batch); the rest of total is scheduling
+  // and callbacks.
+  double forward_seconds = 0, sample_seconds = 0, metadata_seconds = 0, total_seconds = 0;
 };
 
 class Engine {

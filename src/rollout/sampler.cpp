@@ -2,11 +2,14 @@
 #include "rollout/sampler.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "core/check.h"
+#include "core/parallel.h"
 
 namespace nibble::rollout {
 
@@ -56,6 +59,138 @@ double token_logprob(const float* logits, int64_t V, int32_t token, double tempe
   double z = 0;
   for (int64_t i = 0; i < V; ++i) z += std::exp(static_cast<double>(logits[i]) / t - mx);
   return static_cast<double>(logits[token]) / t - mx - std::log(z);
+}
+
+namespace {
+
+// One id of the ranking sample_token sorts by: probability descending, then id ascending (what a
+// stable sort of 0..V-1 by descending probability gives). p >= 0, so p's bits order as p does.
+struct Ranked {
+  uint64_t key;  // bits of p
+  int32_t id;
+};
+bool ranks_before(const Ranked& a, const Ranked& b) { return a.key > b.key || (a.key == b.key && a.id < b.id); }
+
+// The ranking of V ids, sorted on demand: at(k) is sample_token's ids[k]. A request past the
+// sorted prefix selects (nth_element) and sorts the next chunk, chunks growing 4x from 64; once a
+// chunk would reach a quarter of V, all ids are sorted at once by a radix sort.
+class Ranking {
+ public:
+  // whole: sort all ids at the first request (a nucleus expected to span the vocabulary)
+  Ranking(const std::vector<double>& p, bool whole) : p_(p), whole_(whole) { fill(); }
+  int32_t at(int64_t k) {
+    if (k >= sorted_) extend(k + 1);
+    return items_[static_cast<size_t>(k)].id;
+  }
+
+ private:
+  void fill() {  // in id order
+    items_.resize(p_.size());
+    for (size_t i = 0; i < p_.size(); ++i) items_[i] = Ranked{std::bit_cast<uint64_t>(p_[i]), static_cast<int32_t>(i)};
+  }
+  void extend(int64_t m) {
+    const int64_t n = static_cast<int64_t>(items_.size());
+    int64_t want = std::max<int64_t>({m, 4 * sorted_, 64});
+    if (whole_ || 4 * want >= n) {
+      if (sorted_ > 0) fill();  // the radix sort's ties keep the entry order: ids ascending
+      radix_sort();
+      sorted_ = n;
+      return;
+    }
+    const auto first = items_.begin() + sorted_, mid = items_.begin() + want;
+    std::nth_element(first, mid, items_.end(), ranks_before);  // [first, mid): the next in order
+    std::sort(first, mid, ranks_before);
+    sorted_ = want;
+  }
+  // items_ (in id order) by descending key: LSD radix, 16-bit digits of ~key, stable, so equal
+  // keys keep ascending ids: ranks_before's order. A digit all keys share skips its pass.
+  void radix_sort() {
+    const size_t n = items_.size();
+    std::vector<Ranked> moved(n);
+    std::vector<uint32_t> start(size_t{1} << 16);
+    for (int shift = 0; shift < 64; shift += 16) {
+      auto digit = [shift](const Ranked& r) { return static_cast<size_t>((~r.key >> shift) & 0xFFFF); };
+      std::fill(start.begin(), start.end(), 0);
+      for (const Ranked& r : items_) ++start[digit(r)];
+      if (start[digit(items_[0])] == n) continue;
+      uint32_t sum = 0;
+      for (uint32_t& c : start) sum += std::exchange(c, sum);
+      for (const Ranked& r : items_) moved[start[digit(r)]++] = r;
+      items_.swap(moved);
+    }
+  }
+  const std::vector<double>& p_;  // read only before the caller changes p (top-k renormalizes the
+                                  // k first, all sorted by the first loop over them)
+  bool whole_ = false;
+  std::vector<Ranked> items_;
+  int64_t sorted_ = 0;
+};
+
+// e[i] = exp(logits[i] / t - mx) for i < V (the threads share the range when `split`); returns
+// their sum in index order, as sample_token and token_logprob add them. e: (V) f64.
+double exponentials(double* e, const float* logits, int64_t V, double t, double mx, bool split) {
+  auto run = [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) e[i] = std::exp(static_cast<double>(logits[i]) / t - mx);
+  };
+  if (split)
+    parallel_for(V, 8192, run);
+  else
+    run(0, V);
+  double z = 0;
+  for (int64_t i = 0; i < V; ++i) z += e[i];
+  return z;
+}
+
+}  // namespace
+
+SampledToken sample_with_logprob(const float* logits, int64_t V, const SamplingParams& params, PhiloxStream* rng,
+                                 bool split_row) {
+  NIB_CHECK(V > 0);
+  const double temperature = params.temperature;
+  // the softmax of logits / t as token_logprob computes it (t = 1 when greedy; t = temperature,
+  // sample_token's divisor, otherwise)
+  const double t = temperature > 0 ? temperature : 1.0;
+  double mx = -INFINITY;
+  for (int64_t i = 0; i < V; ++i) mx = std::max(mx, static_cast<double>(logits[i]) / t);
+  std::vector<double> p(static_cast<size_t>(V));
+  const double z = exponentials(p.data(), logits, V, t, mx, split_row);
+  const double log_z = std::log(z);
+  SampledToken out;
+  if (!(temperature > 0)) {  // greedy: sample_token's argmax, no draw
+    int64_t best = 0;
+    for (int64_t i = 1; i < V; ++i)
+      if (logits[i] > logits[best]) best = i;
+    out.token = static_cast<int32_t>(best);
+    out.logprob = static_cast<double>(logits[best]) / t - mx - log_z;
+    return out;
+  }
+  // from here on sample_token's steps, with ids[k] read from the lazily sorted ranking
+  for (auto& v : p) v /= z;
+  const double cut = std::clamp(params.top_p, 1e-12, 1.0);
+  const bool top_k = params.top_k > 0 && params.top_k < V;
+  // top-p 1 without top-k: the kept mass reaches 1 only near the end of the ranking (or never)
+  Ranking ids(p, !top_k && cut >= 1.0);
+  int64_t n = V;
+  if (top_k) {
+    n = params.top_k;
+    double s = 0;
+    for (int64_t k = 0; k < n; ++k) s += p[ids.at(k)];
+    for (int64_t k = 0; k < n; ++k) p[ids.at(k)] /= s;
+  }
+  double mass = 0;
+  int64_t keep = 0;
+  while (keep < n && (keep == 0 || mass < cut)) mass += p[ids.at(keep++)];
+  double u = rng->next_uniform_double() * mass;
+  out.token = ids.at(keep - 1);
+  for (int64_t k = 0; k < keep; ++k) {
+    u -= p[ids.at(k)];
+    if (u < 0) {
+      out.token = ids.at(k);
+      break;
+    }
+  }
+  out.logprob = static_cast<double>(logits[out.token]) / t - mx - log_z;
+  return out;
 }
 
 }  // namespace nibble::rollout

@@ -1,9 +1,11 @@
 // Tests of the rollout sampler: greedy and top-k 1 are the argmax; top-k keeps only the k most
 // likely ids and draws them in proportion to their renormalized probabilities; a tiny top-p keeps
 // only the most likely id; the same Philox position gives the same token; the log-probability is
-// log_softmax(logits / t) (t = 1 when greedy), independent of top-k / top-p.
+// log_softmax(logits / t) (t = 1 when greedy), independent of top-k / top-p; the engine's one-pass
+// sampler gives the reference's tokens, log-probs and Philox draws bit for bit.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <map>
 #include <vector>
@@ -55,6 +57,68 @@ TEST(RolloutSampler, LogprobIsLogSoftmaxOfLogitsOverTemperature) {
     for (int32_t id = 0; id < 8; ++id)
       EXPECT_NEAR(token_logprob(kLogits.data(), 8, id, t), kLogits[id] / tt - std::log(z), 1e-12) << t << " " << id;
   }
+}
+
+// Rows that exercise every path of sample_with_logprob: spread logits (a long nucleus), peaked
+// ones (a short one), few distinct values (ties: equal probabilities rank by id) and -inf
+// (probability 0, ranked last).
+std::vector<float> test_row(int kind, int64_t V, uint64_t seed) {
+  PhiloxStream g(seed, 77);
+  std::vector<float> row(static_cast<size_t>(V));
+  for (int64_t i = 0; i < V; ++i) {
+    const double n = g.next_normal();
+    switch (kind) {
+      case 0: row[i] = static_cast<float>(n); break;                                // spread
+      case 1: row[i] = static_cast<float>(6 * n); break;                            // peaked
+      case 2: row[i] = static_cast<float>(std::floor(2 * n)); break;                // ties
+      default: row[i] = i % 3 == 0 ? -INFINITY : static_cast<float>(3 * n); break;  // masked ids
+    }
+  }
+  return row;
+}
+
+// sample_with_logprob == sample_token + token_logprob, bit for bit, and both consume the same
+// Philox draws: over temperatures (greedy included), top-k (off, 1, small, past a quarter of V),
+// top-p (off, near 1, middle, tiny), split rows or not, and vocabularies where the ranking is
+// sorted in chunks (nth_element), switches to the radix sort midway, or is sorted whole.
+TEST(RolloutSampler, OnePassSamplerEqualsTheReferenceBitForBit) {
+  int checked = 0;
+  for (const int64_t V : {int64_t{7}, int64_t{300}, int64_t{5000}})
+    for (int kind = 0; kind < 4; ++kind) {
+      const std::vector<float> row = test_row(kind, V, static_cast<uint64_t>(V + kind));
+      for (const double t : {0.0, 0.25, 1.0, 3.0})
+        for (const int64_t k : {int64_t{0}, int64_t{1}, int64_t{5}, V / 3})
+          for (const double top_p : {1.0, 0.9999, 0.6, 1e-6})
+            for (const bool split : {false, true}) {
+              const SamplingParams sp{t, k, top_p};
+              PhiloxStream a(static_cast<uint64_t>(checked), 5), b(static_cast<uint64_t>(checked), 5);
+              const int32_t want = sample_token(row.data(), V, sp, &a);
+              const double want_lp = token_logprob(row.data(), V, want, t);
+              const SampledToken got = sample_with_logprob(row.data(), V, sp, &b, split);
+              ASSERT_EQ(got.token, want) << "V " << V << " kind " << kind << " t " << t << " k " << k << " p " << top_p;
+              ASSERT_EQ(std::bit_cast<uint64_t>(got.logprob), std::bit_cast<uint64_t>(want_lp))
+                  << "V " << V << " kind " << kind << " t " << t << " k " << k << " p " << top_p;
+              ASSERT_EQ(a.next_u32(), b.next_u32());  // the same number of draws taken
+              ++checked;
+            }
+    }
+  EXPECT_EQ(checked, 3 * 4 * 4 * 4 * 4 * 2);
+}
+
+// The 100k vocabulary of the OLMo-2 1B shape (where the one-pass sampler matters): a few
+// temperature-1 draws, nucleus off and on, equal the reference.
+TEST(RolloutSampler, OnePassSamplerEqualsTheReferenceOnALargeVocabulary) {
+  const int64_t V = 100352;
+  const std::vector<float> row = test_row(1, V, 3);
+  for (const double top_p : {1.0, 0.95})
+    for (uint64_t draw = 0; draw < 3; ++draw) {
+      PhiloxStream a(draw, 1), b(draw, 1);
+      const SamplingParams sp{1.0, 0, top_p};
+      const int32_t want = sample_token(row.data(), V, sp, &a);
+      const SampledToken got = sample_with_logprob(row.data(), V, sp, &b, draw % 2 == 1);
+      EXPECT_EQ(got.token, want);
+      EXPECT_EQ(got.logprob, token_logprob(row.data(), V, want, 1.0));
+    }
 }
 
 }  // namespace

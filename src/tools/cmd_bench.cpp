@@ -62,7 +62,8 @@ struct DecodeBenchArgs {
   std::string config;  // empty: configs/olmo2-1b.json (here, else in the source tree)
   std::string mode = "bf16", kv_dtype = "bf16", device, batches = "1,16,64,256";
   int64_t prompt = 512, new_tokens = 128;
-  bool profile = false;
+  double temperature = 0, top_p = 1;  // 0: greedy
+  bool profile = false, reference_sampler = false;
   CLI::App* decode = nullptr;
 };
 
@@ -426,17 +427,23 @@ int run_bench_decode(const DecodeBenchArgs& a) {
   o.prompt = a.prompt;
   o.new_tokens = a.new_tokens;
   o.profile = a.profile;
+  o.temperature = a.temperature;
+  o.top_p = a.top_p;
+  o.reference_sampler = a.reference_sampler;
   if ((*be)->device() != Device::kCUDA) o.copy_bytes = int64_t{64} << 20;  // the CPU: a smaller copy suffices
   // one JSON line per batch, printed as each is measured
   auto print = [&](const rollout::DecodeBenchResult& r) -> Status {
     const int64_t b = r.batch;
     nlohmann::json j{{"bench", "decode"}, {"config", config_path}, {"device", (*be)->name()},
                      {"mode", a.mode}, {"kv_dtype", a.kv_dtype}, {"batch", b}, {"prompt", a.prompt},
-                     {"new_tokens", a.new_tokens}, {"prefill_s", r.prefill_seconds}, {"decode_s", r.decode_seconds},
+                     {"new_tokens", a.new_tokens}, {"temperature", a.temperature}, {"top_p", a.top_p},
+                     {"reference_sampler", a.reference_sampler}, {"prefill_s", r.prefill_seconds}, {"decode_s", r.decode_seconds},
                      {"decode_tokens_per_s", r.decode_tokens_per_s}, {"weight_bytes", r.weight_bytes},
                      {"kv_bytes_per_token", r.kv_bytes_per_token}, {"bytes_per_step", r.bytes_per_step},
                      {"copy_gb_per_s", r.copy_bytes_per_s / 1e9}, {"bound_tokens_per_s", r.bound_tokens_per_s},
                      {"fraction_of_bound", r.fraction_of_bound}, {"init_s", r.init_seconds}};
+    j["host_ms_per_step"] = {{"forward", r.host_forward_ms}, {"sample", r.host_sample_ms},
+                             {"metadata", r.host_metadata_ms}, {"step", r.host_step_ms}};
     // backend memory by kind (rollout::EngineMemory) and the peak since the model was built
     const rollout::EngineMemory& mem = r.memory;
     j["memory_bytes"] = {{"packed_weights", mem.packed_weights}, {"high_precision_weights", mem.high_precision_weights},
@@ -511,6 +518,12 @@ CommandRun setup_bench(CLI::App& app) {
   d->decode->add_option("--batch", d->batches, "Comma list of batch sizes (default 1,16,64,256)");
   d->decode->add_option("--prompt", d->prompt, "Prompt tokens per sequence (default 512)")->check(IntegerIn(1, kMaxSeq));
   d->decode->add_option("--new", d->new_tokens, "New tokens per sequence (default 128)")->check(IntegerIn(2, kMaxSeq));
+  d->decode->add_option("--temperature", d->temperature, "Sampling temperature (default 0: greedy)")
+      ->check(FiniteIn(0, INFINITY));
+  d->decode->add_option("--top-p", d->top_p, "Nucleus mass in (0, 1] (default 1: off)")
+      ->check(FiniteIn(0, 1, /*lo_open=*/true));
+  d->decode->add_flag("--reference-sampler", d->reference_sampler,
+                      "Sample with the reference sampler, one row at a time (host-time comparison)");
   d->decode->add_flag("--profile", d->profile,
                       "Then time every op of the prefill run and of the decode steps (tables on stderr, "
                       "\"profile\" in the JSON)");
