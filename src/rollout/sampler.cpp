@@ -71,13 +71,28 @@ struct Ranked {
 };
 bool ranks_before(const Ranked& a, const Ranked& b) { return a.key > b.key || (a.key == b.key && a.id < b.id); }
 
+// Per-thread scratch of sample_with_logprob, kept between calls (a row's probabilities and its
+// ranking are megabytes at a 100k vocabulary: no allocation and page faults per token).
+struct Scratch {
+  std::vector<double> p;             // (V) probabilities
+  std::vector<Ranked> items, moved;  // (V) the ranking, the radix sort's other half
+  std::vector<uint32_t> start;       // (6 x 2^11) radix digit counts
+};
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
 // The ranking of V ids, sorted on demand: at(k) is sample_token's ids[k]. A request past the
-// sorted prefix selects (nth_element) and sorts the next chunk, chunks growing 4x from 64; once a
+// sorted prefix selects (nth_element) and sorts the next chunk, chunks growing 8x from 64; once a
 // chunk would reach a quarter of V, all ids are sorted at once by a radix sort.
 class Ranking {
  public:
   // whole: sort all ids at the first request (a nucleus expected to span the vocabulary)
-  Ranking(const std::vector<double>& p, bool whole) : p_(p), whole_(whole) { fill(); }
+  Ranking(const std::vector<double>& p, bool whole, Scratch& scratch)
+      : p_(p), whole_(whole), items_(scratch.items), moved_(scratch.moved), start_(scratch.start) {
+    fill();
+  }
   int32_t at(int64_t k) {
     if (k >= sorted_) extend(k + 1);
     return items_[static_cast<size_t>(k)].id;
@@ -90,7 +105,7 @@ class Ranking {
   }
   void extend(int64_t m) {
     const int64_t n = static_cast<int64_t>(items_.size());
-    int64_t want = std::max<int64_t>({m, 4 * sorted_, 64});
+    int64_t want = std::max<int64_t>({m, 8 * sorted_, 64});
     if (whole_ || 4 * want >= n) {
       if (sorted_ > 0) fill();  // the radix sort's ties keep the entry order: ids ascending
       radix_sort();
@@ -102,27 +117,33 @@ class Ranking {
     std::sort(first, mid, ranks_before);
     sorted_ = want;
   }
-  // items_ (in id order) by descending key: LSD radix, 16-bit digits of ~key, stable, so equal
-  // keys keep ascending ids: ranks_before's order. A digit all keys share skips its pass.
+  // items_ (in id order) by descending key: LSD radix, 11-bit digits of ~key (6 passes, the digit
+  // counts of all passes taken in one read), stable, so equal keys keep ascending ids:
+  // ranks_before's order. A digit all keys share skips its pass.
   void radix_sort() {
+    constexpr int kBits = 11, kPasses = 6;
+    constexpr size_t kRadix = size_t{1} << kBits;
     const size_t n = items_.size();
-    std::vector<Ranked> moved(n);
-    std::vector<uint32_t> start(size_t{1} << 16);
-    for (int shift = 0; shift < 64; shift += 16) {
-      auto digit = [shift](const Ranked& r) { return static_cast<size_t>((~r.key >> shift) & 0xFFFF); };
-      std::fill(start.begin(), start.end(), 0);
-      for (const Ranked& r : items_) ++start[digit(r)];
-      if (start[digit(items_[0])] == n) continue;
+    moved_.resize(n);
+    start_.assign(kPasses * kRadix, 0);
+    auto digit = [](const Ranked& r, int pass) { return static_cast<size_t>((~r.key >> (kBits * pass)) & (kRadix - 1)); };
+    for (const Ranked& r : items_)
+      for (int pass = 0; pass < kPasses; ++pass) ++start_[pass * kRadix + digit(r, pass)];
+    for (int pass = 0; pass < kPasses; ++pass) {
+      uint32_t* start = start_.data() + pass * kRadix;
+      if (start[digit(items_[0], pass)] == n) continue;
       uint32_t sum = 0;
-      for (uint32_t& c : start) sum += std::exchange(c, sum);
-      for (const Ranked& r : items_) moved[start[digit(r)]++] = r;
-      items_.swap(moved);
+      for (size_t d = 0; d < kRadix; ++d) sum += std::exchange(start[d], sum);
+      for (const Ranked& r : items_) moved_[start[digit(r, pass)]++] = r;
+      items_.swap(moved_);
     }
   }
   const std::vector<double>& p_;  // read only before the caller changes p (top-k renormalizes the
                                   // k first, all sorted by the first loop over them)
   bool whole_ = false;
-  std::vector<Ranked> items_;
+  std::vector<Ranked>& items_;  // the scratch's
+  std::vector<Ranked>& moved_;
+  std::vector<uint32_t>& start_;
   int64_t sorted_ = 0;
 };
 
@@ -152,10 +173,22 @@ SampledToken sample_with_logprob(const float* logits, int64_t V, const SamplingP
   const double t = temperature > 0 ? temperature : 1.0;
   double mx = -INFINITY;
   for (int64_t i = 0; i < V; ++i) mx = std::max(mx, static_cast<double>(logits[i]) / t);
-  std::vector<double> p(static_cast<size_t>(V));
+  SampledToken out;
+  if (!(temperature > 0) && !split_row) {  // greedy on one thread: token_logprob's loop, no row kept
+    int64_t best = 0;
+    for (int64_t i = 1; i < V; ++i)
+      if (logits[i] > logits[best]) best = i;
+    double z = 0;
+    for (int64_t i = 0; i < V; ++i) z += std::exp(static_cast<double>(logits[i]) / t - mx);
+    out.token = static_cast<int32_t>(best);
+    out.logprob = static_cast<double>(logits[best]) / t - mx - std::log(z);
+    return out;
+  }
+  Scratch& scr = scratch();
+  std::vector<double>& p = scr.p;
+  p.resize(static_cast<size_t>(V));
   const double z = exponentials(p.data(), logits, V, t, mx, split_row);
   const double log_z = std::log(z);
-  SampledToken out;
   if (!(temperature > 0)) {  // greedy: sample_token's argmax, no draw
     int64_t best = 0;
     for (int64_t i = 1; i < V; ++i)
@@ -169,7 +202,7 @@ SampledToken sample_with_logprob(const float* logits, int64_t V, const SamplingP
   const double cut = std::clamp(params.top_p, 1e-12, 1.0);
   const bool top_k = params.top_k > 0 && params.top_k < V;
   // top-p 1 without top-k: the kept mass reaches 1 only near the end of the ranking (or never)
-  Ranking ids(p, !top_k && cut >= 1.0);
+  Ranking ids(p, !top_k && cut >= 1.0, scr);
   int64_t n = V;
   if (top_k) {
     n = params.top_k;
