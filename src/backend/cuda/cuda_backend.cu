@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -16,6 +17,7 @@
 #include "backend/cuda/attention_bf16.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
+#include "backend/cuda/flash_decoding.h"
 #include "backend/cuda/format_ops.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/grouped_gemm_bf16.cuh"
@@ -880,12 +882,26 @@ void CudaBackend::paged_attention(float* out, const float* q, const void* k_page
                                   int64_t page_size, backend::AttentionPrecision precision) {
   activate();
   NIB_OP_REQUIRE(Hkv > 0 && H % Hkv == 0 && D > 0 && page_size > 0 && max_blocks > 0 &&
-                     (format != backend::KvPageFormat::kNvfp4 || D % 16 == 0) &&
-                     max_blocks * page_size <= cuda::paged_attention_max_context(D),
-                 "paged_attention", "N={} H={} Hkv={} D={} page={} blocks={} (longest context {})", N, H, Hkv, D,
+                     (format != backend::KvPageFormat::kNvfp4 || D % 16 == 0),
+                 "paged_attention", "N={} H={} Hkv={} D={} page={} blocks={}", N, H, Hkv, D, page_size, max_blocks);
+  const bool bf16 = precision == backend::AttentionPrecision::kBf16;
+  if (!cuda::paged_attention_one_block_selected() &&
+      cuda::flash_decoding_supports(format, q, k_pages, v_pages, H, Hkv, D)) {
+    // flash decoding; a batch whose workspace would pass 256 MiB (long prefills) runs in row groups
+    const size_t per_row = cuda::flash_decoding_workspace_bytes_per_row(H, max_blocks * page_size, D);
+    const size_t want = std::max(per_row, std::min(per_row * static_cast<size_t>(N), size_t{256} << 20));
+    void* ws = scratch(want, "paged_attention");
+    NIB_OP_CUDA(cuda::flash_decoding(out, q, k_pages, v_pages, format, block_table, max_blocks, context_len, N, H, Hkv,
+                                     D, page_size, bf16, ws, want, stream_),
+                "paged_attention", "flash decoding N={} H={} Hkv={} D={} page={} blocks={} {}", N, H, Hkv, D,
+                page_size, max_blocks, backend::kv_page_format_name(format));
+    return;
+  }
+  NIB_OP_REQUIRE(max_blocks * page_size <= cuda::paged_attention_max_context(D), "paged_attention",
+                 "N={} H={} Hkv={} D={} page={} blocks={} (longest context of the one-block kernel {})", N, H, Hkv, D,
                  page_size, max_blocks, cuda::paged_attention_max_context(D));
   NIB_OP_CUDA(cuda::paged_attention(out, q, k_pages, v_pages, format, block_table, max_blocks, context_len, N, H, Hkv,
-                                    D, page_size, precision == backend::AttentionPrecision::kBf16, stream_),
+                                    D, page_size, bf16, stream_),
               "paged_attention", "N={} H={} Hkv={} D={} page={} blocks={} {}", N, H, Hkv, D, page_size, max_blocks,
               backend::kv_page_format_name(format));
 }

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/block_reduce.cuh"
 #include "backend/kv_page_codec.h"
@@ -150,6 +152,14 @@ cudaError_t kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat f
       break;
   }
   return cudaGetLastError();
+}
+
+bool paged_attention_one_block_selected() {
+  static const bool one_block = [] {
+    const char* v = std::getenv("NIBBLE_PAGED_ATTENTION");
+    return v != nullptr && std::strcmp(v, "one-block") == 0;
+  }();
+  return one_block;
 }
 
 int64_t paged_attention_max_context(int64_t D) {
