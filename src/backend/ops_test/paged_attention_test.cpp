@@ -30,6 +30,8 @@ struct PagedCase {
   int64_t N, H, Hkv, D, page_size, pages;
   KvPageFormat format;
   AttentionPrecision precision = AttentionPrecision::kFp32;
+  std::vector<int32_t> lens = {};  // each row's context length (empty: row 0 one position, the last
+                                   // all pages * page_size, the others random)
 };
 
 // A cache of `pages` pages of random K/V written through kv_cache_write at every slot, and rows
@@ -53,6 +55,8 @@ class PagedKvOpsTest : public OpsTest {
   FilledCache fill_cache(const PagedCase& c, KvPageFormat format);
   // out (N,H,D) of paged_attention over fc's pages in c.format
   std::vector<float> attend(const PagedCase& c, const FilledCache& fc);
+  // paged_attention of case c against reference() within twice its bound (see there)
+  void expect_matches_reference(const PagedCase& c);
 };
 
 // Element d of kv head hk at `slot` of host pages (bytes) of `format`, as f32.
@@ -71,6 +75,9 @@ float decode(const std::vector<uint8_t>& pages, KvPageFormat f, int64_t Hkv, int
 // kBf16 (q, k, v rounded to BF16 here too; P rounded to BF16 before P v): the reference rounds the
 // exact p_j, an FP32 evaluation may round its p_j (relative error ep) to the neighbouring BF16
 // value, so each p_j may be off by 2^-8 p_j more: out_d bound + 2^-8 sum_j p_j |v_jd|.
+// The checks allow twice the bound: two FP32 evaluations, or one in the chunked form of CUDA's
+// flash decoding (p_j = exp(s_j - M) / sum_c l_c exp(m_c - M): one more exp, argument
+// |m_c - M| <= 2 max|s|, and product per chunk, i.e. ep grows by u (2 max_j |s_j| + 3) at most).
 void reference(std::vector<double>* out, std::vector<double>* bound, const PagedCase& c, const std::vector<float>& q,
                const std::vector<uint8_t>& kh, const std::vector<uint8_t>& vh, const std::vector<int32_t>& table,
                int64_t max_blocks, const std::vector<int32_t>& len) {
@@ -259,6 +266,7 @@ FilledCache PagedKvOpsTest::fill_cache(const PagedCase& c, KvPageFormat format) 
     fc.len[n] = n == 0 ? 1 : static_cast<int32_t>(1 + rng.next_u32() % slots_total);
   }
   fc.len[c.N - 1] = static_cast<int32_t>(slots_total);  // one row reads every slot
+  if (!c.lens.empty()) fc.len = c.lens;
   fc.q = normal_vector(c.N * c.H * c.D, 23, 1.0);
   return fc;
 }
@@ -268,6 +276,18 @@ std::vector<float> PagedKvOpsTest::attend(const PagedCase& c, const FilledCache&
   be().paged_attention(out, upload(fc.q), fc.kp, fc.vp, c.format, upload(fc.table), c.pages, upload(fc.len),
                          c.N, c.H, c.Hkv, c.D, c.page_size, c.precision);
   return download(out, c.N * c.H * c.D);
+}
+
+void PagedKvOpsTest::expect_matches_reference(const PagedCase& c) {
+  SCOPED_TRACE(fmt::format("N={} H={} Hkv={} D={} page={} {} {}", c.N, c.H, c.Hkv, c.D, c.page_size,
+                           kv_page_format_name(c.format),
+                           c.precision == AttentionPrecision::kBf16 ? "bf16 attention" : "fp32 attention"));
+  const FilledCache fc = fill_cache(c, c.format);
+  const std::vector<float> got = attend(c, fc);
+  std::vector<double> ref, bound;
+  reference(&ref, &bound, c, fc.q, fc.kh, fc.vh, fc.table, c.pages, fc.len);
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_LE(std::fabs(got[i] - ref[i]), 2 * bound[i] + 1e-30) << "element " << i << " got " << got[i] << " ref " << ref[i];
 }
 
 TEST_P(PagedKvOpsTest, AttentionMatchesTheReferenceWithinTheDerivedBound) {
@@ -284,17 +304,26 @@ TEST_P(PagedKvOpsTest, AttentionMatchesTheReferenceWithinTheDerivedBound) {
       {5, 6, 2, 32, 8, 6, KvPageFormat::kFp8, AttentionPrecision::kBf16},    // BF16 attention, FP8 pages
       {5, 4, 2, 32, 8, 6, KvPageFormat::kNvfp4, AttentionPrecision::kBf16},  // BF16 attention, NVFP4 pages
   };
-  for (const PagedCase& c : cases) {
-    SCOPED_TRACE(fmt::format("N={} H={} Hkv={} D={} page={} {} {}", c.N, c.H, c.Hkv, c.D, c.page_size,
-                             kv_page_format_name(c.format),
-                             c.precision == AttentionPrecision::kBf16 ? "bf16 attention" : "fp32 attention"));
-    const FilledCache fc = fill_cache(c, c.format);
-    const std::vector<float> got = attend(c, fc);
-    std::vector<double> ref, bound;
-    reference(&ref, &bound, c, fc.q, fc.kh, fc.vh, fc.table, c.pages, fc.len);
-    for (size_t i = 0; i < got.size(); ++i)
-      ASSERT_LE(std::fabs(got[i] - ref[i]), 2 * bound[i] + 1e-30) << "element " << i << " got " << got[i] << " ref " << ref[i];
-  }
+  for (const PagedCase& c : cases) expect_matches_reference(c);
+}
+
+// The shapes of the flash-decoding kernel (CUDA: chunks of 64 positions, GQA groups read
+// together, 8-element runs per lane): GQA groups 1, 2, 4, 8; head dims 64 and 128; contexts 1,
+// 17, 65 (one past a chunk), 300, 512, 520 and past 4096 (65 chunks, the last partial) in one batch
+// with rows of other lengths; page size 16; every page format; both precisions.
+TEST_P(PagedKvOpsTest, FlashDecodingShapesMatchTheReferenceWithinTheDerivedBound) {
+  using F = KvPageFormat;
+  using P = AttentionPrecision;
+  const PagedCase cases[] = {
+      {3, 4, 4, 128, 16, 33, F::kBf16, P::kFp32, {1, 17, 512}},    // MHA D 128 (the 1B shape's head)
+      {3, 4, 4, 128, 16, 33, F::kBf16, P::kBf16, {512, 1, 17}},    // the rollout's default precision
+      {3, 8, 2, 64, 16, 33, F::kFp8, P::kBf16, {17, 512, 1}},      // GQA 4, FP8 pages
+      {2, 8, 1, 128, 16, 33, F::kNvfp4, P::kFp32, {512, 65}},      // GQA 8, D 128, NVFP4 pages
+      {2, 8, 1, 64, 16, 260, F::kBf16, P::kBf16, {4160, 1}},       // GQA 8, 4096+ (65 chunks)
+      {2, 4, 1, 64, 16, 33, F::kF32, P::kFp32, {520, 17}},         // GQA 4, F32 pages, a partial chunk
+      {2, 4, 2, 64, 16, 260, F::kNvfp4, P::kBf16, {4113, 300}},    // GQA 2, 4096+, NVFP4
+  };
+  for (const PagedCase& c : cases) expect_matches_reference(c);
 }
 
 // Attention over FP8 / NVFP4 pages against the exact attention over the unquantized K/V (double),
