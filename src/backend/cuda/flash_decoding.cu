@@ -132,6 +132,19 @@ __device__ __forceinline__ const uint8_t* slot_record(const uint8_t* pages, cons
   return pages + slot * L.bytes;
 }
 
+// run[b] <- this lane's run of position base + b * groups + pg of `pages`, for the positions < j1
+// (where the lane holds a run); the kBatch loads are all issued before any is used.
+template <KvPageFormat F>
+__device__ __forceinline__ void load_runs(Run8<F> (&run)[kBatch], const uint8_t* pages, const int32_t* blocks,
+                                          int64_t base, int64_t j1, const Lanes& ln, int page_size,
+                                          const TokenLayout& L, int D, int hk) {
+#pragma unroll
+  for (int b = 0; b < kBatch; ++b) {
+    const int64_t j = base + static_cast<int64_t>(b) * ln.groups + ln.pg;
+    if (ln.has_run && j < j1) run[b].load(slot_record(pages, blocks, j, page_size, L), L, D, hk, ln.sub * 8);
+  }
+}
+
 // Kernel 1, block (chunk c, kv head hk, row n): scores[n, h, j] = scale q_h . k_j for the chunk's
 // positions j and the G heads h of the group; then stats[n, h, c] = (m, sum_j exp(s_j - m)) with
 // m the chunk's max score. scores: (rows, H, cap) f32; stats: (rows, H, C) f32x2; q: (rows,H,D).
@@ -150,11 +163,7 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* blocks = block_table + n * max_blocks;
   for (int64_t base = j0; base < j1; base += static_cast<int64_t>(ln.groups) * kBatch) {
     Run8<F> run[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int64_t j = base + static_cast<int64_t>(b) * ln.groups + ln.pg;
-      if (ln.has_run && j < j1) run[b].load(slot_record(k_pages, blocks, j, page_size, L), L, D, hk, d0);
-    }
+    load_runs(run, k_pages, blocks, base, j1, ln, page_size, L, D, hk);
     for (int g = 0; g < G; ++g) {
       const int64_t h = static_cast<int64_t>(hk) * G + g;
       float qv[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -242,11 +251,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int i = 0; i < 8; ++i) acc[t][i] = 0.0f;
     for (int64_t base = j0; base < j1; base += static_cast<int64_t>(ln.groups) * kBatch) {
       Run8<F> run[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int64_t j = base + static_cast<int64_t>(b) * ln.groups + ln.pg;
-        if (ln.has_run && j < j1) run[b].load(slot_record(v_pages, blocks, j, page_size, L), L, D, hk, d0);
-      }
+      load_runs(run, v_pages, blocks, base, j1, ln, page_size, L, D, hk);
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int64_t j = base + static_cast<int64_t>(b) * ln.groups + ln.pg;
