@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Kernel 2, block (chunk c, kv head hk, row n): for kTile heads h of the group at a time, the
-// row's lse from all its chunks' stats (M = max m, l = sum_c l_c exp(m_c - M), chunk order),
+// row's lse from all its chunks' stats (M = max m, l = sum_c l_c exp(m_c - M), a fixed tree),
 // P_j = exp(s_j - M) / l (kBf16: rounded to BF16) over the chunk, and partial[n, h, c, :] =
 // sum_j P_j v_j over the chunk's positions. partial: (rows, H, C, D) f32.
 template <KvPageFormat F, bool kBf16, int kTile>
