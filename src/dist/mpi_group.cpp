@@ -118,6 +118,37 @@ class MpiPending final : public PendingCollective {
   std::vector<Piece> pieces_;
 };
 
+// MPI's own collectives on MPI_COMM_WORLD (LibraryCollectives): one call each, counts < INT_MAX.
+class MpiLibrary final : public LibraryCollectives {
+ public:
+  std::string library() const override { return "mpi"; }
+  Status all_reduce_sum(float* buf, int64_t n) override {
+    NIB_RETURN_IF_ERROR(check_count("all_reduce", n));
+    return mpi_status(MPI_Allreduce(MPI_IN_PLACE, buf, static_cast<int>(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD),
+                      "all_reduce");
+  }
+  Status reduce_scatter_sum(const float* in, float* out, int64_t n) override {
+    NIB_RETURN_IF_ERROR(check_count("reduce_scatter", n));
+    return mpi_status(MPI_Reduce_scatter_block(in, out, static_cast<int>(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD),
+                      "reduce_scatter");
+  }
+  Status all_gather(const float* in, float* out, int64_t n) override {
+    NIB_RETURN_IF_ERROR(check_count("all_gather", n));
+    return mpi_status(MPI_Allgather(in, static_cast<int>(n), MPI_FLOAT, out, static_cast<int>(n), MPI_FLOAT,
+                                    MPI_COMM_WORLD), "all_gather");
+  }
+  Status broadcast(void* data, int64_t bytes, int root) override {
+    NIB_RETURN_IF_ERROR(check_count("broadcast", bytes));
+    return mpi_status(MPI_Bcast(data, static_cast<int>(bytes), MPI_BYTE, root, MPI_COMM_WORLD), "broadcast");
+  }
+
+ private:
+  static Status check_count(const char* what, int64_t n) {
+    if (n < 0 || n > INT_MAX) return invalid_argument("MPI {}: count {} outside [0, INT_MAX]", what, n);
+    return Status::ok();
+  }
+};
+
 class MpiGroup final : public ProcessGroup {
  public:
   MpiGroup() {
@@ -185,6 +216,9 @@ class MpiGroup final : public ProcessGroup {
   }
 
   Status barrier() override { return mpi_status(MPI_Barrier(MPI_COMM_WORLD), "barrier"); }
+  Result<std::unique_ptr<LibraryCollectives>> library_collectives() override {
+    return std::unique_ptr<LibraryCollectives>(std::make_unique<MpiLibrary>());
+  }
   void abort_world(int exit_code) override { MPI_Abort(MPI_COMM_WORLD, exit_code); }
 
  private:

@@ -83,6 +83,10 @@ Status ProcessGroup::broadcast(void* data, int64_t bytes, int root) {
   return broadcast_host(data, bytes, root);
 }
 
+Result<std::unique_ptr<LibraryCollectives>> ProcessGroup::library_collectives() {
+  return unimplemented("the {} group calls no collective library", kind());
+}
+
 std::unique_ptr<ProcessGroup> make_single_group() { return std::make_unique<SingleGroup>(); }
 
 std::string LaunchEnv::describe() const {

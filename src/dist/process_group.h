@@ -17,6 +17,8 @@
 
 namespace nibble::dist {
 
+class LibraryCollectives;
+
 // A collective started by ProcessGroup::start_*: its buffers must stay untouched (not read, not
 // written) until wait() returned. It must not outlive its group.
 class PendingCollective {
@@ -75,6 +77,11 @@ class ProcessGroup {
   // command line calls it (the library never exits); the one-rank world returns.
   virtual void abort_world(int exit_code) = 0;
 
+  // ---- the transport library called directly (`nibble bench collectives`' baseline) ----------
+  // The group's library on its own communicator with nothing of nibble around the calls (see
+  // LibraryCollectives). The one-rank world calls no library: unimplemented.
+  virtual Result<std::unique_ptr<LibraryCollectives>> library_collectives();
+
   // True once agree() returned an error: every rank saw it and returns it, so the processes can
   // end normally (no abort_world needed).
   bool failed_together() const { return failed_together_; }
@@ -82,6 +89,23 @@ class ProcessGroup {
 
  private:
   bool failed_together_ = false;
+};
+
+// The collective calls of a group's own library on its communicator (and, for NCCL, its
+// communication stream), each returning once its result is in place, and nothing else: MPI_Allreduce
+// (MPI's own summation order), MPI_Reduce_scatter_block, MPI_Allgather, MPI_Bcast; ncclAllReduce,
+// ncclReduceScatter, ncclAllGather, ncclBroadcast, then the stream awaited by spinning on
+// cudaStreamQuery (no device synchronise, no sleep; the group's timeout still bounds the wait).
+// Buffers and counts as in ProcessGroup's calls of the same name, in group memory. It must not
+// outlive its group. What `nibble bench collectives` times nibble's calls against.
+class LibraryCollectives {
+ public:
+  virtual ~LibraryCollectives() = default;
+  virtual std::string library() const = 0;  // "mpi" | "nccl"
+  virtual Status all_reduce_sum(float* buf, int64_t n) = 0;
+  virtual Status reduce_scatter_sum(const float* in, float* out, int64_t n_per_rank) = 0;
+  virtual Status all_gather(const float* in, float* out, int64_t n_per_rank) = 0;
+  virtual Status broadcast(void* data, int64_t bytes, int root) = 0;
 };
 
 // The one-rank world: rank 0 of 1, every collective the identity (out = in), host memory.

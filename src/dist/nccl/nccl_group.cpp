@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <thread>
@@ -100,6 +101,9 @@ class NcclGroup final : public ProcessGroup {
   Status barrier() override {
     double x = 0;
     return all_reduce_sum_host(&x, 1);
+  }
+  Result<std::unique_ptr<LibraryCollectives>> library_collectives() override {
+    return std::unique_ptr<LibraryCollectives>(std::make_unique<Library>(this));
   }
   void abort_world(int exit_code) override {
     if (comm_ != nullptr && !aborted_) {
@@ -229,6 +233,61 @@ class NcclGroup final : public ProcessGroup {
     return std::unique_ptr<PendingCollective>(std::move(op));
   }
 
+  // NCCL's calls alone on this communicator and stream (LibraryCollectives): `direct`, below.
+  class Library final : public LibraryCollectives {
+   public:
+    explicit Library(NcclGroup* g) : g_(g) {}
+    std::string library() const override { return "nccl"; }
+    Status all_reduce_sum(float* buf, int64_t n) override {  // buf: (n) f32 device
+      return g_->direct("all_reduce", n,
+                        [&] { return ncclAllReduce(buf, buf, size(n), ncclFloat32, ncclSum, g_->comm_, g_->stream_); });
+    }
+    Status reduce_scatter_sum(const float* in, float* out, int64_t n) override {  // in: (world*n), out: (n) f32 device
+      return g_->direct("reduce_scatter", n,
+                        [&] { return ncclReduceScatter(in, out, size(n), ncclFloat32, ncclSum, g_->comm_, g_->stream_); });
+    }
+    Status all_gather(const float* in, float* out, int64_t n) override {  // in: (n), out: (world*n) f32 device
+      return g_->direct("all_gather", n,
+                        [&] { return ncclAllGather(in, out, size(n), ncclFloat32, g_->comm_, g_->stream_); });
+    }
+    Status broadcast(void* data, int64_t bytes, int root) override {  // data: (bytes) u8 device
+      if (root < 0 || root >= g_->world_)
+        return invalid_argument("broadcast: root {} outside the world of {}", root, g_->world_);
+      return g_->direct("broadcast", bytes,
+                        [&] { return ncclBroadcast(data, data, size(bytes), ncclUint8, root, g_->comm_, g_->stream_); });
+    }
+
+   private:
+    NcclGroup* g_;
+  };
+
+  // The library's call alone: issued on the communication stream (no device synchronise first:
+  // the caller's buffers are ready), its enqueueing awaited (a non-blocking communicator may
+  // return ncclInProgress), then the stream spun on with cudaStreamQuery until it is done (no
+  // sleep between polls; the communicator's error state looked at every 256 polls, the timeout
+  // as in run()).
+  template <typename Call>
+  Status direct(const char* what, int64_t n, Call call) {
+    if (n < 0) return invalid_argument("{}: negative count {}", what, n);
+    if (aborted_) return Status(StatusCode::kIoError, fmt::format("NCCL {}: the communicator was aborted", what));
+    if (n == 0) return Status::ok();
+    NIB_RETURN_IF_ERROR(nccl_status(call(), what));
+    NIB_RETURN_IF_ERROR(wait_comm(what));
+    const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
+    for (uint64_t polls = 1;; ++polls) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) return Status::ok();
+      if (q != cudaErrorNotReady) return fail(what, cudaGetErrorString(q));
+      if (polls % 256 == 0) {
+        ncclResult_t state = ncclSuccess;
+        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess || (state != ncclSuccess && state != ncclInProgress))
+          return fail(what, ncclGetErrorString(state));
+        if (Clock::now() > deadline)
+          return fail(what, fmt::format("not finished within {} s (a peer died or hangs)", timeout_s_));
+      }
+    }
+  }
+
   int rank_, world_, device_;
   double timeout_s_;
   ncclComm_t comm_ = nullptr;
@@ -240,7 +299,26 @@ class NcclGroup final : public ProcessGroup {
   bool aborted_ = false;
 };
 
+class CudaGroupMemory final : public GroupMemory {
+ public:
+  Result<void*> allocate(int64_t bytes) override {
+    void* p = nullptr;
+    NIB_RETURN_IF_ERROR(cuda::cuda_status(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(bytes, 1))),
+                                          "cudaMalloc (bench collectives)"));
+    return p;
+  }
+  void release(void* p) override { cudaFree(p); }
+  Status upload(void* dst, const void* host, int64_t bytes) override {
+    return cuda::cuda_status(cudaMemcpy(dst, host, static_cast<size_t>(bytes), cudaMemcpyHostToDevice), "cudaMemcpy");
+  }
+  Status download(void* host, const void* src, int64_t bytes) override {
+    return cuda::cuda_status(cudaMemcpy(host, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  }
+};
+
 }  // namespace
+
+std::unique_ptr<GroupMemory> make_cuda_group_memory() { return std::make_unique<CudaGroupMemory>(); }
 
 Result<std::unique_ptr<ProcessGroup>> make_nccl_group(const LaunchEnv& env, ProcessGroup* bootstrap,
                                                       const NcclOptions& options) {

@@ -14,6 +14,7 @@
 
 #include <memory>
 
+#include "dist/collectives_bench.h"
 #include "dist/process_group.h"
 
 namespace nibble::dist {
@@ -31,5 +32,9 @@ struct NcclOptions {
 // one-rank world needs neither).
 Result<std::unique_ptr<ProcessGroup>> make_nccl_group(const LaunchEnv& env, ProcessGroup* bootstrap,
                                                       const NcclOptions& options);
+
+// CUDA device memory of the current device (cudaMalloc / cudaMemcpy): the NCCL group's memory for
+// `nibble bench collectives` (dist/collectives_bench.h).
+std::unique_ptr<GroupMemory> make_cuda_group_memory();
 
 }  // namespace nibble::dist
