@@ -9,6 +9,7 @@
 // and BF16 precision (backend/cuda/attention_bench.h), BF16 next to FP32 measured in the same run.
 // `nibble bench decode`: the rollout engine's decode tokens/s per batch next to its bytes-per-step
 // bound at the device-copy bandwidth of the same run (rollout/decode_bench.h), JSON lines.
+// `nibble bench collectives` and `bench weight-sync` (the process group's benches): cmd_bench_dist.cpp.
 #include <unistd.h>
 
 #include <cmath>
@@ -22,6 +23,7 @@
 #include "model/config.h"
 #include "model/linear.h"
 #include "rollout/decode_bench.h"
+#include "tools/bench_dist.h"
 #include "tools/command.h"
 #include "tools/device_option.h"
 #include "tools/option_check.h"
@@ -528,7 +530,9 @@ CommandRun setup_bench(CLI::App& app) {
                       "Then time every op of the prefill run and of the decode steps (tables on stderr, "
                       "\"profile\" in the JSON)");
   add_device_option(*d->decode, &d->device);
-  return [a, t, at, d]() -> int {
+  CommandRun dist_benches = setup_dist_benches(app);
+  return [a, t, at, d, dist_benches]() -> int {
+    if (const int rc = dist_benches(); rc >= 0) return rc;
     if (d->decode->parsed()) return run_bench_decode(*d);
     if (a->quantize->parsed()) return run_bench_quantize(*a);
     if (t->train->parsed()) return run_bench_train(*t);
@@ -541,7 +545,8 @@ CommandRun setup_bench(CLI::App& app) {
 
 NIBBLE_REGISTER_COMMAND(bench_command, "bench",
                         "Benchmarks (bench quantize: quantizer bandwidth vs memcpy; bench train: training-step speed; "
-                        "bench attention: attention TFLOP/s; bench decode: rollout decode tokens/s)",
+                        "bench attention: attention TFLOP/s; bench decode: rollout decode tokens/s; bench collectives: "
+                        "collective bus bandwidth vs MPI/NCCL; bench weight-sync: RL weight sync time)",
                         setup_bench);
 
 }  // namespace nibble::tools
