@@ -22,6 +22,8 @@
 #                      decode bf16 + w4a16 and bench/hf_generate_baseline.py: NIBBLE_DECODE_CONFIG,
 #                      NIBBLE_DECODE_BATCHES (1,16,64,256), NIBBLE_DECODE_NEW (64), NIBBLE_DECODE_MODES),
 #                      "rl" (nibble sft then nibble rl on CUDA, synchronous and with max_staleness 1),
+#                      "distbench" (nibble bench collectives as a one-rank NCCL world and bench
+#                      weight-sync for configs/qwen3moe-768.json: distbench_*.jsonl, ~1 min),
 #                      "decode30b" (nibble bench decode of the Qwen3-30B-A3B shape in w4a16, batches 1,16,
 #                      prompt 512, new 32: the inference-storage engine on one GPU; decode30b.jsonl)
 #   NIBBLE_GPU_BUDGET_S  seconds the whole script may take (default 540): each part's timeout is cut
@@ -396,6 +398,50 @@ PY
     rm -rf "$d"
   fi
   stamp "dist exit code $DIST_RC"
+fi
+
+if want distbench; then
+  # The multi-GPU benches (issue #17 item 4) as far as one GPU goes: `nibble bench collectives` as a
+  # one-rank NCCL world (nibble's ProcessGroup calls against ncclAllReduce/... on the same device
+  # buffers, 1 KiB..256 MiB; one rank moves nothing over a link: algbw only) and `nibble bench
+  # weight-sync` for the RL shape configs/qwen3moe-768.json (host and device transports, bf16 and
+  # w4a16; nobody receives in a world of one: the send path alone). JSON lines in
+  # $OUT/distbench_collectives.jsonl and $OUT/distbench_weight_sync.jsonl. On 2..8 GPUs the same
+  # commands under `mpirun -np N` give the bus bandwidth and the receivers' time
+  # (docs/benchmarks.md, "Multi-GPU (issue #17)"), and scripts/dp_scaling.sh the DP efficiency.
+  DB_RC=0
+  if [ -n "$NIBBLE" ]; then
+    env1=(WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533)
+    stamp "nibble bench collectives (one-rank NCCL world)"
+    timeout "$(limit 60)" env "${env1[@]}" "$NIBBLE" bench collectives --device cuda --min-bytes 1K --max-bytes 256M \
+      --warmup 5 --iters 20 >"$OUT/distbench_collectives.jsonl" 2>"$OUT/distbench_collectives.log" || DB_RC=$?
+    note_rc "bench collectives" "$DB_RC"
+    tail -n 3 "$OUT/distbench_collectives.log"
+    stamp "nibble bench weight-sync (configs/qwen3moe-768.json, one-rank NCCL world)"
+    timeout "$(limit 90)" env "${env1[@]}" "$NIBBLE" bench weight-sync --device cuda --config configs/qwen3moe-768.json \
+      --transport host,device --mode bf16,w4a16 --warmup 1 --iters 5 \
+      >"$OUT/distbench_weight_sync.jsonl" 2>"$OUT/distbench_weight_sync.log" || DB_RC=$?
+    note_rc "bench weight-sync" "$DB_RC"
+    tail -n 3 "$OUT/distbench_weight_sync.log"
+    python3 - "$OUT/distbench_collectives.jsonl" "$OUT/distbench_weight_sync.jsonl" <<'PY' | tee "$OUT/distbench_table.txt"
+import json, sys
+for path in sys.argv[1:]:
+    try:
+        rows = [json.loads(l) for l in open(path) if l.strip()]
+    except (OSError, ValueError) as e:
+        print(f"{path}: {e}")
+        continue
+    for r in rows:
+        if r["bench"] == "collectives":
+            ratio = r.get("ratio_to_library")
+            print(f"{r['op']:<15} {r['path']:<7} {r['bytes']:>11} B {r['time_us']:>10.1f} us algbw {r['algbw_gbps']:8.2f} GB/s"
+                  + (f"  nibble/nccl {ratio:.3f}" if ratio is not None else ""))
+        else:
+            print(f"weight-sync {r['transport']:<6} {r['mode']:<6} {r['payload_bytes']:>11} B (x{r['ratio_to_bf16']:.3f} of bf16) "
+                  f"prepare {r['prepare_ms']:.2f} ms sync {r['sync_ms']:.2f} ms {r['gb_per_s']:.2f} GB/s")
+PY
+  fi
+  stamp "distbench exit code $DB_RC"
 fi
 
 if want rl; then
