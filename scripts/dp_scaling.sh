@@ -9,6 +9,9 @@
 # Usage: scripts/dp_scaling.sh [--nibble BIN] [--config RUN_CONFIG] [--model MODEL_CONFIG]
 #          [--device cpu|cuda] [--micro-batch B] [--seq T] [--steps S] [--warmup W]
 #          [--worlds "1 2 4 8"] [--recipe NAME] [--data "FILES..."] [--out DIR] [--mpirun "mpirun ARGS"]
+#          [--launcher mpirun|env]
+# --launcher env starts the N ranks itself with RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+# (torchrun style: NCCL with --device cuda, no mpirun needed; CPU ranks need mpirun).
 # Defaults: configs/pretrain-tiny.json, cpu, B 4, T 64, S 8, W 2, worlds "1 2", this repository's
 # docs as the corpus, OUT=runs/dp_scaling. On 8 H200s (370M shape):
 #   scripts/dp_scaling.sh --device cuda --model configs/olmo2-370m.json --micro-batch 8 --seq 4096 \
@@ -18,13 +21,14 @@ cd "$(dirname "$0")/.."
 NIBBLE=build/cpu/bin/nibble CONFIG=configs/pretrain-tiny.json MODEL="" DEVICE=cpu MICRO=4 SEQ=64 STEPS=8 WARMUP=2
 WORLDS="1 2" RECIPE="" DATA="" OUT=runs/dp_scaling
 MPIRUN="mpirun --oversubscribe$([ "$(id -u)" = 0 ] && echo " --allow-run-as-root")"
-usage() { sed -n '2,16p' "$0" >&2; exit 2; }
+LAUNCHER=mpirun
+usage() { sed -n '2,19p' "$0" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   [ $# -ge 2 ] || usage
   case $1 in
     --nibble) NIBBLE=$2;; --config) CONFIG=$2;; --model) MODEL=$2;; --device) DEVICE=$2;;
     --micro-batch) MICRO=$2;; --seq) SEQ=$2;; --steps) STEPS=$2;; --warmup) WARMUP=$2;; --worlds) WORLDS=$2;;
-    --recipe) RECIPE=$2;; --data) DATA=$2;; --out) OUT=$2;; --mpirun) MPIRUN=$2;;
+    --recipe) RECIPE=$2;; --data) DATA=$2;; --out) OUT=$2;; --mpirun) MPIRUN=$2;; --launcher) LAUNCHER=$2;;
     *) echo "dp_scaling.sh: unknown option $1" >&2; usage;;
   esac
   shift 2
@@ -32,6 +36,7 @@ done
 for v in "$MICRO" "$SEQ" "$STEPS" "$WARMUP" $WORLDS; do
   [[ $v =~ ^[0-9]+$ ]] || { echo "dp_scaling.sh: '$v' is not a count" >&2; exit 2; }
 done
+case $LAUNCHER in mpirun|env) ;; *) echo "dp_scaling.sh: --launcher $LAUNCHER: mpirun or env" >&2; exit 2;; esac
 [ "$WARMUP" -lt "$STEPS" ] || { echo "dp_scaling.sh: --warmup $WARMUP must be below --steps $STEPS" >&2; exit 2; }
 [ -x "$NIBBLE" ] || { echo "dp_scaling.sh: no nibble binary at $NIBBLE (--nibble)" >&2; exit 1; }
 if [ -z "$DATA" ]; then DATA=$(ls "$PWD"/docs/*.md "$PWD"/README.md); fi
@@ -41,13 +46,31 @@ sets=(--set steps="$STEPS" --set seq_len="$SEQ" --set schedule.warmup_steps=1 --
       --set eval.batches=1 --set checkpoint.interval=0 --set "data.files=$data_json" --set data.dir="$OUT/data")
 [ -n "$MODEL" ] && sets+=(--set "model=$MODEL")
 [ -n "$RECIPE" ] && sets+=(--set "recipe=$RECIPE")
+# N ranks of `nibble ARGS...` (all output to $log): under mpirun, or as N processes of an env world
+launch() {
+  local n=$1 log=$2 r rc=0 pids=()
+  shift 2
+  if [ "$LAUNCHER" = mpirun ]; then
+    # shellcheck disable=SC2086  # MPIRUN is a command line
+    $MPIRUN -np "$n" "$NIBBLE" "$@" >"$log" 2>&1
+    return
+  fi
+  for ((r = 0; r < n; r++)); do
+    RANK=$r LOCAL_RANK=$r WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29600 + n)) "$NIBBLE" "$@" \
+      >"$log.rank$r" 2>&1 &
+    pids+=($!)
+  done
+  for r in "${!pids[@]}"; do wait "${pids[$r]}" || rc=$?; done
+  cat "$log".rank* >"$log"
+  rm -f "$log".rank*
+  return $rc
+}
 results=()
 for n in $WORLDS; do
   run=$OUT/world$n
   rm -rf "$run"
-  # shellcheck disable=SC2086  # MPIRUN is a command line
-  if ! $MPIRUN -np "$n" "$NIBBLE" pretrain --config "$CONFIG" --device "$DEVICE" "${sets[@]}" \
-      --set batch_size=$((MICRO * n)) --no-progress --out "$run" >"$OUT/world$n.log" 2>&1; then
+  if ! launch "$n" "$OUT/world$n.log" pretrain --config "$CONFIG" --device "$DEVICE" "${sets[@]}" \
+      --set batch_size=$((MICRO * n)) --no-progress --out "$run"; then
     echo "dp_scaling.sh: world $n failed; the last lines of $OUT/world$n.log:" >&2
     tail -5 "$OUT/world$n.log" >&2
     exit 1

@@ -25,7 +25,7 @@ assert abs(rows[1]["efficiency"] - rows[1]["tokens_per_s"] / (2 * rows[0]["token
 print("dp_scaling.sh:", " ".join(f"world {r['world']} {r['tokens_per_s']:.0f} tok/s" for r in rows))
 PY
 grep -q "efficiency" "$tmp/err.txt" || { echo "no table on stderr"; cat "$tmp/err.txt"; exit 1; }
-for bad in "--steps x" "--steps 4 --warmup 4" "--frobnicate 1" "--worlds"; do
+for bad in "--steps x" "--steps 4 --warmup 4" "--frobnicate 1" "--worlds" "--launcher slurm"; do
   rc=0
   # shellcheck disable=SC2086
   "$here/dp_scaling.sh" --nibble "$NIBBLE" $bad >/dev/null 2>&1 || rc=$?

@@ -2,10 +2,6 @@
 // `bench weight-sync`, added to the bench command by cmd_bench.cpp's setup.
 #pragma once
 
-#include <cstdint>
-#include <string>
-
-#include "core/status.h"
 #include "tools/command.h"
 
 namespace nibble::tools {
@@ -13,8 +9,5 @@ namespace nibble::tools {
 // Adds `collectives` and `weight-sync` to `bench`; the returned function runs the one parsed, or
 // returns -1 when neither was.
 CommandRun setup_dist_benches(CLI::App& bench);
-
-// "4096", "1K", "256M", "1G" (also "KiB", "KB"; binary units) in bytes; else invalid_argument.
-Result<int64_t> parse_byte_size(const std::string& text);
 
 }  // namespace nibble::tools

@@ -53,8 +53,7 @@ std::vector<std::string> split_commas(const std::string& s) {
   }
 }
 
-}  // namespace
-
+// "4096", "1K", "256M", "1G" (also "KiB", "KB"; binary units) in bytes; else invalid_argument.
 Result<int64_t> parse_byte_size(const std::string& text) {
   size_t digits = 0;
   while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') ++digits;
@@ -72,8 +71,6 @@ Result<int64_t> parse_byte_size(const std::string& text) {
   if (n > (int64_t{1} << 40) >> shift) return invalid_argument("'{}': too large", text);
   return n << shift;
 }
-
-namespace {
 
 // After the group exists: an error all ranks agreed on is printed by rank 0 and every rank exits
 // normally; one this rank alone saw is printed here and ends the world (as `pretrain` does).

@@ -2,7 +2,7 @@
 // `mpirun -np 2` rank 0 alone prints one JSON row per (op, size, path), nibble and MPI, checked,
 // with finite bandwidths and the nibble/MPI ratio of the two rows; the weight sync's rows per transport and
 // mode for configs/tiny-moe.json with the bytes each form must carry; a plain start is a one-rank
-// world (nibble rows, busbw null); bad flags are exit 2 with one line. The mpirun cases skip
+// world (nibble rows, busbw null; sizes in binary units); bad flags are exit 2 with one line. The mpirun cases skip
 // where mpirun or MPI is missing.
 #include <cmath>
 #include <sstream>
@@ -10,7 +10,6 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "tools/bench_dist.h"
 #include "tools/cli_test_util.h"
 #include "tools/mpi_cli_test_util.h"
 
@@ -31,17 +30,6 @@ std::vector<json> json_lines(const std::string& out) {
 }
 
 std::string tiny_moe() { return "'" + std::string(NIBBLE_SOURCE_DIR) + "/configs/tiny-moe.json'"; }
-
-TEST(DistBenchCli, ByteSizes) {
-  EXPECT_EQ(parse_byte_size("4096").value(), 4096);
-  EXPECT_EQ(parse_byte_size("1K").value(), 1024);
-  EXPECT_EQ(parse_byte_size("256M").value(), int64_t{256} << 20);
-  EXPECT_EQ(parse_byte_size("1GiB").value(), int64_t{1} << 30);
-  EXPECT_EQ(parse_byte_size("8KB").value(), 8192);
-  EXPECT_EQ(parse_byte_size("3B").value(), 3);
-  for (const char* bad : {"", "K", "12Q", "1.5M", "-1K", "1KK", "99999999999999"})
-    EXPECT_EQ(parse_byte_size(bad).status().code(), StatusCode::kInvalidArgument) << bad;
-}
 
 TEST(DistBenchCli, CollectivesUnderMpirunTwoRanks) {
   if (const std::string why = why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
@@ -84,13 +72,17 @@ TEST(DistBenchCli, CollectivesUnderMpirunTwoRanks) {
 
 TEST(DistBenchCli, CollectivesInOneProcessReportAlgbwOnly) {
   ScratchDir d("bench_coll_one");
-  RunResult r = run_nibble(d.path, "bench collectives --device cpu --max-bytes 4K --factor 4 --ops all_reduce,allgather "
-                                   "--warmup 0 --iters 2");
+  RunResult r = run_nibble(d.path, "bench collectives --device cpu --min-bytes 1KiB --max-bytes 4KB --factor 4 "
+                                   "--ops all_reduce,allgather --warmup 0 --iters 2");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.err.find("busbw is undefined (bus factor 0)"), std::string::npos) << r.err;
   const std::vector<json> rows = json_lines(r.out);
   ASSERT_EQ(rows.size(), 2u * 2u) << r.out;  // (all_reduce, all_gather) x (1K, 4K), nibble only
-  for (const json& j : rows) {
+  EXPECT_EQ(rows[0]["op"], "all_reduce");
+  EXPECT_EQ(rows[2]["op"], "all_gather");
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const json& j = rows[i];
+    EXPECT_EQ(j["bytes"], i % 2 == 0 ? 1024 : 4096) << j;
     EXPECT_EQ(j["path"], "nibble") << j;
     EXPECT_TRUE(j["busbw_gbps"].is_null()) << j;
     EXPECT_TRUE(j["ratio_to_library"].is_null()) << j;
@@ -100,8 +92,8 @@ TEST(DistBenchCli, CollectivesInOneProcessReportAlgbwOnly) {
 
 TEST(DistBenchCli, BadFlagsAreArgumentErrors) {
   ScratchDir d("bench_dist_bad");
-  for (const std::string args :
-       {"collectives --max-bytes 12Q", "collectives --min-bytes 8K --max-bytes 4K", "collectives --max-bytes 2G",
+  for (const std::string& args : std::vector<std::string>{"collectives --max-bytes 12Q", "collectives --max-bytes 1.5M", "collectives --min-bytes -1K",
+        "collectives --max-bytes 99999999999999", "collectives --min-bytes K", "collectives --min-bytes 8K --max-bytes 4K", "collectives --max-bytes 2G",
         "collectives --factor 1", "collectives --ops all_reduce,alltoall", "collectives --iters 0",
         "weight-sync", "weight-sync --config " + tiny_moe() + " --transport pigeon",
         "weight-sync --config " + tiny_moe() + " --mode recipe", "weight-sync --config " + tiny_moe() + " --recipe nope"}) {
@@ -137,12 +129,16 @@ TEST(DistBenchCli, WeightSyncUnderMpirunTwoRanks) {
     EXPECT_TRUE(std::isfinite(gbps) && gbps > 0) << j;
     const int64_t payload = j["payload_bytes"], bf16 = j["bf16_bytes"];
     EXPECT_NEAR(gbps, static_cast<double>(payload) / (j["sync_ms"].get<double>() * 1e-3) / 1e9, 1e-9 * gbps) << j;
-    if (want[i] == std::pair<std::string, std::string>{"host", "bf16"}) EXPECT_EQ(payload, bf16) << j;
-    // the packed bf16 form holds the linears as FP32: more than the BF16 bytes, less than twice
-    if (want[i].first == "device" && want[i].second == "bf16") EXPECT_GT(payload, bf16) << j;
-    if (want[i].first == "device" && want[i].second == "bf16") EXPECT_LT(payload, 2 * bf16) << j;
-    // 4-bit codes + scales for the linears (the FP32 rest, embeddings and lm_head, is most of a tiny model)
-    if (want[i].second == "w4a16") EXPECT_LT(payload, bf16) << j;
+    if (want[i].first == "host" && want[i].second == "bf16") {
+      EXPECT_EQ(payload, bf16) << j;
+    } else if (want[i].second == "bf16") {
+      // the packed bf16 form holds the linears as FP32: more than the BF16 bytes, less than twice
+      EXPECT_GT(payload, bf16) << j;
+      EXPECT_LT(payload, 2 * bf16) << j;
+    } else {
+      // 4-bit codes + scales for the linears (the FP32 rest, embeddings and lm_head, is most of a tiny model)
+      EXPECT_LT(payload, bf16) << j;
+    }
   }
   EXPECT_EQ(rows[1]["payload_bytes"], rows[3]["payload_bytes"]) << "one w4a16 version, two transports";
 }
