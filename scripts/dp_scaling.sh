@@ -5,15 +5,17 @@
 #   eff(N) = tokens_s(N) / (N * tokens_s(1)).
 # tokens/s of a run: its metrics.jsonl, from the end of step WARMUP to the last step
 # (elapsed_s is taken at the same point of every step; validation and checkpoints only at the end).
-# Prints one JSON line per world size, then a table; the runs stay under OUT.
+# Prints one JSON line per world size, then a table; the runs' logs and metrics stay under OUT
+# (their checkpoints are deleted).
 # Usage: scripts/dp_scaling.sh [--nibble BIN] [--config RUN_CONFIG] [--model MODEL_CONFIG]
 #          [--device cpu|cuda] [--micro-batch B] [--seq T] [--steps S] [--warmup W]
 #          [--worlds "1 2 4 8"] [--recipe NAME] [--data "FILES..."] [--out DIR] [--mpirun "mpirun ARGS"]
-#          [--launcher mpirun|env]
+#          [--launcher mpirun|env] [--tokenizer-vocab V]
 # --launcher env starts the N ranks itself with RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
 # (torchrun style: NCCL with --device cuda, no mpirun needed; CPU ranks need mpirun).
 # Defaults: configs/pretrain-tiny.json, cpu, B 4, T 64, S 8, W 2, worlds "1 2", this repository's
-# docs as the corpus, OUT=runs/dp_scaling. On 8 H200s (370M shape):
+# docs as the corpus with a tokenizer of V = 2048 pieces (what that corpus allows; the model's
+# vocab_size, which sets the lm_head's cost, is unchanged), OUT=runs/dp_scaling. On 8 H200s (370M shape):
 #   scripts/dp_scaling.sh --device cuda --model configs/olmo2-370m.json --micro-batch 8 --seq 4096 \
 #     --steps 12 --warmup 4 --worlds "1 2 4 8"
 set -euo pipefail
@@ -22,18 +24,20 @@ NIBBLE=build/cpu/bin/nibble CONFIG=configs/pretrain-tiny.json MODEL="" DEVICE=cp
 WORLDS="1 2" RECIPE="" DATA="" OUT=runs/dp_scaling
 MPIRUN="mpirun --oversubscribe$([ "$(id -u)" = 0 ] && echo " --allow-run-as-root")"
 LAUNCHER=mpirun
-usage() { sed -n '2,19p' "$0" >&2; exit 2; }
+VOCAB=2048
+usage() { sed -n '2,20p' "$0" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   [ $# -ge 2 ] || usage
   case $1 in
     --nibble) NIBBLE=$2;; --config) CONFIG=$2;; --model) MODEL=$2;; --device) DEVICE=$2;;
     --micro-batch) MICRO=$2;; --seq) SEQ=$2;; --steps) STEPS=$2;; --warmup) WARMUP=$2;; --worlds) WORLDS=$2;;
     --recipe) RECIPE=$2;; --data) DATA=$2;; --out) OUT=$2;; --mpirun) MPIRUN=$2;; --launcher) LAUNCHER=$2;;
+    --tokenizer-vocab) VOCAB=$2;;
     *) echo "dp_scaling.sh: unknown option $1" >&2; usage;;
   esac
   shift 2
 done
-for v in "$MICRO" "$SEQ" "$STEPS" "$WARMUP" $WORLDS; do
+for v in "$MICRO" "$SEQ" "$STEPS" "$WARMUP" "$VOCAB" $WORLDS; do
   [[ $v =~ ^[0-9]+$ ]] || { echo "dp_scaling.sh: '$v' is not a count" >&2; exit 2; }
 done
 case $LAUNCHER in mpirun|env) ;; *) echo "dp_scaling.sh: --launcher $LAUNCHER: mpirun or env" >&2; exit 2;; esac
@@ -43,7 +47,8 @@ if [ -z "$DATA" ]; then DATA=$(ls "$PWD"/docs/*.md "$PWD"/README.md); fi
 data_json=$(printf '%s\n' $DATA | python3 -c 'import sys, json; print(json.dumps([l.strip() for l in sys.stdin if l.strip()]))')
 mkdir -p "$OUT"
 sets=(--set steps="$STEPS" --set seq_len="$SEQ" --set schedule.warmup_steps=1 --set eval.interval=0
-      --set eval.batches=1 --set checkpoint.interval=0 --set "data.files=$data_json" --set data.dir="$OUT/data")
+      --set eval.batches=1 --set checkpoint.interval=0 --set "data.files=$data_json" --set data.dir="$OUT/data"
+      --set data.vocab_size="$VOCAB")
 [ -n "$MODEL" ] && sets+=(--set "model=$MODEL")
 [ -n "$RECIPE" ] && sets+=(--set "recipe=$RECIPE")
 # N ranks of `nibble ARGS...` (all output to $log): under mpirun, or as N processes of an env world
@@ -75,6 +80,7 @@ for n in $WORLDS; do
     tail -5 "$OUT/world$n.log" >&2
     exit 1
   fi
+  rm -rf "$run/checkpoints"  # the end-of-run checkpoint (pretrain always writes one): not needed here
   results+=("$n:$run/metrics.jsonl")
 done
 python3 - "$MICRO" "$SEQ" "$WARMUP" "$DEVICE" "$CONFIG" "${MODEL:-}" "${results[@]}" <<'PY'

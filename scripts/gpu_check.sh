@@ -423,7 +423,42 @@ if want distbench; then
       >"$OUT/distbench_weight_sync.jsonl" 2>"$OUT/distbench_weight_sync.log" || DB_RC=$?
     note_rc "bench weight-sync" "$DB_RC"
     tail -n 3 "$OUT/distbench_weight_sync.log"
-    python3 - "$OUT/distbench_collectives.jsonl" "$OUT/distbench_weight_sync.jsonl" <<'PY' | tee "$OUT/distbench_table.txt"
+    # Several GPUs visible (a multi-GPU kind): the whole table in the same call. Each world of N
+    # ranks is launched torchrun-style (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*: NCCL, no mpirun needed);
+    # rank 0's JSON lines go to distbench_*_wN.jsonl, every rank's stderr to distbench_*_wN.log.
+    NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    envworld() {  # envworld N OUTBASE nibble-args...: N ranks of an env world
+      local n=$1 base=$2 r rc=0 pids=()
+      shift 2
+      for ((r = 0; r < n; r++)); do
+        RANK=$r LOCAL_RANK=$r WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29540 + n)) \
+          "$NIBBLE" "$@" >"$base.rank$r.out" 2>>"$base.log" &
+        pids+=($!)
+      done
+      for r in "${!pids[@]}"; do wait "${pids[$r]}" || rc=$?; done
+      mv "$base.rank0.out" "$base.jsonl"; rm -f "$base".rank*.out
+      return $rc
+    }
+    multi=()
+    for n in 2 4 8; do [ "${NGPU:-0}" -ge "$n" ] && multi+=("$n"); done
+    for n in "${multi[@]}"; do
+      stamp "nibble bench collectives, $n GPUs"
+      timeout "$(limit 120)" bash -c "$(declare -f envworld); NIBBLE='$NIBBLE' envworld $n '$OUT/distbench_collectives_w$n' \
+        bench collectives --device cuda --min-bytes 1K --max-bytes 256M --warmup 5 --iters 20" || DB_RC=$?
+    done
+    if [ ${#multi[@]} -gt 0 ]; then
+      n=${multi[-1]}
+      stamp "nibble bench weight-sync, $n GPUs (rank 0 sends, $((n - 1)) receive)"
+      timeout "$(limit 120)" bash -c "$(declare -f envworld); NIBBLE='$NIBBLE' envworld $n '$OUT/distbench_weight_sync_w$n' \
+        bench weight-sync --device cuda --config configs/qwen3moe-768.json --transport host,device --mode bf16,w4a16" || DB_RC=$?
+      stamp "scripts/dp_scaling.sh: OLMo-2 370M, 8 x 4096 tokens per GPU, worlds 1 ${multi[*]}"
+      timeout "$(limit 400)" scripts/dp_scaling.sh --nibble "$NIBBLE" --device cuda --launcher env \
+        --model configs/olmo2-370m.json --micro-batch 8 --seq 4096 --steps 12 --warmup 4 --worlds "1 ${multi[*]}" \
+        --out "$OUT/dp_scaling_runs" >"$OUT/distbench_dp_scaling.jsonl" 2>"$OUT/distbench_dp_scaling.log" || DB_RC=$?
+      cat "$OUT/distbench_dp_scaling.log"; rm -rf "$OUT/dp_scaling_runs/data"
+    fi
+    python3 - "$OUT/distbench_collectives.jsonl" "$OUT/distbench_weight_sync.jsonl" \
+        $(ls "$OUT"/distbench_collectives_w*.jsonl "$OUT"/distbench_weight_sync_w*.jsonl 2>/dev/null) <<'PY' | tee "$OUT/distbench_table.txt"
 import json, sys
 for path in sys.argv[1:]:
     try:
@@ -433,11 +468,12 @@ for path in sys.argv[1:]:
         continue
     for r in rows:
         if r["bench"] == "collectives":
-            ratio = r.get("ratio_to_library")
-            print(f"{r['op']:<15} {r['path']:<7} {r['bytes']:>11} B {r['time_us']:>10.1f} us algbw {r['algbw_gbps']:8.2f} GB/s"
+            ratio, bus = r.get("ratio_to_library"), r.get("busbw_gbps")
+            print(f"w{r['world']} {r['op']:<15} {r['path']:<7} {r['bytes']:>11} B {r['time_us']:>10.1f} us "
+                  f"algbw {r['algbw_gbps']:8.2f} GB/s" + (f" busbw {bus:8.2f} GB/s" if bus is not None else "")
                   + (f"  nibble/nccl {ratio:.3f}" if ratio is not None else ""))
         else:
-            print(f"weight-sync {r['transport']:<6} {r['mode']:<6} {r['payload_bytes']:>11} B (x{r['ratio_to_bf16']:.3f} of bf16) "
+            print(f"w{r['world']} weight-sync {r['transport']:<6} {r['mode']:<6} {r['payload_bytes']:>11} B (x{r['ratio_to_bf16']:.3f} of bf16) "
                   f"prepare {r['prepare_ms']:.2f} ms sync {r['sync_ms']:.2f} ms {r['gb_per_s']:.2f} GB/s")
 PY
   fi

@@ -1,8 +1,7 @@
 // `nibble bench collectives`: see collectives_bench.h. One (op, size, path) at a time: the input
 // pattern uploaded, one call checked on the host (small integers: exact in FP32 whatever the
 // summation order), the verdict agreed by every rank, then warm-up and timed calls on the same
-// buffers; the timed calls' per-rank times are summed into one (world, iters) table (each rank
-// fills its own row) so that every rank computes the same slowest-rank medians.
+// buffers; the slowest rank's median time (slowest_rank_median) is the same on every rank.
 #include "dist/collectives_bench.h"
 
 #include <algorithm>
@@ -119,12 +118,6 @@ Status check_result(CollectiveOp op, const Shape& s, int rank, int world, const 
   return Status::ok();
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 == 1 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
-
 using Clock = std::chrono::steady_clock;
 
 // One row: checked call, warm-up, timed calls.
@@ -147,18 +140,14 @@ Result<CollectiveRow> measure(ProcessGroup& group, GroupMemory& memory, Buffers&
   NIB_RETURN_IF_ERROR(agree(group, checked));
 
   for (int i = 0; i < o.warmup; ++i) NIB_RETURN_IF_ERROR(call());
-  std::vector<double> times(static_cast<size_t>(world) * static_cast<size_t>(o.iters), 0.0);  // (world, iters)
+  std::vector<double> times(static_cast<size_t>(o.iters), 0.0);
   for (int i = 0; i < o.iters; ++i) {
     NIB_RETURN_IF_ERROR(group.barrier());
     const auto t0 = Clock::now();
     NIB_RETURN_IF_ERROR(call());
-    times[static_cast<size_t>(rank) * o.iters + i] = std::chrono::duration<double>(Clock::now() - t0).count();
+    times[static_cast<size_t>(i)] = std::chrono::duration<double>(Clock::now() - t0).count();
   }
-  NIB_RETURN_IF_ERROR(group.all_reduce_sum_host(times.data(), static_cast<int64_t>(times.size())));
-  std::vector<double> slowest(static_cast<size_t>(o.iters), 0.0);
-  for (int r = 0; r < world; ++r)
-    for (int i = 0; i < o.iters; ++i)
-      slowest[i] = std::max(slowest[i], times[static_cast<size_t>(r) * o.iters + i]);
+  NIB_ASSIGN_OR_RETURN(const double seconds, slowest_rank_median(group, times, o.iters));
 
   CollectiveRow row;
   row.op = collective_op_name(op);
@@ -166,7 +155,7 @@ Result<CollectiveRow> measure(ProcessGroup& group, GroupMemory& memory, Buffers&
   row.world = world;
   row.bytes = s.bytes;
   row.count = s.count;
-  row.seconds = median(slowest);
+  row.seconds = seconds;
   row.algbw_gbps = row.seconds > 0 ? static_cast<double>(s.bytes) / row.seconds / 1e9 : 0;
   row.bus_factor = bus_factor(op, world);
   row.busbw_gbps = row.algbw_gbps * row.bus_factor;
@@ -174,33 +163,45 @@ Result<CollectiveRow> measure(ProcessGroup& group, GroupMemory& memory, Buffers&
   return row;
 }
 
-Call nibble_call(ProcessGroup& g, CollectiveOp op, const Shape& s, Buffers& b) {
+// One call of `op` through `c`: a ProcessGroup (nibble's path) or a LibraryCollectives (the
+// library's), whose calls share names and arguments.
+template <typename Collectives>
+Call call_of(Collectives& c, CollectiveOp op, const Shape& s, Buffers& b) {
   auto* a = static_cast<float*>(b.a);
   auto* out = static_cast<float*>(b.b);
   const int64_t n = s.count;
   switch (op) {
-    case CollectiveOp::kAllReduce: return [&g, a, n] { return g.all_reduce_sum(a, n); };
-    case CollectiveOp::kReduceScatter: return [&g, a, out, n] { return g.reduce_scatter_sum(a, out, n); };
-    case CollectiveOp::kAllGather: return [&g, a, out, n] { return g.all_gather(a, out, n); };
+    case CollectiveOp::kAllReduce: return [&c, a, n] { return c.all_reduce_sum(a, n); };
+    case CollectiveOp::kReduceScatter: return [&c, a, out, n] { return c.reduce_scatter_sum(a, out, n); };
+    case CollectiveOp::kAllGather: return [&c, a, out, n] { return c.all_gather(a, out, n); };
     case CollectiveOp::kBroadcast: break;
   }
-  return [&g, a, n] { return g.broadcast(a, n, 0); };
-}
-
-Call library_call(LibraryCollectives& l, CollectiveOp op, const Shape& s, Buffers& b) {
-  auto* a = static_cast<float*>(b.a);
-  auto* out = static_cast<float*>(b.b);
-  const int64_t n = s.count;
-  switch (op) {
-    case CollectiveOp::kAllReduce: return [&l, a, n] { return l.all_reduce_sum(a, n); };
-    case CollectiveOp::kReduceScatter: return [&l, a, out, n] { return l.reduce_scatter_sum(a, out, n); };
-    case CollectiveOp::kAllGather: return [&l, a, out, n] { return l.all_gather(a, out, n); };
-    case CollectiveOp::kBroadcast: break;
-  }
-  return [&l, a, n] { return l.broadcast(a, n, 0); };
+  return [&c, a, n] { return c.broadcast(a, n, 0); };
 }
 
 }  // namespace
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 == 1 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+Result<double> slowest_rank_median(ProcessGroup& group, const std::vector<double>& mine, int64_t count) {
+  if (static_cast<int64_t>(mine.size()) != count)
+    return invalid_argument("slowest_rank_median: {} times on rank {}, every rank must give {}", mine.size(),
+                            group.rank(), count);
+  const int world = group.world_size();
+  // (world, count): each rank fills its own row, the sum over ranks is the whole table everywhere
+  std::vector<double> table(static_cast<size_t>(world * count), 0.0);
+  std::copy(mine.begin(), mine.end(), table.begin() + group.rank() * count);
+  NIB_RETURN_IF_ERROR(group.all_reduce_sum_host(table.data(), static_cast<int64_t>(table.size())));
+  std::vector<double> slowest(static_cast<size_t>(count), 0.0);
+  for (int r = 0; r < world; ++r)
+    for (int64_t i = 0; i < count; ++i) slowest[i] = std::max(slowest[i], table[r * count + i]);
+  return median(std::move(slowest));
+}
 
 std::unique_ptr<GroupMemory> make_host_memory() { return std::make_unique<HostMemory>(); }
 
@@ -275,11 +276,11 @@ Result<std::vector<CollectiveRow>> bench_collectives(ProcessGroup& group, Librar
     for (int64_t size : sizes) {
       const Shape s = shape_of(op, size, world);
       NIB_ASSIGN_OR_RETURN(CollectiveRow mine, measure(group, memory, buf, op, s, "nibble",
-                                                       nibble_call(group, op, s, buf), o));
+                                                       call_of(group, op, s, buf), o));
       rows.push_back(mine);
       if (library == nullptr) continue;
       NIB_ASSIGN_OR_RETURN(CollectiveRow lib, measure(group, memory, buf, op, s, library->library(),
-                                                      library_call(*library, op, s, buf), o));
+                                                      call_of(*library, op, s, buf), o));
       if (lib.algbw_gbps > 0) rows.back().ratio_to_library = mine.algbw_gbps / lib.algbw_gbps;
       rows.push_back(lib);
     }

@@ -60,6 +60,13 @@ struct CollectiveRow {
 // The sizes the options ask for (bytes, before the per-op rounding). Errors: bad bounds/factor.
 Result<std::vector<int64_t>> bench_sizes(const CollectivesBenchOptions& options);
 
+// The median of v (the mean of the middle two for an even count; 0 for none).
+double median(std::vector<double> v);
+// Collective: `mine` holds this rank's `count` timings of the same calls; returns, on every rank,
+// the median over the calls of the slowest rank's time (all_reduce_sum_host of a (world, count)
+// table in which each rank fills its own row). A rank with another count: invalid_argument.
+Result<double> slowest_rank_median(ProcessGroup& group, const std::vector<double>& mine, int64_t count);
+
 // Runs the bench on every rank of `group` (a collective: every rank calls it with the same
 // options); `library` may be null (the one-rank world: nibble rows only). Buffers come from
 // `memory` (the group's kind). Rows in (op, size, nibble then library) order, the same on every

@@ -1,9 +1,9 @@
 // Tests of the collectives bench (collectives_bench.h): the sizes a range gives, nccl-tests' bus
-// factors, the one-rank world (nibble rows only, bus factor 0), a library whose all-reduce is wrong
-// failing the bench's check, and under `mpirun -np 2` every (op, size, path) row of the MPI group
-// against MPI's own calls: checked, nccl-tests' byte counts for sizes that do not split evenly,
-// finite positive bandwidths, busbw = algbw x factor, the nibble/MPI ratio of the two rows, and the same
-// rows on both ranks.
+// factors, medians and the slowest rank's median over a world, the one-rank world (nibble rows
+// only, bus factor 0), a library whose all-reduce is wrong failing the bench's check, and under
+// `mpirun -np 2` every (op, size, path) row of the MPI group against MPI's own calls: checked,
+// nccl-tests' byte counts for sizes that do not split evenly, finite positive bandwidths, busbw =
+// algbw x factor, the nibble/MPI ratio of the two rows, and the same rows on both ranks.
 #include "dist/collectives_bench.h"
 
 #include <cmath>
@@ -49,6 +49,13 @@ TEST(CollectivesBenchTest, SizesAndBusFactors) {
     EXPECT_EQ(parse_collective_op(collective_op_name(op)).value(), op);
   }
   EXPECT_EQ(parse_collective_op("allgather").value(), CollectiveOp::kAllGather);
+
+  EXPECT_EQ(median({3, 1, 2}), 2.0);
+  EXPECT_EQ(median({4, 1, 3, 2}), 2.5);
+  EXPECT_EQ(median({}), 0.0);
+  auto one = make_single_group();
+  EXPECT_EQ(slowest_rank_median(*one, {5, 7, 6}, 3).value(), 6.0);
+  EXPECT_EQ(slowest_rank_median(*one, {5, 7}, 3).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(parse_collective_op("alltoall").status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -146,6 +153,9 @@ void mpi_bench_worker() {
       EXPECT_EQ(r.ratio_to_library, -1.0) << r.op;
     }
   }
+  // the slowest rank's median: rank 0 {1, 10, 3}, rank 1 {2, 9, 4} -> slowest {2, 10, 4} -> 4
+  const std::vector<double> mine = g.rank() == 0 ? std::vector<double>{1, 10, 3} : std::vector<double>{2, 9, 4};
+  EXPECT_EQ(slowest_rank_median(g, mine, 3).value(), 4.0);
   // every rank computed the same medians (from the shared table of times)
   std::vector<double> secs;
   for (const CollectiveRow& r : *rows) secs.push_back(r.seconds);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "dist/collectives_bench.h"
 #include "rl/mpi_rollout.h"
 
 namespace nibble::rl {
@@ -16,13 +17,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 == 1 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
 
 // Rank 0: version `version` of `model` as `transport` wants it.
 Result<PolicyWeights> prepare(WeightTransport& transport, model::Model& model, rollout::PrecisionMode mode,
@@ -68,7 +62,7 @@ Result<std::vector<WeightSyncRow>> bench_weight_sync(dist::ProcessGroup& group, 
       row.world = world;
       row.bf16_bytes = bf16_host_bytes(model, o.recipe_name);
       std::vector<double> prepare_s;
-      std::vector<double> times(static_cast<size_t>(world) * static_cast<size_t>(o.iters), 0.0);  // (world, iters)
+      std::vector<double> times;  // this rank's timed sends/receives
       // The untimed sends first (warm-up, at least one: the receivers allocate their buffers).
       const int untimed = std::max(1, o.warmup);
       for (int i = 0; i < untimed + o.iters; ++i) {
@@ -100,15 +94,10 @@ Result<std::vector<WeightSyncRow>> bench_weight_sync(dist::ProcessGroup& group, 
         }
         const double t = seconds_since(t0);
         NIB_RETURN_IF_ERROR(dist::agree(group, sent));
-        if (i >= untimed) times[static_cast<size_t>(rank) * o.iters + (i - untimed)] = t;
+        if (i >= untimed) times.push_back(t);
       }
-      NIB_RETURN_IF_ERROR(group.all_reduce_sum_host(times.data(), static_cast<int64_t>(times.size())));
-      std::vector<double> slowest(static_cast<size_t>(o.iters), 0.0);
-      for (int r = 0; r < world; ++r)
-        for (int i = 0; i < o.iters; ++i)
-          slowest[i] = std::max(slowest[i], times[static_cast<size_t>(r) * o.iters + i]);
-      row.sync_seconds = median(slowest);
-      row.prepare_seconds = median(prepare_s);
+      NIB_ASSIGN_OR_RETURN(row.sync_seconds, dist::slowest_rank_median(group, times, o.iters));
+      row.prepare_seconds = dist::median(prepare_s);
       // every rank ends with rank 0's figures (only rank 0 knows the version's bytes)
       double shared[2] = {static_cast<double>(row.payload_bytes), row.prepare_seconds};
       NIB_RETURN_IF_ERROR(group.broadcast_host(shared, sizeof shared, 0));

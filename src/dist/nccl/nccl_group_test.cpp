@@ -5,12 +5,14 @@
 // overlapped with backward) run after the work queued on the compute stream before them: a
 // reduce-scatter started while that stream is held by a 300 ms host callback, with its input's
 // copy queued behind it, still outputs the copied values. Skips without a device. Multi-rank runs
-// need a multi-GPU machine (docs/training.md, "Data parallelism").
+// need a multi-GPU machine (docs/training.md, "Data parallelism"). NCCL called directly
+// (LibraryCollectives) and the collectives bench on device buffers: the last test.
 #include <cuda_runtime_api.h>
 
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -157,6 +159,61 @@ TEST(NcclGroupTest, BadOptionsAreErrors) {
   // the refused device is not left behind for the next kernel launch's check (it was, and failed
   // the weight-transport test that ran next in this program on the H200)
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace nibble::dist
+
+namespace nibble::dist {
+namespace {
+
+// `nibble bench collectives`' two paths on the one-rank NCCL world: NCCL's own calls
+// (LibraryCollectives) on device buffers give the exact one-rank results, a bad root is refused,
+// and the bench's rows for both paths are checked (`verified`: the expected values read back from
+// device memory), with finite positive algbw, bus factor 0 and a finite nibble/NCCL ratio.
+TEST(NcclGroupTest, LibraryCollectivesAndTheBenchOnOneRank) {
+  if (!gpu_ok()) GTEST_SKIP() << "no CUDA device";
+  auto g = make_nccl_group(LaunchEnv{}, nullptr, NcclOptions{});
+  ASSERT_TRUE(g) << g.status().message();
+  ProcessGroup& pg = **g;
+  auto lib = pg.library_collectives();
+  ASSERT_TRUE(lib.is_ok()) << lib.status().message();
+  LibraryCollectives& nccl = **lib;
+  EXPECT_EQ(nccl.library(), "nccl");
+  const int64_t n = 1000;
+  const std::vector<float> in = pattern<float>(n, 0.37f);
+  float* d = to_device(in);
+  float* out = to_device(std::vector<float>(n, -1.0f));
+  ASSERT_TRUE(nccl.all_reduce_sum(d, n));
+  EXPECT_EQ(to_host(d, n), in);
+  ASSERT_TRUE(nccl.reduce_scatter_sum(d, out, n));
+  EXPECT_EQ(to_host(out, n), in);
+  NIB_CUDA_CHECK(cudaMemset(out, 0, n * sizeof(float)));
+  ASSERT_TRUE(nccl.all_gather(d, out, n));
+  EXPECT_EQ(to_host(out, n), in);
+  ASSERT_TRUE(nccl.broadcast(d, n * 4, 0));
+  EXPECT_EQ(to_host(d, n), in);
+  EXPECT_FALSE(nccl.broadcast(d, 4, 1));
+  EXPECT_FALSE(nccl.all_reduce_sum(d, -1));
+  NIB_CUDA_CHECK(cudaFree(d));
+  NIB_CUDA_CHECK(cudaFree(out));
+
+  auto memory = make_cuda_group_memory();
+  CollectivesBenchOptions o;
+  o.min_bytes = 1024, o.max_bytes = 1 << 20, o.factor = 32, o.warmup = 1, o.iters = 3;  // 1 KiB, 32 KiB, 1 MiB
+  auto rows = bench_collectives(pg, &nccl, *memory, o);
+  ASSERT_TRUE(rows.is_ok()) << rows.status().message();
+  ASSERT_EQ(rows->size(), 4u * 3u * 2u);
+  for (size_t i = 0; i < rows->size(); ++i) {
+    const CollectiveRow& r = (*rows)[i];
+    EXPECT_EQ(r.path, i % 2 == 0 ? "nibble" : "nccl") << i;
+    EXPECT_TRUE(r.verified) << r.op << " " << r.bytes;
+    EXPECT_TRUE(std::isfinite(r.algbw_gbps) && r.algbw_gbps > 0) << r.op << " " << r.bytes;
+    EXPECT_EQ(r.bus_factor, 0.0) << r.op;
+    if (i % 2 == 0) {
+      EXPECT_TRUE(std::isfinite(r.ratio_to_library) && r.ratio_to_library > 0) << r.op << " " << r.bytes;
+    }
+  }
 }
 
 }  // namespace
