@@ -28,11 +28,10 @@ Result<PolicyWeights> prepare(WeightTransport& transport, model::Model& model, r
   return w;
 }
 
-// The bytes of `model`'s bf16 host version: the packed bf16 layout holds the linears as FP32 (twice
-// their BF16 bytes) and the rest as FP32.
-int64_t bf16_host_bytes(model::Model& model, const std::string& recipe) {
-  const PolicyLayout l = policy_layout(model, rollout::PrecisionMode::kBf16, recipe);
-  return (l.payload_bytes - l.rest.bytes) / 2 + l.rest.bytes;
+// The bytes of `model`'s bf16 version (the linears' BF16 bits and the FP32 rest; host and packed
+// forms carry the same).
+int64_t bf16_bytes(model::Model& model, const std::string& recipe) {
+  return policy_layout(model, rollout::PrecisionMode::kBf16, recipe).payload_bytes;
 }
 
 }  // namespace
@@ -60,7 +59,7 @@ Result<std::vector<WeightSyncRow>> bench_weight_sync(dist::ProcessGroup& group, 
       row.transport = transport.name();
       row.mode = rollout::precision_mode_name(mode);
       row.world = world;
-      row.bf16_bytes = bf16_host_bytes(model, o.recipe_name);
+      row.bf16_bytes = bf16_bytes(model, o.recipe_name);
       std::vector<double> prepare_s;
       std::vector<double> times;  // this rank's timed sends/receives
       // The untimed sends first (warm-up, at least one: the receivers allocate their buffers).

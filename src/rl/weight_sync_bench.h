@@ -33,7 +33,7 @@ struct WeightSyncRow {
   std::string transport, mode;  // "host" | "device"; "bf16" | "w4a16" | "w4a4"
   int world = 1;
   int64_t payload_bytes = 0;    // PolicyWeights::bytes() of the version (rank 0's)
-  int64_t bf16_bytes = 0;       // the same model's bf16 host version (the reference of <= 30%)
+  int64_t bf16_bytes = 0;       // the same model's bf16 version (the reference of <= 30%)
   double prepare_seconds = 0;   // rank 0: snapshot or pack, median
   double sync_seconds = 0;      // median of the slowest rank's send/receive
   double gbps = 0;              // payload_bytes / sync_seconds / 1e9
