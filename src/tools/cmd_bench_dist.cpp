@@ -83,6 +83,21 @@ int fail_in_group(dist::ProcessGroup& group, const Status& st) {
   return rc;
 }
 
+// The launched world: this rank's device and the process group over it (the group declared last:
+// destroyed first). Errors before the group exists are this rank's alone.
+struct World {
+  std::unique_ptr<backend::Backend> backend;
+  std::unique_ptr<ProcessGroupSetup> setup;
+};
+
+Result<World> open_world(const std::string& device) {
+  NIB_ASSIGN_OR_RETURN(dist::LaunchEnv launch, read_launch());
+  World w;
+  NIB_ASSIGN_OR_RETURN(w.backend, open_device(device_for_launch(device, launch)));
+  NIB_ASSIGN_OR_RETURN(w.setup, open_process_group(launch, *w.backend));
+  return w;
+}
+
 nlohmann::json number_or_null(double v, bool present = true) {
   return present && std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr);
 }
@@ -102,13 +117,11 @@ int run_collectives(const CollectivesArgs& a) {
   }
   if (auto sizes = dist::bench_sizes(o); !sizes) return report_error("bench", sizes.status());
 
-  auto launch = read_launch();
-  if (!launch) return report_error("bench", launch.status());
-  auto be = open_device(device_for_launch(a.device, *launch));
-  if (!be) return report_error("bench", be.status());
-  auto pg = open_process_group(*launch, **be);
-  if (!pg) return report_error("bench", pg.status());
-  dist::ProcessGroup& group = *(*pg)->group;
+  auto world = open_world(a.device);
+  if (!world) return report_error("bench", world.status());
+  dist::ProcessGroup& group = *world->setup->group;
+  const dist::LaunchEnv* launch = &world->setup->launch;
+  backend::Backend& be = *world->backend;
   std::unique_ptr<dist::GroupMemory> memory;
   if (group.device_memory()) {
 #ifdef NIBBLE_HAVE_CUDA
@@ -123,7 +136,7 @@ int run_collectives(const CollectivesArgs& a) {
   if (rank0)
     std::fprintf(stderr, "bench collectives: %s (%s) on %s; median of %d timed calls after %d warm-up, each the slowest "
                  "rank's; ratio = nibble algbw / %s algbw, same buffers, same run%s\n",
-                 launch->describe().c_str(), group.kind().c_str(), (*be)->name().c_str(), o.iters, o.warmup,
+                 launch->describe().c_str(), group.kind().c_str(), be.name().c_str(), o.iters, o.warmup,
                  library.is_ok() ? (*library)->library().c_str() : "library",
                  group.world_size() == 1 ? "; one rank: no data crosses a link, busbw is undefined (bus factor 0) "
                                            "and only algbw is reported"
@@ -165,30 +178,28 @@ int run_weight_sync(const WeightSyncArgs& a) {
   auto config = model::load_model_config(a.config);
   if (!config) return report_error("bench", Status(config.status().code(), "--config: " + config.status().message()));
 
-  auto launch = read_launch();
-  if (!launch) return report_error("bench", launch.status());
-  auto be = open_device(device_for_launch(a.device, *launch));
-  if (!be) return report_error("bench", be.status());
-  auto pg = open_process_group(*launch, **be);
-  if (!pg) return report_error("bench", pg.status());
-  dist::ProcessGroup& group = *(*pg)->group;
+  auto world = open_world(a.device);
+  if (!world) return report_error("bench", world.status());
+  dist::ProcessGroup& group = *world->setup->group;
+  const dist::LaunchEnv* launch = &world->setup->launch;
+  backend::Backend& be = *world->backend;
   model::RecipeConfig rc;
   rc.name = "bf16";  // the trainer's own recipe does not change the policy the sync carries
-  auto m = model::Model::create(*config, rc, be->get());
+  auto m = model::Model::create(*config, rc, &be);
   if (!m) return fail_in_group(group, m.status());
   (*m)->init_weights(a.seed);
   const bool rank0 = group.rank() == 0;
   if (rank0)
     std::fprintf(stderr, "bench weight-sync: %s (%s) on %s, %s; median of %lld timed versions after %lld warm-up, each "
                  "the slowest rank's; GB/s = payload bytes / sync time%s\n",
-                 launch->describe().c_str(), group.kind().c_str(), (*be)->name().c_str(), a.config.c_str(),
+                 launch->describe().c_str(), group.kind().c_str(), be.name().c_str(), a.config.c_str(),
                  static_cast<long long>(a.iters), static_cast<long long>(a.warmup),
                  group.world_size() == 1 ? "; one rank: nobody receives, the time is the send path alone" : "");
   auto rows = rl::bench_weight_sync(group, **m, o);
   if (!rows) return fail_in_group(group, rows.status());
   if (!rank0) return 0;
   for (const rl::WeightSyncRow& r : *rows) {
-    nlohmann::json j{{"bench", "weight_sync"}, {"config", a.config}, {"device", (*be)->name()},
+    nlohmann::json j{{"bench", "weight_sync"}, {"config", a.config}, {"device", be.name()},
                      {"group", group.kind()}, {"world", r.world}, {"transport", r.transport}, {"mode", r.mode},
                      {"payload_bytes", r.payload_bytes}, {"bf16_bytes", r.bf16_bytes},
                      {"ratio_to_bf16", number_or_null(static_cast<double>(r.payload_bytes) / static_cast<double>(r.bf16_bytes))},
