@@ -1118,9 +1118,9 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     ops.swiglu_backward(im.dgue, im.dacte, a.gue, Nk, Im);   // all experts' rows at once
     experts_backward(a, bp, 0, im.dxe, im.dgue);             // gate_up
     ops.moe_gather_backward(dx, im.dxe, a.row_of_slot, N, K, C);
-    const bool renorm = cfg.norm_topk_prob || routing.forced != nullptr;
+    // forced (R3) or not, the gate weights are the model's formula: renormalised iff norm_topk_prob
     ops.moe_router_backward(im.drl, im.dtopk, a.probs, a.rlse, a.topk_idx, a.topk_w, im.aux_extra,
-                             router_z_scale, N, E, K, renorm);
+                             router_z_scale, N, E, K, cfg.norm_topk_prob);
     ops.matmul_nn(dx, im.drl, W(bp.router), N, C, E, /*accumulate=*/true);  // dx += drl (N,E) . Wg (E,C)
     ops.matmul_tn(G(bp.router), im.drl, x, E, C, N, true);                 // dWg += drl^T . x
     if (Is > 0) {

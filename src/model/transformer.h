@@ -70,7 +70,9 @@ int64_t lm_head_chunk_rows(int64_t N, int64_t V, int64_t budget_bytes = kLmHeadC
 
 // MoE routing in/out, both (num_moe_layers, B*T, top_k) i32 expert ids, MoE layers in order.
 struct RoutingIO {
-  const int32_t* forced = nullptr;  // R3 replay: use these expert sets (gate = softmax restricted to the set)
+  // R3 replay: use these expert sets; gate weights by the model's own formula over the set
+  // (softmax probs, renormalised over the set iff norm_topk_prob)
+  const int32_t* forced = nullptr;
   int32_t* record = nullptr;        // filled with the sets actually used
 };
 

@@ -2,7 +2,8 @@
 // against central finite differences (every parameter tensor, several elements each; CE + z-loss
 // + MoE aux loss + router z-loss), the float model (fp32 recipe) against the double model, the
 // bf16 recipe's model-level effect, gradient accumulation, forward_logits consistency and
-// causality, and the R3 seam: forced routing with the model's own top-k equals the normal path.
+// causality, and the R3 seam: forced routing with the model's own top-k equals the normal path
+// (norm_topk_prob on and off).
 #include "model/transformer.h"
 
 #include <chrono>
@@ -185,8 +186,11 @@ TEST(Transformer, ParameterNamesOrderAndFusedViews) {
   EXPECT_EQ(dense->find_param("model.layers.1.input_layernorm.weight"), nullptr);
 }
 
-TEST(Transformer, ForcedRoutingWithOwnTopKEqualsNormalPath) {
-  auto cfg = moe_config(true, 0);
+// R3 replaying the sets the router picks anyway changes nothing (loss and every gradient, the
+// router's included, bit for bit), whether the gates are renormalised (norm_topk_prob) or not.
+void check_forced_own_topk_equals_normal_path(bool norm_topk) {
+  SCOPED_TRACE(norm_topk ? "norm_topk_prob" : "no norm_topk_prob");
+  auto cfg = moe_config(norm_topk, 0);
   auto m = build<float>(cfg);
   Batch b = make_batch(cfg.vocab_size, 2, 8);
   const int64_t Nk = b.B * b.Tn * cfg.num_experts_per_tok;
@@ -214,6 +218,11 @@ TEST(Transformer, ForcedRoutingWithOwnTopKEqualsNormalPath) {
   auto* gate = m->find_param("model.layers.0.mlp.gate.weight");
   for (int64_t i = 0; i < gate->numel; ++i) router_grad += std::fabs(gate->grad[i]);
   EXPECT_GT(router_grad, 0.0);
+}
+
+TEST(Transformer, ForcedRoutingWithOwnTopKEqualsNormalPath) { check_forced_own_topk_equals_normal_path(true); }
+TEST(Transformer, ForcedRoutingWithOwnTopKEqualsNormalPathWithoutNormTopk) {
+  check_forced_own_topk_equals_normal_path(false);
 }
 
 TEST(Transformer, UnusedExpertsAndAllIgnoredTargets) {

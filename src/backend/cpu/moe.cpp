@@ -56,8 +56,8 @@ void moe_router_forward(T* probs, T* lse, int32_t* topk_idx, T* topk_w, const T*
       }
       T s = 0;
       for (int64_t j = 0; j < k; ++j) s += p[idx[j]];
-      bool renorm = forced_idx != nullptr || norm_topk_prob;
-      for (int64_t j = 0; j < k; ++j) w[j] = renorm ? p[idx[j]] / s : p[idx[j]];
+      // a forced (R3) set takes the model's own gate formula: renormalised only with norm_topk_prob
+      for (int64_t j = 0; j < k; ++j) w[j] = norm_topk_prob ? p[idx[j]] / s : p[idx[j]];
     }
   });
 }

@@ -1,8 +1,8 @@
 // Mixture-of-experts routing on the CPU, as in transformers' Qwen3MoeSparseMoeBlock: router
 // logits -> softmax -> top-k -> (optionally) renormalised top-k weights, dropless dispatch to
 // per-expert row blocks and weighted combine, each with its backward. The rollout-routing-replay
-// (R3) seam is `forced_idx`: a given top-k set per token, with gate weights = softmax of the
-// router logits restricted to that set. Load-balancing statistics are accumulated here; the
+// (R3) seam is `forced_idx`: a given top-k set per token, its gate weights the model's own
+// formula over that set (p, or p / sum over the set with norm_topk_prob). Load-balancing statistics are accumulated here; the
 // model turns them into the Switch/Qwen aux loss  E * sum_e f_e P_e.  Templated on float/double.
 #pragma once
 
@@ -14,13 +14,15 @@ namespace nibble::cpu {
 // topk_w: (N,k) gate weights; logits: (N,E); forced_idx: (N,k) i32 or nullptr.
 // Without forcing: the k largest probs (descending, ties -> lower expert id), weights p or, when
 // norm_topk_prob, p / sum of the k. With forcing: ids copied from forced_idx (each in [0,E),
-// distinct per row), weights p / sum over the forced set (= softmax restricted to the set).
+// distinct per row), weights by the same rule over the forced set (p, or with norm_topk_prob
+// p / sum over the set = softmax restricted to the set), so replaying the set the router would
+// pick gives the same weights bit for bit whatever norm_topk_prob.
 template <typename T>
 void moe_router_forward(T* probs, T* lse, int32_t* topk_idx, T* topk_w, const T* logits, const int32_t* forced_idx,
                         int64_t N, int64_t E, int64_t k, bool norm_topk_prob);
 
 // dlogits: (N,E) overwritten. dtopk_w: (N,k) dL/dtopk_w; probs, lse, topk_idx, topk_w from
-// forward; renormalized = norm_topk_prob || forced. dprobs_extra: (E) or nullptr, added to
+// forward; renormalized = norm_topk_prob (forced or not). dprobs_extra: (E) or nullptr, added to
 // dL/dprobs[n,e] for every row (the aux-loss gradient). z_scale: adds d/dlogits of
 // z_scale * lse^2 (router z-loss).
 template <typename T>

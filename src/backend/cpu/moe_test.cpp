@@ -1,7 +1,7 @@
 // Tests of the MoE routing ops (moe.h): top-k selection and weights against direct formulas,
 // router backward (plain, norm_topk_prob, forced set, aux-loss extra, router z-loss) and the
 // dispatch/combine backward against central finite differences in double; forced routing with
-// the router's own top-k reproduces the normal path when weights are renormalised.
+// the router's own top-k reproduces the normal path, weights renormalised or not (norm_topk_prob).
 #include "backend/cpu/moe.h"
 
 #include <algorithm>
@@ -65,7 +65,7 @@ void check_router_backward(bool norm_topk, bool forced) {
     EXPECT_EQ(idx, fixed);
   }
   moe_router_backward(dl.data(), r.data(), p.data(), lse.data(), idx.data(), w.data(), extra.data(), zc, N, E, K,
-                      norm_topk || forced);
+                      norm_topk);
   std::vector<int32_t> idx0 = idx;
   expect_grad_matches_fd(logits, dl, [&] {
     moe_router_forward(p.data(), lse.data(), idx.data(), w.data(), logits.data(), f, N, E, K, norm_topk);
@@ -82,15 +82,25 @@ void check_router_backward(bool norm_topk, bool forced) {
 TEST(MoeRouter, BackwardPlain) { check_router_backward(false, false); }
 TEST(MoeRouter, BackwardNormTopk) { check_router_backward(true, false); }
 TEST(MoeRouter, BackwardForced) { check_router_backward(false, true); }
+TEST(MoeRouter, BackwardForcedNormTopk) { check_router_backward(true, true); }
 
-TEST(MoeRouter, ForcedWithOwnTopKEqualsNormalPathWhenRenormalised) {
+// R3 replaying the set the router picks anyway changes nothing, with norm_topk_prob off (weights
+// p, not renormalised over the forced set) and on (p / sum over the set).
+TEST(MoeRouter, ForcedWithOwnTopKEqualsNormalPath) {
   auto logits = random_vector(N * E, 35);
-  std::vector<double> p(N * E), lse(N), w(N * K), w2(N * K);
-  std::vector<int32_t> idx(N * K), idx2(N * K);
-  moe_router_forward(p.data(), lse.data(), idx.data(), w.data(), logits.data(), nullptr, N, E, K, true);
-  moe_router_forward(p.data(), lse.data(), idx2.data(), w2.data(), logits.data(), idx.data(), N, E, K, true);
-  EXPECT_EQ(idx, idx2);
-  EXPECT_EQ(w, w2);  // the same arithmetic in the same order: bit-identical
+  for (bool norm_topk : {false, true}) {
+    SCOPED_TRACE(norm_topk ? "norm_topk_prob" : "no norm_topk_prob");
+    std::vector<double> p(N * E), lse(N), w(N * K), w2(N * K);
+    std::vector<int32_t> idx(N * K), idx2(N * K);
+    moe_router_forward(p.data(), lse.data(), idx.data(), w.data(), logits.data(), nullptr, N, E, K, norm_topk);
+    moe_router_forward(p.data(), lse.data(), idx2.data(), w2.data(), logits.data(), idx.data(), N, E, K, norm_topk);
+    EXPECT_EQ(idx, idx2);
+    EXPECT_EQ(w, w2);  // the same arithmetic in the same order: bit-identical
+    double wsum = 0;
+    for (double v : w) wsum += v;
+    // the weights of N tokens sum to N only when renormalised (top-2 of 6 experts: well below 1 each)
+    EXPECT_EQ(std::fabs(wsum - static_cast<double>(N)) < 1e-12, norm_topk) << wsum;
+  }
 }
 
 TEST(MoeRouter, BadForcedIdsThrowCatchably) {

@@ -490,7 +490,7 @@ void moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk
   const size_t smem = static_cast<size_t>(warps) * floats_per_warp * sizeof(float);
   const int64_t blocks = (N + warps - 1) / warps;
   NIB_CHECK(blocks <= INT32_MAX);
-  const bool renorm = forced_idx != nullptr || norm_topk_prob;
+  const bool renorm = norm_topk_prob;  // a forced (R3) set takes the model's own gate formula
   auto launch = [&] {
     moe_router_forward_kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, stream>>>(
         probs, lse, topk_idx, topk_w, logits, forced_idx, N, static_cast<int>(E), static_cast<int>(k), renorm);

@@ -1,6 +1,7 @@
 // Op tests of the MoE routing ops (Backend::moe_*) on every backend against backend/cpu/moe.h:
 // router forward (probs, top-k ids and weights bit for bit, lse within two logf roundings), with
 // exact ties, underflowing rows, NaN/Inf rows, forced (R3) sets and norm_topk_prob on and off;
+// replaying the router's own sets gives its weights bit for bit (norm_topk_prob on and off);
 // bad forced sets throw; router backward (aux-loss extra, z-loss) and combine backward's dtopk_w
 // within derived summation-order bounds; the dispatch plan bit for bit; gather, gather backward,
 // combine and dye bit for bit; the load sums. Shapes (N,E,k) = (1,4,1), (37,8,2), (512,64,8),
@@ -161,6 +162,23 @@ TEST_P(MoeOpsTest, RouterForwardMatchesCpuBitwise) {
   }
 }
 
+// R3 replaying the sets the backend's router picks anyway changes nothing on that backend: the
+// same ids and the same weight bits, with norm_topk_prob off (weights p, not renormalised over the
+// forced set) and on. NaN/Inf rows included (their own picks are valid distinct ids too).
+TEST_P(MoeOpsTest, RouterForcedWithOwnSetsEqualsUnforced) {
+  for (const MoeShape& s : kShapes) {
+    const std::vector<float> logits = router_logits(s, 150 + s.E);
+    for (bool norm : {false, true}) {
+      SCOPED_TRACE(fmt::format("{} norm_topk={}", shape_name(s), norm));
+      const RouterOut own = backend_router(logits, nullptr, s, norm);
+      const RouterOut replayed = backend_router(logits, &own.idx, s, norm);
+      EXPECT_TRUE(ints_equal(replayed.idx, own.idx));
+      EXPECT_TRUE(same_floats(replayed.w, own.w));
+      EXPECT_TRUE(same_floats(replayed.probs, own.probs));
+    }
+  }
+}
+
 // 2^20 arguments of the softmax exponential spread over [-110, 0] (underflow cut-offs included):
 // equal probabilities say the device's glibc_expf gave glibc's bits.
 TEST_P(MoeOpsTest, RouterForwardExpArgumentsSpanTheRange) {
@@ -211,7 +229,7 @@ TEST_P(MoeOpsTest, RouterBackwardWithinSummationOrderBound) {
       for (bool use_forced : {false, true})
         for (bool use_extra : {false, true}) {
           SCOPED_TRACE(fmt::format("{} norm_topk={} forced={} extra={}", shape_name(s), norm, use_forced, use_extra));
-          const bool renorm = norm || use_forced;
+          const bool renorm = norm;  // the model's rule, forced (R3) or not
           RouterOut f = cpu_router(logits, use_forced ? &forced : nullptr, s, norm);
           std::vector<float> ref(s.N * s.E);
           cpu::moe_router_backward(ref.data(), dw.data(), f.probs.data(), f.lse.data(), f.idx.data(), f.w.data(),
