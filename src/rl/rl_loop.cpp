@@ -49,7 +49,13 @@ json RlStepMetrics::to_json() const {
               {"train_tokens_per_s", train_tokens_per_s},
               {"sync_seconds", sync_seconds},
               {"sync_bytes", sync_bytes},
+              {"sync_linear_bytes", sync_linear_bytes},
               {"step_seconds", step_seconds},
+              {"rollout_seconds", rollout_seconds},
+              {"logprob_seconds", logprob_seconds},
+              {"moe_check_seconds", moe_check_seconds},
+              {"train_seconds", train_seconds},
+              {"other_seconds", other_seconds},
               {"loss", loss},
               {"clip_fraction", clip_fraction},
               {"tis_fraction", tis_fraction},
@@ -191,7 +197,8 @@ class RlRun {
   Status start_rollout(int64_t s);
   // The weight sync: the trainer's current weights as policy version `version` to the worker.
   Status sync(int64_t version, RlStepMetrics* m);
-  Result<RlStepMetrics> step(int64_t s, RolloutBatch batch);
+  // t_began: when the step began (the end of the previous step's sync, or the loop's start).
+  Result<RlStepMetrics> step(int64_t s, RolloutBatch batch, std::chrono::steady_clock::time_point t_began);
   Status write_checkpoint(int64_t step);
   Status write_plots();
 
@@ -404,13 +411,15 @@ Status RlRun::sync(int64_t version, RlStepMetrics* m) {
   if (m != nullptr) {
     m->sync_seconds = seconds_since(t_sync);
     m->sync_bytes = static_cast<double>(shared->bytes());
+    const int64_t rest_bytes = shared->packed ? shared->packed->layout.rest.bytes : static_cast<int64_t>(shared->rest.nbytes());
+    m->sync_linear_bytes = static_cast<double>(shared->bytes() - rest_bytes);
   }
   pending_[version] = std::move(shared);
   return Status::ok();
 }
 
-Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch) {
-  const auto t_step = std::chrono::steady_clock::now();
+Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch, std::chrono::steady_clock::time_point t_began) {
+  const auto t_ready = std::chrono::steady_clock::now();  // the rollout batch is here
   const model::ModelConfig& mc = model_->config();
   const int64_t P = cfg_.prompts_per_step, G = cfg_.group_size, V = mc.vocab_size;
   const int64_t Lm = model_->num_moe_layers(), topk = mc.num_experts_per_tok, E = mc.num_experts;
@@ -429,6 +438,10 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch) {
   const std::vector<rollout::Completion>& comps = batch.completions;
   const double roll_s = std::chrono::duration<double>(batch.ended - batch.began).count();
   m.rollout_tokens_per_s = static_cast<double>(batch.generated_tokens) / std::max(roll_s, 1e-9);
+  m.rollout_seconds = roll_s;
+  // the part of the generation inside this step (all of it on-policy; asynchronous, what the
+  // previous step's training did not hide)
+  const double roll_in_step = overlap(batch.began, batch.ended, t_began, t_ready);
   // asynchronous: the next step's rollout (from version max(0, s + 1 - N) <= s, already sent)
   // runs on the worker while this step trains
   if (cfg_.max_staleness > 0 && s + 1 < cfg_.steps) NIB_RETURN_IF_ERROR(start_rollout(s + 1));
@@ -493,6 +506,7 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch) {
     forced.resize(static_cast<size_t>(Lm * B * T * topk));
     NIB_RETURN_IF_ERROR(rollout::gather_routing(forced.data(), *routing_store, full.record_seq.data(),
                                                 full.lengths.data(), B, T, Lm, topk, E));
+    const auto t_check = std::chrono::steady_clock::now();
     // expert sets the trainer picks by itself, before R3
     std::vector<int32_t> own(forced.size());
     model::RoutingIO rec_only;
@@ -510,6 +524,7 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch) {
         }
     m.moe_set_mismatch = count > 0 ? static_cast<double>(differ) / static_cast<double>(count) : 0.0;
     if (cfg_.r3) routing.forced = forced.data();
+    m.moe_check_seconds = seconds_since(t_check);
   }
 
   // ---- π_old (the trainer's log-probs before the update; guided sites measured here) ----
@@ -556,7 +571,10 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch) {
                                                cfg_.grpo.temperature).logp;
   }
 
+  m.logprob_seconds = seconds_since(t_train);
+
   // ---- GRPO updates over minibatches ----
+  const auto t_update = std::chrono::steady_clock::now();
   const int64_t mb = B / cfg_.minibatches;
   const std::vector<train::ParamView> views = param_views(*model_);
   double loss = 0, clipf = 0, tisf = 0, klr = 0, gnorm = 0;
@@ -607,7 +625,9 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch) {
   const double nm = static_cast<double>(cfg_.minibatches);
   m.loss = loss / nm, m.clip_fraction = clipf / nm, m.tis_fraction = tisf / nm, m.kl_ref = klr / nm,
   m.grad_norm = gnorm / nm;
+  be_.synchronize();  // the last update's queued work belongs to train_seconds, not to the sync
   prev_train_ended_ = std::chrono::steady_clock::now();
+  m.train_seconds = std::chrono::duration<double>(prev_train_ended_ - t_update).count();
   m.train_tokens_per_s = static_cast<double>(all_rows) / std::max(seconds_since(t_train), 1e-9);
   guidance_.store = nullptr;
   NIB_RETURN_IF_ERROR(guidance_store->close());
@@ -615,7 +635,10 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch) {
 
   // ---- weight sync: the trainer's block linears quantized, and the rest, as version s + 1 ----
   NIB_RETURN_IF_ERROR(sync(s + 1, &m));
-  m.step_seconds = seconds_since(t_step);
+  m.step_seconds = seconds_since(t_began);
+  // disjoint intervals of one steady clock: the rest is >= 0 up to rounding
+  m.other_seconds = std::max(0.0, m.step_seconds - roll_in_step - m.moe_check_seconds - m.logprob_seconds -
+                                      m.train_seconds - m.sync_seconds);
   return m;
 }
 
@@ -666,10 +689,12 @@ Result<RlResult> RlRun::run() {
   RlResult res;
   res.start_step = start_;
   int64_t s = start_;
+  auto t_began = std::chrono::steady_clock::now();  // a step runs from the previous step's sync to its own
   NIB_RETURN_IF_ERROR(start_rollout(s));
   for (; s < cfg_.steps; ++s) {
     NIB_ASSIGN_OR_RETURN(RolloutBatch batch, source_->finish());
-    NIB_ASSIGN_OR_RETURN(RlStepMetrics m, step(s, std::move(batch)));
+    NIB_ASSIGN_OR_RETURN(RlStepMetrics m, step(s, std::move(batch), t_began));
+    t_began = std::chrono::steady_clock::now();
     // on-policy: the next rollout waits for this step's weights (version s + 1)
     if (cfg_.max_staleness == 0 && s + 1 < cfg_.steps) NIB_RETURN_IF_ERROR(start_rollout(s + 1));
     NIB_RETURN_IF_ERROR(mw.write(m.to_json()));
@@ -681,7 +706,7 @@ Result<RlResult> RlRun::run() {
       NIB_LOG_INFO("rl step {}/{}: reward {:.3f} |dlogp| {:.4f} {:.1f}s", m.step, cfg_.steps, m.reward_mean,
                    m.logp_diff_mean, m.step_seconds);
     const bool last = s + 1 == cfg_.steps, stop = opt_.stop_after_step > 0 && s + 1 >= opt_.stop_after_step;
-    if (last || stop || (cfg_.checkpoint_every > 0 && (s + 1) % cfg_.checkpoint_every == 0)) {
+    if (opt_.checkpoints && (last || stop || (cfg_.checkpoint_every > 0 && (s + 1) % cfg_.checkpoint_every == 0))) {
       NIB_RETURN_IF_ERROR(write_checkpoint(s + 1));
       NIB_RETURN_IF_ERROR(write_plots());
     }
@@ -693,7 +718,9 @@ Result<RlResult> RlRun::run() {
     }
   }
   res.end_step = s;
-  NIB_ASSIGN_OR_RETURN(res.checkpoint_dir, train::latest_checkpoint_dir(run_.string()));
+  if (opt_.checkpoints) {
+    NIB_ASSIGN_OR_RETURN(res.checkpoint_dir, train::latest_checkpoint_dir(run_.string()));
+  }
   return res;
 }
 

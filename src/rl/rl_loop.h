@@ -102,6 +102,8 @@ struct RlOptions {
   // serve_rl_rollouts must be given the same.
   WeightTransportKind weight_transport = WeightTransportKind::kAuto;
   bool progress = false;
+  // false: no checkpoints (not even the last) and no plots; metrics.jsonl only (benchmarks)
+  bool checkpoints = true;
 };
 
 // Per-step metrics (also written to metrics.jsonl).
@@ -116,6 +118,15 @@ struct RlStepMetrics {
   double moe_set_mismatch = 0;  // NaN for a dense model
   double guidance_bytes_per_token = 0, rollout_tokens_per_s = 0, train_tokens_per_s = 0;
   double sync_seconds = 0, sync_bytes = 0, step_seconds = 0;
+  double sync_linear_bytes = 0;  // of sync_bytes, the block linears' (the rest: 4 bytes per FP32 parameter)
+  // The step's wall time split (seconds; docs/rl.md "Step time"): the rollout's generation, the
+  // trainer's π_old / π_ref forwards, its extra forward without R3 measuring moe_set_mismatch (0
+  // for a dense model), the GRPO updates, the weight sync (sync_seconds above) and the rest
+  // (rewards, batching, record stores, and what of the loop's bookkeeping fell outside the rollout).
+  // step_seconds runs from the end of the previous step's sync (or the loop's start) to the end of
+  // this one's. On-policy (max_staleness 0) the six add up to step_seconds; asynchronous, the
+  // rollout ran beside the previous step and other_seconds leaves out only its part in this step.
+  double rollout_seconds = 0, logprob_seconds = 0, moe_check_seconds = 0, train_seconds = 0, other_seconds = 0;
   double loss = 0, clip_fraction = 0, tis_fraction = 0, kl_ref = 0, grad_norm = 0;
   // the policy version the step's rollouts were generated with, step - 1 - that (versions stale),
   // and the seconds this step's training overlapped the next step's rollout
@@ -127,7 +138,7 @@ struct RlStepMetrics {
 struct RlResult {
   int64_t start_step = 0, end_step = 0;
   std::vector<RlStepMetrics> steps;  // this call's
-  std::string checkpoint_dir;
+  std::string checkpoint_dir;  // empty when RlOptions::checkpoints is false
 };
 
 // Runs (or resumes) the RL job. `task` makes the prompts and scores the completions.

@@ -6,11 +6,13 @@
 // with R3, its routed experts' linears guided too (without R3, rows of other experts fall back to
 // RTN and are counted); a run stopped and resumed gives the uninterrupted run's metrics and weights bit for
 // bit; asynchronous rollouts (max_staleness N) come from version t - N, are deterministic and
-// resume bit for bit; a folder holding a run is refused without --resume; bad configs are
-// one-line errors.
+// resume bit for bit; the step-time split adds up to the step time on-policy; a run without
+// checkpoints leaves only metrics; a folder holding a run is refused without --resume; bad configs
+// are one-line errors.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <unistd.h>
@@ -101,7 +103,36 @@ void expect_finite(const RlStepMetrics& m, bool guided, bool moe) {
   EXPECT_EQ(std::isfinite(m.guided_mismatch), guided);
   EXPECT_EQ(std::isfinite(m.moe_set_mismatch), moe);
   EXPECT_GT(m.sync_bytes, 0);
+  EXPECT_GT(m.sync_linear_bytes, 0);
+  EXPECT_LT(m.sync_linear_bytes, m.sync_bytes);  // the rest (embedding, norms, lm_head) is sent too
   EXPECT_GT(m.response_len, 0);
+}
+
+// The step-time split (docs/rl.md "Step time"): every part finite and >= 0; rollout, log-prob,
+// update and sync each took time; the extra forward without R3 runs for MoE only. On-policy the
+// parts are disjoint intervals of one steady clock inside the step, so they add up to
+// step_seconds up to the rounding of six double sums (<< 1e-9 s); a rollout counted outside the
+// step (or a part counted twice) would make the sum exceed it. Asynchronous: the rollout ran beside
+// the previous step, so only the trainer's parts must fit in the step.
+void expect_step_split(const RlStepMetrics& m, bool on_policy, bool moe) {
+  SCOPED_TRACE(fmt::format("step {}", m.step));
+  const double parts[] = {m.rollout_seconds, m.logprob_seconds, m.moe_check_seconds, m.train_seconds,
+                          m.sync_seconds, m.other_seconds};
+  for (double v : parts) {
+    EXPECT_TRUE(std::isfinite(v));
+    EXPECT_GE(v, 0.0);
+  }
+  EXPECT_GT(m.rollout_seconds, 0.0);
+  EXPECT_GT(m.logprob_seconds, 0.0);
+  EXPECT_GT(m.train_seconds, 0.0);
+  EXPECT_GT(m.sync_seconds, 0.0);
+  EXPECT_EQ(m.moe_check_seconds > 0.0, moe);
+  const double trainer = m.logprob_seconds + m.moe_check_seconds + m.train_seconds + m.sync_seconds + m.other_seconds;
+  if (on_policy) {
+    EXPECT_NEAR(m.rollout_seconds + trainer, m.step_seconds, 1e-9);
+  } else {
+    EXPECT_LE(trainer, m.step_seconds + 1e-9);
+  }
 }
 
 // The latest checkpoints of two runs hold the same weights bit for bit.
@@ -159,14 +190,15 @@ TEST(RlLoop, TraceReproducesTheMantissaBitOnTheLaterHalf) {
 // site (routed experts' rows included: guided_expert_fallback is a number, so the trainer looked
 // their rows up) reproduces the rollout's codes, no routed row lacks a record, and the store holds
 // exactly every site of every layer per token, the routed experts' gate/up and down inputs of the
-// token's top_k experts included. The model renormalises its top-k gate weights (norm_topk_prob,
-// as configs/tiny-moe.json): R3's gate weights are the softmax restricted to the replayed set
-// (spec 03 §4), which equals the rollout's own only then, so only then do the layers after a MoE
-// layer see the rollout's inputs exactly.
-TEST(RlLoop, MoeRunMeasuresExpertSetMismatchAndReplaysRouting) {
-  TempDir d("moe");
+// token's top_k experts included. With norm_topk_prob off (Qwen3-MoE's default) and on (as
+// configs/tiny-moe.json): R3's gate weights are the model's own formula over the replayed set,
+// equal to the rollout's, so the layers after a MoE layer see the rollout's inputs exactly (a
+// renormalisation over the set with norm_topk_prob off would move them: guided codes would differ).
+void check_moe_run_replays_routing(bool norm_topk) {
+  SCOPED_TRACE(norm_topk ? "norm_topk_prob" : "no norm_topk_prob");
+  TempDir d(norm_topk ? "moe_norm" : "moe");
   json model = moe_model();
-  model["norm_topk_prob"] = true;
+  model["norm_topk_prob"] = norm_topk;
   auto r = run(config_for("trace-full", model, 1), d.path);
   ASSERT_TRUE(r.is_ok()) << r.status().message();
   const RlStepMetrics& m = r.value().steps[0];
@@ -185,6 +217,9 @@ TEST(RlLoop, MoeRunMeasuresExpertSetMismatchAndReplaysRouting) {
                                                                   false)));
 }
 
+TEST(RlLoop, MoeRunMeasuresExpertSetMismatchAndReplaysRouting) { check_moe_run_replays_routing(true); }
+TEST(RlLoop, MoeRunReplaysRoutingWithoutNormTopk) { check_moe_run_replays_routing(false); }
+
 // Without R3 the trainer routes by itself: a token whose expert set differs from the rollout's has
 // a routed row without a record (RTN, counted), so rows fall back exactly when sets differ.
 TEST(RlLoop, MoeWithoutR3CountsRoutedRowsWithoutARecord) {
@@ -199,6 +234,45 @@ TEST(RlLoop, MoeWithoutR3CountsRoutedRowsWithoutARecord) {
   EXPECT_EQ(m.guided_expert_fallback > 0.0, m.moe_set_mismatch > 0.0);
   EXPECT_LE(m.guided_expert_fallback, 1.0);
   EXPECT_EQ(m.guided_reproduced, 1.0);  // the rows that have a record reproduce it
+}
+
+TEST(RlLoop, StepTimeSplitAddsUpToTheStepTime) {
+  TempDir dm("split_moe"), dd("split_dense");
+  const auto t0 = std::chrono::steady_clock::now();
+  auto moe = run(config_for("trace", moe_model(), 2), dm.path);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(moe.is_ok()) << moe.status().message();
+  double steps_sum = 0;
+  for (const RlStepMetrics& m : moe.value().steps) {
+    expect_step_split(m, true, true);
+    steps_sum += m.step_seconds;
+  }
+  EXPECT_LE(steps_sum, wall);  // the steps are disjoint parts of the run
+  auto dense = run(config_for("fp4-naive", dense_model(), 2), dd.path);
+  ASSERT_TRUE(dense.is_ok()) << dense.status().message();
+  for (const RlStepMetrics& m : dense.value().steps) expect_step_split(m, true, false);
+  // metrics.jsonl carries the split
+  auto lines = train::read_metrics((dd.path / "metrics.jsonl").string());
+  ASSERT_TRUE(lines.is_ok());
+  const json& last = lines.value().back();
+  for (const char* k : {"rollout_seconds", "logprob_seconds", "moe_check_seconds", "train_seconds", "sync_seconds",
+                        "other_seconds", "step_seconds", "sync_linear_bytes"})
+    EXPECT_TRUE(last.contains(k) && last[k].is_number()) << k;
+}
+
+TEST(RlLoop, NoCheckpointsLeavesOnlyMetrics) {
+  TempDir d("no_ckpt");
+  RlOptions o;
+  o.run_dir = d.path.string();
+  o.checkpoints = false;
+  static const NextLetterTask task;
+  auto r = run_rl(config_for("fp4-naive", dense_model(), 2), task, o);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_EQ(r.value().steps.size(), 2u);
+  EXPECT_TRUE(r.value().checkpoint_dir.empty());
+  EXPECT_FALSE(fs::exists(d.path / "checkpoints"));
+  EXPECT_FALSE(fs::exists(d.path / "reward.png"));
+  EXPECT_TRUE(fs::exists(d.path / "metrics.jsonl"));
 }
 
 TEST(RlLoop, ResumeReproducesTheUninterruptedRunBitForBit) {
@@ -256,6 +330,7 @@ TEST(RlLoop, AsyncRolloutsComeFromVersionTMinusNAndAreDeterministic) {
     for (int64_t t = 0; t < 4; ++t) {
       const RlStepMetrics &mx = x.value().steps[static_cast<size_t>(t)], &my = y.value().steps[static_cast<size_t>(t)];
       expect_finite(mx, true, true);
+      expect_step_split(mx, false, true);
       EXPECT_EQ(mx.policy_version, std::max<int64_t>(0, t - n)) << "N " << n << " step " << t;
       EXPECT_EQ(mx.staleness, t - mx.policy_version);
       EXPECT_GE(mx.overlap_seconds, 0.0);
