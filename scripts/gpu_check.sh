@@ -25,7 +25,10 @@
 #                      "distbench" (nibble bench collectives as a one-rank NCCL world and bench
 #                      weight-sync for configs/qwen3moe-768.json: distbench_*.jsonl, ~1 min),
 #                      "decode30b" (nibble bench decode of the Qwen3-30B-A3B shape in w4a16, batches 1,16,
-#                      prompt 512, new 32: the inference-storage engine on one GPU; decode30b.jsonl)
+#                      prompt 512, new 32: the inference-storage engine on one GPU; decode30b.jsonl),
+#                      "rlbench" (nibble bench rl on configs/qwen3moe-768.json: the RL step time split
+#                      per arm, trace overhead, NVFP4/BF16 sync bytes; rlbench.jsonl + rlbench.log;
+#                      NIBBLE_RLBENCH_ARGS replaces the default --steps/--prompts/--group/--max-new)
 #   NIBBLE_GPU_BUDGET_S  seconds the whole script may take (default 540): each part's timeout is cut
 #                      to what is left, so the call returns with its logs; the nibble benches keep
 #                      NIBBLE_GPU_TORCH_RESERVE_S (200) for the PyTorch baseline that follows
@@ -274,7 +277,7 @@ if want bench; then
   fi
 fi
 
-ATTN_RC=skip DIST_RC=skip PROF_RC=skip ROLL_RC=skip DEC_RC=skip RL_RC=skip D30_RC=skip
+ATTN_RC=skip DIST_RC=skip PROF_RC=skip ROLL_RC=skip DEC_RC=skip RL_RC=skip D30_RC=skip RLB_RC=skip
 if want attn; then
   # Causal attention alone: nibble's FP32 and BF16 kernels, then PyTorch's SDPA (BF16) at the same
   # shapes in the same call (bench/torch_attention_baseline.py).
@@ -516,6 +519,31 @@ PY
   stamp "rl exit code $RL_RC"
 fi
 
+if want rlbench; then
+  # RL step time on the ~0.5B MoE shape (issue #16 item 7): `nibble bench rl` runs 4 RL steps per
+  # arm (fp4-naive, trace, bf16-rollout; the first step a warm-up) with random weights on the
+  # arithmetic task, 8 prompts x 8 samples, at most 32 new tokens. Estimate on an H200: a step is
+  # 64 sequences of ~45 tokens (~2.9k tokens); ~114M active parameters a token (12 layers x (1.6M
+  # attention + 8 of 64 experts 4.7M) + the 38.6M lm_head) give ~3.3 TFLOP per step for three
+  # trainer forwards and a forward + backward (2+2+6 FLOP per parameter and token): ~0.5 s at the
+  # 4-10k tokens/s the MoE step reaches at this batch; 32 decode steps at ~30-50 ms (per-row
+  # NVFP4 GEMVs, FP32 lm_head) ~1.5 s; the logits to the host and back (~0.6 GB a pass) and the
+  # sync (~0.6 GB NVFP4 + FP32 rest) ~1 s: ~3-4 s a step, ~15 s an arm, plus ~10 s of set-up
+  # (two 0.56B models drawn on the host, tokenizer, CUDA): ~75 s for the three arms (limit 300 s).
+  RLB_RC=0
+  if [ -n "$NIBBLE" ] && "$NIBBLE" bench rl --help >/dev/null 2>&1; then
+    read -r -a rlb_args <<<"${NIBBLE_RLBENCH_ARGS:---steps 4 --prompts 8 --group 8 --max-new 32}"
+    stamp "nibble bench rl --config configs/qwen3moe-768.json ${rlb_args[*]}"
+    timeout "$(limit 300)" "$NIBBLE" bench rl --device cuda --config configs/qwen3moe-768.json "${rlb_args[@]}" \
+      >"$OUT/rlbench.jsonl" 2>"$OUT/rlbench.log" || RLB_RC=$?
+    note_rc "bench rl" "$RLB_RC"
+    cat "$OUT/rlbench.jsonl"; tail -5 "$OUT/rlbench.log"
+  else
+    RLB_RC=missing
+  fi
+  stamp "rlbench exit code $RLB_RC"
+fi
+
 if want profile; then
   # One profiled step per shape (bf16 and tetrajet-v2): time per op and per category.
   PROF_RC=0
@@ -587,9 +615,9 @@ fi
   echo "op suite           rc=$OPS_RC ($(count "$OUT/ops_tests.log"))"
   echo "training step      rc=$TRAIN_RC ($(count "$OUT/train_tests.log"))"
   [ "$BENCH_RC" != skip ] && { echo "bandwidth bench    rc=$BENCH_RC"; grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |floor|te rht)' "$OUT/bench.log"; }
-  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC   rollout rc=$ROLL_RC   decode rc=$DEC_RC   decode30b rc=$D30_RC   rl rc=$RL_RC"
+  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC   rollout rc=$ROLL_RC   decode rc=$DEC_RC   decode30b rc=$D30_RC   rl rc=$RL_RC   rlbench rc=$RLB_RC"
   python3 scripts/gpu_table.py "$OUT" 2>&1
 } | tee "$OUT/table.txt"
 ok() { [ "$1" = 0 ] || [ "$1" = skip ]; }
 # A CLI without `bench train` yet, or a python3 without torch, is reported above, not a failure.
-ok "$TEST_RC" && ok "$OPS_RC" && ok "$TRAIN_RC" && ok "$BENCH_RC" && ok "${BENCHT_RC/missing/skip}" && ok "${TORCH_RC/missing/skip}" && ok "$ATTN_RC" && ok "$DIST_RC" && ok "$PROF_RC" && ok "${ROLL_RC/missing/skip}" && ok "${DEC_RC/missing/skip}" && ok "$RL_RC"
+ok "$TEST_RC" && ok "$OPS_RC" && ok "$TRAIN_RC" && ok "$BENCH_RC" && ok "${BENCHT_RC/missing/skip}" && ok "${TORCH_RC/missing/skip}" && ok "$ATTN_RC" && ok "$DIST_RC" && ok "$PROF_RC" && ok "${ROLL_RC/missing/skip}" && ok "${DEC_RC/missing/skip}" && ok "$RL_RC" && ok "${RLB_RC/missing/skip}"

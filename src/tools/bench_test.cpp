@@ -3,6 +3,7 @@
 // prints its table or says it was skipped (CPU-only builds and GPU-less CI), and bad --size
 // values are argument errors (exit 2, one line). `nibble bench attention`: rows or the skip line,
 // bad --shape values exit 2. `nibble bench decode`: JSON lines with the bytes-per-step bound.
+// `nibble bench rl`: a row per arm with the step-time split, and the summary row.
 #include <fstream>
 #include <sstream>
 
@@ -148,6 +149,52 @@ TEST(BenchCli, DecodeProfileTimesThePrefillAndOneDecodeStep) {
   EXPECT_EQ(prefill.at("ops").at("paged_attention").at(0).get<int64_t>(), layers) << prefill.dump();
   EXPECT_NE(r.err.find("decode step (per step)"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("prefill + first token"), std::string::npos) << r.err;
+}
+
+// `bench rl` on configs/tiny-moe.json (random weights, the arithmetic task), 2 steps per arm on
+// the CPU: one JSON row per arm in the order given, one timed step each, a split that adds up to
+// the step (one step's values: the medians of single values), then the summary row with the trace
+// overhead and the sync-byte ratios (the FP4 arm's bytes below BF16's). Bad values exit 2.
+TEST(BenchCli, RlRowsPerArmAndSummaryOnTinyMoe) {
+  ScratchDir dir("bench_rl");
+  const std::string config = std::string(NIBBLE_SOURCE_DIR) + "/configs/tiny-moe.json";
+  RunResult r = run_nibble(dir.path, "bench rl --device cpu --config '" + config +
+                                         "' --steps 2 --prompts 1 --group 2 --max-new 2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::istringstream lines(r.out);
+  std::string line;
+  std::vector<std::string> arms;
+  nlohmann::json summary;
+  while (std::getline(lines, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    EXPECT_EQ(j.at("bench"), "rl");
+    EXPECT_EQ(j.at("config"), config);
+    if (j.contains("summary")) {
+      summary = j;
+      continue;
+    }
+    arms.push_back(j.at("arm").get<std::string>());
+    EXPECT_EQ(j.at("timed_steps").get<int64_t>(), 1);
+    double parts = 0;
+    for (const char* k : {"rollout_s", "logprob_s", "moe_check_s", "train_s", "sync_s", "other_s"}) {
+      EXPECT_GE(j.at(k).get<double>(), 0.0) << k;
+      parts += j.at(k).get<double>();
+    }
+    EXPECT_NEAR(parts, j.at("step_s").get<double>(), 1e-9) << line;
+    EXPECT_GT(j.at("rollout_tokens_per_s").get<double>(), 0.0);
+    EXPECT_GT(j.at("sync_bytes").get<double>(), j.at("sync_linear_bytes").get<double>());
+  }
+  EXPECT_EQ(arms, (std::vector<std::string>{"fp4-naive", "trace", "bf16-rollout"}));
+  ASSERT_TRUE(summary.is_object()) << r.out;
+  EXPECT_TRUE(summary.at("trace_overhead").is_number());
+  EXPECT_GT(summary.at("sync_bytes_ratio").get<double>(), 0.0);
+  EXPECT_LT(summary.at("sync_bytes_ratio").get<double>(), 1.0);
+  EXPECT_LT(summary.at("sync_linear_bytes_ratio").get<double>(), summary.at("sync_bytes_ratio").get<double>());
+  for (const char* bad : {"--steps 1", "--arms trace,nope", "--group 1", "--task nope", "--level 99"}) {
+    RunResult b = run_nibble(dir.path, "bench rl --device cpu --config '" + config + "' " + bad);
+    EXPECT_EQ(b.code, 2) << bad << ": " << b.err;
+    EXPECT_EQ(b.err_lines(), 1) << b.err;
+  }
 }
 
 }  // namespace

@@ -10,6 +10,9 @@
 // `nibble bench decode`: the rollout engine's decode tokens/s per batch next to its bytes-per-step
 // bound at the device-copy bandwidth of the same run (rollout/decode_bench.h), JSON lines.
 // `nibble bench collectives` and `bench weight-sync` (the process group's benches): cmd_bench_dist.cpp.
+// `nibble bench rl`: RL step time split (rollout, log-prob recompute, train, weight sync) per arm
+// on a model config with random weights, the trace overhead over fp4-naive and the NVFP4 / BF16
+// sync-byte ratio (rl/rl_bench.h), JSON lines.
 #include <unistd.h>
 
 #include <cmath>
@@ -22,6 +25,7 @@
 #include "formats/cpu_bench.h"
 #include "model/config.h"
 #include "model/linear.h"
+#include "rl/rl_bench.h"
 #include "rollout/decode_bench.h"
 #include "tools/bench_dist.h"
 #include "tools/command.h"
@@ -74,6 +78,13 @@ struct AttentionBenchArgs {
   int repeats = 5;
   bool json = false;
   CLI::App* attention = nullptr;
+};
+
+struct RlBenchArgs {
+  std::string config;  // empty: configs/qwen3moe-768.json (here, else in the source tree)
+  std::string device, arms = "fp4-naive,trace,bf16-rollout", task = "arithmetic";
+  int64_t steps = 4, prompts = 8, group = 8, max_new = 32, level = 0;
+  CLI::App* rl = nullptr;
 };
 
 // The machine's physical memory in bytes (0 if unknown).
@@ -474,6 +485,44 @@ int run_bench_decode(const DecodeBenchArgs& a) {
   return 0;
 }
 
+int run_bench_rl(const RlBenchArgs& a) {
+  rl::RlBenchOptions o;
+  o.arms.clear();
+  for (size_t at = 0; at <= a.arms.size();) {
+    const size_t comma = std::min(a.arms.find(',', at), a.arms.size());
+    auto arm = rl::parse_arm(a.arms.substr(at, comma - at));
+    if (!arm) return report_error("bench", Status(arm.status().code(), "--arms: " + arm.status().message()));
+    o.arms.push_back(*arm);
+    at = comma + 1;
+  }
+  auto task = rl::make_task(a.task);
+  if (!task) return report_error("bench", Status(task.status().code(), "--task: " + task.status().message()));
+  if (a.level >= (*task)->num_levels())
+    return report_error("bench", invalid_argument("--level {}: task '{}' has levels 0..{}", a.level, a.task,
+                                                  (*task)->num_levels() - 1));
+  const std::string config_path = config_or_default(a.config, "configs/qwen3moe-768.json");
+  auto config = model::load_model_config(config_path);
+  if (!config) return report_error("bench", Status(config.status().code(), "--config: " + config.status().message()));
+  auto be = open_device(a.device);
+  if (!be) return report_error("bench", be.status());
+  o.model = config->to_json();
+  o.steps = a.steps, o.prompts_per_step = a.prompts, o.group_size = a.group, o.max_new_tokens = a.max_new;
+  o.level = a.level;
+  o.backend = be->get();
+  const std::string device = (*be)->name();
+  // one JSON line per arm as it is measured, then the summary
+  auto print = [&](nlohmann::json j) {
+    j["config"] = config_path, j["device"] = device, j["prompts"] = a.prompts, j["group"] = a.group;
+    j["max_new"] = a.max_new, j["task"] = a.task, j["level"] = a.level;
+    std::printf("%s\n", j.dump().c_str());
+    std::fflush(stdout);
+  };
+  auto rows = rl::bench_rl(o, **task, [&](const rl::RlBenchRow& r) { print(r.to_json()); });
+  if (!rows) return report_error("bench", rows.status());
+  print(rl::summarize_rl_bench(*rows).to_json());
+  return 0;
+}
+
 CommandRun setup_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
   app.require_subcommand(1);
@@ -531,8 +580,22 @@ CommandRun setup_bench(CLI::App& app) {
                       "\"profile\" in the JSON)");
   add_device_option(*d->decode, &d->device);
   CommandRun dist_benches = setup_dist_benches(app);
-  return [a, t, at, d, dist_benches]() -> int {
+  auto r = std::make_shared<RlBenchArgs>();
+  r->rl = app.add_subcommand("rl", "RL step time split per arm (rollout, log-prob recompute, train, weight sync), "
+                                   "trace overhead and NVFP4/BF16 sync bytes (random weights; JSON lines)");
+  r->rl->add_option("--config", r->config, "Model config.json (default configs/qwen3moe-768.json)");
+  r->rl->add_option("--arms", r->arms, "Comma list of arms (default fp4-naive,trace,bf16-rollout)");
+  r->rl->add_option("--steps", r->steps, "RL steps per arm, the first a warm-up (default 4)")
+      ->check(IntegerIn(2, kMaxSteps));
+  r->rl->add_option("--prompts", r->prompts, "Prompts per step (default 8)")->check(IntegerIn(1, 65535));
+  r->rl->add_option("--group", r->group, "Samples per prompt (default 8)")->check(IntegerIn(2, kMaxBatch));
+  r->rl->add_option("--max-new", r->max_new, "Most new tokens per sample (default 32)")->check(IntegerIn(1, kMaxSeq));
+  r->rl->add_option("--task", r->task, "Task (default arithmetic)");
+  r->rl->add_option("--level", r->level, "Task level (default 0)")->check(IntegerIn(0, 1000));
+  add_device_option(*r->rl, &r->device);
+  return [a, t, at, d, dist_benches, r]() -> int {
     if (const int rc = dist_benches(); rc >= 0) return rc;
+    if (r->rl->parsed()) return run_bench_rl(*r);
     if (d->decode->parsed()) return run_bench_decode(*d);
     if (a->quantize->parsed()) return run_bench_quantize(*a);
     if (t->train->parsed()) return run_bench_train(*t);
@@ -546,7 +609,8 @@ CommandRun setup_bench(CLI::App& app) {
 NIBBLE_REGISTER_COMMAND(bench_command, "bench",
                         "Benchmarks (bench quantize: quantizer bandwidth vs memcpy; bench train: training-step speed; "
                         "bench attention: attention TFLOP/s; bench decode: rollout decode tokens/s; bench collectives: "
-                        "collective bus bandwidth vs MPI/NCCL; bench weight-sync: RL weight sync time)",
+                        "collective bus bandwidth vs MPI/NCCL; bench weight-sync: RL weight sync time; bench rl: RL step "
+                        "time split)",
                         setup_bench);
 
 }  // namespace nibble::tools
