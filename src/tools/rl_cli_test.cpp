@@ -106,16 +106,21 @@ std::string moe_config(const std::string& staleness, int prompts, int steps = 3)
 // (A random tiny model scores 0 on arithmetic, so every advantage is 0: the weight decay is what
 // moves the weights from version to version, so that a stale rollout differs from a fresh one.)
 
-// The step lines of a metrics.jsonl without the timing fields.
+// The step lines of a metrics.jsonl without the timing fields (names ending in _seconds or _per_s:
+// the step-time split, sync and overlap seconds, tokens/s).
 std::vector<nlohmann::json> step_lines(const std::string& path) {
   std::vector<nlohmann::json> out;
   auto lines = train::read_metrics(path);
   EXPECT_TRUE(lines.is_ok()) << path;
   if (!lines.is_ok()) return out;
-  for (nlohmann::json j : lines.value()) {
-    if (j.contains("event")) continue;
-    for (const char* k : {"rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds", "step_seconds", "overlap_seconds"})
-      j.erase(k);
+  auto ends_with = [](const std::string& s, const std::string& tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  for (const nlohmann::json& line : lines.value()) {
+    if (line.contains("event")) continue;
+    nlohmann::json j = nlohmann::json::object();
+    for (auto it = line.begin(); it != line.end(); ++it)
+      if (!ends_with(it.key(), "_seconds") && !ends_with(it.key(), "_per_s")) j[it.key()] = it.value();
     out.push_back(j);
   }
   return out;
