@@ -288,14 +288,15 @@ Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConf
   const int64_t Nq = cfg.q_width(), Nkv = cfg.kv_width(), L = cfg.num_hidden_layers;
 
   // offset: flat elements of the parameters kept (all, or for kInference all but the block
-  // linears' members); kept[i]: parameter i has its values in the flat buffer
+  // linears' members and a BF16 lm_head: held_elsewhere); kept[i]: parameter i has its values in
+  // the flat buffer
   int64_t offset = 0, logical = 0;
   std::vector<bool> kept;
-  auto add = [&](const std::string& name, Shape shape, bool wd, bool linear_member = false) -> int64_t {
+  auto add = [&](const std::string& name, Shape shape, bool wd, bool held_elsewhere = false) -> int64_t {
     int64_t n = shape_numel(shape);
     m->params_.push_back(ParamRef<T>{name, shape, nullptr, nullptr, n, wd});
     logical += n;
-    kept.push_back(!(inference && linear_member));
+    kept.push_back(!(inference && held_elsewhere));
     if (!kept.back()) return -1;
     int64_t at = offset;
     offset += n;
@@ -368,7 +369,9 @@ Result<std::unique_ptr<TransformerT<T>>> TransformerT<T>::create(const ModelConf
     im.blocks.push_back(bp);
   }
   im.final_norm = add("model.norm.weight", {C}, true);
-  im.lm_head = add("lm_head.weight", {V, C}, true);
+  // kInference with a BF16 lm_head: its GEMM reads only the BF16 bits the decode caller holds
+  // (DecodeBatch::lm_head_bf16), so the FP32 weight is not kept either
+  im.lm_head = add("lm_head.weight", {V, C}, true, /*held_elsewhere=*/im.lm_head_bf16);
 
   m->num_params_ = logical;
   backend::Backend& mem = *im.mem;
@@ -981,6 +984,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
       if (im.decode && im.decode->lm_head_bf16) {
         w_bits = im.decode->lm_head_bf16;  // the decode caller's snapshot of these very bits
       } else {
+        NIB_CHECK_MSG(im.lm_head >= 0, "model: the lm_head is not kept (inference storage): pass its BF16 bits");
         uint16_t* wb = im.lm_w_bits.ensure(mem, V * C, "lm_head BF16 weight");
         mem.to_bf16_bits(wb, W(im.lm_head), V * C);
         w_bits = wb;

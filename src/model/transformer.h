@@ -123,9 +123,10 @@ struct DecodeBatch {
 // What a float model keeps in backend memory (issue #15 item 4: a real-size model on one GPU).
 // kTraining: FP32 values and gradients of every parameter. kInference (the rollout engine's
 // models): FP32 values only of the parameters outside the block linears (embedding, norms,
-// routers, lm_head); no gradients and no master copy of the block linears, whose weights live
-// in the engine's storage of its precision mode (rollout/precision.h) and arrive there tensor by
-// tensor. An inference model runs forward_decode with a LinearOverride only (every training and
+// routers; the lm_head only where it runs on FP32 operands, the fp32 recipe); no gradients and
+// no master copy of the block linears, whose weights live in the engine's storage of its
+// precision mode (rollout/precision.h) and arrive there tensor by tensor, nor of a BF16 lm_head,
+// whose bits the engine holds and passes in DecodeBatch::lm_head_bf16. An inference model runs forward_decode with a LinearOverride only (every training and
 // eval entry point refuses it), with one layer's activations shared by all layers.
 enum class ParameterStorage { kTraining, kInference };
 
@@ -191,7 +192,8 @@ class TransformerT {
   // Values and grads are each one contiguous buffer in this order (flat_values / flat_grads), in
   // backend memory (host memory on the CPU backend). Host code reads and writes them through
   // the copies below (training storage only). kInference: flat_values holds the kept parameters
-  // in this order, a block linear's members have null value and grad, flat_grads is null.
+  // in this order, a block linear's members (and a BF16 lm_head) have null value and grad,
+  // flat_grads is null.
   const std::vector<ParamRef<T>>& param_refs() const { return params_; }
   T* flat_values() { return values_; }
   T* flat_grads() { return grads_; }

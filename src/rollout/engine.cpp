@@ -6,6 +6,7 @@
 #include <cmath>
 #include <deque>
 
+#include "core/bits.h"
 #include "core/check.h"
 #include "core/parallel.h"
 #include "core/philox.h"
@@ -56,14 +57,21 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
   kc.format = o.kv_format;
   kc.attention = model.attention_precision();
   NIB_ASSIGN_OR_RETURN(e->cache_, PagedKvCache::create(model.backend(), kc));
+  for (size_t i = 0; i < model.param_refs().size(); ++i)
+    if (model.param_refs()[i].name == "lm_head.weight" && model.param_refs()[i].value == nullptr)
+      e->lm_head_index_ = static_cast<int64_t>(i);  // inference storage, BF16 lm_head: ours alone
   if (o.mode != PrecisionMode::kRecipe) {
     NIB_ASSIGN_OR_RETURN(e->linears_, QuantizedLinears::create(model, o.mode, o.recipe_name));
     e->snapshot_lm_head();
   }
+  if (e->lm_head_held())  // allocated now, so memory() counts it from the start
+    e->lm_head_bits_.ensure(model.backend(), model.param_refs()[static_cast<size_t>(e->lm_head_index_)].numel,
+                            "rollout lm_head BF16 weight");
   return e;
 }
 
 void Engine::snapshot_lm_head() {
+  if (lm_head_held()) return;  // the bits are the only copy: they change through set_lm_head_weight
   lm_head_snapshot_ = false;
   if (!linears_ || !model_->lm_head_bf16()) return;
   for (const auto& p : model_->param_refs())
@@ -72,6 +80,35 @@ void Engine::snapshot_lm_head() {
       be.to_bf16_bits(lm_head_bits_.ensure(be, p.numel, "rollout lm_head BF16 weight"), p.value, p.numel);
       lm_head_snapshot_ = true;
     }
+}
+
+void Engine::upload_lm_head(const void* w, bool bf16) {
+  const int64_t n = model_->param_refs()[static_cast<size_t>(lm_head_index_)].numel;
+  backend::Backend& be = model_->backend();
+  uint16_t* dst = lm_head_bits_.ensure(be, n, "rollout lm_head BF16 weight");
+  if (bf16) {
+    be.copy_to_device(dst, w, static_cast<size_t>(n) * sizeof(uint16_t));
+  } else {  // f32_to_bf16_bits is the function Backend::to_bf16_bits runs (CPU and CUDA)
+    constexpr int64_t kSlice = int64_t{1} << 20;
+    std::vector<uint16_t> bits(static_cast<size_t>(std::min(n, kSlice)));
+    const float* f = static_cast<const float*>(w);
+    for (int64_t at = 0; at < n; at += kSlice) {
+      const int64_t k = std::min(kSlice, n - at);
+      parallel_for(k, 4096, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) bits[static_cast<size_t>(i)] = f32_to_bf16_bits(f[at + i]);
+      });
+      be.copy_to_device(dst + at, bits.data(), static_cast<size_t>(k) * sizeof(uint16_t));
+    }
+  }
+  lm_head_snapshot_ = true;
+}
+
+Status Engine::set_lm_head_weight(const float* w) {
+  if (!lm_head_held())
+    return invalid_argument("rollout: the model keeps its own lm_head (training storage, or the fp32 recipe's FP32 "
+                            "lm_head): write its parameter");
+  upload_lm_head(w, /*bf16=*/false);
+  return Status::ok();
 }
 
 Status Engine::refresh_weights() {
@@ -96,6 +133,12 @@ Status Engine::init_random_weights(uint64_t seed) {
     return refresh_weights();
   }
   model_->init_weights(seed);  // the kept parameters, a tensor at a time
+  if (lm_head_held()) {
+    const size_t i = static_cast<size_t>(lm_head_index_);
+    std::vector<float> w(static_cast<size_t>(model_->param_refs()[i].numel));
+    model_->init_parameter(w.data(), i, seed);
+    NIB_RETURN_IF_ERROR(set_lm_head_weight(w.data()));
+  }
   // the block linears in groups of one per thread: each thread draws one linear's members (their
   // own Philox streams, as init_weights), then the group is quantized in order
   const std::vector<model::LinearInfo>& infos = model_->linear_infos();
@@ -213,6 +256,8 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
   if (linears_ && !linears_->weights_ready())
     return invalid_argument("rollout: linear {} has no weight yet (the weights arrive per tensor)",
                                model_->linear_infos()[static_cast<size_t>(linears_->first_waiting())].name);
+  if (lm_head_held() && !lm_head_snapshot_)
+    return invalid_argument("rollout: the lm_head has no weight yet (the weights arrive per tensor)");
   NIB_RETURN_IF_ERROR(validate(given));
   // given, then what callbacks.admit hands over (a deque: references stay valid as it grows)
   std::deque<Request> requests(given.begin(), given.end());

@@ -161,6 +161,19 @@ class Engine {
   // generate() refuses to run while a linear has no weight.
   Status set_linear_weight(int id, const float* w);
   void refresh_high_precision_weights() { snapshot_lm_head(); }
+  // The lm_head of a model of inference storage that keeps none (its GEMM runs on BF16 operands:
+  // every recipe but fp32; lm_head_held()): w: (V,C) f32 host, kept only as the BF16 bits
+  // snapshot_lm_head makes from the same weight (converted on the host in slices, so neither
+  // side holds an FP32 copy). generate() refuses to run before it arrives.
+  Status set_lm_head_weight(const float* w);
+  // True where the engine alone holds the lm_head (as BF16 bits; the model keeps no FP32 copy).
+  bool lm_head_held() const { return lm_head_index_ >= 0; }
+  // A checkpoint's weights, tensor by tensor, into this engine's model of inference storage
+  // (rollout/checkpoint_weights.h): `path` is a model.safetensors of HF-named F32 or BF16 tensors
+  // (a training checkpoint's), or a `nibble quantize --format nvfp4-2level` output (raw, RTN)
+  // whose block linears are taken as they are (w4a16 / w4a4). Everything is checked before
+  // anything changes; errors name the file and the tensor.
+  Status load_weights(const std::string& path);
   // Random weights, tensor by tensor: bit for bit a training-storage model's init_weights(seed)
   // followed by refresh_weights(). The block linears are drawn on the host in parallel, one per
   // thread (num_threads() tensors on the host at once), each quantized as it arrives. On a
@@ -190,6 +203,8 @@ class Engine {
   // The bf16/w4a16/w4a4 modes: BF16 bits of the lm_head weight, made with the block linears (so a
   // decode step does not convert the (V,C) weight again); the recipe mode converts per forward.
   void snapshot_lm_head();
+  // lm_head_bits_ <- BF16 bits of w: (V,C) host, F32 or BF16 (bits taken as they are).
+  void upload_lm_head(const void* w, bool bf16);
 
   model::Model* model_;
   EngineOptions options_;
@@ -197,6 +212,7 @@ class Engine {
   std::unique_ptr<QuantizedLinears> linears_;
   backend::Buffer<uint16_t> lm_head_bits_;  // (V,C) see snapshot_lm_head
   bool lm_head_snapshot_ = false;
+  int64_t lm_head_index_ = -1;  // lm_head_held(): its index in param_refs()
   EngineStats stats_;
 };
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -152,8 +153,9 @@ int64_t high_precision_elements(const model::ModelConfig& c) {
 
 // The engine's memory by kind, on a fresh CPU backend that counts every allocation: the packed
 // weights are the formula's bytes exactly (Buffers allocate what they are asked), the
-// high-precision weights are the FP32 tensors outside the block linears plus the BF16
-// lm_head snapshot, no gradient and no master byte exists, and the kinds add up to every byte
+// high-precision weights are the FP32 tensors outside the block linears but the lm_head, plus
+// the lm_head's BF16 bits (its only copy: the model keeps no FP32 lm_head), no gradient and no
+// master byte exists, and the kinds add up to every byte
 // the backend holds (up to its 64-byte rounding), before and after a generation grows the
 // workspace. tiny-moe runs a
 // generation; olmo2-70m (a mid-size config, 25 M FP32 block-linear weights that an inference
@@ -173,7 +175,9 @@ TEST(EngineMemory, BytesByKindFollowTheFormulaAndCoverTheBackend) {
       auto check = [&]() {
         const EngineMemory mem = e->memory();
         EXPECT_EQ(mem.packed_weights, packed_formula(*m, mode));
-        EXPECT_EQ(mem.high_precision_weights, 4 * high_precision_elements(cfg) + 2 * V * C);
+        EXPECT_EQ(mem.high_precision_weights, 4 * (high_precision_elements(cfg) - V * C) + 2 * V * C);
+        EXPECT_TRUE(e->lm_head_held());
+        EXPECT_EQ(m->find_param("lm_head.weight")->value, nullptr);
         EXPECT_EQ(mem.master_weights, 0);
         EXPECT_EQ(mem.gradients, 0);
         EXPECT_EQ(m->gradient_bytes(), 0);
@@ -240,7 +244,8 @@ TEST(EngineMemory, WeightsArriveWithOneTensorOfScratchAndLayersShareActivations)
 
 // What an inference model refuses: the training and eval entry points (one-line CheckErrors),
 // the recipe mode, re-quantizing master weights it does not have, generating before every weight
-// arrived (the error names the linear), a weight for a linear that does not exist.
+// arrived (the error names the linear, then the lm_head), a weight for a linear that does not
+// exist.
 TEST(EngineMemory, InferenceModelRefusesWhatNeedsMasterWeights) {
   const model::ModelConfig cfg = mixed_moe_config();
   auto m = make_model(cfg, backend::cpu_backend(), ParameterStorage::kInference);
@@ -271,7 +276,56 @@ TEST(EngineMemory, InferenceModelRefusesWhatNeedsMasterWeights) {
   ASSERT_FALSE(still.is_ok());
   EXPECT_NE(still.status().message().find(last.name), std::string::npos) << still.status().message();
   ASSERT_TRUE(e->set_linear_weight(last.id, w.data()).is_ok());
+  auto no_head = e->generate(greedy_requests(cfg.vocab_size));  // the lm_head's BF16 bits are still missing
+  ASSERT_FALSE(no_head.is_ok());
+  EXPECT_NE(no_head.status().message().find("lm_head"), std::string::npos) << no_head.status().message();
+  std::vector<float> head(static_cast<size_t>(cfg.vocab_size * cfg.hidden_size), 0.125f);
+  ASSERT_TRUE(e->set_lm_head_weight(head.data()).is_ok());
   EXPECT_TRUE(e->generate(greedy_requests(cfg.vocab_size)).is_ok());
+}
+
+// The lm_head's copies: an inference model whose lm_head runs on BF16 operands (every recipe but
+// fp32) keeps no FP32 lm_head and the engine holds its BF16 bits alone, made from a weight as the
+// snapshot of a training model's lm_head is (the same bits: the same greedy tokens and log-probs,
+// which the per-tensor test above also checks through init_random_weights). The fp32 recipe's
+// lm_head GEMM reads FP32 operands, so there the model keeps the FP32 weight (written as any
+// kept parameter), the engine holds no bits and set_lm_head_weight is refused. A training model
+// keeps both (its lm_head changes with training; the snapshot is refreshed with the weights).
+TEST(EngineMemory, LmHeadIsKeptOnlyAsTheBitsItsGemmReads) {
+  const model::ModelConfig cfg = mixed_moe_config();
+  const int64_t VC = cfg.vocab_size * cfg.hidden_size;
+  std::vector<float> head(static_cast<size_t>(VC));
+  for (int64_t i = 0; i < VC; ++i) head[static_cast<size_t>(i)] = 0.3f * std::sin(0.37f * static_cast<float>(i)) + 1e-4f;
+  auto trained = make_model(cfg, backend::cpu_backend(), ParameterStorage::kTraining);
+  trained->init_weights(3);
+  std::memcpy(trained->find_param("lm_head.weight")->value, head.data(), head.size() * sizeof(float));
+  auto reference = make_engine(*trained, PrecisionMode::kBf16);  // snapshots the FP32 lm_head
+  EXPECT_FALSE(reference->lm_head_held());
+  EXPECT_FALSE(reference->set_lm_head_weight(head.data()).is_ok());
+  auto lean = make_model(cfg, backend::cpu_backend(), ParameterStorage::kInference);
+  auto engine = make_engine(*lean, PrecisionMode::kBf16);
+  ASSERT_TRUE(engine->init_random_weights(3).is_ok());  // then the lm_head replaced
+  ASSERT_TRUE(engine->set_lm_head_weight(head.data()).is_ok());
+  EXPECT_EQ(lean->find_param("lm_head.weight")->value, nullptr);
+  const EngineMemory mem = engine->memory();
+  EXPECT_EQ(mem.high_precision_weights + 4 * VC, reference->memory().high_precision_weights);  // FP32 copy gone
+  auto want = reference->generate(greedy_requests(cfg.vocab_size));
+  auto got = engine->generate(greedy_requests(cfg.vocab_size));
+  ASSERT_TRUE(want.is_ok() && got.is_ok());
+  for (size_t i = 0; i < want->size(); ++i) {
+    EXPECT_EQ((*want)[i].tokens, (*got)[i].tokens);
+    EXPECT_EQ((*want)[i].logprobs, (*got)[i].logprobs);
+  }
+  model::RecipeConfig fp32;
+  fp32.name = "fp32";
+  auto m32 = model::Model::create(cfg, fp32, &backend::cpu_backend(), ParameterStorage::kInference).value();
+  EXPECT_NE(m32->find_param("lm_head.weight")->value, nullptr);
+  auto e32 = make_engine(*m32, PrecisionMode::kBf16);
+  EXPECT_FALSE(e32->lm_head_held());
+  EXPECT_FALSE(e32->set_lm_head_weight(head.data()).is_ok());
+  EXPECT_EQ(e32->memory().high_precision_weights, 4 * high_precision_elements(cfg));  // no BF16 copy
+  ASSERT_TRUE(e32->init_random_weights(3).is_ok());
+  EXPECT_TRUE(e32->generate(greedy_requests(cfg.vocab_size)).is_ok());
 }
 
 }  // namespace
