@@ -28,6 +28,7 @@
 #include "core/log.h"
 #include "tools/command.h"
 #include "tools/device_option.h"
+#include "tools/generation_model.h"
 #include "rollout/engine.h"
 #include "tools/option_check.h"
 #include "train/checkpoint.h"
@@ -94,10 +95,9 @@ Status check_out_target(const train::Checkpoint& ck, const GenerateArgs& a) {
   return Status::ok();
 }
 
-Result<rollout::EngineOptions> engine_options(const GenerateArgs& a, const std::string& recipe_name) {
+Result<rollout::EngineOptions> engine_options(const GenerateArgs& a) {
   rollout::EngineOptions o;
   NIB_ASSIGN_OR_RETURN(o.mode, rollout::parse_precision_mode(a.mode));
-  o.recipe_name = recipe_name;
   if (a.kv_dtype == "f32") o.kv_format = backend::KvPageFormat::kF32;
   else if (a.kv_dtype == "fp8") o.kv_format = backend::KvPageFormat::kFp8;
   else if (a.kv_dtype == "nvfp4") o.kv_format = backend::KvPageFormat::kNvfp4;
@@ -131,8 +131,8 @@ Result<std::string> completion_text(const train::Tokenizer& tok, const rollout::
 
 // --prompts FILE --out FILE: every prompt's G samples through the engine, JSON lines in
 // (prompt, sample) order written atomically at the end; progress on stderr.
-int run_prompts_file(const GenerateArgs& a, model::Model& m, const train::Tokenizer& tok,
-                     const rollout::EngineOptions& eo) {
+int run_prompts_file(const GenerateArgs& a, const GenerationModel& gm, const train::Tokenizer& tok) {
+  const model::Model& m = *gm.model;
   auto lines = read_prompts(a.prompts);
   if (!lines) return report_error("generate", lines.status());
   if (lines->size() > 65536) return report_error("generate", data_loss("--prompts holds more than 65536 prompts"));
@@ -152,8 +152,10 @@ int run_prompts_file(const GenerateArgs& a, model::Model& m, const train::Tokeni
     r.id = static_cast<uint64_t>(reqs.size());
     reqs.push_back(std::move(r));
   }
-  auto engine = rollout::Engine::create(m, eo);
-  if (!engine) return report_error("generate", engine.status());
+  if (!gm.engine)
+    return report_error("generate", unimplemented("backend '{}' has no paged KV-cache ops yet (issue #15): --prompts "
+                                                  "needs --device cpu", m.backend().name()));
+  rollout::Engine& engine = *gm.engine;
   const int64_t total = static_cast<int64_t>(reqs.size()) * a.samples;
   const bool tty = isatty(fileno(stderr)) == 1;
   int64_t finished = 0, tokens = 0;
@@ -166,7 +168,7 @@ int run_prompts_file(const GenerateArgs& a, model::Model& m, const train::Tokeni
                           static_cast<long long>(total), static_cast<long long>(tokens));
     return Status::ok();
   };
-  auto out = (*engine)->generate(reqs, cb);
+  auto out = engine.generate(reqs, cb);
   if (tty) std::fputc('\n', stderr);
   if (!out) return report_error("generate", out.status());
   auto w = io::AtomicFileWriter::create(a.out);
@@ -187,10 +189,13 @@ int run_prompts_file(const GenerateArgs& a, model::Model& m, const train::Tokeni
     if (Status s = w->append(line.data(), line.size()); !s) return report_error("generate", s);
   }
   if (Status s = w->commit(); !s) return report_error("generate", s);
-  const auto& st = (*engine)->stats();
-  std::fprintf(stderr, "nibble generate: %lld samples of %zu prompts, %lld new tokens in %lld steps (mode %s) -> %s\n",
+  const auto& st = engine.stats();
+  std::fprintf(stderr,
+               "nibble generate: %lld samples of %zu prompts, %lld new tokens in %lld steps (mode %s, %s storage) -> "
+               "%s\n",
                static_cast<long long>(total), reqs.size(), static_cast<long long>(st.generated_tokens),
-               static_cast<long long>(st.steps), rollout::precision_mode_name(eo.mode), a.out.c_str());
+               static_cast<long long>(st.steps), rollout::precision_mode_name(engine.options().mode),
+               gm.inference_storage() ? "inference" : "training", a.out.c_str());
   return 0;
 }
 
@@ -237,24 +242,21 @@ int run_generate(GenerateArgs a) {
     rc = *r;
     rcp = &rc;
   }
-  auto m = train::load_checkpoint_model(*ck, rcp, **be);
-  if (!m) return report_error("generate", m.status());
+  auto eo = engine_options(a);
+  if (!eo) return report_error("generate", eo.status());
+  // bf16 / w4a16 / w4a4: inference storage, unless --dump-logits needs the training forward
+  auto gm = load_generation_model(*ck, rcp, *eo, **be, /*training_forward=*/!a.dump_logits.empty());
+  if (!gm) return report_error("generate", gm.status());
+  model::Model* m = gm->model.get();
   auto tok = train::Tokenizer::load(ck->tokenizer_path);
   if (!tok) return report_error("generate", tok.status());
-  // the NVFP4 layout of the 4-bit modes follows the model's recipe (precision.h)
-  std::string recipe_name = "bf16";
-  for (const model::LinearInfo& li : (*m)->linear_infos())
-    if ((*m)->linear_recipe(li.id)->name() != "bf16") recipe_name = (*m)->linear_recipe(li.id)->name();
-  auto eo = engine_options(a, recipe_name);
-  if (!eo) return report_error("generate", eo.status());
-  const bool engine_ok = (*be)->supports(backend::Op::kPagedKvCache);
-  if (file_mode) return run_prompts_file(a, **m, *tok, *eo);
+  if (file_mode) return run_prompts_file(a, *gm, *tok);
   auto ids = tok->encode(a.prompt);
   if (!ids) return report_error("generate", ids.status());
   if (ids->empty()) ids->push_back(tok->eos_id());  // an empty prompt starts a new document
   // The model sees at most max_position_embeddings tokens: cap the new ones to what is left
   // after the prompt (one line on stderr says so) instead of sliding the window.
-  const int64_t context = (*m)->config().max_position_embeddings;
+  const int64_t context = m->config().max_position_embeddings;
   const int64_t prompt_tokens = static_cast<int64_t>(ids->size());
   if (prompt_tokens > context)
     return report_error("generate", invalid_argument("--prompt is {} tokens, more than the model's context of {} "
@@ -268,9 +270,9 @@ int run_generate(GenerateArgs a) {
   }
   if (!a.dump_logits.empty()) {
     std::vector<float> logits;
-    Status s = train::context_logits(&logits, m->get(), *ids);
+    Status s = train::context_logits(&logits, m, *ids);
     if (!s) return report_error("generate", s);
-    const int64_t T = static_cast<int64_t>(ids->size()), V = (*m)->config().vocab_size;
+    const int64_t T = static_cast<int64_t>(ids->size()), V = m->config().vocab_size;
     Tensor lt(DType::kF32, Shape{T, V});
     std::copy(logits.begin(), logits.end(), lt.data<float>());
     Tensor it(DType::kI32, Shape{T});
@@ -318,9 +320,7 @@ int run_generate(GenerateArgs a) {
     return emit(std::move(text), /*final=*/false);
   };
   Result<std::vector<int32_t>> out = std::vector<int32_t>{};
-  if (engine_ok) {
-    auto engine = rollout::Engine::create(**m, *eo);
-    if (!engine) return report_error("generate", engine.status());
+  if (gm->engine) {
     rollout::Request req;
     req.prompt = *ids;
     req.params = generation_params(a, tok->eos_id());
@@ -329,7 +329,7 @@ int run_generate(GenerateArgs a) {
     rollout::EngineCallbacks cb;
     cb.detokenize = [&](std::span<const int32_t> t) { return tok->decode(t); };
     cb.on_token = [&](int64_t, int64_t, int32_t id) { return on_token(id); };
-    auto done = (*engine)->generate({req}, cb);
+    auto done = gm->engine->generate({req}, cb);
     if (done) out = std::move((*done)[0].tokens);
     else out = done.status();
     if (done && (*done)[0].finish == rollout::FinishReason::kStopString) {  // cut before the stop string
@@ -344,7 +344,7 @@ int run_generate(GenerateArgs a) {
                                                   "--top-k and --stop need --device cpu", (*be)->name()));
   } else {
     NIB_LOG_DEBUG("generate: {} has no paged KV-cache ops: recomputing the context per token", (*be)->name());
-    out = train::generate_tokens(m->get(), *ids, a.sampling, on_token);
+    out = train::generate_tokens(m, *ids, a.sampling, on_token);
   }
   if (!out) {
     std::fputc('\n', stdout);  // the error line on stderr stays a line of its own on a terminal

@@ -16,6 +16,7 @@
 #include "tools/command.h"
 #include "tools/completions_server.h"
 #include "tools/device_option.h"
+#include "tools/generation_model.h"
 #include "tools/option_check.h"
 #include "train/checkpoint.h"
 #include "train/tokenizer.h"
@@ -49,24 +50,23 @@ int run_serve(ServeArgs a) {
                                                "--device cpu", (*be)->name()));
   auto ck = train::open_checkpoint(a.checkpoint);
   if (!ck) return report_error("serve", ck.status());
-  auto m = train::load_checkpoint_model(*ck, nullptr, **be);
-  if (!m) return report_error("serve", m.status());
+  eo.max_batch = a.max_batch;
+  // bf16 / w4a16 / w4a4: a model of inference storage, its weights read tensor by tensor
+  auto gm = load_generation_model(*ck, nullptr, eo, **be, /*training_forward=*/false);
+  if (!gm) return report_error("serve", gm.status());
   auto tok = train::Tokenizer::load(ck->tokenizer_path);
   if (!tok) return report_error("serve", tok.status());
-  for (const model::LinearInfo& li : (*m)->linear_infos())  // the NVFP4 layout follows the recipe (precision.h)
-    if ((*m)->linear_recipe(li.id)->name() != "bf16") eo.recipe_name = (*m)->linear_recipe(li.id)->name();
-  eo.max_batch = a.max_batch;
-  auto engine = rollout::Engine::create(**m, eo);
-  if (!engine) return report_error("serve", engine.status());
   a.server.model_id = model_id(a);
-  auto server = CompletionsServer::create(**engine, *tok, a.server);
+  auto server = CompletionsServer::create(*gm->engine, *tok, a.server);
   if (!server) return report_error("serve", server.status());
   install_interrupt_handlers();
   std::signal(SIGPIPE, SIG_IGN);  // a client gone mid-answer is a failed write, not the end of the server
   if (Status s = (*server)->start(); !s) return report_error("serve", s);
-  std::printf("nibble serve: listening on http://%s:%d (model '%s', mode %s, device %s, max batch %lld, queue %lld)\n",
+  std::printf("nibble serve: listening on http://%s:%d (model '%s', mode %s, %s storage, device %s, max batch %lld, "
+              "queue %lld)\n",
               a.server.host.c_str(), (*server)->port(), a.server.model_id.c_str(), rollout::precision_mode_name(eo.mode),
-              (*be)->name().c_str(), static_cast<long long>(a.max_batch), static_cast<long long>(a.server.queue));
+              gm->inference_storage() ? "inference" : "training", (*be)->name().c_str(),
+              static_cast<long long>(a.max_batch), static_cast<long long>(a.server.queue));
   std::fflush(stdout);
   while (interrupt_signal() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   std::fprintf(stderr, "nibble serve: %s: finishing the requests in flight\n", signal_name(interrupt_signal()).c_str());

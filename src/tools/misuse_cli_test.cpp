@@ -4,7 +4,9 @@
 // (exit 2, one line naming the option), generate's cap to the model's context and its
 // token-by-token output, a resume with nothing to do, and checkpoints that every command loads
 // the same way (wrong tensor shapes refused by export too; no optimizer state needed but to resume);
-// generate on the rollout engine: --prompts to JSON lines, its output guard and option checks.
+// generate on the rollout engine: --prompts to JSON lines, its output guard and option checks;
+// generate and serve in the bf16 / w4a16 / w4a4 modes on a model of inference storage: the
+// training model's tokens, and bad checkpoints refused alike.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -20,8 +22,13 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "io/safetensors.h"
 #include "model/tiny_olmo2_test_util.h"
+#include "rollout/checkpoint_weights.h"
+#include "rollout/engine.h"
 #include "tools/cli_test_util.h"
+#include "train/checkpoint.h"
+#include "train/tokenizer.h"
 
 namespace nibble::tools::test {
 namespace {
@@ -515,6 +522,117 @@ TEST_F(MisuseCli, GenerateEngineOptionsAndInputsAreChecked) {
     ASSERT_EQ(x.code, 0) << mode << x.err;
     EXPECT_EQ(x.out(), y.out()) << mode;
     EXPECT_EQ(x.out().rfind("And the", 0), 0u) << x.out();
+  }
+}
+
+// ---- generate in the engine's modes: inference storage, today's tokens ---------------------
+
+// `generate --prompts --mode M` (greedy, and sampled with G = 2) writes the tokens and log-probs
+// of the path before inference storage, computed here in-process: the checkpoint's training model
+// (train::load_checkpoint_model) and an engine quantizing its master weights, with the requests
+// generate makes (stop at eos, Philox stream of the line index). Its summary line says the model
+// was of inference storage (the recipe mode's says training).
+TEST_F(MisuseCli, GenerateModesRunOnInferenceStorageWithTheTrainingModelsTokens) {
+  std::ofstream(at("prompts_storage.txt")) << "And the sheep\nthe shepherd followed\n";
+  auto ck = train::open_checkpoint(run_dir());
+  ASSERT_TRUE(ck.is_ok()) << ck.status().message();
+  auto trained = train::load_checkpoint_model(*ck);
+  ASSERT_TRUE(trained.is_ok()) << trained.status().message();
+  auto tok = train::Tokenizer::load(ck->tokenizer_path);
+  ASSERT_TRUE(tok.is_ok());
+  for (const char* mode : {"bf16", "w4a16", "w4a4"})
+    for (const char* temperature : {"0", "0.8"}) {
+      SCOPED_TRACE(std::string(mode) + " temperature " + temperature);
+      const std::string out = at(std::string("storage_") + mode + temperature + ".jsonl");
+      BoundedRun r = run_bounded({"generate", "--checkpoint", run_dir(), "--prompts", at("prompts_storage.txt"),
+                                  "--out", out, "--mode", mode, "--samples", "2", "--temperature", temperature,
+                                  "--top-p", "0.9", "--seed", "5", "--max-new-tokens", "10"},
+                                 120);
+      ASSERT_EQ(r.code, 0) << r.err;
+      EXPECT_NE(r.err.find(std::string("(mode ") + mode + ", inference storage)"), std::string::npos) << r.err;
+      rollout::EngineOptions eo;
+      eo.mode = rollout::parse_precision_mode(mode).value();
+      eo.recipe_name = rollout::weight_layout_recipe(**trained);
+      auto engine = rollout::Engine::create(**trained, eo);
+      ASSERT_TRUE(engine.is_ok()) << engine.status().message();
+      std::vector<rollout::Request> reqs;
+      for (const char* prompt : {"And the sheep", "the shepherd followed"}) {
+        rollout::Request q;
+        q.prompt = tok->encode(prompt).value();
+        q.params.sampling = rollout::SamplingParams{std::stod(temperature), 0, 0.9};
+        q.params.max_new_tokens = 10;
+        q.params.stop_ids = {tok->eos_id()};
+        q.params.seed = 5;
+        q.params.num_samples = 2;
+        q.id = reqs.size();
+        reqs.push_back(q);
+      }
+      auto want = (*engine)->generate(reqs);
+      ASSERT_TRUE(want.is_ok()) << want.status().message();
+      std::ifstream in(out);
+      std::string line;
+      size_t i = 0;
+      for (; std::getline(in, line); ++i) {
+        ASSERT_LT(i, want->size());
+        const json j = json::parse(line);
+        EXPECT_EQ(j["tokens"].get<std::vector<int32_t>>(), (*want)[i].tokens) << "line " << i;
+        EXPECT_EQ(j["logprobs"].get<std::vector<double>>(), (*want)[i].logprobs) << "line " << i;
+      }
+      EXPECT_EQ(i, want->size());
+    }
+  BoundedRun recipe = run_bounded({"generate", "--checkpoint", run_dir(), "--prompts", at("prompts_storage.txt"),
+                                   "--out", at("storage_recipe.jsonl"), "--max-new-tokens", "2"},
+                                  120);
+  ASSERT_EQ(recipe.code, 0) << recipe.err;
+  EXPECT_NE(recipe.err.find("(mode recipe, training storage)"), std::string::npos) << recipe.err;
+}
+
+// A truncated model.safetensors, a missing tensor and a config.json that does not match the
+// tensors: generate and serve in an engine mode (inference storage) refuse each with one line
+// naming the file or tensor, exit 1, and write nothing (generate's --out stays absent; serve never
+// listens).
+TEST_F(MisuseCli, InferenceModesRefuseBadCheckpointsInOneLine) {
+  std::ofstream(at("prompts_bad_ck.txt")) << "And\n";
+  const std::string truncated = copy_checkpoint("ck_truncated");
+  fs::resize_file(truncated + "/model.safetensors", fs::file_size(truncated + "/model.safetensors") - 64);
+  const std::string missing = copy_checkpoint("ck_missing_tensor");
+  const std::string gone = "model.layers.1.mlp.down_proj.weight";
+  {
+    std::vector<io::NamedTensor> t;
+    auto f = io::SafetensorsFile::open(missing + "/model.safetensors");
+    ASSERT_TRUE(f.is_ok());
+    for (const auto& n : f->names())
+      if (n != gone) t.push_back({n, f->get(n)->clone()});
+    ASSERT_TRUE(io::write_safetensors(missing + "/model.safetensors", t).is_ok());
+  }
+  const std::string config = copy_checkpoint("ck_other_config");
+  {
+    json c = json::parse(slurp(config + "/config.json"));
+    c["intermediate_size"] = 96;
+    std::ofstream(config + "/config.json", std::ios::trunc) << c.dump(2);
+  }
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {truncated, "corrupt checkpoint file '" + truncated + "/model.safetensors'"},
+      {missing, "lacks tensor '" + gone + "'"},
+      {config, "tensor 'model.layers.0.mlp.gate_proj.weight' has the wrong shape for this model config"}};
+  for (const auto& c : cases) {
+    const std::string& ck = c.first;
+    const std::string& words = c.second;
+    SCOPED_TRACE(ck);
+    const std::string out = ck + "_out.jsonl";
+    BoundedRun g = run_bounded({"generate", "--checkpoint", ck, "--prompts", at("prompts_bad_ck.txt"), "--out", out,
+                                "--mode", "w4a16"},
+                               120);
+    EXPECT_EQ(g.code, 1) << g.err;
+    EXPECT_EQ(g.err_lines(), 1) << g.err;
+    EXPECT_NE(g.err.find(words), std::string::npos) << g.err;
+    EXPECT_FALSE(fs::exists(out));
+    BoundedRun s = run_bounded({"serve", "--checkpoint", ck, "--port", "0", "--mode", "bf16"}, 120);
+    EXPECT_FALSE(s.timed_out);
+    EXPECT_EQ(s.code, 1) << s.err;
+    EXPECT_EQ(s.err_lines(), 1) << s.err;
+    EXPECT_NE(s.err.find(words), std::string::npos) << s.err;
+    EXPECT_EQ(s.out().find("listening"), std::string::npos) << s.out();
   }
 }
 

@@ -13,6 +13,7 @@
 #include "core/bits.h"
 #include "model/config.h"
 #include "model/tiny_olmo2_test_util.h"
+#include "rollout/checkpoint_weights.h"
 #include "rollout/engine.h"
 #include "tools/cli_test_util.h"
 
@@ -40,7 +41,7 @@ std::unique_ptr<model::Model> model_128(uint64_t seed) {
 }
 
 // An inference-storage model (no master weights) holding `from`'s parameters outside the block
-// linears, copied one tensor at a time.
+// linears but the lm_head (the engine holds its BF16 bits), copied one tensor at a time.
 std::unique_ptr<model::Model> lean_copy(model::Model& from) {
   model::RecipeConfig rc;
   rc.name = "tetrajet-v2";
@@ -89,7 +90,7 @@ TEST(QuantizedWeightsFile, NibbleQuantizeOutputEqualsTheEnginesOwnQuantization) 
     auto lean = rollout::Engine::create(*lean_model, o).value();
     st = lean->load_quantized_weights(dir / "q.safetensors");
     ASSERT_TRUE(st.is_ok()) << st.message();
-    lean->refresh_high_precision_weights();  // the lm_head snapshot of the copied parameters
+    ASSERT_TRUE(lean->set_lm_head_weight(trained->find_param("lm_head.weight")->value).is_ok());  // its BF16 bits
     for (const rollout::Engine* e : {loaded.get(), lean.get()})
       for (const model::LinearInfo& info : trained->linear_infos()) {
         const backend::QuantizedTensor& a = own->linears()->quantized_weight(info.id);
@@ -129,6 +130,78 @@ TEST(QuantizedWeightsFile, NibbleQuantizeOutputEqualsTheEnginesOwnQuantization) 
   rollout::EngineOptions bf;
   bf.mode = rollout::PrecisionMode::kBf16;
   EXPECT_FALSE(rollout::Engine::create(*other, bf).value()->load_quantized_weights(dir / "q.safetensors").is_ok());
+}
+
+// A checkpoint whose model.safetensors is a `nibble quantize --format nvfp4-2level` output (the
+// parameters outside the block linears kept with --skip) loads into an inference-storage engine
+// (rollout::load_inference_engine, what generate and serve run) with the file's codes and scales
+// taken as they are: the bits and the greedy and sampled tokens and log-probs of the engine that
+// quantizes the same BF16 weights itself, and no upload scratch (a re-quantizing load uploads
+// each FP32 weight into one; the plain file's load does). A file whose other parameters are
+// quantized too, and the bf16 mode, are one-line errors.
+TEST(QuantizedWeightsFile, PackedCheckpointLoadsIntoAnInferenceEngineWithoutRequantizing) {
+  ScratchDir dir("quantized_checkpoint");
+  auto trained = model_128(7);
+  ASSERT_TRUE(io::write_safetensors(dir / "model.safetensors", parameters_of(*trained)).is_ok());
+  const std::string quantize = "quantize '" + (dir / "model.safetensors") + "' '";
+  RunResult q = run_nibble(dir.path, quantize + (dir / "packed.safetensors") +
+                                         "' --format nvfp4-2level --skip 'norm|embed|lm_head'");
+  ASSERT_EQ(q.code, 0) << q.err;
+  RunResult all = run_nibble(dir.path, quantize + (dir / "all.safetensors") + "' --format nvfp4-2level");
+  ASSERT_EQ(all.code, 0) << all.err;
+  model::RecipeConfig rc;
+  rc.name = "tetrajet-v2";
+  std::vector<rollout::Request> rs(2);
+  rs[0].prompt = {3, 14, 15, 9, 26, 5};
+  rs[0].params.sampling.temperature = 0;
+  rs[0].params.max_new_tokens = 10;
+  rs[1] = rs[0];
+  rs[1].id = 1;
+  rs[1].params.sampling = rollout::SamplingParams{0.9, 0, 0.95};
+  rs[1].params.num_samples = 2;
+  rs[1].params.seed = 4;
+  for (rollout::PrecisionMode mode : {rollout::PrecisionMode::kW4A16, rollout::PrecisionMode::kW4A4}) {
+    SCOPED_TRACE(rollout::precision_mode_name(mode));
+    rollout::EngineOptions o;
+    o.mode = mode;
+    o.recipe_name = "tetrajet-v2";
+    auto own = rollout::Engine::create(*trained, o).value();
+    auto packed = rollout::load_inference_engine(trained->config(), rc, dir / "packed.safetensors", o,
+                                                 backend::cpu_backend());
+    ASSERT_TRUE(packed.is_ok()) << packed.status().message();
+    EXPECT_EQ(packed->engine->linears()->workspace_bytes(), 0);  // nothing uploaded to quantize
+    auto plain = rollout::load_inference_engine(trained->config(), rc, dir / "model.safetensors", o,
+                                                backend::cpu_backend());
+    ASSERT_TRUE(plain.is_ok()) << plain.status().message();
+    EXPECT_GT(plain->engine->linears()->workspace_bytes(), 0);
+    for (const model::LinearInfo& info : trained->linear_infos()) {
+      const backend::QuantizedTensor& a = own->linears()->quantized_weight(info.id);
+      const backend::QuantizedTensor& b = packed->engine->linears()->quantized_weight(info.id);
+      ASSERT_EQ(std::memcmp(a.codes, b.codes, info.N * info.K / 2), 0) << info.name;
+      ASSERT_EQ(std::memcmp(a.scales, b.scales, info.N * info.K / 16), 0) << info.name;
+      ASSERT_EQ(std::memcmp(a.outer, b.outer, info.N * info.K / 128 * sizeof(float)), 0) << info.name;
+    }
+    auto want = own->generate(rs);
+    auto got = packed->engine->generate(rs);
+    ASSERT_TRUE(want.is_ok() && got.is_ok());
+    ASSERT_EQ(want->size(), got->size());
+    for (size_t i = 0; i < want->size(); ++i) {
+      EXPECT_EQ((*want)[i].tokens, (*got)[i].tokens);
+      EXPECT_EQ((*want)[i].logprobs, (*got)[i].logprobs);
+    }
+    auto quantized_all = rollout::load_inference_engine(trained->config(), rc, dir / "all.safetensors", o,
+                                                        backend::cpu_backend());
+    ASSERT_FALSE(quantized_all.is_ok());
+    const std::string msg = quantized_all.status().message();
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    EXPECT_NE(msg.find("model.embed_tokens.weight' is quantized"), std::string::npos) << msg;
+  }
+  rollout::EngineOptions bf;
+  bf.mode = rollout::PrecisionMode::kBf16;
+  auto as_bf16 = rollout::load_inference_engine(trained->config(), rc, dir / "packed.safetensors", bf,
+                                                backend::cpu_backend());
+  ASSERT_FALSE(as_bf16.is_ok());
+  EXPECT_NE(as_bf16.status().message().find("bf16 mode"), std::string::npos) << as_bf16.status().message();
 }
 
 }  // namespace

@@ -241,19 +241,21 @@ Status load_model_state(model::Model* model, const std::string& dir) {
   return Status::ok();
 }
 
+Result<model::RecipeConfig> checkpoint_recipe(const Checkpoint& ckpt, const model::RecipeConfig* recipe) {
+  if (recipe) return *recipe;
+  model::RecipeConfig rc;
+  auto it = ckpt.run_config.find("recipe");
+  if (it != ckpt.run_config.end()) {
+    auto r = model::parse_recipe_config(*it);
+    if (!r) return data_loss("checkpoint '{}': run_config.json: {}", ckpt.dir, r.status().message());
+    rc = *r;
+  }
+  return rc;
+}
+
 Result<std::unique_ptr<model::Model>> load_checkpoint_model(const Checkpoint& ckpt, const model::RecipeConfig* recipe,
                                                             backend::Backend& be) {
-  model::RecipeConfig rc;
-  if (recipe) {
-    rc = *recipe;
-  } else {
-    auto it = ckpt.run_config.find("recipe");
-    if (it != ckpt.run_config.end()) {
-      auto r = model::parse_recipe_config(*it);
-      if (!r) return data_loss("checkpoint '{}': run_config.json: {}", ckpt.dir, r.status().message());
-      rc = *r;
-    }
-  }
+  NIB_ASSIGN_OR_RETURN(model::RecipeConfig rc, checkpoint_recipe(ckpt, recipe));
   NIB_ASSIGN_OR_RETURN(auto m, model::Model::create(ckpt.model_config, rc, &be));
   NIB_RETURN_IF_ERROR(load_model_state(m.get(), ckpt.dir));
   return m;

@@ -81,6 +81,10 @@ std::vector<io::NamedTensor> recipe_state_tensors(const model::Model& model);
 // shape, F32 or BF16; extra tensors are errors) and the recipe states, when present.
 Status load_model_state(model::Model* model, const std::string& dir);
 
+// The recipe the checkpoint's model runs: `recipe` when given, else its run_config's (default
+// bf16). Error: a run_config recipe that does not parse.
+Result<model::RecipeConfig> checkpoint_recipe(const Checkpoint& ckpt, const model::RecipeConfig* recipe = nullptr);
+
 // Builds the checkpoint's model on `be` (recipe from its run_config unless `recipe` is given) and
 // loads it; the checkpoint format is the same whichever device wrote or reads it.
 // This (through load_model_state) is the one way every command reads a checkpoint's weights, so
