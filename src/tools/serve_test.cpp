@@ -5,7 +5,8 @@
 // request is a 4xx with an OpenAI-style error; a full queue is 503; a client leaving mid-stream
 // cancels its sequences; 32 concurrent clients are all answered (correctly, or 503 and retried)
 // and none is lost; the listen backlog queues a burst of connections; and the CLI prints its
-// port, answers, and on SIGTERM finishes and exits 143.
+// port, answers (also in w4a16 from a model of inference storage, as `nibble generate`), and on
+// SIGTERM finishes and exits 143.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -537,40 +538,60 @@ TEST_F(ServeTest, ListeningSocketQueuesABurstOfConnections) {
 }
 
 // The CLI: --port 0 prints the port it took; it answers; SIGTERM ends it (143) after the answer.
+// In the default (recipe) mode the model is the checkpoint's training model; with --mode w4a16
+// one of inference storage (the listening line says which), whose sampled answer equals
+// `nibble generate --mode w4a16`'s for the same seed (text and log-probs).
 TEST_F(ServeTest, CliServesAndStopsOnSigterm) {
   ASSERT_FALSE(HasFatalFailure());
-  const std::string out = *dir_ / "serve_out.txt", err = *dir_ / "serve_err.txt";
-  const pid_t pid = fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    const std::string bin = nibble_binary(), ck = run();
-    if (!freopen(out.c_str(), "w", stdout) || !freopen(err.c_str(), "w", stderr)) _exit(99);
-    execl(bin.c_str(), bin.c_str(), "serve", "--checkpoint", ck.c_str(), "--port", "0", "--max-batch", "4", "--threads", "1",
-          static_cast<char*>(nullptr));
-    _exit(98);
+  for (const std::string mode : {"recipe", "w4a16"}) {
+    SCOPED_TRACE(mode);
+    const std::string out = *dir_ / ("serve_out_" + mode + ".txt"), err = *dir_ / ("serve_err_" + mode + ".txt");
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      const std::string bin = nibble_binary(), ck = run();
+      if (!freopen(out.c_str(), "w", stdout) || !freopen(err.c_str(), "w", stderr)) _exit(99);
+      execl(bin.c_str(), bin.c_str(), "serve", "--checkpoint", ck.c_str(), "--port", "0", "--max-batch", "4",
+            "--threads", "1", "--mode", mode.c_str(), static_cast<char*>(nullptr));
+      _exit(98);
+    }
+    int port = 0;
+    for (int i = 0; i < 600 && port == 0; ++i) {  // up to 30 s to load and bind
+      const std::string text = slurp(out);
+      const size_t at = text.find("listening on http://127.0.0.1:");
+      if (at != std::string::npos) port = std::atoi(text.c_str() + at + 30);
+      else std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ASSERT_GT(port, 0) << slurp(err);
+    const std::string storage = mode == "recipe" ? "training" : "inference";
+    EXPECT_NE(slurp(out).find("mode " + mode + ", " + storage + " storage"), std::string::npos) << slurp(out);
+    httplib::Client c("127.0.0.1", port);
+    c.set_read_timeout(30, 0);
+    auto r = c.Get("/v1/models");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(json::parse(r->body)["data"][0]["id"], "run");  // the checkpoint folder's name
+    const json body = {{"prompt", "And the"}, {"max_tokens", 8},  {"temperature", 0.8},
+                       {"top_p", 0.95},       {"seed", 7},        {"logprobs", 0}};
+    r = c.Post("/v1/completions", body.dump(), "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200) << r->body;
+    if (mode != "recipe") {
+      const std::vector<json> gen =
+          generate_lines(*dir_, run(), "And the", "--mode " + mode + " --temperature 0.8 --top-p 0.95 "
+                                                  "--max-new-tokens 8 --seed 7");
+      ASSERT_EQ(gen.size(), 1u);
+      const json choice = json::parse(r->body)["choices"][0];
+      EXPECT_EQ(choice["text"], gen[0]["text"]);
+      EXPECT_EQ(choice["logprobs"]["token_logprobs"].get<std::vector<double>>(),
+                gen[0]["logprobs"].get<std::vector<double>>());
+    }
+    ASSERT_EQ(kill(pid, SIGTERM), 0);
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 143) << slurp(err);
+    EXPECT_NE(slurp(err).find("stopped (1 answered"), std::string::npos) << slurp(err);
   }
-  int port = 0;
-  for (int i = 0; i < 600 && port == 0; ++i) {  // up to 30 s to load and bind
-    const std::string text = slurp(out);
-    const size_t at = text.find("listening on http://127.0.0.1:");
-    if (at != std::string::npos) port = std::atoi(text.c_str() + at + 30);
-    else std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  ASSERT_GT(port, 0) << slurp(err);
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(30, 0);
-  auto r = c.Get("/v1/models");
-  ASSERT_TRUE(r);
-  EXPECT_EQ(json::parse(r->body)["data"][0]["id"], "run");  // the checkpoint folder's name
-  r = c.Post("/v1/completions", R"({"prompt": "And the", "max_tokens": 5, "temperature": 0})", "application/json");
-  ASSERT_TRUE(r);
-  EXPECT_EQ(r->status, 200) << r->body;
-  ASSERT_EQ(kill(pid, SIGTERM), 0);
-  int status = 0;
-  ASSERT_EQ(waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 143) << slurp(err);
-  EXPECT_NE(slurp(err).find("stopped (1 answered"), std::string::npos) << slurp(err);
 }
 
 }  // namespace
