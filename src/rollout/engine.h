@@ -112,7 +112,9 @@ struct EngineCallbacks {
 struct EngineMemory {
   int64_t packed_weights = 0;          // block linears in the mode's storage: codes + scales (+ outer), or BF16
   int64_t high_precision_weights = 0;  // the model's FP32 values (inference storage: embedding, norms,
-                                       // routers, lm_head) + the lm_head's BF16 snapshot
+                                       // routers; the lm_head only with the fp32 recipe) + the
+                                       // lm_head's BF16 bits (a snapshot, or in inference storage its
+                                       // only copy: lm_head_held())
   int64_t master_weights = 0;          // training storage only: the FP32 block linears the model keeps
   int64_t gradients = 0;               // training storage only
   int64_t kv_pages = 0;                // the paged cache's K and V pages
@@ -157,7 +159,8 @@ class Engine {
   // Weights arriving tensor by tensor (models of inference storage; bf16 / w4a16 / w4a4):
   // w: (N,K) f32 host, linear `id`'s weight (its members stacked, linear_params), quantized or
   // made BF16 as refresh_weights() would from the same master weight (the same bits). After the
-  // model's kept parameters changed, refresh_high_precision_weights() re-snapshots the lm_head.
+  // model's kept parameters changed, refresh_high_precision_weights() re-snapshots the lm_head
+  // (where the model keeps one; a held lm_head changes through set_lm_head_weight).
   // generate() refuses to run while a linear has no weight.
   Status set_linear_weight(int id, const float* w);
   void refresh_high_precision_weights() { snapshot_lm_head(); }
