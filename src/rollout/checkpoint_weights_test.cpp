@@ -21,30 +21,15 @@
 #include "core/check.h"
 #include "io/safetensors.h"
 #include "model/config.h"
+#include "rollout/engine_test_util.h"
 
 namespace nibble::rollout {
 namespace {
 
 namespace fs = std::filesystem;
 
-model::ModelConfig parse(const char* text) {
-  auto cfg = model::parse_model_config(nlohmann::json::parse(text));
-  NIB_CHECK_MSG(cfg.is_ok(), "{}", cfg.status().message());
-  return cfg.value();
-}
-// std 0.3 weights spread the logits so greedy argmaxes are not decided by rounding
-model::ModelConfig moe_config() {
-  return parse(R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32, "intermediate_size": 48,
-    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 40,
-    "max_position_embeddings": 48, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_experts": 4,
-    "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [1],
-    "shared_expert_intermediate_size": 32, "initializer_range": 0.3})");
-}
-model::ModelConfig dense_config() {
-  return parse(R"({"architectures": ["Olmo2ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 48,
-    "max_position_embeddings": 64, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "initializer_range": 0.3})");
-}
+model::ModelConfig moe_config() { return test::mixed_moe_config(); }
+model::ModelConfig dense_config() { return test::dense_olmo_config(); }
 
 model::RecipeConfig recipe(const std::string& name) {
   model::RecipeConfig rc;
@@ -101,14 +86,7 @@ EngineOptions options(PrecisionMode mode) {
 
 // Two greedy prompts of different lengths and one sampled prompt with G = 2.
 std::vector<Request> requests(int64_t vocab) {
-  std::vector<Request> rs(3);
-  for (size_t i = 0; i < rs.size(); ++i) {
-    for (int64_t t = 0; t < 5 + 3 * static_cast<int64_t>(i); ++t)
-      rs[i].prompt.push_back(static_cast<int32_t>((t * 7 + 13 * static_cast<int64_t>(i) + 1) % vocab));
-    rs[i].params.sampling.temperature = 0;
-    rs[i].params.max_new_tokens = 6;
-    rs[i].id = i;
-  }
+  std::vector<Request> rs = test::greedy_requests(vocab, 3);
   rs[2].params.sampling = SamplingParams{0.9, 0, 0.95};
   rs[2].params.seed = 17;
   rs[2].params.num_samples = 2;

@@ -16,25 +16,14 @@
 #include "core/check.h"
 #include "model/config.h"
 #include "rollout/engine.h"
+#include "rollout/engine_test_util.h"
 
 namespace nibble::rollout {
 namespace {
 
 using model::ParameterStorage;
-
-// A Qwen3-MoE model with a dense layer (mlp_only_layers) and a shared expert: every kind of
-// block linear and the shared activation set holding both MLP kinds. std 0.3 weights spread
-// the logits so greedy argmaxes are not decided by rounding.
-model::ModelConfig mixed_moe_config() {
-  nlohmann::json j = nlohmann::json::parse(R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32,
-    "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "vocab_size": 40, "max_position_embeddings": 48, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [1],
-    "shared_expert_intermediate_size": 32, "initializer_range": 0.3})");
-  auto cfg = model::parse_model_config(j);
-  NIB_CHECK_MSG(cfg.is_ok(), "{}", cfg.status().message());
-  return cfg.value();
-}
+using test::greedy_requests;
+using test::mixed_moe_config;
 
 model::ModelConfig config_file(const std::string& name) {
   auto cfg = model::load_model_config(std::string(NIBBLE_SOURCE_DIR) + "/configs/" + name);
@@ -61,18 +50,6 @@ std::unique_ptr<Engine> make_engine(model::Model& m, PrecisionMode mode, int64_t
   return std::move(e).value();
 }
 
-std::vector<Request> greedy_requests(int64_t vocab) {
-  std::vector<Request> rs(2);
-  for (size_t i = 0; i < rs.size(); ++i) {
-    for (int64_t t = 0; t < 5 + 3 * static_cast<int64_t>(i); ++t)
-      rs[i].prompt.push_back(static_cast<int32_t>((t * 7 + 13 * static_cast<int64_t>(i) + 1) % vocab));
-    rs[i].params.sampling.temperature = 0;
-    rs[i].params.max_new_tokens = 6;
-    rs[i].id = i;
-  }
-  return rs;
-}
-
 std::vector<uint8_t> host_bytes(backend::Backend& be, const void* p, int64_t n) {
   std::vector<uint8_t> h(static_cast<size_t>(n));
   be.copy_to_host(h.data(), p, h.size());
@@ -84,11 +61,7 @@ std::vector<uint8_t> host_bytes(backend::Backend& be, const void* p, int64_t n) 
 // code, block scale and outer scale equal, the kept parameters equal, and the same greedy tokens
 // and log-probs, in every mode, for the dense OLMo-2 and the mixed MoE model.
 TEST(EngineMemory, PerTensorWeightsOfAnInferenceModelAreTheTrainingPathsBits) {
-  nlohmann::json olmo = nlohmann::json::parse(R"({"architectures": ["Olmo2ForCausalLM"], "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "vocab_size": 48, "max_position_embeddings": 64, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-    "initializer_range": 0.3})");
-  const std::vector<model::ModelConfig> configs{mixed_moe_config(), model::parse_model_config(olmo).value()};
+  const std::vector<model::ModelConfig> configs{mixed_moe_config(), test::dense_olmo_config()};
   backend::Backend& be = backend::cpu_backend();
   for (const model::ModelConfig& cfg : configs)
     for (PrecisionMode mode : {PrecisionMode::kBf16, PrecisionMode::kW4A16, PrecisionMode::kW4A4}) {
