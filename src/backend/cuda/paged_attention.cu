@@ -157,7 +157,7 @@ cudaError_t kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat f
 bool paged_attention_one_block_selected() {
   static const bool one_block = [] {
     const char* v = std::getenv("NIBBLE_PAGED_ATTENTION");
-    return v == nullptr || std::strcmp(v, "flash-decoding") != 0;
+    return v != nullptr && std::strcmp(v, "one-block") == 0;
   }();
   return one_block;
 }

@@ -1,7 +1,8 @@
 // CUDA side of the paged KV-cache ops (Backend::kv_cache_write / paged_attention, backend.h; the
 // rollout engine's decode attention). Pointers are device memory; shapes as in
-// backend/cpu/paged_attention.h. paged_attention here is the one-block-per-(row, head) kernel,
-// the default until the H200 has run flash_decoding.h's kernels (paged_attention_one_block_selected). Deterministic: each (row, head) is one block with fixed
+// backend/cpu/paged_attention.h. paged_attention here is the one-block-per-(row, head) kernel:
+// CudaBackend runs flash_decoding.h's kernels instead wherever they take the shape, unless
+// NIBBLE_PAGED_ATTENTION=one-block (paged_attention_one_block_selected). Deterministic: each (row, head) is one block with fixed
 // reduction trees (block_reduce.cuh), no atomics; a row's result does not depend on the other
 // rows of the batch. Scores of one (row, head) are held in shared memory: max_blocks * page_size
 // positions at most paged_attention_max_context() (the device's opt-in shared memory / 4 bytes,
@@ -22,9 +23,9 @@ cudaError_t kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat f
                            const int32_t* slots, int64_t N, int64_t Hkv, int64_t D, cudaStream_t stream);
 
 // Whether CudaBackend::paged_attention runs this file's one-block-per-(row, head) kernel instead
-// of flash_decoding.h's: yes unless the environment variable NIBBLE_PAGED_ATTENTION=flash-decoding
-// (read once per process; then flash decoding where flash_decoding_supports the shape). The
-// default flips to flash decoding once its tests and the decode bench have run on the H200.
+// of flash_decoding.h's: only when the environment variable NIBBLE_PAGED_ATTENTION=one-block
+// (read once per process). By default flash decoding runs wherever flash_decoding_supports the
+// shape (it passed its tests and the decode bench on the H200 at 2449f48: docs/benchmarks.md).
 bool paged_attention_one_block_selected();
 
 // The longest context (positions) paged_attention takes for head dim D on the current device.
