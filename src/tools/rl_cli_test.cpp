@@ -1,7 +1,8 @@
 // `nibble rl` through the built binary: a two-step arithmetic run from a fresh tiny model writes
 // metrics.jsonl (a start line and one line per step), reward.png and a checkpoint and prints its
 // result line; a second run into the same folder needs --resume (exit 2); a missing config file
-// is exit 1, an unknown key or task exit 2, --resume of an empty folder exit 1 — each one line.
+// is exit 1, an unknown key or task exit 2, --resume of an empty folder exit 1, a bad rollout_kv
+// (or nvfp4 on a head dim NVFP4 pages cannot hold) exit 2 — each one line.
 // Disaggregated under `mpirun -np N` (rank 0 trains, ranks 1..N-1 roll out; MoE trace arm, so
 // routing and guidance records cross the process boundary): for N = 2 (both prompt groups on
 // rank 1) and N = 3 (3 prompt groups per step split 2 + 1 over the two rollout ranks),
@@ -82,6 +83,20 @@ TEST(RlCli, BadInputsAreOneLineWithTheirExitCodes) {
   EXPECT_EQ(transport.err_lines(), 1) << transport.err;
   EXPECT_NE(transport.err.find("--weight-transport"), std::string::npos) << transport.err;
   EXPECT_FALSE(fs::exists(d / "t"));
+  // rollout_kv: bf16 or nvfp4 only; nvfp4 pages need a head dim that is a multiple of 16 (kConfig's is 8)
+  write(d / "kv.json", R"({"model": {}, "rollout_kv": "fp8"})");
+  RunResult kv = run_nibble(d.path, "rl --config '" + d / "kv.json" + "' --out '" + d / "k" + "'");
+  EXPECT_EQ(kv.code, 2);
+  EXPECT_EQ(kv.err_lines(), 1) << kv.err;
+  EXPECT_NE(kv.err.find("rollout_kv 'fp8'"), std::string::npos) << kv.err;
+  EXPECT_FALSE(fs::exists(d / "k"));
+  nlohmann::json small = nlohmann::json::parse(kConfig);
+  small["rollout_kv"] = "nvfp4";
+  write(d / "kv8.json", small.dump());
+  RunResult kv8 = run_nibble(d.path, "rl --config '" + d / "kv8.json" + "' --out '" + d / "k8" + "' --device cpu");
+  EXPECT_EQ(kv8.code, 2);
+  EXPECT_EQ(kv8.err_lines(), 1) << kv8.err;
+  EXPECT_NE(kv8.err.find("multiple of 16"), std::string::npos) << kv8.err;
 }
 
 constexpr const char* kMoeConfig = R"({"model": {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32,
