@@ -18,6 +18,8 @@
 //   quads         rollout w4a4,  trainer rl-fake-quant W4A16 (weights only)
 //   trace-full    rollout w4a4 + full-code guidance at every layer; trainer W4A4 guided
 //   trace         rollout w4a4 + mantissa-bit guidance on `guidance_layers` (default: later half)
+// `rollout_kv` nvfp4 gives the rollout NVFP4 KV pages; qat then rounds K and V as the pages do (RTN)
+// and the trace arms guide them at kKeyCache / kValueCache (model::KvQuantizer, TraceKvQuantizer).
 #pragma once
 
 #include <cstdint>
