@@ -934,8 +934,12 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     if (im.decode != nullptr) {  // prefill / decode: keys and values go to the cache, queries read it
       if constexpr (std::is_same_v<T, float>)
         im.decode->kv->append_and_attend(mem, l, a.att_out, a.q_rot, a.k_rot, a.v, N);
-    } else
-    ops.attention_forward(a.att_out, a.lse, a.q_rot, a.k_rot, a.v, B, Tn, H, Hkv, D, im.attention_precision);
+    } else {
+      // K and V as a quantized cache holds them (straight-through: backward leaves dk, dv alone)
+      if constexpr (std::is_same_v<T, float>)
+        if (kv_quantizer_ != nullptr) kv_quantizer_->quantize(mem, l, a.k_rot, a.v, N, Hkv, D);
+      ops.attention_forward(a.att_out, a.lse, a.q_rot, a.k_rot, a.v, B, Tn, H, Hkv, D, im.attention_precision);
+    }
     auto& lo = im.linears[bp.lin_o];
     if (olmo) {
       lo.forward(ops, a.o, a.att_out, W(lo.w_offset), N, call(lo));

@@ -120,6 +120,20 @@ struct DecodeBatch {
   const uint16_t* lm_head_bf16 = nullptr;
 };
 
+// The training forward's step between RoPE and attention that gives K and V the values a
+// quantized KV cache holds (the RL trainer with an NVFP4 rollout cache; model/kv_quantizer.h):
+// each layer's rotated keys and values are rounded in place before attention reads them, so
+// attention (and its backward) sees the rounded values; backward is straight-through (dk, dv
+// pass unchanged into RoPE / the QKV projection). Not called by forward_decode (the cache
+// quantizes there) nor by the double model.
+class KvQuantizer {
+ public:
+  virtual ~KvQuantizer() = default;
+  // k, v: (N, Hkv*D) f32 in be's memory, rows the batch's token rows (N = B*T, row b*T + t).
+  virtual void quantize(backend::Backend& be, int64_t layer, float* k, float* v, int64_t N, int64_t Hkv,
+                        int64_t D) = 0;
+};
+
 // What a float model keeps in backend memory (issue #15 item 4: a real-size model on one GPU).
 // kTraining: FP32 values and gradients of every parameter. kInference (the rollout engine's
 // models): FP32 values only of the parameters outside the block linears (embedding, norms,
@@ -241,6 +255,11 @@ class TransformerT {
   // with their block. Null: none (the default).
   void set_grads_final_hook(std::function<void(int64_t final_from)> hook) { grads_final_hook_ = std::move(hook); }
 
+  // The K/V step of the training forward (see KvQuantizer; it must outlive its use); null: none,
+  // the default. Float models only (the double model ignores it).
+  void set_kv_quantizer(KvQuantizer* quantizer) { kv_quantizer_ = quantizer; }
+  KvQuantizer* kv_quantizer() const { return kv_quantizer_; }
+
   // Float models only: Tensor views of the parameters (see Parameter).
   std::vector<Parameter> parameters();
 
@@ -265,6 +284,7 @@ class TransformerT {
   uint64_t seed_ = 0;
   int64_t micro_step_ = 0;
   std::function<void(int64_t)> grads_final_hook_;
+  KvQuantizer* kv_quantizer_ = nullptr;
   std::unique_ptr<Impl> impl_;
 };
 

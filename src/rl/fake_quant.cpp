@@ -8,6 +8,7 @@
 #include "formats/e2m1.h"
 #include "formats/quantize_cpu.h"
 #include "model/transformer.h"
+#include "model/kv_quantizer.h"
 #include "rollout/recorders.h"
 
 namespace nibble::rl {
@@ -100,21 +101,33 @@ Status FakeQuantLinear::apply_guidance(backend::Backend& be, float* xq, const fl
   const int64_t R = static_cast<int64_t>(rows.size());
   NIB_ASSIGN_OR_RETURN(rollout::GuidanceBatch gb,
                        rollout::gather_guidance(*g.store, seqs.data(), poss.data(), R, block, site));
-  if (gb.cols != K || gb.format != QuantFormat::kNvfp4TwoLevel)
-    return invalid_argument("{}: guidance of linear {} is {} cols={}, the trainer quantizes {} cols={}",
-                            kFakeQuantRecipe, info_.name, backend::quant_format_name(gb.format), gb.cols,
-                            backend::quant_format_name(QuantFormat::kNvfp4TwoLevel), K);
+  if (gb.cols != K || gb.rows_per_record != 1 || gb.format != QuantFormat::kNvfp4TwoLevel)
+    return invalid_argument("{}: guidance of linear {} is {} {}x{}, the trainer quantizes {} rows of {} cols",
+                            kFakeQuantRecipe, info_.name, backend::quant_format_name(gb.format), gb.rows_per_record,
+                            gb.cols, backend::quant_format_name(QuantFormat::kNvfp4TwoLevel), K);
+  NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, xq, xb, rtn_codes_dev, M, K, rows, gb, st));
+  g.stats.add(st);
+  return Status::ok();
+}
+
+Status overwrite_guided_rows(backend::Backend& be, float* xq, const float* xb, const uint8_t* rtn_codes_dev, int64_t M,
+                             int64_t K, const std::vector<int64_t>& rows, const rollout::GuidanceBatch& gb,
+                             GuidedSiteStats& st) {
+  const int64_t Rr = gb.rows_per_record;  // matrix rows per record
+  const int64_t R = static_cast<int64_t>(rows.size()) * Rr;
+  NIB_CHECK(gb.rows == R && gb.cols == K);
   std::vector<float> xr(static_cast<size_t>(R * K));
   std::vector<uint8_t> rtn_all(static_cast<size_t>(M * K / 2)), guided(static_cast<size_t>(R * K / 2));
   be.copy_to_host(rtn_all.data(), rtn_codes_dev, rtn_all.size());
+  auto matrix_row = [&](int64_t i) { return rows[static_cast<size_t>(i / Rr)] * Rr + i % Rr; };
   for (int64_t i = 0; i < R; ++i)
-    std::memcpy(xr.data() + i * K, xb + rows[static_cast<size_t>(i)] * K, sizeof(float) * static_cast<size_t>(K));
+    std::memcpy(xr.data() + i * K, xb + matrix_row(i) * K, sizeof(float) * static_cast<size_t>(K));
   rollout::guided_quantize_cpu(guided.data(), xr.data(), gb);
   std::vector<float> deq(static_cast<size_t>(R * K));
   formats::nvfp4_2level_dequantize_cpu(deq.data(), guided.data(), gb.scales.data(), gb.outer.data(), R, K);
   const rollout::GuidanceMode mode = gb.mode;
   for (int64_t i = 0; i < R; ++i) {
-    const uint8_t* rtn = rtn_all.data() + rows[static_cast<size_t>(i)] * (K / 2);
+    const uint8_t* rtn = rtn_all.data() + matrix_row(i) * (K / 2);
     for (int64_t k = 0; k < K; ++k) {
       const uint32_t own = formats::e2m1_unpack(rtn, k);
       const uint32_t gc = formats::e2m1_unpack(guided.data() + i * (K / 2), k);
@@ -131,9 +144,64 @@ Status FakeQuantLinear::apply_guidance(backend::Backend& be, float* xq, const fl
       st.one_step += mism && e2m1_one_step_apart(own, roll);
       st.reproduced += same;
     }
-    be.copy_to_device(xq + rows[static_cast<size_t>(i)] * K, deq.data() + i * K, sizeof(float) * static_cast<size_t>(K));
   }
-  st.elements = R * K;
+  // one copy per run of consecutive matrix rows
+  for (int64_t i = 0; i < R;) {
+    int64_t j = i + 1;
+    while (j < R && matrix_row(j) == matrix_row(j - 1) + 1) ++j;
+    be.copy_to_device(xq + matrix_row(i) * K, deq.data() + i * K, sizeof(float) * static_cast<size_t>((j - i) * K));
+    i = j;
+  }
+  st.elements += R * K;
+  return Status::ok();
+}
+
+// ---- the KV-cache sites ---------------------------------------------------------------------------
+
+void TraceKvQuantizer::quantize(backend::Backend& be, int64_t layer, float* k, float* v, int64_t N, int64_t Hkv,
+                                int64_t D) {
+  TraceGuidance* g = guidance_;
+  const bool guided = g != nullptr && g->store != nullptr && g->status.is_ok() && layer >= 0 &&
+                      layer < static_cast<int64_t>(g->layers.size()) && g->layers[static_cast<size_t>(layer)] &&
+                      static_cast<int64_t>(g->row_sequence.size()) == N;
+  for (const bool values : {false, true}) {
+    float* x = values ? v : k;
+    if (!guided) {
+      model::nvfp4_kv_round_trip(be, x, N * Hkv, D, buf_);
+      continue;
+    }
+    xb_.resize(static_cast<size_t>(N * Hkv * D));
+    be.copy_to_host(xb_.data(), x, sizeof(float) * xb_.size());  // the input, for the guided rows
+    const backend::QuantizedTensor q = model::nvfp4_kv_round_trip(be, x, N * Hkv, D, buf_);
+    Status s = apply_guidance(be, x, q.codes, N, Hkv, D, static_cast<uint16_t>(layer),
+                              values ? rollout::kValueCache : rollout::kKeyCache);
+    if (!s.is_ok()) g->status = s;
+  }
+}
+
+Status TraceKvQuantizer::apply_guidance(backend::Backend& be, float* x, const uint8_t* rtn_codes_dev, int64_t N,
+                                        int64_t Hkv, int64_t D, uint16_t layer, uint16_t site) {
+  TraceGuidance& g = *guidance_;
+  std::vector<int64_t> rows;
+  std::vector<uint64_t> seqs;
+  std::vector<uint32_t> poss;
+  for (int64_t n = 0; n < N; ++n) {
+    const auto t = static_cast<size_t>(n);
+    if (!g.row_recorded[t]) continue;
+    rows.push_back(n);
+    seqs.push_back(g.row_sequence[t]);
+    poss.push_back(g.row_position[t]);
+  }
+  GuidedSiteStats st;
+  if (!rows.empty()) {
+    NIB_ASSIGN_OR_RETURN(rollout::GuidanceBatch gb, rollout::gather_guidance(*g.store, seqs.data(), poss.data(),
+                                                                             static_cast<int64_t>(rows.size()), layer, site));
+    if (gb.cols != D || gb.rows_per_record != Hkv || gb.format != QuantFormat::kNvfp4TwoLevel)
+      return invalid_argument("{}: KV guidance of layer {} site {} is {} {}x{}, the trainer's cache rows are {} {}x{}",
+                              kFakeQuantRecipe, layer, site, backend::quant_format_name(gb.format), gb.rows_per_record,
+                              gb.cols, backend::quant_format_name(QuantFormat::kNvfp4TwoLevel), Hkv, D);
+    NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, x, xb_.data(), rtn_codes_dev, N * Hkv, D, rows, gb, st));
+  }
   g.stats.add(st);
   return Status::ok();
 }

@@ -82,6 +82,34 @@ class FakeQuantLinear final : public model::LinearRecipe {
   backend::QuantizedBuffer qbuf_;
 };
 
+// The KV-cache sites (an NVFP4 rollout cache, RlConfig::rollout_kv): the trainer's step between
+// RoPE and attention (model::KvQuantizer). Each (token, kv head) row of K and V is quantized as
+// the page codec does (model::nvfp4_kv_round_trip, RTN); at a guided layer, a token row with a
+// rollout record at kKeyCache / kValueCache (version 2: Hkv rows of head_dim) is instead rounded
+// under the rollout's scales to the code (trace-full) or mantissa bit (trace) it records, and
+// dequantized with the rollout's scales. Straight-through backward (the model's). Counted in the
+// guidance's GuidedSiteStats with the linears' sites.
+class TraceKvQuantizer final : public model::KvQuantizer {
+ public:
+  void quantize(backend::Backend& be, int64_t layer, float* k, float* v, int64_t N, int64_t Hkv, int64_t D) override;
+  void set_guidance(TraceGuidance* g) { guidance_ = g; }  // null: RTN everywhere
+
+ private:
+  Status apply_guidance(backend::Backend& be, float* x, const uint8_t* rtn_codes_dev, int64_t N, int64_t Hkv,
+                        int64_t D, uint16_t layer, uint16_t site);
+  TraceGuidance* guidance_ = nullptr;
+  backend::QuantizedBuffer buf_;
+  std::vector<float> xb_;  // host copy of K or V before rounding
+};
+
+// xq (M, K) rows of the gathered records <- their guided rounding, dequantized with the rollout's
+// scales; the rest of xq is left as it is. rows: the token rows of gb's records (record i covers
+// matrix rows rows[i] * gb.rows_per_record + j); xb (M, K) host: the unrounded input; rtn_codes_dev
+// (M, K/2): the trainer's own RTN codes (backend memory), compared for st.
+Status overwrite_guided_rows(backend::Backend& be, float* xq, const float* xb, const uint8_t* rtn_codes_dev, int64_t M,
+                             int64_t K, const std::vector<int64_t>& rows, const rollout::GuidanceBatch& gb,
+                             GuidedSiteStats& st);
+
 // Registers "rl-fake-quant" (idempotent). RecipeConfig::raw may hold {"weights": b, "activations": b};
 // guidance is attached afterwards with attach_guidance.
 void register_fake_quant_recipe();

@@ -5,14 +5,21 @@
 // its output equals the output on the rollout's own input bit for bit; without guidance (qat) the
 // mismatches remain. Rows without a record stay RTN. A routed expert's rows are guided by the
 // records of the tokens the dispatch plan names (LinearCall::token_of_row) at the expert's own
-// site; a row without one stays RTN and is counted. The backward is straight-through.
+// site; a row without one stays RTN and is counted. The backward is straight-through. The KV-cache
+// sites (TraceKvQuantizer): RTN gives the NVFP4 page codec's values, guidance the rollout's codes
+// (trace-full) or mantissa bits (trace) of K and V per (token, kv head) row.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
+#include "backend/kv_page_codec.h"
 #include "core/philox.h"
 #include "formats/quantize_cpu.h"
+#include "model/kv_quantizer.h"
 #include "rl/fake_quant.h"
 
 namespace nibble::rl {
@@ -233,6 +240,151 @@ TEST(FakeQuant, BackwardIsStraightThrough) {
       // M = 6 products of magnitude <= 0.75 x 6 (|x̂| <= 6 x scale, scale ~ amax/6 ~ 1)
       EXPECT_NEAR(dw[n * K + k], ref, 1e-4);
     }
+}
+
+}  // namespace
+}  // namespace nibble::rl
+
+// ---- the KV-cache sites: TraceKvQuantizer ------------------------------------------------------
+
+namespace nibble::rl {
+namespace {
+
+// K (or V) of 5 tokens x 2 kv heads x head dim 144 (a short second 128-block): the rollout's values
+// and the trainer's, moved by a relative 2^-7 as above.
+constexpr int64_t kKvTokens = 5, kHkv = 2, kD = 144, kKvElems = kKvTokens * kHkv * kD;
+
+struct KvOperands {
+  std::vector<float> roll[2], train[2];  // [0] K, [1] V: (tokens, Hkv*D)
+  KvOperands() {
+    PhiloxStream rng(17, 4);
+    for (int i = 0; i < 2; ++i)
+      for (int64_t e = 0; e < kKvElems; ++e) {
+        // heads of different magnitudes, so their scales differ
+        const float v = static_cast<float>(std::ldexp(rng.next_normal(), static_cast<int>((e / kD) % 3) - 1));
+        roll[i].push_back(v);
+        train[i].push_back(v * (1.0f + (rng.next_uniform() < 0.5f ? 1.0f : -1.0f) * 0.0078125f));
+      }
+  }
+};
+
+// The NVFP4 page slot records of x (tokens, Hkv*D), as Backend::kv_cache_write's codec writes them.
+std::vector<uint8_t> kv_slots(const std::vector<float>& x) {
+  const auto L = backend::kv::token_layout(backend::KvPageFormat::kNvfp4, kHkv, kD);
+  std::vector<uint8_t> slots(static_cast<size_t>(kKvTokens * L.bytes));
+  for (int64_t t = 0; t < kKvTokens; ++t)
+    for (int64_t h = 0; h < kHkv; ++h)
+      backend::kv::encode_head(slots.data() + t * L.bytes, L, backend::KvPageFormat::kNvfp4, kD, h,
+                               x.data() + (t * kHkv + h) * kD);
+  return slots;
+}
+
+// What the rollout's paged attention reads from those slots.
+std::vector<float> kv_page_values(const std::vector<float>& x) {
+  const auto L = backend::kv::token_layout(backend::KvPageFormat::kNvfp4, kHkv, kD);
+  const std::vector<uint8_t> slots = kv_slots(x);
+  std::vector<float> out;
+  for (int64_t t = 0; t < kKvTokens; ++t)
+    for (int64_t h = 0; h < kHkv; ++h)
+      for (int64_t d = 0; d < kD; ++d)
+        out.push_back(backend::kv::decode_element(slots.data() + t * L.bytes, L, backend::KvPageFormat::kNvfp4, kD, h, d));
+  return out;
+}
+
+// The rollout's kKeyCache / kValueCache records of layer 0, token t at (sequence 5, position t).
+std::unique_ptr<rollout::RecordStore> kv_records(const KvOperands& s, rollout::GuidanceMode mode) {
+  auto store = rollout::RecordStore::open({}).value();
+  const int64_t tb = backend::kv_token_bytes(backend::KvPageFormat::kNvfp4, kHkv, kD);
+  for (int i = 0; i < 2; ++i) {
+    const std::vector<uint8_t> slots = kv_slots(s.roll[i]);
+    for (int64_t t = 0; t < kKvTokens; ++t) {
+      auto rec = rollout::kv_guidance_record(slots.data() + t * tb, kHkv, kD, mode);
+      EXPECT_TRUE(rec.is_ok()) << rec.status().message();
+      EXPECT_TRUE(store
+                      ->append(rollout::RecordKey{5, static_cast<uint32_t>(t), 0,
+                                                  i == 0 ? rollout::kKeyCache : rollout::kValueCache},
+                               std::move(rec).value())
+                      .is_ok());
+    }
+  }
+  EXPECT_TRUE(store->flush().is_ok());
+  return store;
+}
+
+// k, v after the trainer's K/V step (in place on copies).
+std::pair<std::vector<float>, std::vector<float>> kv_step(const std::vector<float>* x, TraceGuidance* g) {
+  std::vector<float> k = x[0], v = x[1];
+  TraceKvQuantizer q;
+  q.set_guidance(g);
+  q.quantize(backend::cpu_backend(), 0, k.data(), v.data(), kKvTokens, kHkv, kD);
+  return {k, v};
+}
+
+// RTN: each (token, head) row becomes exactly what the NVFP4 page holds.
+TEST(FakeQuantKv, RtnGivesThePageCodecsValues) {
+  KvOperands s;
+  auto [k, v] = kv_step(s.roll, nullptr);
+  EXPECT_EQ(k, kv_page_values(s.roll[0]));
+  EXPECT_EQ(v, kv_page_values(s.roll[1]));
+  auto [kt, vt] = kv_step(s.train, nullptr);
+  EXPECT_NE(kt, k);  // the perturbation moves some codes
+  // the model's RTN quantizer is the same step
+  std::vector<float> k2 = s.roll[0], v2 = s.roll[1];
+  model::Nvfp4KvQuantizer rtn;
+  rtn.quantize(backend::cpu_backend(), 3, k2.data(), v2.data(), kKvTokens, kHkv, kD);
+  EXPECT_EQ(k2, k);
+  EXPECT_EQ(v2, v);
+}
+
+TEST(FakeQuantKv, TraceFullGuidanceReproducesTheRolloutsKvCodes) {
+  KvOperands s;
+  auto store = kv_records(s, rollout::GuidanceMode::kTraceFull);
+  TraceGuidance g = guidance_over(store.get(), kKvTokens, kKvTokens);
+  auto [k, v] = kv_step(s.train, &g);
+  ASSERT_TRUE(g.status.is_ok()) << g.status.message();
+  EXPECT_EQ(g.stats.elements, 2 * kKvElems);
+  EXPECT_GT(g.stats.rtn_mismatch, 0);
+  EXPECT_EQ(g.stats.one_step, g.stats.rtn_mismatch);
+  EXPECT_EQ(g.stats.reproduced, 2 * kKvElems);
+  EXPECT_EQ(k, kv_page_values(s.roll[0]));  // the rollout's page values, bit for bit
+  EXPECT_EQ(v, kv_page_values(s.roll[1]));
+}
+
+TEST(FakeQuantKv, TraceGuidanceReproducesTheMantissaBit) {
+  KvOperands s;
+  auto store = kv_records(s, rollout::GuidanceMode::kTrace);
+  TraceGuidance g = guidance_over(store.get(), kKvTokens, kKvTokens);
+  auto [k, v] = kv_step(s.train, &g);
+  ASSERT_TRUE(g.status.is_ok()) << g.status.message();
+  EXPECT_EQ(g.stats.reproduced, 2 * kKvElems);
+  EXPECT_GT(g.stats.rtn_mismatch, 0);
+  // the rollout's codes are grid neighbours of the trainer's scaled values: the bit picks them
+  EXPECT_EQ(k, kv_page_values(s.roll[0]));
+  EXPECT_EQ(v, kv_page_values(s.roll[1]));
+}
+
+// Tokens without a record and layers outside the guided set stay RTN; a missing record is an error.
+TEST(FakeQuantKv, UnrecordedRowsAndLayersStayRtnAndAMissingRecordIsAnError) {
+  KvOperands s;
+  auto store = kv_records(s, rollout::GuidanceMode::kTraceFull);
+  const auto [k_rtn, v_rtn] = kv_step(s.train, nullptr);
+  TraceGuidance g = guidance_over(store.get(), 2, kKvTokens);
+  auto [k, v] = kv_step(s.train, &g);
+  ASSERT_TRUE(g.status.is_ok()) << g.status.message();
+  EXPECT_EQ(g.stats.elements, 2 * 2 * kHkv * kD);
+  EXPECT_TRUE(std::equal(k.begin() + 2 * kHkv * kD, k.end(), k_rtn.begin() + 2 * kHkv * kD));
+  EXPECT_TRUE(std::equal(v.begin() + 2 * kHkv * kD, v.end(), v_rtn.begin() + 2 * kHkv * kD));
+  EXPECT_FALSE(std::equal(k.begin(), k.begin() + 2 * kHkv * kD, k_rtn.begin()));
+  TraceGuidance off = guidance_over(store.get(), kKvTokens, kKvTokens);
+  off.layers = {false};
+  auto [k_off, v_off] = kv_step(s.train, &off);
+  EXPECT_EQ(k_off, k_rtn);
+  EXPECT_EQ(off.stats.elements, 0);
+  TraceGuidance bad = guidance_over(store.get(), kKvTokens, kKvTokens);
+  bad.row_position[4] = 40;
+  kv_step(s.train, &bad);
+  ASSERT_FALSE(bad.status.is_ok());
+  EXPECT_NE(bad.status.message().find("position 40"), std::string::npos) << bad.status.message();
 }
 
 }  // namespace

@@ -37,6 +37,7 @@ json RlConfig::to_json() const {
               {"arm", arm_name(arm)},
               {"guidance_layers", guidance_layers},
               {"r3", r3},
+              {"rollout_kv", backend::kv_page_format_name(rollout_kv)},
               {"steps", steps},
               {"prompts_per_step", prompts_per_step},
               {"train_instances", train_instances},
@@ -78,6 +79,7 @@ Result<RlConfig> parse_rl_config(const json& j) {
   for (auto it = j.begin(); it != j.end(); ++it)
     if (!known.contains(it.key())) return invalid_argument("rl config: unknown key '{}'", it.key());
   RlConfig c;
+  std::string rollout_kv = backend::kv_page_format_name(c.rollout_kv);
   std::string arm = arm_name(c.arm), agg = aggregation_name(c.grpo.aggregation), tis = tis_mode_name(c.grpo.tis);
   NIB_RETURN_IF_ERROR(get(j, "init", c.init));
   NIB_RETURN_IF_ERROR(get(j, "model", c.model));
@@ -89,6 +91,7 @@ Result<RlConfig> parse_rl_config(const json& j) {
   NIB_RETURN_IF_ERROR(get(j, "arm", arm));
   NIB_RETURN_IF_ERROR(get(j, "guidance_layers", c.guidance_layers));
   NIB_RETURN_IF_ERROR(get(j, "r3", c.r3));
+  NIB_RETURN_IF_ERROR(get(j, "rollout_kv", rollout_kv));
   NIB_RETURN_IF_ERROR(get(j, "steps", c.steps));
   NIB_RETURN_IF_ERROR(get(j, "prompts_per_step", c.prompts_per_step));
   NIB_RETURN_IF_ERROR(get(j, "train_instances", c.train_instances));
@@ -109,6 +112,12 @@ Result<RlConfig> parse_rl_config(const json& j) {
   NIB_RETURN_IF_ERROR(get(j, "checkpoint_every", c.checkpoint_every));
   NIB_RETURN_IF_ERROR(get(j, "keep_checkpoints", c.keep_checkpoints));
   NIB_ASSIGN_OR_RETURN(c.arm, parse_arm(arm));
+  if (rollout_kv == "bf16")
+    c.rollout_kv = backend::KvPageFormat::kBf16;
+  else if (rollout_kv == "nvfp4")
+    c.rollout_kv = backend::KvPageFormat::kNvfp4;
+  else
+    return invalid_argument("rl config: rollout_kv '{}': expected bf16 or nvfp4", rollout_kv);
   NIB_ASSIGN_OR_RETURN(c.grpo.aggregation, parse_aggregation(agg));
   NIB_ASSIGN_OR_RETURN(c.grpo.tis, parse_tis_mode(tis));
   if (c.init.empty() && !c.model.is_object())

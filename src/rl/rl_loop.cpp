@@ -78,6 +78,7 @@ rollout::EngineOptions rollout_engine_options(const RlConfig& c) {
   eo.mode = rollout_mode(c.arm);
   eo.recipe_name = kRolloutRecipe;
   eo.max_batch = c.prompts_per_step * c.group_size;
+  eo.kv_format = c.rollout_kv;
   return eo;
 }
 
@@ -94,6 +95,8 @@ rollout::PrecisionMode rollout_mode(Arm a) {
   return a == Arm::kBf16Rollout ? rollout::PrecisionMode::kBf16 : rollout::PrecisionMode::kW4A4;
 }
 bool guided_arm(Arm a) { return a == Arm::kTraceFull || a == Arm::kTrace; }
+// The arms whose trainer quantizes activations: with an NVFP4 rollout cache they round K and V too.
+bool quantized_kv_arm(Arm a) { return a == Arm::kQat || guided_arm(a); }
 
 model::RecipeConfig trainer_recipe(Arm a) {
   switch (a) {
@@ -221,6 +224,7 @@ class RlRun {
   std::chrono::steady_clock::time_point prev_train_began_, prev_train_ended_;
   std::vector<int64_t> guided_layers_;
   TraceGuidance guidance_;
+  TraceKvQuantizer kv_quantizer_;  // rollout_kv nvfp4: the trainer's K/V step (RTN, guided in the trace arms)
   int64_t start_ = 0;
   std::vector<train::PlotPoint> reward_pts_, gap_mean_pts_, gap_max_pts_;
 };
@@ -278,6 +282,13 @@ Status RlRun::build_models() {
   guidance_.layers.assign(static_cast<size_t>(L), false);
   for (int64_t l : guided_layers_) guidance_.layers[static_cast<size_t>(l)] = true;
   attach_guidance(*model_, &guidance_);
+  if (cfg_.rollout_kv == backend::KvPageFormat::kNvfp4 && quantized_kv_arm(cfg_.arm)) {
+    if (mc.head_dim % 16 != 0)
+      return invalid_argument("rollout_kv nvfp4 needs a head dim that is a multiple of 16 (the model's is {})",
+                              mc.head_dim);
+    kv_quantizer_.set_guidance(&guidance_);
+    model_->set_kv_quantizer(&kv_quantizer_);
+  }
   train::AdamWConfig ac;
   ac.weight_decay = cfg_.weight_decay;
   adamw_ = std::make_unique<train::AdamW>(ac, &be_);

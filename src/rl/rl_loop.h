@@ -18,6 +18,8 @@
 //   quads         rollout w4a4,  trainer rl-fake-quant W4A16 (weights only)
 //   trace-full    rollout w4a4 + full-code guidance at every layer; trainer W4A4 guided
 //   trace         rollout w4a4 + mantissa-bit guidance on `guidance_layers` (default: later half)
+// `rollout_kv` nvfp4 gives the rollout NVFP4 KV pages; qat then rounds K and V as the pages do (RTN)
+// and the trace arms guide them at kKeyCache / kValueCache (model::KvQuantizer, TraceKvQuantizer).
 #pragma once
 
 #include <cstdint>
@@ -55,6 +57,11 @@ struct RlConfig {
   Arm arm = Arm::kTrace;
   std::vector<int64_t> guidance_layers;  // trace: empty = later half; trace-full: empty = all
   bool r3 = true;                         // MoE: routing replay
+  // The rollout engine's KV-cache pages: bf16 (the default) or nvfp4 (each (token, kv head) row
+  // two-level NVFP4, backend/kv_page_codec.h). With nvfp4 the trainers that quantize activations
+  // (qat, trace-full, trace) round K and V as the cache does (RTN; the trace arms guided at
+  // kKeyCache / kValueCache of their guided layers).
+  backend::KvPageFormat rollout_kv = backend::KvPageFormat::kBf16;
   // GRPO
   int64_t steps = 10;
   int64_t prompts_per_step = 4;  // P

@@ -2,7 +2,7 @@
 // ("next letter": the prompt names a letter, the answer is the one after it; a shaped reward so that
 // a random tiny model's groups already differ): every arm runs and
 // logs finite metrics; in trace-full the trainer's guided sites reproduce the rollout's codes
-// exactly, in trace their mantissa bits; a MoE model measures expert-set mismatches and trains
+// exactly, in trace their mantissa bits (with an NVFP4 rollout KV cache, its K/V sites too); a MoE model measures expert-set mismatches and trains
 // with R3, its routed experts' linears guided too (without R3, rows of other experts fall back to
 // RTN and are counted); a run stopped and resumed gives the uninterrupted run's metrics and weights bit for
 // bit; asynchronous rollouts (max_staleness N) come from version t - N, are deterministic and
@@ -184,6 +184,54 @@ TEST(RlLoop, TraceReproducesTheMantissaBitOnTheLaterHalf) {
   EXPECT_EQ(m.guided_reproduced, 1.0);
   // 1 layer of 2, 1 bit instead of 4 per element: well under half of trace-full's bytes
   EXPECT_LT(m.guidance_bytes_per_token, 0.5 * full.value().steps[0].guidance_bytes_per_token);
+}
+
+// A dense model whose head dim (16) NVFP4 KV pages can hold.
+json dense16_model() {
+  json j = dense_model();
+  j["num_attention_heads"] = 2;
+  j["head_dim"] = 16;
+  return j;
+}
+
+// rollout_kv nvfp4: the rollout's K and V are NVFP4 page values; the store holds the KV sites'
+// per-head records of every guided layer and token besides the activation sites (exactly the
+// figure with kv_cache on); trace-full reproduces every rollout code, the KV sites' included, and
+// trace every mantissa bit. On the CPU the trainer's K/V step makes its forward the rollout's
+// arithmetic again up to summation order (RTN in qat, guided in the trace arms); fp4-naive's BF16
+// trainer has no K/V step and differs from the NVFP4 pages' log-probs.
+TEST(RlLoop, Nvfp4KvCacheIsAGuidedSite) {
+  auto cfg = model::parse_model_config(dense16_model());
+  ASSERT_TRUE(cfg.is_ok()) << cfg.status().message();
+  for (const char* arm : {"trace-full", "trace", "qat", "fp4-naive"}) {
+    SCOPED_TRACE(arm);
+    TempDir d(std::string("kv_") + arm);
+    RlConfig c = config_for(arm, dense16_model(), 1);
+    c.rollout_kv = backend::KvPageFormat::kNvfp4;
+    auto r = run(c, d.path);
+    ASSERT_TRUE(r.is_ok()) << r.status().message();
+    const RlStepMetrics& m = r.value().steps[0];
+    const bool guided = std::string(arm).rfind("trace", 0) == 0;
+    expect_finite(m, guided, false);
+    if (guided) {
+      EXPECT_EQ(m.guided_reproduced, 1.0);
+      EXPECT_EQ(m.guided_mismatch, 0.0);  // the CPU rollout and trainer are the same arithmetic
+      const bool full = std::string(arm) == "trace-full";
+      const std::vector<int64_t> layers = full ? std::vector<int64_t>{0, 1} : std::vector<int64_t>{1};
+      const auto mode = full ? rollout::GuidanceMode::kTraceFull : rollout::GuidanceMode::kTrace;
+      EXPECT_EQ(m.guidance_bytes_per_token,
+                static_cast<double>(rollout::guidance_bytes_per_token(backend::QuantFormat::kNvfp4TwoLevel, cfg.value(),
+                                                                      layers, mode, true, true)));
+    }
+    // What remains with the K/V step is FP32 summation order between the paged decode and the
+    // training forward (these arms with BF16 pages: 5e-9 here, 3e-8 with NVFP4 pages); without it
+    // the NVFP4 pages' error (up to half a grid step of each element) moves the log-probs by
+    // ~0.1 and more (fp4-naive, whose BF16 trainer has no K/V step: 0.57).
+    if (std::string(arm) == "fp4-naive")
+      EXPECT_GT(m.logp_diff_max, 1e-2);
+    else
+      EXPECT_LT(m.logp_diff_max, 1e-6);
+  }
 }
 
 // A MoE model in trace-full with R3: routed experts' linears are guided sites too. Every guided
@@ -408,7 +456,8 @@ TEST(RlLoop, BadConfigsAreOneLineErrors) {
   const json base = {{"model", dense_model()}};
   for (const auto& [key, value] : std::vector<std::pair<std::string, json>>{
            {"arm", "fp5"}, {"group_size", 1}, {"tis", "maybe"}, {"aggregation", "batch"}, {"typo_key", 1},
-           {"minibatches", 5}, {"clip_eps", 0}, {"steps", "ten"}, {"train_instances", -1}, {"max_staleness", -1}}) {
+           {"minibatches", 5}, {"clip_eps", 0}, {"steps", "ten"}, {"train_instances", -1}, {"max_staleness", -1},
+           {"rollout_kv", "fp8"}, {"rollout_kv", 4}}) {
     json j = base;
     j[key] = value;
     auto c = parse_rl_config(j);
@@ -417,6 +466,22 @@ TEST(RlLoop, BadConfigsAreOneLineErrors) {
     EXPECT_EQ(c.status().message().find('\n'), std::string::npos);
   }
   EXPECT_FALSE(parse_rl_config(json{{"arm", "qat"}}).is_ok());  // neither init nor model
+}
+
+// rollout_kv: bf16 by default, survives the JSON round trip; nvfp4 on a model whose head dim is
+// not a multiple of 16 is a one-line error before anything runs.
+TEST(RlLoop, RolloutKvKeyRoundTripsAndNeedsHeadDimsOf16) {
+  RlConfig c = config_for("qat", dense_model());
+  EXPECT_EQ(c.rollout_kv, backend::KvPageFormat::kBf16);
+  c.rollout_kv = backend::KvPageFormat::kNvfp4;
+  auto back = parse_rl_config(c.to_json());
+  ASSERT_TRUE(back.is_ok()) << back.status().message();
+  EXPECT_EQ(back.value().rollout_kv, backend::KvPageFormat::kNvfp4);
+  TempDir d("kv_head_dim");
+  auto r = run(c, d.path);  // head dim 8
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("multiple of 16"), std::string::npos) << r.status().message();
+  EXPECT_EQ(r.status().message().find('\n'), std::string::npos);
 }
 
 // Prompt i of step s is instance s*P + i, cycled through a fixed training set when

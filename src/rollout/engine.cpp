@@ -283,14 +283,19 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
                               precision_mode_name(options_.mode));
     guidance = std::make_unique<GuidanceRecorder>(*recorders, model_->config().num_hidden_layers);
   }
-  // the observer is this call's: detach it whatever way generate() returns
+  // the observers are this call's: detach them whatever way generate() returns. With NVFP4 pages
+  // the recorder also reads back each layer's K and V slots (the kKeyCache / kValueCache sites).
+  const bool record_kv = guidance && options_.kv_format == backend::KvPageFormat::kNvfp4;
   struct DetachObserver {
     QuantizedLinears* linears;
+    PagedKvCache* cache;
     ~DetachObserver() {
       if (linears != nullptr) linears->set_observer(nullptr);
+      if (cache != nullptr) cache->set_write_observer(nullptr);
     }
-  } detach_observer{guidance ? linears_.get() : nullptr};
+  } detach_observer{guidance ? linears_.get() : nullptr, record_kv ? cache_.get() : nullptr};
   if (guidance) linears_->set_observer(guidance.get());
+  if (record_kv) cache_->set_write_observer(guidance.get());
   const model::ModelConfig& cfg = model_->config();
   const int64_t V = cfg.vocab_size, ctx = cfg.max_position_embeddings;
   const int64_t Lm = model_->num_moe_layers(), topk = cfg.num_experts_per_tok;

@@ -4,7 +4,8 @@
 // sharing and a cache too small for everything at once give each sequence's results alone; pages
 // never leak; w4a16 weights are the trainer's quantizer bits; seeds reproduce and are independent
 // of batch composition; bad inputs are one-line errors; the MoE routing hook sees the training
-// forward's expert ids.
+// forward's expert ids; with NVFP4 pages the training forward with the model's K/V step
+// (Nvfp4KvQuantizer) gives the engine's log-probs, and that step runs in training forwards only.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include "model/config.h"
 #include "model/tiny_olmo2_test_util.h"
 #include "backend/profiling_backend.h"
+#include "model/kv_quantizer.h"
 #include "rollout/engine.h"
 
 namespace nibble::rollout {
@@ -193,6 +195,64 @@ TEST(RolloutEngine, LogprobsEqualTeacherForcedTrainingForward) {
     std::printf("[ info ] %s pages: max |engine - teacher-forced| log-prob = %.3g (tolerance %.3g)\n",
                 backend::kv_page_format_name(f), worst, tol);
   }
+}
+
+// NVFP4 pages: the training forward with the model's K/V step (model::Nvfp4KvQuantizer, RTN as
+// the page codec) gives the engine's log-probs within the F32 tolerance above (the K/V it attends
+// to are the pages' values; the rest is summation order), while without the step they differ by
+// far more (the pages' K/V are the codec's, up to half an E2M1 grid step off each element).
+TEST(RolloutEngine, Nvfp4PageLogprobsEqualTheTrainingForwardWithTheKvStep) {
+  auto m = tiny_olmo("fp32");
+  EngineOptions o;
+  o.kv_format = KvPageFormat::kNvfp4;
+  o.mode = PrecisionMode::kRecipe;
+  auto e = make_engine(*m, o);
+  std::vector<Request> reqs{sampled_request(prompt_of(5, 4), 24, 2, 11), sampled_request(prompt_of(9, 5), 24, 1, 12)};
+  auto out = e->generate(reqs);
+  ASSERT_TRUE(out.is_ok()) << out.status().message();
+  auto worst_gap = [&]() {
+    double worst = 0;
+    for (const Completion& c : *out) {
+      auto ref = teacher_forced_logprobs(*m, reqs[c.request].prompt, c.tokens, 0.8);
+      for (size_t i = 0; i < ref.size(); ++i) worst = std::max(worst, std::fabs(c.logprobs[i] - ref[i]));
+    }
+    return worst;
+  };
+  const double without = worst_gap();
+  model::Nvfp4KvQuantizer kvq;
+  m->set_kv_quantizer(&kvq);
+  const double with = worst_gap();
+  m->set_kv_quantizer(nullptr);
+  std::printf("[ info ] nvfp4 pages: max |engine - teacher-forced| log-prob = %.3g with the K/V step, %.3g without\n",
+              with, without);
+  EXPECT_LE(with, kLogprobTolF32);
+  EXPECT_GT(without, 10 * kLogprobTolF32);
+}
+
+// The K/V step runs once per layer of every training forward, on (B*T, Hkv*D) keys and values,
+// and never in forward_decode (the cache quantizes there).
+TEST(RolloutEngine, KvStepRunsInTrainingForwardsOnly) {
+  struct Counter final : model::KvQuantizer {
+    std::vector<int64_t> layers;
+    int64_t rows = 0, heads = 0, dim = 0;
+    void quantize(backend::Backend&, int64_t layer, float*, float*, int64_t N, int64_t Hkv, int64_t D) override {
+      layers.push_back(layer), rows = N, heads = Hkv, dim = D;
+    }
+  } counter;
+  auto m = tiny_olmo("fp32");
+  m->set_kv_quantizer(&counter);
+  const std::vector<int32_t> seq = prompt_of(12, 2);
+  std::vector<float> logits(static_cast<size_t>(2 * 6 * m->config().vocab_size));
+  m->forward_logits(logits.data(), seq.data(), 2, 6);
+  EXPECT_EQ(counter.layers, (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(counter.rows, 12);
+  EXPECT_EQ(counter.heads, m->config().num_key_value_heads);
+  EXPECT_EQ(counter.dim, m->config().head_dim);
+  EngineOptions o;
+  o.mode = PrecisionMode::kRecipe;
+  auto e = make_engine(*m, o);
+  ASSERT_TRUE(e->generate({greedy_request(prompt_of(4, 1), 3)}).is_ok());
+  EXPECT_EQ(counter.layers.size(), 2u);
 }
 
 TEST(RolloutEngine, MixedLengthBatchGivesEachSequenceItsResultAlone) {

@@ -17,6 +17,7 @@
 #include <set>
 
 #include "core/check.h"
+#include "backend/kv_page_codec.h"
 #include "formats/quantize_cpu.h"
 
 namespace nibble::rollout {
@@ -395,6 +396,36 @@ int64_t guidance_record_bytes(backend::QuantFormat format, int64_t cols, Guidanc
   return kGuidanceHeaderBytes + cols / 16 + 4 * guidance_outer_count(format, cols) + guide_bytes(cols, mode);
 }
 
+int64_t guidance_rows_record_bytes(int64_t rows, int64_t cols, GuidanceMode mode) {
+  return kGuidanceRowsHeaderBytes +
+         rows * (cols / 16 + 4 * guidance_outer_count(backend::QuantFormat::kNvfp4TwoLevel, cols) + guide_bytes(cols, mode));
+}
+
+Result<std::vector<uint8_t>> kv_guidance_record(const uint8_t* slot, int64_t Hkv, int64_t D, GuidanceMode mode) {
+  if (D <= 0 || D % 16 != 0 || D > int64_t{0xFFFFFFFF})
+    return invalid_argument("kv guidance: head dim {} must be a positive multiple of 16", D);
+  if (Hkv <= 0 || Hkv > int64_t{0xFFFFFFFF}) return invalid_argument("kv guidance: {} kv heads", Hkv);
+  const backend::kv::TokenLayout L = backend::kv::token_layout(backend::KvPageFormat::kNvfp4, Hkv, D);
+  std::vector<uint8_t> rec(static_cast<size_t>(guidance_rows_record_bytes(Hkv, D, mode)));
+  uint8_t* p = rec.data();
+  p[0] = static_cast<uint8_t>(backend::QuantFormat::kNvfp4TwoLevel);
+  p[1] = static_cast<uint8_t>(mode);
+  put<uint16_t>(p + 2, kGuidanceRowsRecordVersion);
+  put<uint32_t>(p + 4, static_cast<uint32_t>(D));
+  put<uint32_t>(p + 8, static_cast<uint32_t>(Hkv));
+  p += kGuidanceRowsHeaderBytes;
+  // the codec's parts are (Hkv, ...) row-major like the record's; only their order differs
+  std::memcpy(p, slot + L.inner, static_cast<size_t>(Hkv * (D / 16)));
+  p += Hkv * (D / 16);
+  std::memcpy(p, slot + L.scales, static_cast<size_t>(4 * Hkv * L.outer_per_head));
+  p += 4 * Hkv * L.outer_per_head;
+  if (mode == GuidanceMode::kTraceFull)
+    std::memcpy(p, slot + L.codes, static_cast<size_t>(Hkv * (D / 2)));
+  else
+    formats::e2m1_mantissa_bits_cpu(p, slot + L.codes, Hkv, D);
+  return rec;
+}
+
 Result<std::vector<uint8_t>> extract_guidance(const backend::QuantizedTensor& q, int64_t row, GuidanceMode mode) {
   if (!is_nvfp4(q.format))
     return invalid_argument("guidance: format {} has no E2M1 codes", backend::quant_format_name(q.format));
@@ -447,19 +478,33 @@ Result<GuidanceRecordView> parse_guidance_record(std::span<const uint8_t> payloa
   if (p[0] > static_cast<uint8_t>(backend::QuantFormat::kMxfp8) || !is_nvfp4(static_cast<backend::QuantFormat>(p[0])))
     return data_loss("guidance record {}: bad format byte {}", what, p[0]);
   if (p[1] > 1) return data_loss("guidance record {}: bad mode byte {}", what, p[1]);
-  if (get<uint16_t>(p + 2) != kGuidanceRecordVersion)
-    return data_loss("guidance record {}: version {}, this build reads version {}", what, get<uint16_t>(p + 2),
-                     kGuidanceRecordVersion);
+  v.version = get<uint16_t>(p + 2);
+  if (v.version != kGuidanceRecordVersion && v.version != kGuidanceRowsRecordVersion)
+    return data_loss("guidance record {}: version {}, this build reads versions {} and {}", what, v.version,
+                     kGuidanceRecordVersion, kGuidanceRowsRecordVersion);
   v.format = static_cast<backend::QuantFormat>(p[0]);
   v.mode = static_cast<GuidanceMode>(p[1]);
   v.cols = get<uint32_t>(p + 4);
   if (v.cols == 0 || v.cols % 16 != 0) return data_loss("guidance record {}: bad width {}", what, v.cols);
-  const int64_t want = guidance_record_bytes(v.format, v.cols, v.mode);
+  int64_t header = kGuidanceHeaderBytes, want = 0;
+  if (v.version == kGuidanceRowsRecordVersion) {
+    if (payload.size() < static_cast<size_t>(kGuidanceRowsHeaderBytes))
+      return data_loss("guidance record {}: {} bytes, shorter than its version 2 header", what, payload.size());
+    if (v.format != backend::QuantFormat::kNvfp4TwoLevel)
+      return data_loss("guidance record {}: version 2 of format {} (only nvfp4-2level has per-row records)", what,
+                       backend::quant_format_name(v.format));
+    v.rows = get<uint32_t>(p + 8);
+    if (v.rows == 0) return data_loss("guidance record {}: version 2 with 0 rows", what);
+    header = kGuidanceRowsHeaderBytes;
+    want = guidance_rows_record_bytes(v.rows, v.cols, v.mode);
+  } else {
+    want = guidance_record_bytes(v.format, v.cols, v.mode);
+  }
   if (static_cast<int64_t>(payload.size()) != want)
     return data_loss("guidance record {}: {} bytes, its header implies {}", what, payload.size(), want);
-  v.scales = p + kGuidanceHeaderBytes;
-  v.outer = v.scales + v.cols / 16;
-  v.guide = v.outer + 4 * guidance_outer_count(v.format, v.cols);
+  v.scales = p + header;
+  v.outer = v.scales + v.rows * (v.cols / 16);
+  v.guide = v.outer + 4 * v.rows * guidance_outer_count(v.format, v.cols);
   return v;
 }
 
@@ -473,19 +518,22 @@ Result<GuidanceBatch> gather_guidance(RecordStore& store, const uint64_t* row_se
     const std::string what = fmt::format("{} in {}", record_key_name(key), store.name());
     NIB_ASSIGN_OR_RETURN(GuidanceRecordView v, parse_guidance_record(payload, what));
     if (r == 0) {
-      g.format = v.format, g.mode = v.mode, g.cols = v.cols;
-      g.scales.resize(static_cast<size_t>(rows * (g.cols / 16)));
-      g.outer.resize(static_cast<size_t>(rows * guidance_outer_count(g.format, g.cols)));
-      g.guide.resize(static_cast<size_t>(rows * guide_bytes(g.cols, g.mode)));
-    } else if (v.format != g.format || v.mode != g.mode || v.cols != g.cols) {
-      return invalid_argument("guidance record {}: {} {} cols={} differs from row 0's {} {} cols={}", what,
-                              backend::quant_format_name(v.format), guidance_mode_name(v.mode), v.cols,
-                              backend::quant_format_name(g.format), guidance_mode_name(g.mode), g.cols);
+      g.format = v.format, g.mode = v.mode, g.cols = v.cols, g.rows_per_record = v.rows;
+      g.rows = rows * v.rows;
+      g.scales.resize(static_cast<size_t>(g.rows * (g.cols / 16)));
+      g.outer.resize(static_cast<size_t>(g.rows * guidance_outer_count(g.format, g.cols)));
+      g.guide.resize(static_cast<size_t>(g.rows * guide_bytes(g.cols, g.mode)));
+    } else if (v.format != g.format || v.mode != g.mode || v.cols != g.cols || v.rows != g.rows_per_record) {
+      return invalid_argument("guidance record {}: {} {} {}x{} differs from row 0's {} {} {}x{}", what,
+                              backend::quant_format_name(v.format), guidance_mode_name(v.mode), v.rows, v.cols,
+                              backend::quant_format_name(g.format), guidance_mode_name(g.mode), g.rows_per_record,
+                              g.cols);
     }
+    const int64_t R = g.rows_per_record;
     const int64_t no = guidance_outer_count(g.format, g.cols), gb = guide_bytes(g.cols, g.mode);
-    std::memcpy(g.scales.data() + r * (g.cols / 16), v.scales, static_cast<size_t>(g.cols / 16));
-    std::memcpy(g.outer.data() + r * no, v.outer, static_cast<size_t>(4 * no));
-    std::memcpy(g.guide.data() + r * gb, v.guide, static_cast<size_t>(gb));
+    std::memcpy(g.scales.data() + r * R * (g.cols / 16), v.scales, static_cast<size_t>(R * (g.cols / 16)));
+    std::memcpy(g.outer.data() + r * R * no, v.outer, static_cast<size_t>(4 * R * no));
+    std::memcpy(g.guide.data() + r * R * gb, v.guide, static_cast<size_t>(R * gb));
   }
   return g;
 }
@@ -537,10 +585,15 @@ std::vector<TraceSiteWidth> trace_sites(const model::ModelConfig& config, int64_
     }
   }
   if (kv_cache) {
-    s.push_back({kKeyCache, config.kv_width()});
-    s.push_back({kValueCache, config.kv_width()});
+    s.push_back({kKeyCache, config.head_dim, config.num_key_value_heads});
+    s.push_back({kValueCache, config.head_dim, config.num_key_value_heads});
   }
   return s;
+}
+
+int64_t trace_site_record_bytes(backend::QuantFormat format, const TraceSiteWidth& site, GuidanceMode mode) {
+  return site.rows > 0 ? guidance_rows_record_bytes(site.rows, site.cols, mode)
+                       : guidance_record_bytes(format, site.cols, mode);
 }
 
 int64_t guidance_bytes_per_token(backend::QuantFormat format, const model::ModelConfig& config,
@@ -549,7 +602,7 @@ int64_t guidance_bytes_per_token(backend::QuantFormat format, const model::Model
   int64_t bytes = 0;
   for (int64_t layer : layers)
     for (const TraceSiteWidth& s : trace_sites(config, layer, activations, kv_cache))
-      bytes += guidance_record_bytes(format, s.cols, mode);
+      bytes += trace_site_record_bytes(format, s, mode);
   return bytes;
 }
 

@@ -135,18 +135,29 @@ inline formats::GuidanceKind guidance_kind(GuidanceMode mode) {
   return mode == GuidanceMode::kTraceFull ? formats::GuidanceKind::kFull : formats::GuidanceKind::kMantissaBit;
 }
 
-// Record of one token row (cols values) at one site, host byte order:
+// Record of one token row (cols values) at one site, host byte order (version 1):
 //   header  8 bytes: u8 QuantFormat, u8 GuidanceMode, u16 version (kGuidanceRecordVersion), u32 cols
 //   scales  cols/16 bytes E4M3 block scales
 //   outer   n_outer f32: TE (kNvfp4Te, kNvfp4Te2d) 1 (the tensor amax); 2-level ceil(cols/128)
 //   guide   cols/2 bytes packed E2M1 codes (trace-full) or cols/8 bytes mantissa bits (trace;
 //           bit j of byte i = element 8i+j, as formats::e2m1_mantissa_bits_cpu writes them)
+// Version 2 (kGuidanceRowsRecordVersion) holds `rows` rows of cols values that were quantized one
+// by one, each with its own scales: the KV-cache sites, one row per kv head (the NVFP4 page
+// codec, backend/kv_page_codec.h, quantizes each (token, kv head) row of head_dim alone):
+//   header  12 bytes: u8 QuantFormat (kNvfp4TwoLevel only), u8 GuidanceMode, u16 version 2,
+//           u32 cols, u32 rows
+//   scales  (rows, cols/16) E4M3; outer (rows, ceil(cols/128)) f32; guide (rows, cols/2) codes or
+//           (rows, cols/8) mantissa bits: row-major, so element (r, c) is element r*cols + c.
 inline constexpr int64_t kGuidanceHeaderBytes = 8;
+inline constexpr int64_t kGuidanceRowsHeaderBytes = 12;
 // Version 1: routed experts are sites (routed_expert_site, keyed by expert id). Version 0 (no
 // routed-expert sites; 16 + j was reserved for the token's j-th expert) is refused when read.
 inline constexpr uint16_t kGuidanceRecordVersion = 1;
+inline constexpr uint16_t kGuidanceRowsRecordVersion = 2;
 int64_t guidance_outer_count(backend::QuantFormat format, int64_t cols);
 int64_t guidance_record_bytes(backend::QuantFormat format, int64_t cols, GuidanceMode mode);
+// Bytes of a version-2 record of (rows, cols).
+int64_t guidance_rows_record_bytes(int64_t rows, int64_t cols, GuidanceMode mode);
 
 // Rollout side: the record of row `row` of q (host memory; an NVFP4 format, cols % 16 == 0).
 Result<std::vector<uint8_t>> extract_guidance(const backend::QuantizedTensor& q, int64_t row, GuidanceMode mode);
@@ -155,16 +166,24 @@ Result<std::vector<uint8_t>> extract_guidance(const backend::QuantizedTensor& q,
 Status append_guidance(RecordStore& store, const backend::QuantizedTensor& q, const uint64_t* row_sequence,
                        const uint32_t* row_position, uint16_t layer, uint16_t site, GuidanceMode mode);
 
+// KV-cache sites (version 2): the record of one token's K or V as an NVFP4 page slot holds it.
+// slot: one slot record of backend::kv::token_layout(kNvfp4, Hkv, D) (host memory); the record
+// has Hkv rows of D values (D % 16 == 0): the codec's outer, inner scales and codes, unchanged.
+Result<std::vector<uint8_t>> kv_guidance_record(const uint8_t* slot, int64_t Hkv, int64_t D, GuidanceMode mode);
+
 // A record's parts, pointing into its payload (valid while the payload lives).
 struct GuidanceRecordView {
   backend::QuantFormat format = backend::QuantFormat::kNvfp4TwoLevel;
   GuidanceMode mode = GuidanceMode::kTrace;
+  uint16_t version = kGuidanceRecordVersion;
+  int64_t rows = 1;                 // version 1: 1
   int64_t cols = 0;
-  const uint8_t* scales = nullptr;  // (cols/16) e4m3
-  const uint8_t* outer = nullptr;   // (n_outer) f32, unaligned: read with outer_at
-  const uint8_t* guide = nullptr;   // (cols/2) codes or (cols/8) mantissa bits
+  const uint8_t* scales = nullptr;  // (rows, cols/16) e4m3
+  const uint8_t* outer = nullptr;   // (rows, n_outer) f32, unaligned: read with outer_at
+  const uint8_t* guide = nullptr;   // (rows, cols/2) codes or (rows, cols/8) mantissa bits
   float outer_at(int64_t i) const;
-  // The guide value of element i as formats/guided.h takes it: the 4-bit code or the mantissa bit.
+  // The guide value of element i (of rows*cols, row-major) as formats/guided.h takes it: the 4-bit
+  // code or the mantissa bit.
   uint32_t guide_at(int64_t i) const;
 };
 // Checks the header against the payload size. Errors (data loss) name `what` (e.g. the key).
@@ -172,15 +191,19 @@ Result<GuidanceRecordView> parse_guidance_record(std::span<const uint8_t> payloa
 
 // Trainer side: the records of rows (row_sequence[r], row_position[r]) at (layer, site), gathered
 // into the arrays formats::nvfp4_*_quantize_guided_cpu and backend/cuda's guided quantizers take.
+// A version-2 record of R rows gives R consecutive batch rows: token row r's rows are
+// r*R .. r*R + R - 1 (rows = tokens * R).
 struct GuidanceBatch {
   backend::QuantFormat format = backend::QuantFormat::kNvfp4TwoLevel;
   GuidanceMode mode = GuidanceMode::kTrace;
   int64_t rows = 0, cols = 0;
+  int64_t rows_per_record = 1;
   std::vector<uint8_t> scales;  // (rows, cols/16) e4m3
   std::vector<float> outer;     // TE: (rows) the amax of each row's rollout tensor; 2-level (rows, ceil(cols/128))
   std::vector<uint8_t> guide;   // (rows, cols/2) packed codes or (rows, cols/8) mantissa bits
 };
-// Errors: a missing record (not found, naming the key), records of different widths/formats/modes.
+// rows: token rows. Errors: a missing record (not found, naming the key), records of different
+// widths/formats/modes/row counts.
 Result<GuidanceBatch> gather_guidance(RecordStore& store, const uint64_t* row_sequence, const uint32_t* row_position,
                                       int64_t rows, uint16_t layer, uint16_t site);
 // codes (g.rows, g.cols/2) <- guided rounding of x (g.rows, g.cols) f32 under the rollout's scales
@@ -201,8 +224,8 @@ enum TraceSite : uint16_t {
   kAttnOutputInput = 1,   // o_proj input (q_width)
   kMlpInput = 2,          // gate/up input of a dense MLP or of the shared expert (hidden_size)
   kMlpDownInput = 3,      // dense down_proj input (intermediate_size)
-  kKeyCache = 4,          // K written to the cache (kv_width)
-  kValueCache = 5,        // V written to the cache (kv_width)
+  kKeyCache = 4,          // K written to an NVFP4 KV cache (version 2: Hkv rows of head_dim)
+  kValueCache = 5,        // V written to an NVFP4 KV cache (version 2: Hkv rows of head_dim)
   kSharedExpertDownInput = 6,  // shared expert down_proj input (shared_expert_intermediate_size)
   kRoutedExpertSite0 = 16,     // + 2e + part: routed expert e's gate/up (part 0) / down (part 1) input
 };
@@ -214,8 +237,13 @@ uint16_t routed_expert_site(int64_t expert, int part);
 struct TraceSiteWidth {
   uint16_t site = 0;
   int64_t cols = 0;
+  int64_t rows = 0;  // 0: a version-1 record of one row; > 0: version 2 of `rows` rows (KV: Hkv rows of head_dim)
 };
-// The records one token adds at `layer` (activation sites and/or KV-cache sites) and their widths.
+// The bytes of a site's record (version 2 records are two-level whatever `format` says: the
+// NVFP4 page codec's).
+int64_t trace_site_record_bytes(backend::QuantFormat format, const TraceSiteWidth& site, GuidanceMode mode);
+// The records one token adds at `layer` (activation sites and/or KV-cache sites, the latter per
+// kv head: rows = num_key_value_heads, cols = head_dim) and their widths.
 // A MoE layer lists its routed experts' sites as those of experts 0..top_k-1, standing for the
 // token's own top_k experts (the widths, and so the bytes, are the same for every expert).
 std::vector<TraceSiteWidth> trace_sites(const model::ModelConfig& config, int64_t layer, bool activations,

@@ -3,7 +3,8 @@
 // to the full code's choice whenever the trainer's neighbours bracket the rollout's code, spill
 // round trip under a tiny budget, concurrent producers against a tiny queue, damaged spill files,
 // a failing spill write, spill-directory cleanup, errors by key, bytes per token measured, and
-// routed experts' sites (distinct ids; per-expert records through a spilling store; versioning).
+// routed experts' sites (distinct ids; per-expert records through a spilling store; versioning),
+// and the KV-cache sites' version-2 records (one row per kv head, from NVFP4 page slots).
 #include "rollout/guidance_store.h"
 
 #include <signal.h>
@@ -20,6 +21,7 @@
 #include <gtest/gtest.h>
 
 #include "core/check.h"
+#include "backend/kv_page_codec.h"
 #include "core/philox.h"
 #include "formats/quantize_cpu.h"
 
@@ -135,6 +137,107 @@ TEST_F(GuidanceStoreTest, RoundTripBothModesTeAnd2LevelOddWidths) {
         EXPECT_EQ(codes, h.codes);
         EXPECT_TRUE(store->close().is_ok());
       }
+}
+
+// ---- KV-cache sites (version 2) -------------------------------------------------------------------
+
+// The NVFP4 page slots of `tokens` tokens of (Hkv, D) values x: (tokens, Hkv*D), as
+// Backend::kv_cache_write's codec writes them (kv_page_codec.h).
+std::vector<uint8_t> nvfp4_slots(const std::vector<float>& x, int64_t tokens, int64_t Hkv, int64_t D) {
+  const backend::kv::TokenLayout L = backend::kv::token_layout(backend::KvPageFormat::kNvfp4, Hkv, D);
+  std::vector<uint8_t> slots(static_cast<size_t>(tokens * L.bytes));
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < Hkv; ++h)
+      backend::kv::encode_head(slots.data() + t * L.bytes, L, backend::KvPageFormat::kNvfp4, D, h,
+                               x.data() + (t * Hkv + h) * D);
+  return slots;
+}
+
+// A token's K (or V) slot becomes one record of Hkv rows; gathered for several tokens they are
+// the (tokens*Hkv, D) batch of the codec's scales, and guided rounding of the same values
+// reproduces the slot's codes (trace-full) / their mantissa bits (trace) bit for bit; D = 144
+// has a short second 128-block (two outer scales per head).
+TEST_F(GuidanceStoreTest, KvRecordsHoldTheCodecSlotPerHead) {
+  for (int64_t D : {16, 64, 144})
+    for (GuidanceMode mode : {GuidanceMode::kTraceFull, GuidanceMode::kTrace}) {
+      SCOPED_TRACE(fmt::format("D={} {}", D, guidance_mode_name(mode)));
+      const int64_t tokens = 5, Hkv = 3;
+      HostQuant h = quantize(QuantFormat::kNvfp4TwoLevel, tokens * Hkv, D, 700 + static_cast<uint64_t>(D));
+      const std::vector<uint8_t> slots = nvfp4_slots(h.x, tokens, Hkv, D);
+      const int64_t tb = backend::kv_token_bytes(backend::KvPageFormat::kNvfp4, Hkv, D);
+      auto store = open(options(int64_t{1} << 20));
+      std::vector<uint64_t> seq(tokens, 4);
+      std::vector<uint32_t> pos(tokens);
+      for (int64_t t = 0; t < tokens; ++t) {
+        pos[t] = static_cast<uint32_t>(t);
+        auto rec = kv_guidance_record(slots.data() + t * tb, Hkv, D, mode);
+        ASSERT_TRUE(rec.is_ok()) << rec.status().message();
+        EXPECT_EQ(static_cast<int64_t>(rec->size()), guidance_rows_record_bytes(Hkv, D, mode));
+        auto v = parse_guidance_record(*rec, "kv");
+        ASSERT_TRUE(v.is_ok()) << v.status().message();
+        EXPECT_EQ(v->version, kGuidanceRowsRecordVersion);
+        EXPECT_EQ(v->rows, Hkv);
+        EXPECT_EQ(v->cols, D);
+        ASSERT_TRUE(store->append(RecordKey{4, pos[t], 2, kKeyCache}, std::move(rec).value()).is_ok());
+      }
+      auto g = gather_guidance(*store, seq.data(), pos.data(), tokens, 2, kKeyCache);
+      ASSERT_TRUE(g.is_ok()) << g.status().message();
+      EXPECT_EQ(g->rows, tokens * Hkv);
+      EXPECT_EQ(g->rows_per_record, Hkv);
+      // the codec's bits are the two-level quantizer's on the (tokens*Hkv, D) matrix
+      EXPECT_EQ(g->scales, h.scales);
+      EXPECT_EQ(g->outer, h.outer);
+      std::vector<uint8_t> codes(h.codes.size(), 0xAB);
+      guided_quantize_cpu(codes.data(), h.x.data(), *g);
+      EXPECT_EQ(codes, h.codes);
+      EXPECT_TRUE(store->close().is_ok());
+    }
+}
+
+// Version-2 records: a damaged header is data loss naming the record; other formats than
+// two-level, zero rows, a size that disagrees, an unknown version are refused; a gather that
+// mixes one-row and per-head records (or different head counts) is an error naming the key.
+TEST_F(GuidanceStoreTest, KvRecordErrors) {
+  const int64_t Hkv = 2, D = 32;
+  HostQuant h = quantize(QuantFormat::kNvfp4TwoLevel, Hkv, D, 5);
+  const std::vector<uint8_t> slot = nvfp4_slots(h.x, 1, Hkv, D);
+  EXPECT_FALSE(kv_guidance_record(slot.data(), Hkv, 24, GuidanceMode::kTrace).is_ok());  // D % 16
+  auto rec = kv_guidance_record(slot.data(), Hkv, D, GuidanceMode::kTrace);
+  ASSERT_TRUE(rec.is_ok());
+  auto expect_loss = [](const std::vector<uint8_t>& r, const char* what) {
+    auto v = parse_guidance_record(r, "kv 7");
+    ASSERT_FALSE(v.is_ok()) << what;
+    EXPECT_EQ(v.status().code(), StatusCode::kDataLoss) << what;
+    EXPECT_NE(v.status().message().find("kv 7"), std::string::npos) << v.status().message();
+  };
+  std::vector<uint8_t> te = *rec;
+  te[0] = static_cast<uint8_t>(QuantFormat::kNvfp4Te);
+  expect_loss(te, "te");
+  std::vector<uint8_t> zero = *rec;
+  zero[8] = zero[9] = zero[10] = zero[11] = 0;
+  expect_loss(zero, "0 rows");
+  std::vector<uint8_t> more = *rec;
+  more[8] = 3;  // 3 rows in a record sized for 2
+  expect_loss(more, "rows");
+  std::vector<uint8_t> v3 = *rec;
+  v3[2] = 3;
+  expect_loss(v3, "version 3");
+  auto v = parse_guidance_record(v3, "kv 7");
+  EXPECT_NE(v.status().message().find("version 3"), std::string::npos) << v.status().message();
+  std::vector<uint8_t> cut(rec->begin(), rec->begin() + 10);
+  expect_loss(cut, "short header");
+
+  auto store = open(options(int64_t{1} << 20));
+  auto one = extract_guidance(h.q, 0, GuidanceMode::kTrace);  // a one-row record of width D
+  ASSERT_TRUE(one.is_ok());
+  ASSERT_TRUE(store->append(RecordKey{1, 0, 0, kKeyCache}, std::move(rec).value()).is_ok());
+  ASSERT_TRUE(store->append(RecordKey{1, 1, 0, kKeyCache}, std::move(one).value()).is_ok());
+  const std::vector<uint64_t> seq = {1, 1};
+  const std::vector<uint32_t> pos = {0, 1};
+  auto g = gather_guidance(*store, seq.data(), pos.data(), 2, 0, kKeyCache);
+  ASSERT_FALSE(g.is_ok());
+  EXPECT_NE(g.status().message().find("position 1"), std::string::npos) << g.status().message();
+  EXPECT_TRUE(store->close().is_ok());
 }
 
 // A trainer batch can hold TE rows from different rollout tensors (decode steps with their own
@@ -364,6 +467,21 @@ TEST_F(GuidanceStoreTest, BytesPerTokenEqualsMeasuredStoreSize) {
       for (int64_t t = 0; t < tokens; ++t) pos[t] = static_cast<uint32_t>(t);
       for (int64_t layer : layers)
         for (const TraceSiteWidth& s : trace_sites(*cfg, layer, true, true)) {
+          if (s.rows > 0) {  // a KV site: one record of Hkv rows per token, from its page slot
+            ASSERT_TRUE(s.site == kKeyCache || s.site == kValueCache);
+            ASSERT_EQ(s.rows, cfg->num_key_value_heads);
+            ASSERT_EQ(s.cols, cfg->head_dim);
+            HostQuant h = quantize(QuantFormat::kNvfp4TwoLevel, tokens * s.rows, s.cols, 9);
+            const std::vector<uint8_t> slots = nvfp4_slots(h.x, tokens, s.rows, s.cols);
+            const size_t tb = slots.size() / tokens;
+            for (int64_t t = 0; t < tokens; ++t) {
+              auto rec = kv_guidance_record(slots.data() + t * tb, s.rows, s.cols, mode);
+              ASSERT_TRUE(rec.is_ok()) << rec.status().message();
+              ASSERT_TRUE(store->append(RecordKey{1, pos[t], static_cast<uint16_t>(layer), s.site}, std::move(rec).value())
+                              .is_ok());
+            }
+            continue;
+          }
           HostQuant h = quantize(f, tokens, s.cols, static_cast<uint64_t>(layer * 100 + s.site));
           ASSERT_TRUE(append_guidance(*store, h.q, seq.data(), pos.data(), static_cast<uint16_t>(layer), s.site, mode)
                           .is_ok());

@@ -177,8 +177,24 @@ void PagedKvCache::append_and_attend(backend::Backend& be, int64_t layer, float*
   NIB_CHECK(layer >= 0 && layer < config_.num_layers);
   const int64_t Hkv = config_.num_kv_heads, D = config_.head_dim;
   be.kv_cache_write(k_layer(layer), v_layer(layer), config_.format, k, v, slots_.data(), N, Hkv, D);
+  if (observer_ != nullptr) observer_->on_kv_written(*this, layer);
   be.paged_attention(out, q, k_layer(layer), v_layer(layer), config_.format, table_.data(), max_blocks_, ctx_.data(),
                      N, config_.num_heads, Hkv, D, config_.page_size, config_.attention);
+}
+
+void PagedKvCache::read_batch_slots(int64_t layer, bool values, std::vector<uint8_t>& out) const {
+  NIB_CHECK_MSG(batch_rows_ > 0, "kv cache: read_batch_slots outside a batch");
+  NIB_CHECK(layer >= 0 && layer < config_.num_layers);
+  const int64_t tb = token_bytes(), N = batch_rows_;
+  out.resize(static_cast<size_t>(N * tb));
+  const uint8_t* base = values ? v_layer(layer) : k_layer(layer);
+  // one copy per run of rows in consecutive slots (a prompt chunk's rows fill a page in order)
+  for (int64_t i = 0; i < N;) {
+    int64_t j = i + 1;
+    while (j < N && slots_h_[j] == slots_h_[j - 1] + 1) ++j;
+    be_->copy_to_host(out.data() + i * tb, base + slots_h_[i] * tb, static_cast<size_t>((j - i) * tb));
+    i = j;
+  }
 }
 
 std::vector<uint8_t> PagedKvCache::page_bytes(int64_t layer, int32_t page, bool values) const {

@@ -27,6 +27,16 @@ struct KvCacheConfig {
   backend::AttentionPrecision attention = backend::AttentionPrecision::kFp32;
 };
 
+class PagedKvCache;
+
+// Told after each layer's keys and values of a batch went into their slots (before the queries
+// attend): the TRACE recorder of the KV-cache sites (recorders.h) reads them back there.
+class KvWriteObserver {
+ public:
+  virtual ~KvWriteObserver() = default;
+  virtual void on_kv_written(const PagedKvCache& cache, int64_t layer) = 0;
+};
+
 class PagedKvCache final : public model::KvCacheAttention {
  public:
   using SeqId = int64_t;
@@ -69,6 +79,15 @@ class PagedKvCache final : public model::KvCacheAttention {
   void append_and_attend(backend::Backend& be, int64_t layer, float* out, const float* q, const float* k,
                          const float* v, int64_t N) override;
 
+  // Observer of every layer's writes (null: none, the default; the caller keeps it alive).
+  void set_write_observer(KvWriteObserver* observer) { observer_ = observer; }
+  // out (N, kv_token_bytes) <- host copy of the slot records of the current batch's N rows in
+  // layer `layer` (keys, or values), row i the batch's row i. Between begin_batch and finish_batch.
+  void read_batch_slots(int64_t layer, bool values, std::vector<uint8_t>& out) const;
+  int64_t token_bytes() const {
+    return backend::kv_token_bytes(config_.format, config_.num_kv_heads, config_.head_dim);
+  }
+
   // host copy of one page of one layer (tests): (page_size, Hkv, D) elements as bytes.
   std::vector<uint8_t> page_bytes(int64_t layer, int32_t page, bool values) const;
   // The page ids of a sequence (tests, recorders).
@@ -102,6 +121,7 @@ class PagedKvCache final : public model::KvCacheAttention {
   std::vector<std::pair<SeqId, int64_t>> batch_growth_;  // (seq, new length) applied by finish_batch
   backend::Buffer<int32_t> slots_, table_, ctx_;
   int64_t batch_rows_ = 0, max_blocks_ = 0;
+  KvWriteObserver* observer_ = nullptr;
 };
 
 }  // namespace nibble::rollout

@@ -97,6 +97,38 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
   return Status::ok();
 }
 
+void GuidanceRecorder::on_kv_written(const PagedKvCache& cache, int64_t layer) {
+  if (!status_.is_ok() || recorders_.guidance == nullptr) return;
+  status_ = record_kv(cache, layer);
+}
+
+Status GuidanceRecorder::record_kv(const PagedKvCache& cache, int64_t layer) {
+  if (layer < 0 || layer >= static_cast<int64_t>(layer_on_.size()) || !layer_on_[static_cast<size_t>(layer)])
+    return Status::ok();
+  const KvCacheConfig& c = cache.config();
+  if (c.format != backend::KvPageFormat::kNvfp4)
+    return Status(StatusCode::kInternal, fmt::format("guidance recorder: KV-cache sites need nvfp4 pages, the cache "
+                                                     "holds {}", backend::kv_page_format_name(c.format)));
+  const int64_t N = static_cast<int64_t>(rows_.positions.size()), tb = cache.token_bytes();
+  RecordStore& store = *recorders_.guidance;
+  for (const bool values : {false, true}) {
+    cache.read_batch_slots(layer, values, slots_);
+    if (static_cast<int64_t>(slots_.size()) != N * tb)
+      return Status(StatusCode::kInternal, fmt::format("guidance recorder: the cache's batch has {} rows, the step {}",
+                                                       static_cast<int64_t>(slots_.size()) / tb, N));
+    const uint16_t site = values ? kValueCache : kKeyCache;
+    for (int64_t n = 0; n < N; ++n) {
+      NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec, kv_guidance_record(slots_.data() + n * tb, c.num_kv_heads,
+                                                                        c.head_dim, recorders_.guidance_mode));
+      const auto pos = static_cast<uint32_t>(rows_.positions[static_cast<size_t>(n)]);
+      NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows_, static_cast<size_t>(n), [&](uint64_t seq) {
+        return store.append(RecordKey{seq, pos, static_cast<uint16_t>(layer), site}, std::vector<uint8_t>(rec));
+      }));
+    }
+  }
+  return Status::ok();
+}
+
 Status record_routing_step(RecordStore& store, const RecordedRows& rows, const int32_t* expert_ids,
                            int64_t num_moe_layers, int64_t top_k, int64_t num_experts) {
   const int64_t N = static_cast<int64_t>(rows.positions.size());

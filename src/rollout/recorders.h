@@ -8,7 +8,9 @@
 // The sites recorded are kAttnInput, kAttnOutputInput, kMlpInput (dense MLP or shared expert),
 // kMlpDownInput, kSharedExpertDownInput and each routed expert's gate/up and down inputs
 // (routed_expert_site(e, part)), the latter for the tokens routed to e, found through the dispatch
-// plan's token_of_row the model passes with the call. The KV cache is not a guided site.
+// plan's token_of_row the model passes with the call. With an NVFP4 KV cache also kKeyCache and
+// kValueCache: each row's K and V as its page slot holds them (read back after each layer's
+// kv_cache_write), one version-2 record of Hkv rows of head_dim per token and site.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +22,7 @@
 #include "core/status.h"
 #include "model/transformer.h"
 #include "rollout/guidance_store.h"
+#include "rollout/kv_cache.h"
 #include "rollout/precision.h"
 
 namespace nibble::rollout {
@@ -51,19 +54,24 @@ struct RecordedRows {
   std::span<const int32_t> positions;
 };
 
-// The TRACE guidance recorder: an ActivationObserver on the engine's QuantizedLinears that appends
-// the records of each step's rows. Errors (a failed append) are kept and returned by status().
-class GuidanceRecorder final : public ActivationObserver {
+// The TRACE guidance recorder: an ActivationObserver on the engine's QuantizedLinears and, with
+// an NVFP4 KV cache, a KvWriteObserver on its pages, that appends the records of each step's rows.
+// Errors (a failed append) are kept and returned by status().
+class GuidanceRecorder final : public ActivationObserver, public KvWriteObserver {
  public:
   GuidanceRecorder(const RolloutRecorders& recorders, int64_t num_layers);
   void set_rows(const RecordedRows& rows) { rows_ = rows; }
   void on_quantized_activation(backend::Backend& be, const model::LinearInfo& info, const backend::QuantizedTensor& qx,
                                int64_t M, const int32_t* token_of_row) override;
+  // kKeyCache / kValueCache records of the batch's rows at `layer` (an NVFP4 cache; a recorded layer).
+  void on_kv_written(const PagedKvCache& cache, int64_t layer) override;
   const Status& status() const { return status_; }
 
  private:
   Status record(backend::Backend& be, const model::LinearInfo& info, const backend::QuantizedTensor& qx, int64_t M,
                 const int32_t* token_of_row);
+  Status record_kv(const PagedKvCache& cache, int64_t layer);
+  std::vector<uint8_t> slots_;  // host copy of a layer's K or V slot records
   RolloutRecorders recorders_;
   std::vector<bool> layer_on_;
   RecordedRows rows_;

@@ -5,7 +5,8 @@
 // mantissa-bit records that are the full records' bit 0; routed experts' inputs recorded per
 // (token, expert) under the expert's own sites, exactly for the experts the token's routing
 // record names; R3 routing records equal the expert ids the routing hook sees; guidance outside
-// w4a4 is refused.
+// w4a4 is refused. With an NVFP4 KV cache the K and V slots of every recorded position are
+// recorded per kv head (version 2) at kKeyCache / kValueCache, equal to the page bytes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +14,9 @@
 #include <tuple>
 #include <vector>
 
+#include <cstring>
+
+#include "backend/kv_page_codec.h"
 #include "formats/quantize_cpu.h"
 #include "model/tiny_olmo2_test_util.h"
 #include "rollout/engine.h"
@@ -141,6 +145,75 @@ TEST(RolloutRecorders, W4a4GuidanceCodesEqualTheTrainerQuantizerOnTheSameInputs)
 
 TEST(RolloutRecorders, W4a4RoutedExpertCodesEqualTheTrainerQuantizerOnTheirTokens) {
   expect_w4a4_codes_equal_the_trainer_quantizer(true);
+}
+
+// One prefill of 9 rows of request 3 (2 samples) into NVFP4 pages with the recorder watching the
+// cache: each row's kKeyCache / kValueCache record (per sample) holds its slot's scales, outer
+// scales and codes (or their mantissa bits) head by head.
+TEST(RolloutRecorders, Nvfp4KvSlotsAreRecordedPerKvHead) {
+  for (GuidanceMode mode : {GuidanceMode::kTraceFull, GuidanceMode::kTrace}) {
+    SCOPED_TRACE(guidance_mode_name(mode));
+    auto m = tiny_model(true);  // 2 kv heads of 16
+    auto q = QuantizedLinears::create(*m, PrecisionMode::kW4A4, "tetrajet-v2");
+    ASSERT_TRUE(q.is_ok()) << q.status().message();
+    auto store = open_store("guidance store");
+    RolloutRecorders rec;
+    rec.guidance = store.get();
+    rec.guidance_mode = mode;
+    rec.guidance_layers = {1};
+    GuidanceRecorder recorder(rec, m->config().num_hidden_layers);
+    const model::ModelConfig& c = m->config();
+    const int64_t Hkv = c.num_key_value_heads, D = c.head_dim;
+    KvCacheConfig kc{c.num_hidden_layers, c.num_attention_heads, Hkv, D, 4, 8, backend::KvPageFormat::kNvfp4,
+                     backend::AttentionPrecision::kFp32};
+    auto cache = PagedKvCache::create(m->backend(), kc);
+    ASSERT_TRUE(cache.is_ok());
+    cache.value()->set_write_observer(&recorder);
+    const int64_t N = 9;
+    std::vector<int32_t> tokens, pos;
+    for (int64_t i = 0; i < N; ++i) tokens.push_back(static_cast<int32_t>((3 * i + 1) % 40)), pos.push_back(static_cast<int32_t>(i));
+    auto seq = cache.value()->add_sequence();
+    ASSERT_TRUE(cache.value()->grow(seq, N).is_ok());
+    ASSERT_TRUE(cache.value()->begin_batch(std::vector<PagedKvCache::SeqId>(N, seq), pos).is_ok());
+    std::vector<uint64_t> ids(N, 3);
+    std::vector<int64_t> samples(N, -1), samples_of(N, 2);
+    recorder.set_rows(RecordedRows{ids, samples, samples_of, pos});
+    std::vector<float> logits(static_cast<size_t>(N * c.vocab_size));
+    model::DecodeBatch b;
+    b.tokens = tokens.data(), b.positions = pos.data(), b.N = N, b.kv = cache.value().get(), b.linears = q.value().get();
+    m->forward_decode(logits.data(), b);
+    ASSERT_TRUE(recorder.status().is_ok()) << recorder.status().message();
+    cache.value()->finish_batch();
+    ASSERT_TRUE(store->flush().is_ok());
+    EXPECT_EQ(store->stats().records, 2 * 2 * N);  // 2 samples x 2 sites x N rows, layer 1 only
+    const backend::kv::TokenLayout L = backend::kv::token_layout(backend::KvPageFormat::kNvfp4, Hkv, D);
+    const std::vector<int32_t>& pages = cache.value()->pages_of(seq);
+    for (bool values : {false, true})
+      for (int64_t n = 0; n < N; ++n) {
+        const std::vector<uint8_t> page = cache.value()->page_bytes(1, pages[n / 4], values);
+        const uint8_t* slot = page.data() + (n % 4) * L.bytes;
+        for (int64_t sample = 0; sample < 2; ++sample) {
+          auto payload = store->read(RecordKey{recorded_sequence(3, sample), static_cast<uint32_t>(n), 1,
+                                               values ? kValueCache : kKeyCache});
+          ASSERT_TRUE(payload.is_ok()) << payload.status().message();
+          auto v = parse_guidance_record(payload.value(), "kv");
+          ASSERT_TRUE(v.is_ok()) << v.status().message();
+          ASSERT_EQ(v->rows, Hkv);
+          ASSERT_EQ(v->cols, D);
+          EXPECT_EQ(0, std::memcmp(v->scales, slot + L.inner, static_cast<size_t>(Hkv * D / 16)));
+          for (int64_t o = 0; o < Hkv * L.outer_per_head; ++o) {
+            float so;
+            std::memcpy(&so, slot + L.scales + 4 * o, 4);
+            EXPECT_EQ(v->outer_at(o), so);
+          }
+          for (int64_t i = 0; i < Hkv * D; ++i) {
+            const uint32_t code = formats::e2m1_unpack(slot + L.codes, i);
+            ASSERT_EQ(v->guide_at(i), mode == GuidanceMode::kTraceFull ? code : (code & 1u)) << "element " << i;
+          }
+        }
+      }
+    EXPECT_FALSE(store->contains(RecordKey{recorded_sequence(3, 0), 0, 0, kKeyCache}));  // layer 0 not recorded
+  }
 }
 
 Request sampled(std::vector<int32_t> prompt, uint64_t id, int64_t G, int64_t n) {
@@ -288,6 +361,48 @@ TEST(RolloutRecorders, RoutingRecordsEqualTheRoutingHookIds) {
       }
   }
   EXPECT_GT(compared, 0);
+}
+
+// The engine with NVFP4 pages records the KV sites of every position of every sample at the
+// chosen layers besides the activation sites (none with BF16 pages).
+TEST(RolloutRecorders, EngineWithNvfp4PagesRecordsKvSitesOfEveryPosition) {
+  auto m = tiny_model(false);
+  for (backend::KvPageFormat f : {backend::KvPageFormat::kBf16, backend::KvPageFormat::kNvfp4}) {
+    SCOPED_TRACE(backend::kv_page_format_name(f));
+    EngineOptions o;
+    o.mode = PrecisionMode::kW4A4;
+    o.recipe_name = "tetrajet-v2";
+    o.kv_format = f;
+    auto e = Engine::create(*m, o);
+    ASSERT_TRUE(e.is_ok()) << e.status().message();
+    auto store = open_store("guidance store");
+    RolloutRecorders rec;
+    rec.guidance = store.get();
+    rec.guidance_layers = {0};
+    EngineCallbacks cb;
+    cb.recorders = &rec;
+    std::vector<Request> reqs = {sampled({1, 2, 3, 4, 5}, 7, 3, 6)};
+    auto out = e.value()->generate(reqs, cb);
+    ASSERT_TRUE(out.is_ok()) << out.status().message();
+    ASSERT_TRUE(store->flush().is_ok());
+    const bool kv = f == backend::KvPageFormat::kNvfp4;
+    int64_t want = 0;
+    for (const Completion& c : out.value()) {
+      const uint64_t seq = recorded_sequence(7, c.sample);
+      const int64_t positions = 5 + static_cast<int64_t>(c.tokens.size()) - 1;
+      want += positions * (kv ? 6 : 4);
+      for (int64_t p = 0; p < positions; ++p)
+        for (uint16_t site : {kKeyCache, kValueCache})
+          EXPECT_EQ(store->contains(RecordKey{seq, static_cast<uint32_t>(p), 0, site}), kv) << seq << " " << p;
+    }
+    EXPECT_EQ(store->stats().records, want);
+    // the bytes-per-token figure counts the KV sites' version-2 records
+    const int64_t layers[] = {0};
+    const int64_t token_rows = want / (kv ? 6 : 4);
+    EXPECT_EQ(store->stats().payload_bytes,
+              token_rows * guidance_bytes_per_token(backend::QuantFormat::kNvfp4TwoLevel, m->config(), layers,
+                                                    GuidanceMode::kTraceFull, true, kv));
+  }
 }
 
 TEST(RolloutRecorders, GuidanceOutsideW4a4IsRefused) {

@@ -1,7 +1,8 @@
 // `nibble rl` through the built binary: a two-step arithmetic run from a fresh tiny model writes
 // metrics.jsonl (a start line and one line per step), reward.png and a checkpoint and prints its
 // result line; a second run into the same folder needs --resume (exit 2); a missing config file
-// is exit 1, an unknown key or task exit 2, --resume of an empty folder exit 1 — each one line.
+// is exit 1, an unknown key or task exit 2, --resume of an empty folder exit 1, a bad rollout_kv
+// (or nvfp4 on a head dim NVFP4 pages cannot hold) exit 2 — each one line.
 // Disaggregated under `mpirun -np N` (rank 0 trains, ranks 1..N-1 roll out; MoE trace arm, so
 // routing and guidance records cross the process boundary): for N = 2 (both prompt groups on
 // rank 1) and N = 3 (3 prompt groups per step split 2 + 1 over the two rollout ranks),
@@ -10,7 +11,8 @@
 // mpirun -np 2) onto the same metrics. The weights go over the host transport (auto on CPU
 // processes), and for N = 3 with max_staleness 2 (4 steps) over the device one (the packed form in
 // backend memory, here host memory over MPI: the NCCL path's code on CPU processes, its buffer
-// pool reused while versions wait to be used). More rollout ranks than prompts per step: exit 2,
+// pool reused while versions wait to be used). With rollout_kv nvfp4 the KV sites' records cross
+// the boundary too (mpirun -np 2 = one process). More rollout ranks than prompts per step: exit 2,
 // one line. Skipped when mpirun or MPI is missing.
 #include <gtest/gtest.h>
 
@@ -82,6 +84,20 @@ TEST(RlCli, BadInputsAreOneLineWithTheirExitCodes) {
   EXPECT_EQ(transport.err_lines(), 1) << transport.err;
   EXPECT_NE(transport.err.find("--weight-transport"), std::string::npos) << transport.err;
   EXPECT_FALSE(fs::exists(d / "t"));
+  // rollout_kv: bf16 or nvfp4 only; nvfp4 pages need a head dim that is a multiple of 16 (kConfig's is 8)
+  write(d / "kv.json", R"({"model": {}, "rollout_kv": "fp8"})");
+  RunResult kv = run_nibble(d.path, "rl --config '" + d / "kv.json" + "' --out '" + d / "k" + "'");
+  EXPECT_EQ(kv.code, 2);
+  EXPECT_EQ(kv.err_lines(), 1) << kv.err;
+  EXPECT_NE(kv.err.find("rollout_kv 'fp8'"), std::string::npos) << kv.err;
+  EXPECT_FALSE(fs::exists(d / "k"));
+  nlohmann::json small = nlohmann::json::parse(kConfig);
+  small["rollout_kv"] = "nvfp4";
+  write(d / "kv8.json", small.dump());
+  RunResult kv8 = run_nibble(d.path, "rl --config '" + d / "kv8.json" + "' --out '" + d / "k8" + "' --device cpu");
+  EXPECT_EQ(kv8.code, 2);
+  EXPECT_EQ(kv8.err_lines(), 1) << kv8.err;
+  EXPECT_NE(kv8.err.find("multiple of 16"), std::string::npos) << kv8.err;
 }
 
 constexpr const char* kMoeConfig = R"({"model": {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32,
@@ -183,6 +199,35 @@ TEST(RlCli, DisaggregatedOverTwoRolloutRanksEqualsTheOneProcessRun) {
   const nlohmann::json stale = disaggregated_run_equals_one_process(3, 2, "2", 3, "device", 4);
   ASSERT_FALSE(fresh.is_null() || stale.is_null());
   EXPECT_NE(fresh["logp_diff_mean"], stale["logp_diff_mean"]) << "a stale rollout (N 2) looks fresh";
+}
+
+// rollout_kv nvfp4 reaches the rollout rank's engine: under mpirun -np 2 the KV sites' version-2
+// records cross the process boundary and every step line equals the one-process run's; those
+// records make guidance_bytes_per_token larger than with BF16 pages (trace: layer 1 only).
+TEST(RlCli, Nvfp4RolloutKvUnderMpirunEqualsTheOneProcessRun) {
+  if (const std::string why = why_no_mpirun(); !why.empty()) GTEST_SKIP() << why;
+  ScratchDir d("rl_mpi_kv");
+  nlohmann::json cfg = nlohmann::json::parse(moe_config("0", 2, 2));
+  write(d / "bf16.json", cfg.dump());
+  cfg["rollout_kv"] = "nvfp4";
+  write(d / "kv.json", cfg.dump());
+  RunResult base = run_nibble(d.path, "rl --config '" + d / "bf16.json" + "' --out '" + d / "base" + "' --device cpu");
+  ASSERT_EQ(base.code, 0) << base.err;
+  RunResult one = run_nibble(d.path, "rl --config '" + d / "kv.json" + "' --out '" + d / "one" + "' --device cpu");
+  ASSERT_EQ(one.code, 0) << one.err;
+  RunResult many = run_shell(d.path, mpirun(2) + "'" + nibble_binary() + "' rl --config '" + d / "kv.json" +
+                                         "' --device cpu --out '" + d / "many" + "'");
+  ASSERT_EQ(many.code, 0) << many.err;
+  const auto a = step_lines(d / "one/metrics.jsonl"), b = step_lines(d / "many/metrics.jsonl"),
+             c = step_lines(d / "base/metrics.jsonl");
+  ASSERT_EQ(a.size(), 2u);
+  ASSERT_EQ(b.size(), 2u);
+  ASSERT_EQ(c.size(), 2u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+    EXPECT_EQ(a[i]["guided_reproduced"], 1.0);
+    EXPECT_GT(a[i]["guidance_bytes_per_token"].get<double>(), c[i]["guidance_bytes_per_token"].get<double>());
+  }
 }
 
 TEST(RlCli, MoreRolloutRanksThanPromptsIsOneLine) {
