@@ -4,12 +4,17 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <deque>
+#include <string>
+
+#include <fmt/format.h>
 
 #include "core/bits.h"
 #include "core/check.h"
 #include "core/parallel.h"
 #include "core/philox.h"
+#include "backend/graph_capture.h"
 #include "rollout/quantized_weights.h"
 
 namespace nibble::rollout {
@@ -47,6 +52,24 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
   if (model.storage() == model::ParameterStorage::kInference && o.mode == PrecisionMode::kRecipe)
     return invalid_argument("rollout: a model of inference storage has no recipe weights (mode bf16, w4a16 or w4a4)");
   std::unique_ptr<Engine> e(new Engine(model, o));
+  // decode graphs (decode_graph.h): where they cannot run, every step is eager and graphs_off_ says why
+  if (const char* env = std::getenv("NIBBLE_CUDA_GRAPHS");
+      env != nullptr && (std::string(env) == "off" || std::string(env) == "0") &&
+      o.decode_graphs == DecodeGraphMode::kOn) {
+    o.decode_graphs = DecodeGraphMode::kOff;
+    e->graphs_off_ = "NIBBLE_CUDA_GRAPHS=off";
+  } else if (o.decode_graphs == DecodeGraphMode::kOff) {
+    e->graphs_off_ = "turned off (--no-cuda-graphs)";
+  } else if (o.mode == PrecisionMode::kRecipe) {
+    e->graphs_off_ = "the recipe mode runs the model's own recipes";
+  } else if (model.num_moe_layers() > 0) {
+    e->graphs_off_ = "MoE layers walk their experts with host offsets";
+  } else if (o.mode == PrecisionMode::kW4A4 && o.recipe_name == "nvfp4-nvidia") {
+    e->graphs_off_ = "w4a4's per-tensor activation scale (nvfp4-nvidia) depends on the rows, padding too";
+  } else if (o.decode_graphs == DecodeGraphMode::kOn && backend::graph_capture(model.backend()) == nullptr) {
+    e->graphs_off_ = fmt::format("backend '{}' cannot capture graphs", model.backend().name());
+  }
+  const bool graphs = e->graphs_off_.empty();
   KvCacheConfig kc;
   kc.num_layers = cfg.num_hidden_layers;
   kc.num_heads = cfg.num_attention_heads;
@@ -56,7 +79,12 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
   kc.num_pages = o.num_pages;
   kc.format = o.kv_format;
   kc.attention = model.attention_precision();
+  kc.graph_rows = graphs ? o.max_batch : 0;
+  kc.max_context = ctx;
   NIB_ASSIGN_OR_RETURN(e->cache_, PagedKvCache::create(model.backend(), kc));
+  if (graphs) {
+    NIB_ASSIGN_OR_RETURN(e->graphs_, DecodeGraphs::create(model, o.decode_graphs, o.max_batch));
+  }
   for (size_t i = 0; i < model.param_refs().size(); ++i)
     if (model.param_refs()[i].name == "lm_head.weight" && model.param_refs()[i].value == nullptr)
       e->lm_head_index_ = static_cast<int64_t>(i);  // inference storage, BF16 lm_head: ours alone
@@ -165,6 +193,12 @@ Status Engine::init_random_weights(uint64_t seed) {
   return Status::ok();
 }
 
+std::string Engine::decode_graphs_status() const {
+  if (!graphs_) return "off: " + graphs_off_;
+  if (!graphs_->active()) return "off: " + graphs_->failure();
+  return decode_graph_mode_name(graphs_->mode());
+}
+
 EngineMemory Engine::memory() const {
   EngineMemory m;
   if (model_->storage() == model::ParameterStorage::kTraining)
@@ -174,7 +208,8 @@ EngineMemory Engine::memory() const {
   m.gradients = model_->gradient_bytes();
   m.packed_weights = linears_ ? linears_->storage_bytes() : 0;
   m.kv_pages = cache_->bytes();
-  m.workspace = model_->workspace_bytes() + (linears_ ? linears_->workspace_bytes() : 0) + cache_->table_bytes();
+  m.workspace = model_->workspace_bytes() + (linears_ ? linears_->workspace_bytes() : 0) + cache_->table_bytes() +
+                (graphs_ ? graphs_->workspace_bytes() : 0);
   return m;
 }
 
@@ -530,9 +565,15 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
         logit_rows.push_back(static_cast<int32_t>(c.first_row + c.rows - 1));
       }
 
-    // ---- one forward over all rows ----
+    // ---- one forward over all rows (a decode-only step: padded, through a graph) ----
+    const bool record_routing = recorders != nullptr && recorders->routing != nullptr && Lm > 0;
+    const bool record = (callbacks.on_routing || record_routing) && Lm > 0;
+    const bool graph_step = graphs_ && graphs_->active() && chunks.empty() && !guidance && !record;
     const auto t_meta = Clock::now();
-    NIB_RETURN_IF_ERROR(cache_->begin_batch(row_seq, row_pos));
+    if (graph_step)
+      NIB_RETURN_IF_ERROR(cache_->begin_padded_batch(row_seq, row_pos, padded_decode_rows(N, graphs_->max_rows())));
+    else
+      NIB_RETURN_IF_ERROR(cache_->begin_batch(row_seq, row_pos));
     stats_.metadata_seconds += seconds_since(t_meta);
     stats_.peak_pages_in_use = std::max(stats_.peak_pages_in_use, cache_->num_pages() - cache_->free_pages());
     logits.resize(std::max<size_t>(logit_rows.size(), 1) * static_cast<size_t>(V));
@@ -546,8 +587,6 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
     static const int32_t kNoRow = 0;  // a step of unfinished prompt chunks only: no logits at all
     batch.logit_rows = logit_rows.empty() ? &kNoRow : logit_rows.data();
     batch.num_logit_rows = static_cast<int64_t>(logit_rows.size());
-    const bool record_routing = recorders != nullptr && recorders->routing != nullptr && Lm > 0;
-    const bool record = (callbacks.on_routing || record_routing) && Lm > 0;
     RecordedRows rec_rows;
     if (record_routing || guidance) {
       row_id.clear(), row_samples_of.clear();
@@ -563,7 +602,16 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
       batch.routing_record = routing.data();
     }
     const auto t_forward = Clock::now();
-    model_->forward_decode(logits.data(), batch);
+    if (graph_step) {
+      const int64_t replays = graphs_->replays(), captures = graphs_->captures(), pad = graphs_->padding_rows();
+      graphs_->step(logits.data(), batch, row_tok, row_pos);
+      ++stats_.graph_steps;
+      stats_.graph_replays += graphs_->replays() - replays;
+      stats_.graph_captures += graphs_->captures() - captures;
+      stats_.padding_rows += graphs_->padding_rows() - pad;
+    } else {
+      model_->forward_decode(logits.data(), batch);
+    }
     stats_.forward_seconds += seconds_since(t_forward);
     cache_->finish_batch();
     ++stats_.steps;
