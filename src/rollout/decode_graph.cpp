@@ -15,7 +15,7 @@ const char* decode_graph_mode_name(DecodeGraphMode m) {
   switch (m) {
     case DecodeGraphMode::kOff: return "off";
     case DecodeGraphMode::kOn: return "on";
-    case DecodeGraphMode::kPaddedEager: return "padded-eager";
+    case DecodeGraphMode::kEagerLayout: return "eager-layout";
   }
   return "?";
 }
@@ -35,11 +35,11 @@ std::vector<int64_t> decode_graph_sizes(int64_t max_rows) {
 }
 
 Result<std::unique_ptr<DecodeGraphs>> DecodeGraphs::create(model::Model& model, DecodeGraphMode mode,
-                                                           int64_t max_rows) {
+                                                           int64_t max_rows, bool pad) {
   if (mode == DecodeGraphMode::kOff) return invalid_argument("decode graphs: mode off has no graphs");
   if (max_rows <= 0) return invalid_argument("decode graphs: max rows must be positive (got {})", max_rows);
   backend::Backend& be = model.backend();
-  std::unique_ptr<DecodeGraphs> g(new DecodeGraphs(model, mode, max_rows));
+  std::unique_ptr<DecodeGraphs> g(new DecodeGraphs(model, mode, max_rows, pad));
   if (mode == DecodeGraphMode::kOn) {
     g->capture_ = backend::graph_capture(be);
     if (g->capture_ == nullptr) return unimplemented("backend '{}' cannot capture graphs", be.name());
@@ -63,10 +63,10 @@ void DecodeGraphs::step(float* logits, const model::DecodeBatch& base, const std
                         const std::vector<int32_t>& positions) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   NIB_CHECK(positions.size() == tokens.size());
-  const int64_t P = padded_decode_rows(n, max_rows_);
+  const int64_t P = rows_for(n);
   const int64_t V = model_->config().vocab_size;
   backend::Backend& be = model_->backend();
-  // the padded rows: token 0 at position 0 (their keys and values go to the scratch page)
+  // padding rows (if any): token 0 at position 0 (their keys and values go to the scratch page)
   tok_h_.assign(static_cast<size_t>(P), 0);
   pos_h_.assign(static_cast<size_t>(P), 0);
   std::copy(tokens.begin(), tokens.end(), tok_h_.begin());
@@ -79,7 +79,10 @@ void DecodeGraphs::step(float* logits, const model::DecodeBatch& base, const std
   b.tokens = tok_h_.data();
   b.positions = pos_h_.data();
   b.N = P;
-  b.logit_rows = nullptr;  // every row: the lm_head runs P rows, the copy below takes n
+  // the lm_head on every row run: without padding the n rows of the eager step (whose logit rows
+  // are its decode rows 0 .. n-1, the same GEMM); with padding all P (a graph serves every n it
+  // pads), the copy below takes the first n
+  b.logit_rows = nullptr;
   b.num_logit_rows = 0;
   b.routing_record = nullptr;
   b.tokens_device = tokens_.data();

@@ -83,7 +83,7 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
   kc.max_context = ctx;
   NIB_ASSIGN_OR_RETURN(e->cache_, PagedKvCache::create(model.backend(), kc));
   if (graphs) {
-    NIB_ASSIGN_OR_RETURN(e->graphs_, DecodeGraphs::create(model, o.decode_graphs, o.max_batch));
+    NIB_ASSIGN_OR_RETURN(e->graphs_, DecodeGraphs::create(model, o.decode_graphs, o.max_batch, o.decode_graph_padding));
   }
   for (size_t i = 0; i < model.param_refs().size(); ++i)
     if (model.param_refs()[i].name == "lm_head.weight" && model.param_refs()[i].value == nullptr)
@@ -196,7 +196,7 @@ Status Engine::init_random_weights(uint64_t seed) {
 std::string Engine::decode_graphs_status() const {
   if (!graphs_) return "off: " + graphs_off_;
   if (!graphs_->active()) return "off: " + graphs_->failure();
-  return decode_graph_mode_name(graphs_->mode());
+  return std::string(decode_graph_mode_name(graphs_->mode())) + (graphs_->padded() ? " (padded)" : "");
 }
 
 EngineMemory Engine::memory() const {
@@ -571,7 +571,7 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
     const bool graph_step = graphs_ && graphs_->active() && chunks.empty() && !guidance && !record;
     const auto t_meta = Clock::now();
     if (graph_step)
-      NIB_RETURN_IF_ERROR(cache_->begin_padded_batch(row_seq, row_pos, padded_decode_rows(N, graphs_->max_rows())));
+      NIB_RETURN_IF_ERROR(cache_->begin_padded_batch(row_seq, row_pos, graphs_->rows_for(N)));
     else
       NIB_RETURN_IF_ERROR(cache_->begin_batch(row_seq, row_pos));
     stats_.metadata_seconds += seconds_since(t_meta);

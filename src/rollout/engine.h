@@ -52,10 +52,15 @@ struct EngineOptions {
   // the backend captures graphs and the engine allows them (bf16 / w4a16 / w4a4 modes of a dense
   // model; w4a4 only with per-row activation scales), else runs eagerly (decode_graphs_status()
   // says why); kOff always eager (`--no-cuda-graphs`; the environment variable
-  // NIBBLE_CUDA_GRAPHS=off does the same for every engine); kPaddedEager runs the graph steps'
-  // padded layout eagerly on any backend (tests). Tokens and log-probs are the same bits in every
-  // mode. Steps with prompt chunks, guidance recording or the routing hook always run eagerly.
+  // NIBBLE_CUDA_GRAPHS=off does the same for every engine); kEagerLayout runs the graph steps'
+  // layout eagerly on any backend (tests). Tokens and log-probs are the eager bits unless
+  // decode_graph_padding. Steps with prompt chunks, guidance recording or the routing hook always
+  // run eagerly.
   DecodeGraphMode decode_graphs = DecodeGraphMode::kOn;
+  // Pad graph steps to 1, 2, 4, ... rows (one graph per size instead of one per row count); a
+  // GEMM over more rows may sum a real row in another order, so log-probs may differ from the
+  // eager ones in their last bits (tokens only where that flips a draw). `--cuda-graph-padding`.
+  bool decode_graph_padding = false;
 };
 
 struct GenerationParams {
@@ -210,7 +215,7 @@ class Engine {
   const EngineOptions& options() const { return options_; }
   const model::ModelConfig& model_config() const { return model_->config(); }
   const EngineStats& stats() const { return stats_; }
-  // "on", "padded-eager", or "off: <why>" (the option, the environment, the mode, the model, the
+  // "on", "eager-layout" (+ " (padded)"), or "off: <why>" (the option, the environment, the mode, the model, the
   // backend, or a capture that failed).
   std::string decode_graphs_status() const;
 
