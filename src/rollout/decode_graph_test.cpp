@@ -244,8 +244,12 @@ void expect_graph_layout_equals_eager(backend::Backend* be, DecodeGraphMode grap
       EXPECT_EQ(g.status, std::string(decode_graph_mode_name(graphs)) + (pad ? " (padded)" : ""));
       EXPECT_GT(g.stats.graph_steps, 0);
       EXPECT_EQ(g.stats.steps, eager.stats.steps);
-      if (pad && c.max_batch == 4) EXPECT_GT(g.stats.padding_rows, 0);  // 3 rows run as 4
-      if (!pad) EXPECT_EQ(g.stats.padding_rows, 0);
+      if (pad && c.max_batch == 4) {
+        EXPECT_GT(g.stats.padding_rows, 0);  // 3 rows run as 4
+      }
+      if (!pad) {
+        EXPECT_EQ(g.stats.padding_rows, 0);
+      }
       if (graphs == DecodeGraphMode::kOn) {
         EXPECT_GT(g.stats.graph_captures, 0);
         EXPECT_GT(g.stats.graph_replays, 0);
