@@ -60,7 +60,7 @@ int64_t DecodeGraphs::workspace_bytes() const {
 }
 
 void DecodeGraphs::step(float* logits, const model::DecodeBatch& base, const std::vector<int32_t>& tokens,
-                        const std::vector<int32_t>& positions) {
+                        const std::vector<int32_t>& positions, int64_t table_stride) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   NIB_CHECK(positions.size() == tokens.size());
   const int64_t P = rows_for(n);
@@ -92,7 +92,7 @@ void DecodeGraphs::step(float* logits, const model::DecodeBatch& base, const std
   bool replayed = false;
   if (capture_ != nullptr) {
     if (capture_->memory_epoch() != epoch_) graphs_.clear();  // memory a graph may point into was freed
-    auto it = graphs_.find(P);
+    auto it = graphs_.find({P, table_stride});
     if (it != graphs_.end()) {
       it->second->replay();
       ++replays_;
@@ -113,14 +113,15 @@ void DecodeGraphs::step(float* logits, const model::DecodeBatch& base, const std
         graph = capture_->end_capture();
       } catch (const std::exception& e) {
         capture_->abort_capture();
-        failure_ = fmt::format("capturing the decode step of {} rows failed: {}", P, e.what());
+        failure_ = fmt::format("capturing the decode step of {} rows (table stride {}) failed: {}", P, table_stride,
+                               e.what());
         capture_ = nullptr;
         graphs_.clear();
       }
       if (graph) {
         if (capture_->memory_epoch() != epoch_) graphs_.clear();
         epoch_ = capture_->memory_epoch();
-        graphs_[P] = std::move(graph);
+        graphs_[{P, table_stride}] = std::move(graph);
         ++captures_;
       }
     }

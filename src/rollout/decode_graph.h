@@ -3,7 +3,7 @@
 // of n rows uploads its inputs (tokens, positions, the cache's slots / context lengths / block
 // tables: PagedKvCache::begin_padded_batch) to fixed buffers, runs one forward_decode that moves
 // nothing between host and device (DecodeBatch::tokens_device ...) as a graph captured once per
-// row count, and copies the logits back (the step's one synchronisation); sampling stays on the
+// row count and block-table stride, and copies the logits back (the step's one synchronisation); sampling stays on the
 // host. The first step of a row count runs that forward eagerly (sizing every buffer it touches),
 // then captures it; a graph is captured again when the backend freed memory since
 // (memory_epoch(): a larger prefill grew a buffer). One graph per row count keeps every kernel's
@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -56,8 +57,10 @@ class DecodeGraphs {
   // the graph layout (begin_padded_batch with rows_for(n)): logits (n, V) host <- the model on
   // the rows. base: the step's linears, lm_head bits and KV cache (its row fields are set here).
   // Replays the row count's graph, or runs eagerly and captures it.
+  // Graphs are kept per (rows run, table_stride): the cache's block-table stride of the step
+  // (PagedKvCache::table_stride()), a scalar its attention kernels take.
   void step(float* logits, const model::DecodeBatch& base, const std::vector<int32_t>& tokens,
-            const std::vector<int32_t>& positions);
+            const std::vector<int32_t>& positions, int64_t table_stride);
 
   DecodeGraphMode mode() const { return mode_; }
   // False once a capture failed (failure() says why): the engine then runs its steps eagerly.
@@ -82,7 +85,8 @@ class DecodeGraphs {
   backend::Buffer<int32_t> tokens_, positions_;  // (max_rows) i32 backend memory
   backend::Buffer<float> logits_;                // (max_rows, V) f32 backend memory
   std::vector<int32_t> tok_h_, pos_h_;           // the host rows (padding included)
-  std::map<int64_t, std::unique_ptr<backend::CapturedGraph>> graphs_;  // by rows run
+  // by (rows run, table stride)
+  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<backend::CapturedGraph>> graphs_;
   int64_t epoch_ = -1;                                                 // memory_epoch() at the captures
   int64_t replays_ = 0, captures_ = 0, padding_rows_ = 0;
   std::string failure_;

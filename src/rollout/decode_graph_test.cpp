@@ -1,5 +1,6 @@
 // Tests of the engine's CUDA-graph decode steps (decode_graph.h): the padded sizes; the KV cache's
-// graph layout (fixed stride, padding rows on the scratch page that no sequence ever gets); the
+// graph layout (fixed buffers, strides of powers of two up to the context's pages, padding rows on
+// the scratch page that no sequence ever gets); the
 // engine with the graph layout run eagerly on the CPU (DecodeGraphMode::kEagerLayout) gives the
 // tokens and log-probs of plain eager decoding bit for bit (bf16 and w4a16, greedy and sampled,
 // batches of 1, 3 and 16 with sequences joining and leaving), and with padding (3 rows run as 4)
@@ -62,52 +63,57 @@ KvCacheConfig small_cache(int64_t graph_rows) {
   return c;
 }
 
-TEST(DecodeGraphs, PaddedLayoutHasAFixedStrideAndPaddingRowsOnTheScratchPage) {
+TEST(DecodeGraphs, GraphLayoutHasPowerOfTwoStridesAndPaddingRowsOnTheScratchPage) {
   auto kv = PagedKvCache::create(backend::cpu_backend(), small_cache(4));
   ASSERT_TRUE(kv.is_ok()) << kv.status().message();
   PagedKvCache& c = **kv;
   EXPECT_EQ(c.graph_blocks(), 5);  // ceil(18 / 4)
+  EXPECT_EQ(c.graph_stride(1), 1);
+  EXPECT_EQ(c.graph_stride(2), 2);
+  EXPECT_EQ(c.graph_stride(3), 4);
+  EXPECT_EQ(c.graph_stride(4), 4);
+  EXPECT_EQ(c.graph_stride(5), 5);  // capped at the context's pages
   EXPECT_EQ(c.scratch_page(), 6);
   EXPECT_EQ(c.free_pages(), 6);  // the scratch page is never free
   const PagedKvCache::SeqId a = c.add_sequence(), b = c.add_sequence();
-  ASSERT_TRUE(c.grow(a, 6).is_ok());  // 2 pages
+  ASSERT_TRUE(c.grow(a, 1).is_ok());  // 1 page
   ASSERT_TRUE(c.grow(b, 1).is_ok());  // 1 page
-  // the rows of an unpadded batch, then the same rows padded to 4
+  // the rows of an unpadded batch, then rows of 3 and 1 pages padded to 4 rows
   ASSERT_TRUE(c.begin_batch({a, b}, {0, 0}).is_ok());
-  const std::vector<int32_t> slots = c.batch_slots(), ctx = c.batch_context_lengths();
-  const std::vector<int32_t> table = c.batch_block_tables();
-  ASSERT_EQ(c.table_stride(), 2);
+  EXPECT_EQ(c.table_stride(), 1);
+  const std::vector<int32_t> ctx = c.batch_context_lengths();
   c.finish_batch();
   const PagedKvCache::SeqId a2 = c.add_sequence(), b2 = c.add_sequence();
-  ASSERT_TRUE(c.grow(a2, 6).is_ok());
-  ASSERT_TRUE(c.grow(b2, 1).is_ok());
+  ASSERT_TRUE(c.grow(a2, 9).is_ok());  // 3 pages
+  ASSERT_TRUE(c.grow(b2, 1).is_ok());  // 1 page
   ASSERT_TRUE(c.begin_padded_batch({a2, b2}, {0, 0}, 4).is_ok());
-  ASSERT_EQ(c.table_stride(), 5);
+  ASSERT_EQ(c.table_stride(), 4);  // 3 pages: stride 4
   const std::vector<int32_t>& ps = c.batch_slots();
   const std::vector<int32_t>& pc = c.batch_context_lengths();
   const std::vector<int32_t>& pt = c.batch_block_tables();
   ASSERT_EQ(ps.size(), 4u);
-  ASSERT_EQ(pt.size(), 20u);
-  for (int r = 0; r < 2; ++r) {  // real rows: their own pages (other ids than a, b), positions, contexts
+  ASSERT_EQ(pc.size(), 4u);
+  ASSERT_EQ(pt.size(), 16u);
+  for (int r = 0; r < 2; ++r) {  // real rows: their pages, positions and contexts
     const PagedKvCache::SeqId s = r == 0 ? a2 : b2;
     EXPECT_EQ(ps[r], c.pages_of(s)[0] * 4) << r;
     EXPECT_EQ(pc[r], ctx[r]) << r;
-    for (size_t j = 0; j < c.pages_of(s).size(); ++j) EXPECT_EQ(pt[r * 5 + j], c.pages_of(s)[j]) << r;
-    EXPECT_EQ(slots[r], c.pages_of(r == 0 ? a : b)[0] * 4) << r;
+    for (size_t j = 0; j < c.pages_of(s).size(); ++j) EXPECT_EQ(pt[r * 4 + j], c.pages_of(s)[j]) << r;
   }
   for (int r = 2; r < 4; ++r) {  // padding rows: slot 0 of the scratch page, context 1
     EXPECT_EQ(ps[r], 6 * 4) << r;
     EXPECT_EQ(pc[r], 1) << r;
-    for (int j = 0; j < 5; ++j) EXPECT_EQ(pt[r * 5 + j], 6) << r;
+    for (int j = 0; j < 4; ++j) EXPECT_EQ(pt[r * 4 + j], 6) << r;
   }
   c.finish_batch();
   EXPECT_EQ(c.length(a2), 1);
   EXPECT_EQ(c.length(b2), 1);
   // the scratch page is never handed out, whatever is taken
   const PagedKvCache::SeqId big = c.add_sequence();
-  ASSERT_FALSE(c.grow(big, 3 * 4).is_ok());  // 3 pages: only 0 left after a, b, a2, b2 took 6
+  EXPECT_EQ(c.free_pages(), 0);  // a, b, a2, b2 hold all 6
+  ASSERT_FALSE(c.grow(big, 1).is_ok());
   c.release(a), c.release(b);
-  ASSERT_TRUE(c.grow(big, 3 * 4).is_ok());
+  ASSERT_TRUE(c.grow(big, 2 * 4).is_ok());
   for (int32_t p : c.pages_of(big)) EXPECT_NE(p, c.scratch_page());
   // bad padded batches are one-line errors, the cache unchanged
   EXPECT_FALSE(c.begin_padded_batch({a2, b2}, {1, 1}, 1).is_ok());  // fewer padded rows than rows

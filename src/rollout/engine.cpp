@@ -604,7 +604,7 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
     const auto t_forward = Clock::now();
     if (graph_step) {
       const int64_t replays = graphs_->replays(), captures = graphs_->captures(), pad = graphs_->padding_rows();
-      graphs_->step(logits.data(), batch, row_tok, row_pos);
+      graphs_->step(logits.data(), batch, row_tok, row_pos, cache_->table_stride());
       ++stats_.graph_steps;
       stats_.graph_replays += graphs_->replays() - replays;
       stats_.graph_captures += graphs_->captures() - captures;

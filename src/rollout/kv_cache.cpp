@@ -40,6 +40,12 @@ Result<std::unique_ptr<PagedKvCache>> PagedKvCache::create(backend::Backend& be,
   return kv;
 }
 
+int64_t PagedKvCache::graph_stride(int64_t blocks) const {
+  int64_t p = 1;
+  while (p < blocks) p *= 2;
+  return std::min(p, graph_blocks());
+}
+
 int64_t PagedKvCache::graph_blocks() const {
   return (config_.max_context + config_.page_size - 1) / config_.page_size;
 }
@@ -136,7 +142,7 @@ Status PagedKvCache::grow(SeqId id, int64_t n) {
 }
 
 Status PagedKvCache::fill_batch(const std::vector<SeqId>& row_seq, const std::vector<int32_t>& row_pos, int64_t rows,
-                                int64_t stride) {
+                                bool graph_layout) {
   NIB_CHECK(row_seq.size() == row_pos.size());
   const int64_t N = static_cast<int64_t>(row_seq.size());
   if (N == 0) return invalid_argument("kv cache: empty batch");
@@ -157,7 +163,7 @@ Status PagedKvCache::fill_batch(const std::vector<SeqId>& row_seq, const std::ve
     ++it->second;
     max_blocks = std::max<int64_t>(max_blocks, static_cast<int64_t>(s.pages.size()));
   }
-  if (stride == 0) stride = max_blocks;
+  const int64_t stride = graph_layout ? graph_stride(max_blocks) : max_blocks;
   if (max_blocks > stride)
     return invalid_argument("kv cache: a sequence holds {} pages, the padded layout has room for {}", max_blocks,
                             stride);
@@ -183,7 +189,7 @@ Status PagedKvCache::fill_batch(const std::vector<SeqId>& row_seq, const std::ve
 
 Status PagedKvCache::begin_batch(const std::vector<SeqId>& row_seq, const std::vector<int32_t>& row_pos) {
   const int64_t N = static_cast<int64_t>(row_seq.size());
-  NIB_RETURN_IF_ERROR(fill_batch(row_seq, row_pos, N, 0));
+  NIB_RETURN_IF_ERROR(fill_batch(row_seq, row_pos, N, /*graph_layout=*/false));
   backend::Backend& be = *be_;
   be.copy_to_device(slots_.ensure(be, N, "KV cache slots"), slots_h_.data(), slots_h_.size() * sizeof(int32_t));
   be.copy_to_device(ctx_.ensure(be, N, "KV cache context lengths"), ctx_h_.data(), ctx_h_.size() * sizeof(int32_t));
@@ -199,7 +205,7 @@ Status PagedKvCache::begin_padded_batch(const std::vector<SeqId>& row_seq, const
   if (padded_rows < static_cast<int64_t>(row_seq.size()) || padded_rows > config_.graph_rows)
     return invalid_argument("kv cache: {} padded rows for {} rows (at most {})", padded_rows, row_seq.size(),
                             config_.graph_rows);
-  NIB_RETURN_IF_ERROR(fill_batch(row_seq, row_pos, padded_rows, graph_blocks()));
+  NIB_RETURN_IF_ERROR(fill_batch(row_seq, row_pos, padded_rows, /*graph_layout=*/true));
   backend::Backend& be = *be_;
   be.copy_to_device(graph_slots_.data(), slots_h_.data(), slots_h_.size() * sizeof(int32_t));
   be.copy_to_device(graph_ctx_.data(), ctx_h_.data(), ctx_h_.size() * sizeof(int32_t));

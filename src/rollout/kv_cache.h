@@ -72,18 +72,25 @@ class PagedKvCache final : public model::KvCacheAttention {
   // room made by grow(). Uploads the slots, block tables and context lengths; finish_batch()
   // then advances the lengths.
   Status begin_batch(const std::vector<SeqId>& row_seq, const std::vector<int32_t>& row_pos);
-  // The same rows in the padded layout of a graph step of `padded_rows` rows (>= the rows given,
-  // <= config().graph_rows): the metadata goes to the fixed buffers (the same pointers every
-  // step), the block tables with the fixed stride graph_blocks(), and each padding row writes
-  // slot 0 of the scratch page with context length 1 (its table row: the scratch page), so the
-  // real rows' results are those of begin_batch. append_and_attend then runs padded_rows rows.
+  // The same rows in the layout of a graph step of `padded_rows` rows (>= the rows given, <=
+  // config().graph_rows): the metadata goes to the fixed buffers (the same pointers every step),
+  // the block tables with stride graph_stride(the rows' most pages) (table_stride(): a graph is
+  // captured per stride, so a step passes the attention what a graph of that stride holds), and
+  // each padding row writes slot 0 of the scratch page with context length 1 (its table row: the
+  // scratch page). The paged attention's results do not depend on the stride (a row reads its
+  // context_len positions), so the real rows' results are those of begin_batch.
+  // append_and_attend then runs padded_rows rows.
   Status begin_padded_batch(const std::vector<SeqId>& row_seq, const std::vector<int32_t>& row_pos,
                             int64_t padded_rows);
   void finish_batch();
-  // Block-table stride of the padded layout; the scratch page's id (num_pages()).
+  // Block-table stride of the graph layout for rows of at most `blocks` pages: the next power of
+  // two, at most graph_blocks() = ceil(max_context / page_size) (few strides, few graphs; a short
+  // context's attention does not launch for the whole context).
+  int64_t graph_stride(int64_t blocks) const;
   int64_t graph_blocks() const;
+  // The scratch page's id (num_pages()).
   int32_t scratch_page() const { return static_cast<int32_t>(config_.num_pages); }
-  // Host copies of the current batch's metadata as uploaded (tests): slots (rows), context lengths
+  // Host copies of the current batch's metadata as uploaded: slots (rows), context lengths
   // (rows), block tables (rows, table_stride()).
   const std::vector<int32_t>& batch_slots() const { return slots_h_; }
   const std::vector<int32_t>& batch_context_lengths() const { return ctx_h_; }
@@ -113,10 +120,10 @@ class PagedKvCache final : public model::KvCacheAttention {
   void copy_page(int32_t dst, int32_t src);
   int64_t layer_bytes() const;
   int64_t allocated_pages() const { return config_.num_pages + (config_.graph_rows > 0 ? 1 : 0); }
-  // begin_batch / begin_padded_batch: checks the rows and fills the host metadata with `stride`
-  // entries per table row (0: the batch's longest page list) and `rows` >= row_seq.size() rows.
+  // begin_batch / begin_padded_batch: checks the rows and fills the host metadata with `rows` >=
+  // row_seq.size() rows of the stride `stride_of(the rows' most pages)`.
   Status fill_batch(const std::vector<SeqId>& row_seq, const std::vector<int32_t>& row_pos, int64_t rows,
-                    int64_t stride);
+                    bool graph_layout);
   uint8_t* k_layer(int64_t layer) const;
   uint8_t* v_layer(int64_t layer) const;
 
