@@ -250,6 +250,7 @@ void CudaBackend::sync_and_check_flags(const char* op) {
 
 void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
   activate();
+  refuse_while_capturing("copy_to_host");
   if (bytes > 0)
     NIB_OP_CUDA(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "copy_to_host", "{} bytes",
                 bytes);
