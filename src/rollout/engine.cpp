@@ -51,24 +51,26 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
                             o.max_batch);
   if (model.storage() == model::ParameterStorage::kInference && o.mode == PrecisionMode::kRecipe)
     return invalid_argument("rollout: a model of inference storage has no recipe weights (mode bf16, w4a16 or w4a4)");
-  std::unique_ptr<Engine> e(new Engine(model, o));
+  std::string graphs_off;
   // decode graphs (decode_graph.h): where they cannot run, every step is eager and graphs_off_ says why
   if (const char* env = std::getenv("NIBBLE_CUDA_GRAPHS");
       env != nullptr && (std::string(env) == "off" || std::string(env) == "0") &&
       o.decode_graphs == DecodeGraphMode::kOn) {
     o.decode_graphs = DecodeGraphMode::kOff;
-    e->graphs_off_ = "NIBBLE_CUDA_GRAPHS=off";
+    graphs_off = "NIBBLE_CUDA_GRAPHS=off";
   } else if (o.decode_graphs == DecodeGraphMode::kOff) {
-    e->graphs_off_ = "turned off (--no-cuda-graphs)";
+    graphs_off = "turned off (--no-cuda-graphs)";
   } else if (o.mode == PrecisionMode::kRecipe) {
-    e->graphs_off_ = "the recipe mode runs the model's own recipes";
+    graphs_off = "the recipe mode runs the model's own recipes";
   } else if (model.num_moe_layers() > 0) {
-    e->graphs_off_ = "MoE layers walk their experts with host offsets";
-  } else if (o.mode == PrecisionMode::kW4A4 && o.recipe_name == "nvfp4-nvidia") {
-    e->graphs_off_ = "w4a4's per-tensor activation scale (nvfp4-nvidia) depends on the rows, padding too";
+    graphs_off = "MoE layers walk their experts with host offsets";
+  } else if (o.decode_graph_padding && o.mode == PrecisionMode::kW4A4 && o.recipe_name == "nvfp4-nvidia") {
+    graphs_off = "padding rows would enter w4a4's per-tensor activation scale (nvfp4-nvidia)";
   } else if (o.decode_graphs == DecodeGraphMode::kOn && backend::graph_capture(model.backend()) == nullptr) {
-    e->graphs_off_ = fmt::format("backend '{}' cannot capture graphs", model.backend().name());
+    graphs_off = fmt::format("backend '{}' cannot capture graphs", model.backend().name());
   }
+  std::unique_ptr<Engine> e(new Engine(model, o));
+  e->graphs_off_ = graphs_off;
   const bool graphs = e->graphs_off_.empty();
   KvCacheConfig kc;
   kc.num_layers = cfg.num_hidden_layers;

@@ -50,7 +50,7 @@ struct EngineOptions {
   bool reference_sampler = false;
   // CUDA graphs for decode-only steps (rollout/decode_graph.h): kOn (the default) uses them where
   // the backend captures graphs and the engine allows them (bf16 / w4a16 / w4a4 modes of a dense
-  // model; w4a4 only with per-row activation scales), else runs eagerly (decode_graphs_status()
+  // model; padded w4a4 only with per-row activation scales), else runs eagerly (decode_graphs_status()
   // says why); kOff always eager (`--no-cuda-graphs`; the environment variable
   // NIBBLE_CUDA_GRAPHS=off does the same for every engine); kEagerLayout runs the graph steps'
   // layout eagerly on any backend (tests). Tokens and log-probs are the eager bits unless
