@@ -190,11 +190,21 @@ Status PagedKvCache::fill_batch(const std::vector<SeqId>& row_seq, const std::ve
 Status PagedKvCache::begin_batch(const std::vector<SeqId>& row_seq, const std::vector<int32_t>& row_pos) {
   const int64_t N = static_cast<int64_t>(row_seq.size());
   NIB_RETURN_IF_ERROR(fill_batch(row_seq, row_pos, N, /*graph_layout=*/false));
+  backend::Buffer<int32_t>* bufs[3] = {&slots_, &ctx_, &table_};
+  const int64_t want[3] = {N, N, N * max_blocks_};
+  const char* what[3] = {"KV cache slots", "KV cache context lengths", "KV cache block tables"};
+  const std::vector<int32_t>* host[3] = {&slots_h_, &ctx_h_, &table_h_};
   backend::Backend& be = *be_;
-  be.copy_to_device(slots_.ensure(be, N, "KV cache slots"), slots_h_.data(), slots_h_.size() * sizeof(int32_t));
-  be.copy_to_device(ctx_.ensure(be, N, "KV cache context lengths"), ctx_h_.data(), ctx_h_.size() * sizeof(int32_t));
-  be.copy_to_device(table_.ensure(be, N * max_blocks_, "KV cache block tables"), table_h_.data(),
-                    table_h_.size() * sizeof(int32_t));
+  for (int i = 0; i < 3; ++i) {
+    // grown to powers of two: a buffer freed frees the engine's CUDA graphs (memory_epoch), so
+    // the tables, which grow with the batch's longest sequence, are regrown only now and then
+    int64_t n = bufs[i]->size();
+    if (n < want[i]) {
+      n = 1;
+      while (n < want[i]) n *= 2;
+    }
+    be.copy_to_device(bufs[i]->ensure(be, n, what[i]), host[i]->data(), host[i]->size() * sizeof(int32_t));
+  }
   cur_slots_ = slots_.data(), cur_ctx_ = ctx_.data(), cur_table_ = table_.data();
   return Status::ok();
 }
