@@ -567,7 +567,7 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
         logit_rows.push_back(static_cast<int32_t>(c.first_row + c.rows - 1));
       }
 
-    // ---- one forward over all rows (a decode-only step: padded, through a graph) ----
+    // ---- one forward over all rows (a decode-only step through a graph: decode_graph.h) ----
     const bool record_routing = recorders != nullptr && recorders->routing != nullptr && Lm > 0;
     const bool record = (callbacks.on_routing || record_routing) && Lm > 0;
     const bool graph_step = graphs_ && graphs_->active() && chunks.empty() && !guidance && !record;
