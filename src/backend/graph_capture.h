@@ -2,12 +2,12 @@
 // docs/architecture.md "CUDA graphs for the decode step"). A backend that can record the ops it is
 // asked to run and replay them later as one launch implements GraphCapture; graph_capture(be)
 // finds it, null where a backend runs every op eagerly (the CPU backend). Between begin_capture()
-// and end_capture() ops are recorded, not run, and nothing may allocate, free, move data between
-// host and backend memory or synchronise: those calls fail with a CheckError naming the op (the
-// caller warms its buffers up with an eager call of the same shapes first). A graph keeps the
-// pointers and scalars it was captured with, so it stays valid while none of the memory it
-// touches is freed: memory_epoch() counts the backend's deallocations, and a graph captured at an
-// earlier epoch is captured again before it is replayed.
+// and end_capture() ops are recorded, not run, and nothing may allocate, move data between host
+// and backend memory or synchronise: those calls fail with a CheckError naming the op (the caller
+// warms its buffers up with an eager call of the same shapes first); a free is held back until
+// the capture ends. A graph keeps the pointers and scalars it was captured with, so it stays
+// valid while none of the memory it touches is freed: memory_epoch() counts the backend's
+// deallocations, and a graph captured at an earlier epoch is captured again before it is replayed.
 #pragma once
 
 #include <cstdint>

@@ -201,6 +201,10 @@ void CudaBackend::deallocate(void* p) {
   if (p == nullptr) return;
   (void)cudaSetDevice(device_);
   ++deallocation_count_;  // a graph captured before may point into p: memory_epoch() moves on
+  if (capturing_) {  // a free inside a capture would become a node of the graph: freed after it
+    deferred_frees_.push_back(p);
+    return;
+  }
   cudaError_t e = cudaFreeAsync(p, stream_);
   if (e != cudaSuccess) (void)cudaGetLastError();  // called from destructors: never throw
 }
@@ -959,12 +963,20 @@ void CudaBackend::begin_capture() {
   capturing_ = true;
 }
 
+void CudaBackend::free_deferred() {
+  for (void* p : deferred_frees_)
+    if (cudaFreeAsync(p, stream_) != cudaSuccess) (void)cudaGetLastError();
+  deferred_frees_.clear();
+}
+
 std::unique_ptr<backend::CapturedGraph> CudaBackend::end_capture() {
   activate();
   NIB_CHECK_MSG(capturing_, "end_capture on {}: no capture under way", name_);
   capturing_ = false;
   cudaGraph_t graph = nullptr;
-  NIB_OP_CUDA(cudaStreamEndCapture(stream_, &graph), "end_capture", "stream capture (an op inside it failed)");
+  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+  free_deferred();
+  NIB_OP_CUDA(ended, "end_capture", "stream capture (an op inside it failed)");
   cudaGraphExec_t exec = nullptr;
   const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
   if (e != cudaSuccess) {
@@ -981,6 +993,7 @@ void CudaBackend::abort_capture() {
   cudaGraph_t graph = nullptr;
   if (cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph != nullptr) (void)cudaGraphDestroy(graph);
   (void)cudaGetLastError();  // an invalidated capture reports its error here: dropped with it
+  free_deferred();
 }
 
 }  // namespace nibble::cuda

@@ -202,6 +202,8 @@ class CudaBackend final : public backend::Backend, public backend::GraphCapture 
   void sync_and_check_flags(const char* op);
   // A CheckError naming `op` when a capture is under way (the calls a graph cannot hold).
   void refuse_while_capturing(const char* op) const;
+  // Frees what deallocate() was given during a capture (after it ended).
+  void free_deferred();
   // grouped_matmul_bf16_nt (nn false) / _nn (true): the checks and the launch
   void grouped_rows_bf16(bool nn, float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets, int64_t G,
                          int64_t extent, int64_t N, int64_t K, int64_t b_stride, const float* alpha, bool accumulate);
@@ -228,6 +230,7 @@ class CudaBackend final : public backend::Backend, public backend::GraphCapture 
   int64_t allocation_count_ = 0;
   int64_t deallocation_count_ = 0;  // memory_epoch()
   bool capturing_ = false;
+  std::vector<void*> deferred_frees_;  // deallocate() during a capture
   std::vector<double> moe_load_host_;  // (2E+1) moe_accumulate_load's sums on the host (grow-only)
 };
 

@@ -2,7 +2,8 @@
 // nothing until replayed, a replay runs the recorded ops on the buffers' current contents (the
 // same bits as the ops run eagerly), the calls a graph cannot hold (allocate, copies to or from
 // the host, synchronize) are refused by name while capturing and the backend works after an
-// abort, a second begin_capture is refused, and memory_epoch() counts deallocations. The CPU
+// abort, a second begin_capture is refused, memory_epoch() counts deallocations, and a free
+// during a capture is held back until it ends. The CPU
 // backend has no capture. Skips without a CUDA device.
 #include <gtest/gtest.h>
 
@@ -108,6 +109,17 @@ TEST(GraphCapture, RefusesWhatAGraphCannotHoldAndRecovers) {
   EXPECT_EQ(cap->memory_epoch(), e0);
   be.deallocate(p.value());
   EXPECT_EQ(cap->memory_epoch(), e0 + 1);
+  // a free during a capture is held back (no graph node), done when the capture ends
+  Result<void*> q = be.allocate(256, "freed while capturing");
+  ASSERT_TRUE(q.is_ok());
+  cap->begin_capture();
+  be.scale(xd.data(), 16, 0.5f);
+  be.deallocate(q.value());
+  EXPECT_EQ(cap->memory_epoch(), e0 + 2);
+  std::unique_ptr<backend::CapturedGraph> g = cap->end_capture();
+  g->replay();
+  be.copy_to_host(out.data(), xd.data(), 16 * sizeof(float));
+  EXPECT_EQ(out, std::vector<float>(16, 1.0f));  // 2 * 0.5: the graph holds the scale, not the free
 }
 
 }  // namespace
