@@ -47,7 +47,6 @@ Result<std::unique_ptr<DecodeGraphs>> DecodeGraphs::create(model::Model& model, 
   try {
     g->tokens_.ensure(be, max_rows, "decode graph tokens");
     g->positions_.ensure(be, max_rows, "decode graph positions");
-    g->logits_.ensure(be, max_rows * model.config().vocab_size, "decode graph logits");
   } catch (const backend::AllocationError& e) {
     return invalid_argument("{} (lower the max batch)", e.what());
   }
@@ -66,6 +65,9 @@ void DecodeGraphs::step(float* logits, const model::DecodeBatch& base, const std
   const int64_t P = rows_for(n);
   const int64_t V = model_->config().vocab_size;
   backend::Backend& be = model_->backend();
+  // the logits of the most rows run so far (grown before the epoch is read: a graph holding the
+  // old buffer is then captured again)
+  logits_.ensure(be, P * V, "decode graph logits");
   // padding rows (if any): token 0 at position 0 (their keys and values go to the scratch page)
   tok_h_.assign(static_cast<size_t>(P), 0);
   pos_h_.assign(static_cast<size_t>(P), 0);

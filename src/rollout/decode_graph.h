@@ -45,8 +45,8 @@ std::vector<int64_t> decode_graph_sizes(int64_t max_rows);
 
 class DecodeGraphs {
  public:
-  // For `model` (which must outlive this) with `max_rows` rows at most and the fixed buffers
-  // allocated now; mode kOn needs a backend with graph capture (graph_capture()). pad: steps run
+  // For `model` (which must outlive this) with `max_rows` rows at most and the token and position
+  // buffers allocated now (the logits' grows with the rows run); mode kOn needs a backend with graph capture (graph_capture()). pad: steps run
   // padded_decode_rows(n) rows (see above).
   static Result<std::unique_ptr<DecodeGraphs>> create(model::Model& model, DecodeGraphMode mode, int64_t max_rows,
                                                       bool pad);
@@ -83,7 +83,7 @@ class DecodeGraphs {
   bool pad_;
   backend::GraphCapture* capture_ = nullptr;  // kOn
   backend::Buffer<int32_t> tokens_, positions_;  // (max_rows) i32 backend memory
-  backend::Buffer<float> logits_;                // (max_rows, V) f32 backend memory
+  backend::Buffer<float> logits_;                // (most rows run, V) f32 backend memory
   std::vector<int32_t> tok_h_, pos_h_;           // the host rows (padding included)
   // by (rows run, table stride)
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<backend::CapturedGraph>> graphs_;
