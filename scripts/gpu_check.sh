@@ -24,6 +24,9 @@
 #                      "rl" (nibble sft then nibble rl on CUDA, synchronous and with max_staleness 1),
 #                      "distbench" (nibble bench collectives as a one-rank NCCL world and bench
 #                      weight-sync for configs/qwen3moe-768.json: distbench_*.jsonl, ~1 min),
+#                      "decodegraphs" (nibble bench decode with CUDA graphs on, then --no-cuda-graphs, in
+#                      the same call: NIBBLE_DECODE_CONFIG, NIBBLE_DECODE_GRAPH_BATCHES (1,16,64),
+#                      NIBBLE_DECODE_NEW (64), NIBBLE_DECODE_MODES; decode_graphs.jsonl and a table on/off),
 #                      "decode30b" (nibble bench decode of the Qwen3-30B-A3B shape in w4a16, batches 1,16,
 #                      prompt 512, new 32: the inference-storage engine on one GPU; decode30b.jsonl),
 #                      "rlbench" (nibble bench rl on configs/qwen3moe-768.json: the RL step time split
@@ -277,7 +280,7 @@ if want bench; then
   fi
 fi
 
-ATTN_RC=skip DIST_RC=skip PROF_RC=skip ROLL_RC=skip DEC_RC=skip RL_RC=skip D30_RC=skip RLB_RC=skip
+ATTN_RC=skip DIST_RC=skip PROF_RC=skip ROLL_RC=skip DEC_RC=skip DG_RC=skip RL_RC=skip D30_RC=skip RLB_RC=skip
 if want attn; then
   # Causal attention alone: nibble's FP32 and BF16 kernels, then PyTorch's SDPA (BF16) at the same
   # shapes in the same call (bench/torch_attention_baseline.py).
@@ -302,8 +305,9 @@ if want rollout; then
   # The rollout engine on CUDA against the CPU (issue #15): greedy BF16 tokens and w4a16 weight bits.
   ROLL_RC=0
   if [ -x "$PREBUILT/nibble_rollout_tests" ]; then
-    stamp "rollout engine on CUDA against the CPU (RolloutEngineDevice.*)"
-    timeout "$(limit 120 "$TORCH_RESERVE")" "$PREBUILT/nibble_rollout_tests" --gtest_filter='RolloutEngineDevice.*' \
+    stamp "rollout engine on CUDA against the CPU (RolloutEngineDevice.*), decode graphs against eager (DecodeGraphsDevice.*)"
+    timeout "$(limit 180 "$TORCH_RESERVE")" "$PREBUILT/nibble_rollout_tests" \
+      --gtest_filter='RolloutEngineDevice.*:DecodeGraphsDevice.*' \
       >"$OUT/rollout_tests.log" 2>&1 || ROLL_RC=$?
     grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure" "$OUT/rollout_tests.log" | head -20
   else
@@ -340,6 +344,45 @@ if want decode; then
     cat "$OUT/hf_generate.jsonl"; tail -3 "$OUT/hf_generate.log"
   fi
   stamp "decode benches exit code $DEC_RC"
+fi
+
+if want decodegraphs; then
+  # CUDA graphs for the decode step (rollout/decode_graph.h): the same bench with graphs on (the
+  # default) and off, one after the other on one machine; the JSON's cuda_graphs says whether the
+  # engine used them, graph_replays how many steps replayed one. decode_graphs.jsonl + a table.
+  DG_RC=0
+  DG_CONFIG=${NIBBLE_DECODE_CONFIG:-configs/olmo2-1b.json}
+  DG_BATCHES=${NIBBLE_DECODE_GRAPH_BATCHES:-1,16,64}
+  DG_NEW=${NIBBLE_DECODE_NEW:-64}
+  if [ -n "$NIBBLE" ] && "$NIBBLE" bench decode --help 2>/dev/null | grep -q -- --no-cuda-graphs; then
+    for mode in ${NIBBLE_DECODE_MODES:-bf16 w4a16}; do
+      for graphs in on off; do
+        flag=""; [ "$graphs" = off ] && flag="--no-cuda-graphs"
+        stamp "nibble bench decode --config $DG_CONFIG --mode $mode --batch $DG_BATCHES --new $DG_NEW $flag"
+        timeout "$(limit 200)" "$NIBBLE" bench decode --device cuda --config "$DG_CONFIG" --mode "$mode" \
+          --batch "$DG_BATCHES" --prompt 512 --new "$DG_NEW" $flag >>"$OUT/decode_graphs.jsonl" \
+          2>>"$OUT/decode_graphs.log" || DG_RC=$?
+        note_rc "bench decode $mode graphs $graphs" "$DG_RC"
+      done
+    done
+    python3 - "$OUT/decode_graphs.jsonl" <<'PY' || true
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+key = lambda r: (r["mode"], r["batch"])
+on = {key(r): r for r in rows if not r["cuda_graphs"].startswith("off")}
+off = {key(r): r for r in rows if r["cuda_graphs"].startswith("off")}
+print(f"{'mode':6} {'batch':>5} {'graphs tok/s':>13} {'eager tok/s':>12} {'speedup':>8} {'replays':>8}  graphs")
+for k in sorted(set(on) | set(off)):
+    a, b = on.get(k), off.get(k)
+    ta = a["decode_tokens_per_s"] if a else float("nan")
+    tb = b["decode_tokens_per_s"] if b else float("nan")
+    print(f"{k[0]:6} {k[1]:5d} {ta:13.1f} {tb:12.1f} {ta / tb:8.2f} {a['graph_replays'] if a else 0:8d}  "
+          f"{(a or b)['cuda_graphs']}")
+PY
+  else
+    DG_RC=missing
+  fi
+  stamp "decode graphs exit code $DG_RC"
 fi
 
 if want decode30b; then
@@ -615,7 +658,7 @@ fi
   echo "op suite           rc=$OPS_RC ($(count "$OUT/ops_tests.log"))"
   echo "training step      rc=$TRAIN_RC ($(count "$OUT/train_tests.log"))"
   [ "$BENCH_RC" != skip ] && { echo "bandwidth bench    rc=$BENCH_RC"; grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |floor|te rht)' "$OUT/bench.log"; }
-  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC   rollout rc=$ROLL_RC   decode rc=$DEC_RC   decode30b rc=$D30_RC   rl rc=$RL_RC   rlbench rc=$RLB_RC"
+  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC   rollout rc=$ROLL_RC   decode rc=$DEC_RC   decode graphs rc=$DG_RC   decode30b rc=$D30_RC   rl rc=$RL_RC   rlbench rc=$RLB_RC"
   python3 scripts/gpu_table.py "$OUT" 2>&1
 } | tee "$OUT/table.txt"
 ok() { [ "$1" = 0 ] || [ "$1" = skip ]; }

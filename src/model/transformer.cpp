@@ -642,7 +642,11 @@ void TransformerT<T>::forward_logits(T* logits, const int32_t* tokens, int64_t B
 template <typename T>
 void TransformerT<T>::forward_decode(T* logits, const DecodeBatch& batch) {
   NIB_CHECK_MSG((std::is_same_v<T, float>), "forward_decode: float models only");
-  NIB_CHECK(logits != nullptr && batch.kv != nullptr && batch.tokens != nullptr && batch.positions != nullptr);
+  const bool on_device = batch.logits_device != nullptr;
+  NIB_CHECK_MSG(on_device == (batch.tokens_device != nullptr) && on_device == (batch.positions_device != nullptr),
+                "forward_decode: tokens_device, positions_device and logits_device go together");
+  NIB_CHECK((logits != nullptr || on_device) && batch.kv != nullptr && batch.tokens != nullptr &&
+            batch.positions != nullptr);
   NIB_CHECK_MSG(batch.N > 0, "forward_decode: empty batch");
   for (int64_t n = 0; n < batch.N; ++n) {
     NIB_CHECK_MSG(batch.positions[n] >= 0 && batch.positions[n] < config_.max_position_embeddings,
@@ -664,8 +668,10 @@ void TransformerT<T>::forward_decode(T* logits, const DecodeBatch& batch) {
       for (auto& s : im.linears) s.decode_override = nullptr;
     }
   } scope(im, batch);
+  // logits_out non-null selects the logits branch; run() writes to batch.logits_device when set
+  T* logits_out = on_device ? reinterpret_cast<T*>(batch.logits_device) : logits;
   run(batch.tokens, nullptr, 1, batch.N, LossOptions{}, RoutingIO{nullptr, batch.routing_record}, /*backward=*/false,
-      logits, nullptr);
+      logits_out, nullptr);
 }
 
 template <typename T>
@@ -791,12 +797,15 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   };
   const T* cosp = im.rope_cos.data();
   const T* sinp = im.rope_sin.data();
-  // the host inputs in backend memory
-  mem.copy_to_device(im.tokens, tokens, static_cast<size_t>(N) * sizeof(int32_t));
+  // the host inputs in backend memory (a decode batch may have put them there itself)
+  const bool inputs_on_device = im.decode != nullptr && im.decode->tokens_device != nullptr;
+  const int32_t* tokens_dev = inputs_on_device ? im.decode->tokens_device : im.tokens;
+  const int32_t* positions_dev = inputs_on_device ? im.decode->positions_device : im.positions;
+  if (!inputs_on_device) mem.copy_to_device(im.tokens, tokens, static_cast<size_t>(N) * sizeof(int32_t));
   if (targets) mem.copy_to_device(im.targets, targets, static_cast<size_t>(N) * sizeof(int32_t));
   if (routing.forced && Lm > 0)
     mem.copy_to_device(im.forced, routing.forced, static_cast<size_t>(Lm * Nk) * sizeof(int32_t));
-  if (im.decode != nullptr)
+  if (im.decode != nullptr && !inputs_on_device)
     mem.copy_to_device(im.positions, im.decode->positions, static_cast<size_t>(N) * sizeof(int32_t));
   im.load_count.assign(E > 0 ? E : 0, 0.0);
   im.load_prob.assign(E > 0 ? E : 0, 0.0);
@@ -903,7 +912,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   };
 
   // ---- forward ----
-  ops.embedding_forward(im.res[0], im.tokens, W(im.embed), N, V, C);
+  ops.embedding_forward(im.res[0], tokens_dev, W(im.embed), N, V, C);
   for (int64_t l = 0; l < L; ++l) {
     BlockActs<T>& a = im.acts[l];
     const BlockParams& bp = im.blocks[l];
@@ -928,7 +937,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
       ops.rmsnorm_forward(a.q_rot, a.q_rstd, a.q_raw, W(bp.q_norm), N * H, D, eps);
       ops.rmsnorm_forward(a.k_rot, a.k_rstd, a.k_raw, W(bp.k_norm), N * Hkv, D, eps);
     }
-    const int32_t* rope_positions = im.decode != nullptr ? im.positions : nullptr;  // decode: each row's own
+    const int32_t* rope_positions = im.decode != nullptr ? positions_dev : nullptr;  // decode: each row's own
     ops.rope_forward(a.q_rot, a.q_rot, cosp, sinp, rope_positions, B, Tn, H, D);
     ops.rope_forward(a.k_rot, a.k_rot, cosp, sinp, rope_positions, B, Tn, Hkv, D);
     if (im.decode != nullptr) {  // prefill / decode: keys and values go to the cache, queries read it
@@ -1022,6 +1031,12 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
 
   LossParts lp;
   if (logits_out || custom_loss) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (im.decode != nullptr && im.decode->logits_device != nullptr) {  // left in backend memory
+        if (head_rows > 0) head_forward(im.decode->logits_device, 0, head_rows);
+        return LossParts{};
+      }
+    }
     T* logits = im.logits_full.ensure(mem, N * V, "all logits (forward_logits / custom loss)");
     if (head_rows > 0) head_forward(logits, 0, head_rows);
     const size_t bytes = static_cast<size_t>(head_rows * V) * sizeof(T);

@@ -118,6 +118,15 @@ struct DecodeBatch {
   // weights (the rollout engine snapshots it with its block linears); null: converted in this
   // forward. Used only where the lm_head runs on BF16 operands (lm_head_bf16()).
   const uint16_t* lm_head_bf16 = nullptr;
+  // A forward that moves nothing between host and backend memory (the rollout engine's CUDA-graph
+  // steps, rollout/decode_graph.h): when set, the rows' tokens and positions are read from these
+  // (N) i32 arrays in backend memory (holding the same values as `tokens` and `positions`, which
+  // are still checked on the host) instead of being uploaded, and the logits are written to
+  // logits_device: (num_logit_rows, or N without logit_rows, V) f32 in backend memory instead of
+  // the host (forward_decode's `logits` may then be null). Set all three or none.
+  const int32_t* tokens_device = nullptr;
+  const int32_t* positions_device = nullptr;
+  float* logits_device = nullptr;
 };
 
 // The training forward's step between RoPE and attention that gives K and V the values a
@@ -186,6 +195,7 @@ class TransformerT {
   // Prefill and decode (float models only): logits: (N,V) host <- the model on the rows of
   // `batch`, attention through batch.kv (see KvCacheAttention). The same per-layer code as the
   // training forward; no activations are kept for backward and micro_step() does not advance.
+  // With DecodeBatch::logits_device the logits stay in backend memory (logits may be null).
   void forward_decode(T* logits, const DecodeBatch& batch);
 
   void zero_grad();

@@ -72,6 +72,8 @@ Status bench_decode(backend::Backend& device_be, const model::ModelConfig& confi
   eo.max_step_tokens = std::max<int64_t>(max_batch, std::min<int64_t>(8192, max_batch * o.prompt));
   eo.share_prefix = false;
   eo.reference_sampler = o.reference_sampler;
+  eo.decode_graphs = o.cuda_graphs ? DecodeGraphMode::kOn : DecodeGraphMode::kOff;
+  eo.decode_graph_padding = o.graph_padding;
   NIB_ASSIGN_OR_RETURN(auto engine, Engine::create(*m, eo));
   NIB_RETURN_IF_ERROR(engine->init_random_weights(o.seed));
   be.synchronize();
@@ -110,6 +112,9 @@ Status bench_decode(backend::Backend& device_be, const model::ModelConfig& confi
     res.host_step_ms = (all.total_seconds - first.total_seconds) * per_step_ms;
     res.decode_seconds = std::max(total - res.prefill_seconds, 1e-9);
     res.decode_tokens_per_s = static_cast<double>(batch * (o.new_tokens - 1)) / res.decode_seconds;
+    res.cuda_graphs = engine->decode_graphs_status();
+    res.graph_replays = all.graph_replays;
+    res.graph_captures = all.graph_captures;
     if (o.profile) {
       // One profiled run, split where the batch's first tokens are sampled: the op timings and the
       // clock then are the prefill's (all prompt chunks + the first token), the rest is the decode

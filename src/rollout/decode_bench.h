@@ -9,7 +9,9 @@
 // The model is built in inference storage (no gradients, no FP32 block linears) and its random
 // weights arrive tensor by tensor (Engine::init_random_weights), so a model whose FP32 weights
 // alone exceed device and host memory (Qwen3-30B-A3B: 122 GB) runs in w4a16 on one GPU; the
-// engine's memory by kind and the time the weights took are reported.
+// engine's memory by kind and the time the weights took are reported. The decode steps run as
+// CUDA graphs where the engine can (rollout/decode_graph.h; with `profile` never: the profiling
+// decorator cannot capture), and the result says whether they did.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +37,8 @@ struct DecodeBenchOptions {
   double temperature = 0, top_p = 1;  // the requests' sampling (0: greedy; no stop ids either way)
   bool reference_sampler = false;  // EngineOptions::reference_sampler (the host-time comparison)
   bool profile = false;  // after the timed runs, profile the prefill run and the decode steps
+  bool cuda_graphs = true;     // EngineOptions::decode_graphs kOn (true) or kOff (`--no-cuda-graphs`)
+  bool graph_padding = false;  // EngineOptions::decode_graph_padding (`--cuda-graph-padding`)
   // kTraining: the model of the training path (FP32 master weights and gradients, quantized
   // from them) as before inference storage existed; the same bits, for comparisons.
   model::ParameterStorage storage = model::ParameterStorage::kInference;
@@ -57,6 +61,10 @@ struct DecodeBenchResult {
   // 1, per step): the forward (issuing ops + the logits copy's wait), sampling and log-probs, the
   // cache's block tables, and the whole step.
   double host_forward_ms = 0, host_sample_ms = 0, host_metadata_ms = 0, host_step_ms = 0;
+  // Engine::decode_graphs_status() ("on", "off: <why>", ...), and of the timed run of `new`
+  // tokens: decode steps replayed from a graph, graphs captured during it.
+  std::string cuda_graphs;
+  int64_t graph_replays = 0, graph_captures = 0;
   bool profiled = false;
   backend::StepProfile prefill_profile;      // the run generating 1 token (prefill + first token)
   backend::StepProfile decode_step_profile;  // one decode step: (run of `new` - run of 1) / (new - 1)

@@ -4,12 +4,17 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <deque>
+#include <string>
+
+#include <fmt/format.h>
 
 #include "core/bits.h"
 #include "core/check.h"
 #include "core/parallel.h"
 #include "core/philox.h"
+#include "backend/graph_capture.h"
 #include "rollout/quantized_weights.h"
 
 namespace nibble::rollout {
@@ -46,7 +51,29 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
                             o.max_batch);
   if (model.storage() == model::ParameterStorage::kInference && o.mode == PrecisionMode::kRecipe)
     return invalid_argument("rollout: a model of inference storage has no recipe weights (mode bf16, w4a16 or w4a4)");
+  std::string graphs_off;
+  // decode graphs (decode_graph.h): where they cannot run, every step is eager and graphs_off_ says why
+  // NIBBLE_CUDA_GRAPHS=off|on overrides the option for every engine (kEagerLayout, a test mode, stays)
+  if (const char* env = std::getenv("NIBBLE_CUDA_GRAPHS"); env != nullptr && o.decode_graphs != DecodeGraphMode::kEagerLayout) {
+    const std::string v(env);
+    if (v == "off" || v == "0") o.decode_graphs = DecodeGraphMode::kOff;
+    if (v == "on" || v == "1") o.decode_graphs = DecodeGraphMode::kOn;
+  }
+  if (o.decode_graphs == DecodeGraphMode::kOff) {
+    graphs_off = std::getenv("NIBBLE_CUDA_GRAPHS") != nullptr ? "NIBBLE_CUDA_GRAPHS=off"
+                                                                : "off (EngineOptions::decode_graphs; --no-cuda-graphs)";
+  } else if (o.mode == PrecisionMode::kRecipe) {
+    graphs_off = "the recipe mode runs the model's own recipes";
+  } else if (model.num_moe_layers() > 0) {
+    graphs_off = "MoE layers walk their experts with host offsets";
+  } else if (o.decode_graph_padding && o.mode == PrecisionMode::kW4A4 && o.recipe_name == "nvfp4-nvidia") {
+    graphs_off = "padding rows would enter w4a4's per-tensor activation scale (nvfp4-nvidia)";
+  } else if (o.decode_graphs == DecodeGraphMode::kOn && backend::graph_capture(model.backend()) == nullptr) {
+    graphs_off = fmt::format("backend '{}' cannot capture graphs", model.backend().name());
+  }
   std::unique_ptr<Engine> e(new Engine(model, o));
+  e->graphs_off_ = graphs_off;
+  const bool graphs = e->graphs_off_.empty();
   KvCacheConfig kc;
   kc.num_layers = cfg.num_hidden_layers;
   kc.num_heads = cfg.num_attention_heads;
@@ -56,7 +83,12 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
   kc.num_pages = o.num_pages;
   kc.format = o.kv_format;
   kc.attention = model.attention_precision();
+  kc.graph_rows = graphs ? o.max_batch : 0;
+  kc.max_context = ctx;
   NIB_ASSIGN_OR_RETURN(e->cache_, PagedKvCache::create(model.backend(), kc));
+  if (graphs) {
+    NIB_ASSIGN_OR_RETURN(e->graphs_, DecodeGraphs::create(model, o.decode_graphs, o.max_batch, o.decode_graph_padding));
+  }
   for (size_t i = 0; i < model.param_refs().size(); ++i)
     if (model.param_refs()[i].name == "lm_head.weight" && model.param_refs()[i].value == nullptr)
       e->lm_head_index_ = static_cast<int64_t>(i);  // inference storage, BF16 lm_head: ours alone
@@ -165,6 +197,12 @@ Status Engine::init_random_weights(uint64_t seed) {
   return Status::ok();
 }
 
+std::string Engine::decode_graphs_status() const {
+  if (!graphs_) return "off: " + graphs_off_;
+  if (!graphs_->active()) return "off: " + graphs_->failure();
+  return std::string(decode_graph_mode_name(graphs_->mode())) + (graphs_->padded() ? " (padded)" : "");
+}
+
 EngineMemory Engine::memory() const {
   EngineMemory m;
   if (model_->storage() == model::ParameterStorage::kTraining)
@@ -174,7 +212,8 @@ EngineMemory Engine::memory() const {
   m.gradients = model_->gradient_bytes();
   m.packed_weights = linears_ ? linears_->storage_bytes() : 0;
   m.kv_pages = cache_->bytes();
-  m.workspace = model_->workspace_bytes() + (linears_ ? linears_->workspace_bytes() : 0) + cache_->table_bytes();
+  m.workspace = model_->workspace_bytes() + (linears_ ? linears_->workspace_bytes() : 0) + cache_->table_bytes() +
+                (graphs_ ? graphs_->workspace_bytes() : 0);
   return m;
 }
 
@@ -535,9 +574,15 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
         logit_rows.push_back(static_cast<int32_t>(c.first_row + c.rows - 1));
       }
 
-    // ---- one forward over all rows ----
+    // ---- one forward over all rows (a decode-only step through a graph: decode_graph.h) ----
+    const bool record_routing = recorders != nullptr && recorders->routing != nullptr && Lm > 0;
+    const bool record = (callbacks.on_routing || record_routing) && Lm > 0;
+    const bool graph_step = graphs_ && graphs_->active() && chunks.empty() && !guidance && !record;
     const auto t_meta = Clock::now();
-    NIB_RETURN_IF_ERROR(cache_->begin_batch(row_seq, row_pos));
+    if (graph_step)
+      NIB_RETURN_IF_ERROR(cache_->begin_padded_batch(row_seq, row_pos, graphs_->rows_for(N)));
+    else
+      NIB_RETURN_IF_ERROR(cache_->begin_batch(row_seq, row_pos));
     stats_.metadata_seconds += seconds_since(t_meta);
     stats_.peak_pages_in_use = std::max(stats_.peak_pages_in_use, cache_->num_pages() - cache_->free_pages());
     logits.resize(std::max<size_t>(logit_rows.size(), 1) * static_cast<size_t>(V));
@@ -551,8 +596,6 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
     static const int32_t kNoRow = 0;  // a step of unfinished prompt chunks only: no logits at all
     batch.logit_rows = logit_rows.empty() ? &kNoRow : logit_rows.data();
     batch.num_logit_rows = static_cast<int64_t>(logit_rows.size());
-    const bool record_routing = recorders != nullptr && recorders->routing != nullptr && Lm > 0;
-    const bool record = (callbacks.on_routing || record_routing) && Lm > 0;
     RecordedRows rec_rows;
     if (record_routing || guidance) {
       row_id.clear(), row_samples_of.clear();
@@ -568,7 +611,16 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
       batch.routing_record = routing.data();
     }
     const auto t_forward = Clock::now();
-    model_->forward_decode(logits.data(), batch);
+    if (graph_step) {
+      const int64_t replays = graphs_->replays(), captures = graphs_->captures(), pad = graphs_->padding_rows();
+      graphs_->step(logits.data(), batch, row_tok, row_pos, cache_->table_stride());
+      ++stats_.graph_steps;
+      stats_.graph_replays += graphs_->replays() - replays;
+      stats_.graph_captures += graphs_->captures() - captures;
+      stats_.padding_rows += graphs_->padding_rows() - pad;
+    } else {
+      model_->forward_decode(logits.data(), batch);
+    }
     stats_.forward_seconds += seconds_since(t_forward);
     cache_->finish_batch();
     ++stats_.steps;

@@ -21,6 +21,7 @@
 
 #include "core/status.h"
 #include "model/transformer.h"
+#include "rollout/decode_graph.h"
 #include "rollout/kv_cache.h"
 #include "rollout/precision.h"
 #include "rollout/recorders.h"
@@ -47,6 +48,21 @@ struct EngineOptions {
   // instead of sample_with_logprob over the rows in parallel: the same tokens and log-probs,
   // slower; kept for comparisons (tests, `nibble bench decode --reference-sampler`).
   bool reference_sampler = false;
+  // CUDA graphs for decode-only steps (rollout/decode_graph.h): kOff by default until they have run
+  // on the H200 (`nibble bench decode` turns them on; NIBBLE_CUDA_GRAPHS=on|off overrides every
+  // engine's choice); kOn uses them where
+  // the backend captures graphs and the engine allows them (bf16 / w4a16 / w4a4 modes of a dense
+  // model; padded w4a4 only with per-row activation scales), else runs eagerly (decode_graphs_status()
+  // says why); kOff always eager (`--no-cuda-graphs`; the environment variable
+  // NIBBLE_CUDA_GRAPHS=off does the same for every engine); kEagerLayout runs the graph steps'
+  // layout eagerly on any backend (tests). Tokens and log-probs are the eager bits unless
+  // decode_graph_padding. Steps with prompt chunks, guidance recording or the routing hook always
+  // run eagerly.
+  DecodeGraphMode decode_graphs = DecodeGraphMode::kOff;
+  // Pad graph steps to 1, 2, 4, ... rows (one graph per size instead of one per row count); a
+  // GEMM over more rows may sum a real row in another order, so log-probs may differ from the
+  // eager ones in their last bits (tokens only where that flips a draw). `--cuda-graph-padding`.
+  bool decode_graph_padding = false;
 };
 
 struct GenerationParams {
@@ -134,6 +150,9 @@ struct EngineStats {
   // metadata = the cache's block tables and slots (begin_batch); the rest of total is scheduling
   // and callbacks.
   double forward_seconds = 0, sample_seconds = 0, metadata_seconds = 0, total_seconds = 0;
+  // Decode graphs: steps run padded through DecodeGraphs, of them replayed from a graph, graphs
+  // captured, padding rows run.
+  int64_t graph_steps = 0, graph_replays = 0, graph_captures = 0, padding_rows = 0;
 };
 
 class Engine {
@@ -198,6 +217,9 @@ class Engine {
   const EngineOptions& options() const { return options_; }
   const model::ModelConfig& model_config() const { return model_->config(); }
   const EngineStats& stats() const { return stats_; }
+  // "on", "eager-layout" (+ " (padded)"), or "off: <why>" (the option, the environment, the mode, the model, the
+  // backend, or a capture that failed).
+  std::string decode_graphs_status() const;
 
  private:
   Engine(model::Model& model, const EngineOptions& options) : model_(&model), options_(options) {}
@@ -216,6 +238,8 @@ class Engine {
   backend::Buffer<uint16_t> lm_head_bits_;  // (V,C) see snapshot_lm_head
   bool lm_head_snapshot_ = false;
   int64_t lm_head_index_ = -1;  // lm_head_held(): its index in param_refs()
+  std::unique_ptr<DecodeGraphs> graphs_;  // null: every step eager (graphs_off_ says why)
+  std::string graphs_off_;
   EngineStats stats_;
 };
 

@@ -5,7 +5,8 @@
 // prompt's pages (fork), a shared page that a sample writes into is copied first (copy-on-write),
 // and a page is freed when no sequence holds it. As model::KvCacheAttention it serves forward_decode:
 // each layer's new keys/values go through Backend::kv_cache_write (quantized there) and the
-// queries read the pages through Backend::paged_attention (Op::kPagedKvCache).
+// queries read the pages through Backend::paged_attention (Op::kPagedKvCache). The engine's
+// CUDA-graph steps use a padded layout in fixed buffers (begin_padded_batch).
 #pragma once
 
 #include <cstdint>
@@ -25,6 +26,13 @@ struct KvCacheConfig {
   backend::KvPageFormat format = backend::KvPageFormat::kBf16;
   // the model's attention precision (Model::attention_precision): decode attends as training does
   backend::AttentionPrecision attention = backend::AttentionPrecision::kFp32;
+  // The padded layout of the engine's CUDA-graph steps (rollout/decode_graph.h); 0: none.
+  // graph_rows > 0: the most rows of such a batch; one scratch page past num_pages takes the
+  // padding rows' keys and values (no sequence ever holds it), and the slots, context lengths and
+  // block tables of such a batch live in fixed buffers of (graph_rows) and (graph_rows,
+  // graph_blocks) entries, graph_blocks = ceil(max_context / page_size), allocated at create.
+  int64_t graph_rows = 0;
+  int64_t max_context = 0;  // positions a sequence can hold (needed with graph_rows)
 };
 
 class PagedKvCache;
@@ -52,7 +60,8 @@ class PagedKvCache final : public model::KvCacheAttention {
   int64_t bytes() const;
   // Bytes of the current batch's slots, block tables and context lengths in backend memory.
   int64_t table_bytes() const {
-    return static_cast<int64_t>(sizeof(int32_t)) * (slots_.size() + table_.size() + ctx_.size());
+    return static_cast<int64_t>(sizeof(int32_t)) * (slots_.size() + table_.size() + ctx_.size() +
+                                                    graph_slots_.size() + graph_table_.size() + graph_ctx_.size());
   }
 
   // A new empty sequence.
@@ -73,7 +82,30 @@ class PagedKvCache final : public model::KvCacheAttention {
   // room made by grow(). Uploads the slots, block tables and context lengths; finish_batch()
   // then advances the lengths.
   Status begin_batch(const std::vector<SeqId>& row_seq, const std::vector<int32_t>& row_pos);
+  // The same rows in the layout of a graph step of `padded_rows` rows (>= the rows given, <=
+  // config().graph_rows): the metadata goes to the fixed buffers (the same pointers every step),
+  // the block tables with stride graph_stride(the rows' most pages) (table_stride(): a graph is
+  // captured per stride, so a step passes the attention what a graph of that stride holds), and
+  // each padding row writes slot 0 of the scratch page with context length 1 (its table row: the
+  // scratch page). The paged attention's results do not depend on the stride (a row reads its
+  // context_len positions), so the real rows' results are those of begin_batch.
+  // append_and_attend then runs padded_rows rows.
+  Status begin_padded_batch(const std::vector<SeqId>& row_seq, const std::vector<int32_t>& row_pos,
+                            int64_t padded_rows);
   void finish_batch();
+  // Block-table stride of the graph layout for rows of at most `blocks` pages: the next power of
+  // two, at most graph_blocks() = ceil(max_context / page_size) (few strides, few graphs; a short
+  // context's attention does not launch for the whole context).
+  int64_t graph_stride(int64_t blocks) const;
+  int64_t graph_blocks() const;
+  // The scratch page's id (num_pages()).
+  int32_t scratch_page() const { return static_cast<int32_t>(config_.num_pages); }
+  // Host copies of the current batch's metadata as uploaded: slots (rows), context lengths
+  // (rows), block tables (rows, table_stride()).
+  const std::vector<int32_t>& batch_slots() const { return slots_h_; }
+  const std::vector<int32_t>& batch_context_lengths() const { return ctx_h_; }
+  const std::vector<int32_t>& batch_block_tables() const { return table_h_; }
+  int64_t table_stride() const { return max_blocks_; }
 
   // model::KvCacheAttention: writes layer `layer`'s rows then attends over the pages.
   void append_and_attend(backend::Backend& be, int64_t layer, float* out, const float* q, const float* k,
@@ -106,6 +138,11 @@ class PagedKvCache final : public model::KvCacheAttention {
   void drop_page(int32_t page);
   void copy_page(int32_t dst, int32_t src);
   int64_t layer_bytes() const;
+  int64_t allocated_pages() const { return config_.num_pages + (config_.graph_rows > 0 ? 1 : 0); }
+  // begin_batch / begin_padded_batch: checks the rows and fills the host metadata with `rows` >=
+  // row_seq.size() rows of the stride `stride_of(the rows' most pages)`.
+  Status fill_batch(const std::vector<SeqId>& row_seq, const std::vector<int32_t>& row_pos, int64_t rows,
+                    bool graph_layout);
   uint8_t* k_layer(int64_t layer) const;
   uint8_t* v_layer(int64_t layer) const;
 
@@ -120,6 +157,10 @@ class PagedKvCache final : public model::KvCacheAttention {
   std::vector<int32_t> slots_h_, table_h_, ctx_h_;
   std::vector<std::pair<SeqId, int64_t>> batch_growth_;  // (seq, new length) applied by finish_batch
   backend::Buffer<int32_t> slots_, table_, ctx_;
+  backend::Buffer<int32_t> graph_slots_, graph_table_, graph_ctx_;  // the padded layout (fixed)
+  const int32_t* cur_slots_ = nullptr;  // the current batch's: slots_ ... or graph_slots_ ...
+  const int32_t* cur_table_ = nullptr;
+  const int32_t* cur_ctx_ = nullptr;
   int64_t batch_rows_ = 0, max_blocks_ = 0;
   KvWriteObserver* observer_ = nullptr;
 };

@@ -86,7 +86,7 @@ TEST(BenchCli, BadAttentionShapeIsAnArgumentError) {
 
 // `bench decode` on the CPU with a tiny config: one JSON line per batch with positive tokens/s,
 // a bound from the measured copy bandwidth and the bytes a step reads, the engine's memory by
-// kind; bad values exit 2.
+// kind, whether CUDA graphs ran (not on the CPU; --no-cuda-graphs says so too); bad values exit 2.
 TEST(BenchCli, DecodeJsonLinesOnATinyConfig) {
   ScratchDir dir("bench_decode");
   nlohmann::json cfg = model::test::tiny_olmo2_model_json(48);
@@ -122,8 +122,16 @@ TEST(BenchCli, DecodeJsonLinesOnATinyConfig) {
     EXPECT_GT(mem.at("workspace").get<int64_t>(), 0);
     EXPECT_GE(j.at("peak_bytes").get<int64_t>(), mem.at("total").get<int64_t>());
     EXPECT_GT(j.at("init_s").get<double>(), 0);
+    // CUDA graphs: the CPU backend captures none, and the line says so
+    EXPECT_EQ(j.at("cuda_graphs"), "off: backend 'cpu' cannot capture graphs");
+    EXPECT_EQ(j.at("graph_replays").get<int64_t>(), 0);
+    EXPECT_EQ(j.at("graph_captures").get<int64_t>(), 0);
   }
   EXPECT_EQ(batches, (std::vector<int64_t>{1, 3}));
+  RunResult eager = run_nibble(dir.path, "bench decode --device cpu --config '" + (dir / "tiny.json") +
+                                             "' --batch 1 --prompt 5 --new 2 --no-cuda-graphs");
+  ASSERT_EQ(eager.code, 0) << eager.err;
+  EXPECT_EQ(nlohmann::json::parse(eager.out).at("cuda_graphs"), "off: turned off (--no-cuda-graphs)");
   for (const char* bad : {"--batch 0", "--batch 1,,2", "--mode recipe", "--new 1", "--kv-dtype fp4"}) {
     RunResult b = run_nibble(dir.path, "bench decode --device cpu --config '" + (dir / "tiny.json") + "' " + bad);
     EXPECT_EQ(b.code, 2) << bad << ": " << b.err;

@@ -69,7 +69,7 @@ struct DecodeBenchArgs {
   std::string mode = "bf16", kv_dtype = "bf16", device, batches = "1,16,64,256";
   int64_t prompt = 512, new_tokens = 128;
   double temperature = 0, top_p = 1;  // 0: greedy
-  bool profile = false, reference_sampler = false;
+  bool profile = false, reference_sampler = false, no_cuda_graphs = false, cuda_graph_padding = false;
   CLI::App* decode = nullptr;
 };
 
@@ -443,6 +443,8 @@ int run_bench_decode(const DecodeBenchArgs& a) {
   o.temperature = a.temperature;
   o.top_p = a.top_p;
   o.reference_sampler = a.reference_sampler;
+  o.cuda_graphs = !a.no_cuda_graphs;
+  o.graph_padding = a.cuda_graph_padding;
   if ((*be)->device() != Device::kCUDA) o.copy_bytes = int64_t{64} << 20;  // the CPU: a smaller copy suffices
   // one JSON line per batch, printed as each is measured
   auto print = [&](const rollout::DecodeBenchResult& r) -> Status {
@@ -454,7 +456,9 @@ int run_bench_decode(const DecodeBenchArgs& a) {
                      {"decode_tokens_per_s", r.decode_tokens_per_s}, {"weight_bytes", r.weight_bytes},
                      {"kv_bytes_per_token", r.kv_bytes_per_token}, {"bytes_per_step", r.bytes_per_step},
                      {"copy_gb_per_s", r.copy_bytes_per_s / 1e9}, {"bound_tokens_per_s", r.bound_tokens_per_s},
-                     {"fraction_of_bound", r.fraction_of_bound}, {"init_s", r.init_seconds}};
+                     {"fraction_of_bound", r.fraction_of_bound}, {"init_s", r.init_seconds},
+                     {"cuda_graphs", r.cuda_graphs}, {"graph_replays", r.graph_replays},
+                     {"graph_captures", r.graph_captures}};
     j["host_ms_per_step"] = {{"forward", r.host_forward_ms}, {"sample", r.host_sample_ms},
                              {"metadata", r.host_metadata_ms}, {"step", r.host_step_ms}};
     // backend memory by kind (rollout::EngineMemory) and the peak since the model was built
@@ -575,6 +579,12 @@ CommandRun setup_bench(CLI::App& app) {
       ->check(FiniteIn(0, 1, /*lo_open=*/true));
   d->decode->add_flag("--reference-sampler", d->reference_sampler,
                       "Sample with the reference sampler, one row at a time (host-time comparison)");
+  d->decode->add_flag("--no-cuda-graphs", d->no_cuda_graphs,
+                      "Run every decode step eagerly (default: decode-only steps replay CUDA graphs where the engine "
+                      "can; the JSON's cuda_graphs says whether it did)");
+  d->decode->add_flag("--cuda-graph-padding", d->cuda_graph_padding,
+                      "Pad graph steps to 1, 2, 4, ... rows (fewer graphs; log-probs may differ from eager ones in "
+                      "the last bits)");
   d->decode->add_flag("--profile", d->profile,
                       "Then time every op of the prefill run and of the decode steps (tables on stderr, "
                       "\"profile\" in the JSON)");

@@ -192,10 +192,11 @@ int run_prompts_file(const GenerateArgs& a, const GenerationModel& gm, const tra
   const auto& st = engine.stats();
   std::fprintf(stderr,
                "nibble generate: %lld samples of %zu prompts, %lld new tokens in %lld steps (mode %s, %s storage) -> "
-               "%s\n",
+               "%s (cuda graphs %s, %lld steps replayed)\n",
                static_cast<long long>(total), reqs.size(), static_cast<long long>(st.generated_tokens),
                static_cast<long long>(st.steps), rollout::precision_mode_name(engine.options().mode),
-               gm.inference_storage() ? "inference" : "training", a.out.c_str());
+               gm.inference_storage() ? "inference" : "training", a.out.c_str(), engine.decode_graphs_status().c_str(),
+               static_cast<long long>(st.graph_replays));
   return 0;
 }
 

@@ -152,6 +152,11 @@ size_t CudaBackend::gemm_plan_count() const { return gemm_->cached_plans(); }
 
 Result<void*> CudaBackend::allocate(size_t bytes, const std::string& what) {
   activate();
+  if (capturing_)
+    return Status{StatusCode::kInternal,
+                  fmt::format("allocating {} ({} bytes) on {} while capturing a graph: run the same shapes eagerly "
+                              "first so every buffer has its size",
+                              what, bytes, name_)};
   ++allocation_count_;
   void* p = nullptr;
   cudaError_t e = cudaMallocAsync(&p, std::max<size_t>(bytes, 1), stream_);
@@ -195,6 +200,11 @@ void CudaBackend::reset_peak_memory() {
 void CudaBackend::deallocate(void* p) {
   if (p == nullptr) return;
   (void)cudaSetDevice(device_);
+  ++deallocation_count_;  // a graph captured before may point into p: memory_epoch() moves on
+  if (capturing_) {  // a free inside a capture would become a node of the graph: freed after it
+    deferred_frees_.push_back(p);
+    return;
+  }
   cudaError_t e = cudaFreeAsync(p, stream_);
   if (e != cudaSuccess) (void)cudaGetLastError();  // called from destructors: never throw
 }
@@ -213,11 +223,21 @@ void* CudaBackend::scratch(size_t bytes, const char* op) {
 void CudaBackend::copy_to_device(void* dst, const void* host_src, size_t bytes) {
   if (bytes == 0) return;
   activate();
+  refuse_while_capturing("copy_to_device");
   NIB_OP_CUDA(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_), "copy_to_device", "{} bytes",
               bytes);
 }
 
+void CudaBackend::refuse_while_capturing(const char* op) const {
+  if (capturing_)
+    op_failed(op, "during a graph capture",
+              "a captured graph cannot move data between host and device or synchronise (do it before or after "
+              "the captured region)",
+              "capturing_", __FILE__, __LINE__);
+}
+
 void CudaBackend::sync_and_check_flags(const char* op) {
+  refuse_while_capturing(op);
   NIB_OP_CUDA(cudaMemcpyAsync(&host_->flags, flags_dev_, sizeof(uint32_t), cudaMemcpyDeviceToHost, stream_), op,
               "error flags");
   NIB_OP_CUDA(cudaStreamSynchronize(stream_), op, "synchronising the stream (an earlier kernel may have failed)");
@@ -234,6 +254,7 @@ void CudaBackend::sync_and_check_flags(const char* op) {
 
 void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
   activate();
+  refuse_while_capturing("copy_to_host");
   if (bytes > 0)
     NIB_OP_CUDA(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "copy_to_host", "{} bytes",
                 bytes);
@@ -904,6 +925,75 @@ void CudaBackend::paged_attention(float* out, const float* q, const void* k_page
                                     D, page_size, bf16, stream_),
               "paged_attention", "N={} H={} Hkv={} D={} page={} blocks={} {}", N, H, Hkv, D, page_size, max_blocks,
               backend::kv_page_format_name(format));
+}
+
+// ---- graph capture -----------------------------------------------------------------------------
+namespace {
+class CudaGraph final : public backend::CapturedGraph {
+ public:
+  CudaGraph(cudaGraph_t graph, cudaGraphExec_t exec, cudaStream_t stream, int device)
+      : graph_(graph), exec_(exec), stream_(stream), device_(device) {}
+  ~CudaGraph() override {
+    (void)cudaSetDevice(device_);
+    if (exec_) (void)cudaGraphExecDestroy(exec_);
+    if (graph_) (void)cudaGraphDestroy(graph_);
+    (void)cudaGetLastError();
+  }
+  void replay() override {
+    (void)cudaSetDevice(device_);
+    const cudaError_t e = cudaGraphLaunch(exec_, stream_);
+    NIB_CHECK_MSG(e == cudaSuccess, "graph replay on device {}: CUDA error {} ({})", device_, cudaGetErrorName(e),
+                  cudaGetErrorString(e));
+  }
+
+ private:
+  cudaGraph_t graph_;
+  cudaGraphExec_t exec_;
+  cudaStream_t stream_;
+  int device_;
+};
+}  // namespace
+
+void CudaBackend::begin_capture() {
+  activate();
+  NIB_CHECK_MSG(!capturing_, "begin_capture on {}: a capture is already under way", name_);
+  // Thread-local mode: only this thread's calls that a graph cannot hold fail (the sampler's
+  // threads touch no CUDA).
+  NIB_OP_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin_capture", "stream capture");
+  capturing_ = true;
+}
+
+void CudaBackend::free_deferred() {
+  for (void* p : deferred_frees_)
+    if (cudaFreeAsync(p, stream_) != cudaSuccess) (void)cudaGetLastError();
+  deferred_frees_.clear();
+}
+
+std::unique_ptr<backend::CapturedGraph> CudaBackend::end_capture() {
+  activate();
+  NIB_CHECK_MSG(capturing_, "end_capture on {}: no capture under way", name_);
+  capturing_ = false;
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+  free_deferred();
+  NIB_OP_CUDA(ended, "end_capture", "stream capture (an op inside it failed)");
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+  if (e != cudaSuccess) {
+    (void)cudaGraphDestroy(graph);
+    NIB_OP_CUDA(e, "end_capture", "instantiating the captured graph");
+  }
+  return std::make_unique<CudaGraph>(graph, exec, stream_, device_);
+}
+
+void CudaBackend::abort_capture() {
+  if (!capturing_) return;
+  capturing_ = false;
+  (void)cudaSetDevice(device_);
+  cudaGraph_t graph = nullptr;
+  if (cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph != nullptr) (void)cudaGraphDestroy(graph);
+  (void)cudaGetLastError();  // an invalidated capture reports its error here: dropped with it
+  free_deferred();
 }
 
 }  // namespace nibble::cuda

@@ -4,7 +4,8 @@
 // launch the kernels of nn_ops / optimizer_ops / format_ops / quantize / attention / moe.
 // Every CUDA or cuBLASLt error names the op, its shapes and the device; running out of memory
 // names what was being allocated, the size, what is free and the config keys to lower.
-// register_cuda_backend() adds the "cuda" / "cuda:N" factory to backend.h's registry.
+// register_cuda_backend() adds the "cuda" / "cuda:N" factory to backend.h's registry. As
+// backend::GraphCapture it records its stream's ops into CUDA graphs (stream capture) and replays them.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/graph_capture.h"
 
 namespace nibble::cuda {
 
@@ -22,7 +24,7 @@ class GemmEngine;
 // Registers the factory "cuda" with backend::register_backend (idempotent, thread-safe).
 void register_cuda_backend();
 
-class CudaBackend final : public backend::Backend {
+class CudaBackend final : public backend::Backend, public backend::GraphCapture {
  public:
   // Selects `device_index` and creates the stream, the cuBLASLt handle and small buffers; throws
   // CheckError naming the device when that fails (use create() for a Status instead).
@@ -42,6 +44,13 @@ class CudaBackend final : public backend::Backend {
   // cached: a repeated step leaves both unchanged (tests of the steady state).
   int64_t allocation_count() const { return allocation_count_; }
   size_t gemm_plan_count() const;
+
+  // ---- graph capture (backend/graph_capture.h): stream capture of stream() ---------------------
+  void begin_capture() override;
+  std::unique_ptr<backend::CapturedGraph> end_capture() override;
+  void abort_capture() override;
+  bool capturing() const override { return capturing_; }
+  int64_t memory_epoch() const override { return deallocation_count_; }
 
   // ---- memory ------------------------------------------------------------------------------
   Result<void*> allocate(size_t bytes, const std::string& what) override;
@@ -191,6 +200,10 @@ class CudaBackend final : public backend::Backend {
   void* scratch(size_t bytes, const char* op);
   // Stream sync, then throws if a kernel flagged an id out of range since the last check.
   void sync_and_check_flags(const char* op);
+  // A CheckError naming `op` when a capture is under way (the calls a graph cannot hold).
+  void refuse_while_capturing(const char* op) const;
+  // Frees what deallocate() was given during a capture (after it ended).
+  void free_deferred();
   // grouped_matmul_bf16_nt (nn false) / _nn (true): the checks and the launch
   void grouped_rows_bf16(bool nn, float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets, int64_t G,
                          int64_t extent, int64_t N, int64_t K, int64_t b_stride, const float* alpha, bool accumulate);
@@ -215,6 +228,9 @@ class CudaBackend final : public backend::Backend {
   uint32_t* flags_dev_ = nullptr;   // (1) u32 error flags (nn_ops.h)
   HostResults* host_ = nullptr;     // pinned
   int64_t allocation_count_ = 0;
+  int64_t deallocation_count_ = 0;  // memory_epoch()
+  bool capturing_ = false;
+  std::vector<void*> deferred_frees_;  // deallocate() during a capture
   std::vector<double> moe_load_host_;  // (2E+1) moe_accumulate_load's sums on the host (grow-only)
 };
 
