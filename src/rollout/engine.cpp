@@ -61,7 +61,7 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
   }
   if (o.decode_graphs == DecodeGraphMode::kOff) {
     graphs_off = std::getenv("NIBBLE_CUDA_GRAPHS") != nullptr ? "NIBBLE_CUDA_GRAPHS=off"
-                                                                : "off (EngineOptions::decode_graphs; --no-cuda-graphs)";
+                                                                : "not asked for (--no-cuda-graphs; the default outside bench decode)";
   } else if (o.mode == PrecisionMode::kRecipe) {
     graphs_off = "the recipe mode runs the model's own recipes";
   } else if (model.num_moe_layers() > 0) {
