@@ -1,20 +1,22 @@
 // Small-batch GEMM on packed two-level NVFP4 weights with BF16 tensor cores (issue #15 §4, the
 // w4a16 decode linears at M > 8): y (M, N) f32 = x (M, K) f32 . W^T, W (N, K) held as E2M1 codes
 // (N, K/2), E4M3 1x16 inner scales (N, K/16) and FP32 1x128 outer scales (N, ceil(K/128)), as
-// fp4_gemv.cuh reads them. A block owns 64 weight rows and up to 64 rows of x; each weight tile
-// is read from global memory once per block and decoded to e2m1 * e4m3(inner) in BF16 shared
-// memory (exact: <= 6 significant bits, exponents 2^-10 .. 2^12). x is split into three BF16
-// parts x = hi + mid + lo (exact for |x| >= 2^-100; the mid/lo MMAs run only for a stage where
-// some element of the block's x tile is not a BF16 number, so a BF16 activation costs one pass).
-// mma.sync m16n8k16 (A = 16 weight rows, B = 8 rows of x) sums each 128-wide K chunk c in FP32:
-// P_c = sum_{k in c} (e2m1 * e4m3)_k x_k, then total = fma(outer_c, P_c, total) chunk by chunk.
-// Large grids come from splitting K into S chunk ranges (S from N, K and the SM count only);
-// S > 1 writes S partial sums to a workspace and a second kernel adds them in the order s = 0..S-1.
-// No atomics: the same bits every call, and the same bits for a row at any M > 8 (the per-element
-// arithmetic does not depend on M). The GEMV's values w = e2m1 * fl(e4m3 * outer) differ from
-// these exact products by the rounding of fl(e4m3 * outer); the tolerance is derived in
+// fp4_gemv.cuh reads them. A block (8 warps) owns 128 weight rows and up to 64 rows of x; each
+// weight tile is read from global memory once per block and decoded to e2m1 * e4m3(inner) in BF16
+// shared memory (exact: <= 6 significant bits, exponents 2^-10 .. 2^12). x is split into three
+// BF16 parts x = hi + mid + lo (exact for 2^-100 <= |x| < 2^127; the mid/lo MMAs run only for a
+// stage where some element of the block's x tile is not a BF16 number, so a BF16 activation, the
+// w4a16 case, costs one pass). mma.sync m16n8k16 (A = 16 weight rows, B = 8 rows of x) sums each
+// 128-wide K chunk c in FP32: P_c = sum_{k in c} (e2m1 * e4m3)_k x_k, then total = fma(outer_c,
+// P_c, total) chunk by chunk. Large grids come from splitting K into S chunk ranges (S from N, K
+// and the SM count only); S > 1 writes S partial sums to a workspace and a second kernel adds
+// them in the order s = 0..S-1. No atomics: the same bits every call, and the same bits for a row
+// at any M > 8 (the per-element arithmetic does not depend on M or on the other rows' values).
+// The GEMV's weights w = e2m1 * fl(e4m3 * outer) differ from these exact products by the
+// rounding of fl(e4m3 * outer); the tolerance is derived in
 // src/backend/ops_test/packed_weight_gemm_test.cpp. nvfp4_weight_gemm() picks the GEMV for M <= 8.
-// Dependency-free (CUDA only): the sandbox dev/cuda/fp4_weight_gemm.cu and src/backend/cuda include it.
+// Dependency-free (CUDA only): the sandbox dev/cuda/fp4_weight_gemm.cu and src/backend/cuda
+// include it. docs/benchmarks.md has the predicted times.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -29,11 +31,12 @@
 namespace nibble_fp4_gemv {
 
 constexpr int kMmaMinRows = kMaxRowsPerBlock + 1;  // M from which nvfp4_weight_gemm takes the MMA kernel
-constexpr int kMmaBlockN = 64;                     // weight rows per block
+constexpr int kMmaThreads = 256;                   // 8 warps
+constexpr int kMmaWarps = kMmaThreads / 32;
+constexpr int kMmaBlockN = 16 * kMmaWarps;         // 128 weight rows per block (two threads stage a row)
 constexpr int kMmaStageK = 64;                     // k per shared-memory stage (two stages per 128-chunk)
-constexpr int kMmaThreads = 128;                   // 4 warps
 constexpr int kMmaLds = kMmaStageK + 8;            // row stride 144 bytes: conflict-free ldmatrix
-constexpr int kMmaBlocksPerSm = 2;                 // the split count aims at this many blocks per SM
+constexpr int kMmaBlocksPerSm = 1;                 // the split count aims at this many blocks per SM
 
 // Three BF16 parts of x with hi + mid + lo == x exactly for finite |x| >= 2^-100 (hi = RN(x),
 // each residual exact in FP32 and of at most 16, then 8 significant bits); non-finite x: hi only.
@@ -46,20 +49,20 @@ __device__ __forceinline__ void split_bf16(float x, float& hi, float& mid, float
 }
 __device__ __forceinline__ uint32_t bf16_pair_bits(float lo_k, float hi_k) { return nibble::cuda::ptx::pack_bf16(lo_k, hi_k); }
 
-// AT m16 weight tiles and BP pairs of n8 x tiles per warp; 4 / AT warps along N, AT along M:
-// block tile 64 (N) x BM (M), BM = 16 * AT * BP. Grid (ceil(N/64), ceil(M/BM), S).
+// AT m16 weight tiles and BP pairs of n8 x tiles per warp; 8 / AT warps along N, AT along M:
+// block tile 128 (N) x BM (M), BM = 16 * AT * BP. Grid (ceil(N/128), ceil(M/BM), S).
 // part: S == 1 -> y (M, N); else the workspace (S, M, N). Requires K % 32 == 0, 16-byte aligned codes and x.
 template <int AT, int BP>
-__global__ void __launch_bounds__(kMmaThreads)
+__global__ void __launch_bounds__(kMmaThreads, 2)
     nvfp4_mma_kernel(float* __restrict__ part, const float* __restrict__ x, const uint8_t* __restrict__ codes,
                      const uint8_t* __restrict__ inner, const float* __restrict__ outer, int M, int N, int K,
                      int chunks_per_split) {
   using namespace nibble::cuda::ptx;
-  constexpr int WN = 4 / AT;               // warps along N
+  constexpr int WN = kMmaWarps / AT;       // warps along N
   constexpr int BM = 16 * AT * BP;         // rows of x per block
   constexpr int kXLoads = BM * (kMmaStageK / 4) / kMmaThreads;  // float4 of x per thread per stage
   static_assert(kXLoads * kMmaThreads == BM * kMmaStageK / 4, "x stage must split evenly over the threads");
-  __shared__ alignas(16) uint16_t sw[kMmaBlockN * kMmaLds];  // decoded weights (64 rows, 64 k) bf16
+  __shared__ alignas(16) uint16_t sw[kMmaBlockN * kMmaLds];  // decoded weights (128 rows, 64 k) bf16
   __shared__ alignas(16) uint16_t sx[3][BM * kMmaLds];       // x parts hi, mid, lo (BM rows, 64 k) bf16
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
