@@ -113,16 +113,18 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
   auto store_stage = [&]() -> bool {
     const float sp0 = e4m3_to_f32(ws2 & 0xFFu), sp1 = e4m3_to_f32(ws2 >> 8);
     const uint32_t words[4] = {wq.x, wq.y, wq.z, wq.w};
-    uint32_t out[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const uint32_t c0 = (words[i >> 2] >> ((i & 3) * 8)) & 0xFu, c1 = (words[i >> 2] >> ((i & 3) * 8 + 4)) & 0xFu;
-      const float sp = i < 8 ? sp0 : sp1;  // codes 2i, 2i+1 lie in the same 16-block
-      out[i] = bf16_pair_bits(decode(c0, sp), decode(c1, sp));  // exact in BF16
-    }
     uint4* dst = reinterpret_cast<uint4*>(sw + wr * kMmaLds + 32 * wh);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) dst[q] = make_uint4(out[4 * q], out[4 * q + 1], out[4 * q + 2], out[4 * q + 3]);
+    for (int q = 0; q < 4; ++q) {  // codes 8q .. 8q+7: word q
+      uint32_t pair[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t c0 = (words[q] >> (8 * i)) & 0xFu, c1 = (words[q] >> (8 * i + 4)) & 0xFu;
+        const float sp = q < 2 ? sp0 : sp1;  // codes 0..15: the first 16-block
+        pair[i] = bf16_pair_bits(decode(c0, sp), decode(c1, sp));  // exact in BF16
+      }
+      dst[q] = make_uint4(pair[0], pair[1], pair[2], pair[3]);
+    }
     bool not_bf16 = false;
 #pragma unroll
     for (int j = 0; j < kXLoads; ++j) {
