@@ -212,21 +212,26 @@ int main() {
               "best-S us", "bf16 us", "vs bf16", "mma GB/s", "TFLOP/s");
   struct Lin { const char* name; int N, K; };
   const Lin lins[] = {{"qkv", 6144, 2048}, {"o", 2048, 2048}, {"gate_up", 16384, 2048}, {"down", 2048, 8192}};
-  for (int M : {1, 16, 64, 256}) {
-    double sum_fp4 = 0, sum_bf = 0;
-    for (Lin l : lins) {
-      Weights w = random_weights(l.N, l.K, 3);
-      std::vector<__nv_bfloat16> wb(w.deq.size()), xb(size_t(M) * l.K);
-      for (size_t i = 0; i < wb.size(); ++i) wb[i] = __float2bfloat16(w.deq[i]);
+  const int Ms[] = {1, 16, 64, 256};
+  struct Row { float gemv, mma, best, bf; int s_auto, best_s; double bytes, flops; };
+  Row rows[4][4];
+  for (int li = 0; li < 4; ++li) {  // one weight per linear (the host decode of 33 M weights is slow), every M
+    const Lin l = lins[li];
+    Weights w = random_weights(l.N, l.K, 3);
+    std::vector<__nv_bfloat16> wb(w.deq.size());
+    for (size_t i = 0; i < wb.size(); ++i) wb[i] = __float2bfloat16(w.deq[i]);
+    uint8_t* dc = to_device(w.codes);
+    uint8_t* di = to_device(w.inner);
+    float* dout = to_device(w.outer);
+    __nv_bfloat16* dwb = to_device(wb);
+    for (int mi = 0; mi < 4; ++mi) {
+      const int M = Ms[mi];
+      std::vector<__nv_bfloat16> xb(size_t(M) * l.K);
       std::vector<float> x(size_t(M) * l.K);
       std::mt19937 rng(5);
       std::normal_distribution<float> nd;
-      for (size_t i = 0; i < x.size(); ++i) xb[i] = __float2bfloat16(x[i] = nd(rng)), x[i] = __bfloat162float(xb[i]);
-      uint8_t* dc = to_device(w.codes);
-      uint8_t* di = to_device(w.inner);
-      float* dout = to_device(w.outer);
+      for (size_t i = 0; i < x.size(); ++i) xb[i] = __float2bfloat16(nd(rng)), x[i] = __bfloat162float(xb[i]);
       float* dx = to_device(x);
-      __nv_bfloat16* dwb = to_device(wb);
       __nv_bfloat16* dxb = to_device(xb);
       float* dy = nullptr;
       CK(cudaMalloc(&dy, size_t(M) * l.N * sizeof(float)));
@@ -235,25 +240,34 @@ int main() {
       const size_t ws_bytes = size_t(chunks) * M * l.N * sizeof(float);  // enough for any split
       CK(cudaMalloc(&ws, ws_bytes));
       LtGemm lt(M, l.N, l.K);
-      const float gemv = time_ms([&] { CK(g::nvfp4_gemv(dy, dx, dc, di, dout, M, l.N, l.K, 0)); }, 50);
-      const float mma = time_ms([&] { CK(g::nvfp4_mma(dy, dx, dc, di, dout, M, l.N, l.K, ws, ws_bytes, 0)); }, 50);
-      const int s_auto = g::nvfp4_mma_splits(l.N, l.K, sms);
-      float best = mma;
-      int best_s = s_auto;
+      Row& r = rows[mi][li];
+      r.gemv = time_ms([&] { CK(g::nvfp4_gemv(dy, dx, dc, di, dout, M, l.N, l.K, 0)); }, 50);
+      r.mma = time_ms([&] { CK(g::nvfp4_mma(dy, dx, dc, di, dout, M, l.N, l.K, ws, ws_bytes, 0)); }, 50);
+      r.s_auto = g::nvfp4_mma_splits(l.N, l.K, sms);
+      r.best = r.mma, r.best_s = r.s_auto;
       for (int s : {1, 2, 4, 8, 16, 32}) {
         if (g::nvfp4_mma_splits(l.N, l.K, sms, s) != s) continue;  // not an even split of the chunks
         const float t = time_ms([&] { CK(g::nvfp4_mma(dy, dx, dc, di, dout, M, l.N, l.K, ws, ws_bytes, 0, s)); }, 50);
-        if (t < best) best = t, best_s = s;
+        if (t < r.best) r.best = t, r.best_s = s;
       }
-      const float bf = time_ms([&] { lt.run(dy, dxb, dwb); }, 50);
-      const double fp4_bytes = double(l.N) * l.K * (0.5 + 1.0 / 16) + 4.0 * l.N * chunks + 4.0 * M * l.K + 4.0 * M * l.N;
-      const double flops = 2.0 * M * l.N * l.K;
-      const float fp4 = M < g::kMmaMinRows ? gemv : mma;  // what the backend runs
-      sum_fp4 += fp4, sum_bf += bf;
+      r.bf = time_ms([&] { lt.run(dy, dxb, dwb); }, 50);
+      r.bytes = double(l.N) * l.K * (0.5 + 1.0 / 16) + 4.0 * l.N * chunks + 4.0 * M * l.K + 4.0 * M * l.N;
+      r.flops = 2.0 * M * l.N * l.K;
+      cudaFree(dx), cudaFree(dxb), cudaFree(dy), cudaFree(ws);
+    }
+    cudaFree(dc), cudaFree(di), cudaFree(dout), cudaFree(dwb);
+  }
+  for (int mi = 0; mi < 4; ++mi) {
+    const int M = Ms[mi];
+    double sum_fp4 = 0, sum_bf = 0;
+    for (int li = 0; li < 4; ++li) {
+      const Lin l = lins[li];
+      const Row& r = rows[mi][li];
+      const float fp4 = M < g::kMmaMinRows ? r.gemv : r.mma;  // what the backend runs
+      sum_fp4 += fp4, sum_bf += r.bf;
       std::printf("%-8s %4d %6d %5d %9.2f %9.2f %4d %6.2f@%-2d %9.2f %8.2f %8.0f %8.1f\n", l.name, M, l.N, l.K,
-                  gemv * 1e3, mma * 1e3, s_auto, best * 1e3, best_s, bf * 1e3, bf / fp4, fp4_bytes / (mma * 1e-3) / 1e9,
-                  flops / (mma * 1e-3) / 1e12);
-      cudaFree(dc), cudaFree(di), cudaFree(dout), cudaFree(dx), cudaFree(dwb), cudaFree(dxb), cudaFree(dy), cudaFree(ws);
+                  r.gemv * 1e3, r.mma * 1e3, r.s_auto, r.best * 1e3, r.best_s, r.bf * 1e3, r.bf / fp4,
+                  r.bytes / (r.mma * 1e-3) / 1e9, r.flops / (r.mma * 1e-3) / 1e12);
     }
     std::printf("M=%-3d 16 layers of linears: fp4 (backend's pick) %.3f ms, bf16 %.3f ms, %.2fx\n\n", M,
                 16 * sum_fp4, 16 * sum_bf, sum_bf / sum_fp4);
