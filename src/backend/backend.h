@@ -370,9 +370,11 @@ class Backend {
 
   // ---- packed-NVFP4 weight GEMM (rollout decode, issue #15 §4; Op::kNvfp4WeightGemm) ------------
   // y (M, N) f32 <- x (M, K) f32 . dequantize(w)^T for a two-level NVFP4 weight w (N, K), K % 32
-  // == 0: the weight is read packed and dequantized in registers to the values dequantize()
-  // gives, so y equals dequantize + matmul_nt within FP32 summation order. For decode batches
-  // (small M; CUDA: backend/cuda/fp4_gemv.cuh). The default fails through require().
+  // == 0: the weight is read packed. For decode batches (small M). CUDA: M <= 8 the GEMV
+  // (backend/cuda/fp4_gemv.cuh) dequantizes in registers to the values dequantize() gives, so y
+  // equals dequantize + matmul_nt within FP32 summation order; M > 8 BF16 tensor cores
+  // (fp4_weight_mma.cuh) on e2m1 * e4m3 with the outer scale applied per 128-chunk, within the
+  // bound derived in ops_test/packed_weight_gemm_test.cpp. The default fails through require().
   virtual void matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M);
 };
 

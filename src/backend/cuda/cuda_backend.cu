@@ -24,7 +24,7 @@
 #include "backend/cuda/moe.h"
 #include "backend/cuda/nn_ops.h"
 #include "backend/cuda/optimizer_ops.h"
-#include "backend/cuda/fp4_gemv.cuh"
+#include "backend/cuda/fp4_weight_mma.cuh"
 #include "backend/cuda/paged_attention.h"
 #include "backend/cuda/quantize.h"
 
@@ -882,8 +882,12 @@ void CudaBackend::matmul_nt_nvfp4_weight(float* y, const float* x, const backend
                      M <= INT32_MAX && w.rows <= INT32_MAX && w.cols <= INT32_MAX,
                  "matmul_nt_nvfp4_weight", "{} ({}, {}) M={}", backend::quant_format_name(w.format), w.rows, w.cols,
                  M);
-  NIB_OP_CUDA(nibble_fp4_gemv::nvfp4_gemv(y, x, w.codes, w.scales, w.outer, static_cast<int>(M),
-                                          static_cast<int>(w.rows), static_cast<int>(w.cols), stream_),
+  // the GEMV for M <= 8, BF16 tensor cores beyond (backend/cuda/fp4_weight_mma.cuh); the latter's K
+  // splits take S (M, N) f32 partial sums from the scratch
+  const int m = static_cast<int>(M), n = static_cast<int>(w.rows), k = static_cast<int>(w.cols);
+  const size_t ws_bytes = nibble_fp4_gemv::nvfp4_weight_gemm_workspace_bytes(m, n, k);
+  void* ws = ws_bytes > 0 ? scratch(ws_bytes, "matmul_nt_nvfp4_weight") : nullptr;
+  NIB_OP_CUDA(nibble_fp4_gemv::nvfp4_weight_gemm(y, x, w.codes, w.scales, w.outer, m, n, k, ws, ws_bytes, stream_),
               "matmul_nt_nvfp4_weight", "({}, {}) M={}", w.rows, w.cols, M);
 }
 

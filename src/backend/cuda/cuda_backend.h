@@ -183,7 +183,7 @@ class CudaBackend final : public backend::Backend, public backend::GraphCapture 
   void backward_operand_two_level_bf16(backend::QuantizedTensor& out, uint16_t* y, const backend::QuantizedTensor& in,
                                        uint32_t sign_mask, const formats::SrKey& sr) override;
 
-  // packed-NVFP4 weight GEMM (backend/cuda/fp4_gemv.cuh)
+  // packed-NVFP4 weight GEMM (backend/cuda/fp4_gemv.cuh for M <= 8, fp4_weight_mma.cuh beyond)
   void matmul_nt_nvfp4_weight(float* y, const float* x, const backend::QuantizedTensor& w, int64_t M) override;
   // paged KV cache (backend/cuda/paged_attention.h)
   void kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat format, const float* k, const float* v,
