@@ -12,6 +12,8 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/attention_bf16.h"
@@ -882,9 +884,19 @@ void CudaBackend::matmul_nt_nvfp4_weight(float* y, const float* x, const backend
                      M <= INT32_MAX && w.rows <= INT32_MAX && w.cols <= INT32_MAX,
                  "matmul_nt_nvfp4_weight", "{} ({}, {}) M={}", backend::quant_format_name(w.format), w.rows, w.cols,
                  M);
-  // the GEMV for M <= 8, BF16 tensor cores beyond (backend/cuda/fp4_weight_mma.cuh); the latter's K
-  // splits take S (M, N) f32 partial sums from the scratch
+  // the GEMV for every M, or with NIBBLE_NVFP4_WEIGHT_GEMM=mma (read once per process; the default
+  // until the kernel has run on the H200) the GEMV for M <= 8 and BF16 tensor cores beyond
+  // (backend/cuda/fp4_weight_mma.cuh), whose K splits take S (M, N) f32 partial sums from the scratch
+  static const bool mma = [] {
+    const char* v = std::getenv("NIBBLE_NVFP4_WEIGHT_GEMM");
+    return v != nullptr && std::strcmp(v, "mma") == 0;
+  }();
   const int m = static_cast<int>(M), n = static_cast<int>(w.rows), k = static_cast<int>(w.cols);
+  if (!mma) {
+    NIB_OP_CUDA(nibble_fp4_gemv::nvfp4_gemv(y, x, w.codes, w.scales, w.outer, m, n, k, stream_),
+                "matmul_nt_nvfp4_weight", "({}, {}) M={}", w.rows, w.cols, M);
+    return;
+  }
   const size_t ws_bytes = nibble_fp4_gemv::nvfp4_weight_gemm_workspace_bytes(m, n, k);
   void* ws = ws_bytes > 0 ? scratch(ws_bytes, "matmul_nt_nvfp4_weight") : nullptr;
   NIB_OP_CUDA(nibble_fp4_gemv::nvfp4_weight_gemm(y, x, w.codes, w.scales, w.outer, m, n, k, ws, ws_bytes, stream_),
