@@ -25,7 +25,8 @@ const char* op_name(Op op) {
                                       "cross_entropy", "elementwise",     "moe_routing",
                                       "adamw",         "quantize_nvfp4_te", "quantize_nvfp4_2level",
                                       "quantize_mxfp8", "rht16",          "backward_operand_2level",
-                                      "paged_kv_cache", "nvfp4_weight_gemm", "grouped_gemm"};
+                                      "paged_kv_cache", "nvfp4_weight_gemm", "grouped_gemm",
+                                      "trace_guided_rows"};
   static_assert(sizeof(names) / sizeof(names[0]) == static_cast<size_t>(Op::kCount));
   const auto i = static_cast<size_t>(op);
   return i < static_cast<size_t>(Op::kCount) ? names[i] : "?";
@@ -61,6 +62,19 @@ void Backend::paged_attention(float*, const float*, const void*, const void*, Kv
 void Backend::matmul_nt_nvfp4_weight(float*, const float*, const QuantizedTensor&, int64_t) {
   require(Op::kNvfp4WeightGemm);
   NIB_CHECK_MSG(false, "backend '{}' claims op 'nvfp4_weight_gemm' but does not override matmul_nt_nvfp4_weight",
+                name());
+}
+
+void Backend::guided_overwrite_rows(QuantizedTensor&, int64_t*, const float*, const int32_t*, int64_t, const uint8_t*,
+                                    const float*, const uint8_t*, formats::GuidanceKind) {
+  require(Op::kTraceGuidedRows);
+  NIB_CHECK_MSG(false, "backend '{}' claims op 'trace_guided_rows' but does not override guided_overwrite_rows",
+                name());
+}
+
+void Backend::guidance_payload_rows(uint8_t*, const QuantizedTensor&, formats::GuidanceKind) {
+  require(Op::kTraceGuidedRows);
+  NIB_CHECK_MSG(false, "backend '{}' claims op 'trace_guided_rows' but does not override guidance_payload_rows",
                 name());
 }
 

@@ -18,6 +18,7 @@
 #include "core/check.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "formats/guided.h"
 #include "formats/mx.h"
 #include "formats/nvfp4.h"
 
@@ -54,6 +55,7 @@ enum class Op : uint16_t {
   kPagedKvCache,  // kv_cache_write + paged_attention (the rollout engine's decode attention)
   kNvfp4WeightGemm,  // matmul_nt_nvfp4_weight (the rollout engine's decode GEMV on packed weights)
   kGroupedGemm,   // grouped_matmul_bf16_* + moe_dispatch_plan_device (MoE experts in one launch)
+  kTraceGuidedRows,  // guided_overwrite_rows (the RL trainer's TRACE guided rounding), guidance_payload_rows
   kCount
 };
 const char* op_name(Op op);
@@ -376,6 +378,29 @@ class Backend {
   // (fp4_weight_mma.cuh) on e2m1 * e4m3 with the outer scale applied per 128-chunk, within the
   // bound derived in ops_test/packed_weight_gemm_test.cpp. The default fails through require().
   virtual void matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M);
+
+  // ---- TRACE guided rounding of gathered rows (03-rl-and-trace.md §2; Op::kTraceGuidedRows) -----
+  // q (rows, cols) kNvfp4TwoLevel, as quantize(q, x) left it (RTN, the trainer's own scales). For
+  // each i < R, row m = rows[i] of q is re-rounded under the rollout's scales: its codes <- the
+  // guided codes of x row m (formats::nvfp4_2level_encode_guided with inner scales row i, outer
+  // row i and guide row i of `kind`), its inner scales <- scales row i, its outer <- outer row i;
+  // dequantize(q) then gives the rollout-scaled values on those rows and RTN elsewhere. Before a
+  // row is overwritten its RTN codes are compared with the guided and the rollout's codes
+  // (formats::guided_element_stats): stats (3) i64 += {rtn_mismatch, one_step, reproduced} over
+  // the R rows. All in backend memory: x (q.rows, q.cols) f32; rows (R) i32, distinct, in
+  // [0, q.rows); scales (R, cols/16) e4m3; outer (R, ceil(cols/128)) f32; guide (R, cols/2) packed
+  // codes (kFull) or (R, cols/8) mantissa bits (kMantissaBit; bit j of byte i = element 8i + j).
+  // The same bits on every backend (integer sums). The default fails through require().
+  virtual void guided_overwrite_rows(QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows,
+                                     int64_t R, const uint8_t* scales, const float* outer, const uint8_t* guide,
+                                     formats::GuidanceKind kind);
+  // The rollout side's TRACE records of every row of q (rows, cols) kNvfp4TwoLevel, without their
+  // headers (rollout/guidance_store.h, record version 1): out (q.rows, P) bytes, row r = q's inner
+  // scales row r (cols/16) | its outer row r (ceil(cols/128) f32, host byte order) | its codes row
+  // r (cols/2; kFull) or their mantissa bits (cols/8, bit j of byte i = element 8i + j;
+  // kMantissaBit); P = cols/16 + 4 ceil(cols/128) + that. Backend memory; the same bytes on every
+  // backend. The default fails through require().
+  virtual void guidance_payload_rows(uint8_t* out, const QuantizedTensor& q, formats::GuidanceKind kind);
 };
 
 // Thrown when backend memory cannot be had: the message is the backend's one line (what was being

@@ -86,6 +86,8 @@ constexpr OpInfo kOps[] = {
     {"grouped_matmul_bf16_nn", OpCategory::kGemm},
     {"grouped_matmul_bf16_tn", OpCategory::kGemm},
     {"moe_dispatch_plan_device", OpCategory::kMoe},
+    {"guided_overwrite_rows", OpCategory::kQuantize},
+    {"guidance_payload_rows", OpCategory::kCopies},
 };
 static_assert(sizeof(kOps) / sizeof(kOps[0]) == static_cast<size_t>(ProfiledOp::kCount));
 using Clock = std::chrono::steady_clock;
@@ -439,6 +441,16 @@ void ProfilingBackend::paged_attention(float* out, const float* q, const void* k
 void ProfilingBackend::matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M) {
   Timed timed(*this, ProfiledOp::kMatmulNtNvfp4Weight);
   inner_->matmul_nt_nvfp4_weight(y, x, w, M);
+}
+void ProfilingBackend::guided_overwrite_rows(QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows,
+                                             int64_t R, const uint8_t* scales, const float* outer,
+                                             const uint8_t* guide, formats::GuidanceKind kind) {
+  Timed timed(*this, ProfiledOp::kGuidedOverwriteRows);
+  inner_->guided_overwrite_rows(q, stats, x, rows, R, scales, outer, guide, kind);
+}
+void ProfilingBackend::guidance_payload_rows(uint8_t* out, const QuantizedTensor& q, formats::GuidanceKind kind) {
+  Timed timed(*this, ProfiledOp::kGuidancePayloadRows);
+  inner_->guidance_payload_rows(out, q, kind);
 }
 void ProfilingBackend::grouped_matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
                                               int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,

@@ -84,6 +84,8 @@ enum class ProfiledOp : uint8_t {
   kGroupedMatmulBf16Nn,
   kGroupedMatmulBf16Tn,
   kMoeDispatchPlanDevice,
+  kGuidedOverwriteRows,
+  kGuidancePayloadRows,
   kCount
 };
 
@@ -154,6 +156,10 @@ class ProfilingBackend final : public Backend {
                        int64_t H, int64_t Hkv, int64_t D, int64_t page_size,
                        AttentionPrecision precision = AttentionPrecision::kFp32) override;
   void matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M) override;
+  void guided_overwrite_rows(QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows, int64_t R,
+                             const uint8_t* scales, const float* outer, const uint8_t* guide,
+                             formats::GuidanceKind kind) override;
+  void guidance_payload_rows(uint8_t* out, const QuantizedTensor& q, formats::GuidanceKind kind) override;
   void grouped_matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets, int64_t G,
                               int64_t extent, int64_t N, int64_t K, int64_t b_stride, const float* alpha,
                               bool accumulate) override;

@@ -77,4 +77,28 @@ NIB_HOST_DEVICE uint32_t nvfp4_2level_encode_guided(float x, float sp_roll, uint
   return kind == GuidanceKind::kFull ? guided_code_full(z, guide, sign) : guided_code_mbit(z, guide, sign);
 }
 
+// True when E2M1 codes a and b (sign | magnitude index) are adjacent values of the signed grid
+// (-0 and +0 are the same value, index 0).
+NIB_HOST_DEVICE bool e2m1_one_step_apart(uint32_t a, uint32_t b) {
+  const int sa = (a & 8u) ? -static_cast<int>(a & 7u) : static_cast<int>(a & 7u);
+  const int sb = (b & 8u) ? -static_cast<int>(b & 7u) : static_cast<int>(b & 7u);
+  return sa - sb == 1 || sb - sa == 1;
+}
+
+// The TRACE statistics of one guided element (03-rl-and-trace.md §2; rl::GuidedSiteStats), as
+// bits: kGuidedRtnMismatch (the trainer's own RTN code `own` differs in value from the rollout's
+// code), kGuidedOneStep (and the two are adjacent grid values), kGuidedReproduced (the guided code
+// `gc` equals the rollout's (kFull: `guide` is its code, ±0 equal) or has its mantissa bit
+// (kMantissaBit: `guide` is that bit)). Under 1-bit guidance the rollout's code is not known: the
+// guided code stands for it in the mismatch count.
+inline constexpr uint32_t kGuidedRtnMismatch = 1u, kGuidedOneStep = 2u, kGuidedReproduced = 4u;
+NIB_HOST_DEVICE uint32_t guided_element_stats(uint32_t own, uint32_t gc, uint32_t guide, GuidanceKind kind) {
+  const uint32_t roll = kind == GuidanceKind::kFull ? guide : gc;
+  const bool same = kind == GuidanceKind::kFull ? (gc == roll || ((gc & 7u) == 0 && (roll & 7u) == 0))
+                                                : (gc & 1u) == (guide & 1u);
+  const bool mism = own != roll && !((own & 7u) == 0 && (roll & 7u) == 0);
+  return (mism ? kGuidedRtnMismatch : 0u) | (mism && e2m1_one_step_apart(own, roll) ? kGuidedOneStep : 0u) |
+         (same ? kGuidedReproduced : 0u);
+}
+
 }  // namespace nibble::formats

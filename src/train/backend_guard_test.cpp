@@ -95,6 +95,17 @@ class GuardBackend final : public backend::Backend {
     all("matmul_bf16_tn", {y, a, b}), opt("matmul_bf16_tn", alpha);
     cpu_->matmul_bf16_tn(y, a, b, M, N, K, alpha, acc);
   }
+  void guided_overwrite_rows(QuantizedTensor& t, int64_t* stats, const float* x, const int32_t* rows, int64_t R,
+                             const uint8_t* scales, const float* outer, const uint8_t* guide,
+                             formats::GuidanceKind kind) override {
+    q("guided_overwrite_rows", t), all("guided_overwrite_rows", {stats, x});
+    if (R > 0) all("guided_overwrite_rows", {rows, scales, outer, guide});
+    cpu_->guided_overwrite_rows(t, stats, x, rows, R, scales, outer, guide, kind);
+  }
+  void guidance_payload_rows(uint8_t* out, const QuantizedTensor& t, formats::GuidanceKind kind) override {
+    q("guidance_payload_rows", t), all("guidance_payload_rows", {out});
+    cpu_->guidance_payload_rows(out, t, kind);
+  }
   void grouped_matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, const int64_t* off, int64_t G,
                               int64_t extent, int64_t N, int64_t K, int64_t b_stride, const float* alpha,
                               bool acc) override {

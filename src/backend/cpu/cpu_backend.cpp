@@ -567,6 +567,67 @@ void CpuBackend::matmul_nt_nvfp4_weight(float* y, const float* x, const Quantize
   matmul_nt(y, x, nvfp4_weight_scratch_.data(), M, w.rows, w.cols, /*accumulate=*/false, /*operands_bf16=*/false);
 }
 
+void CpuBackend::guided_overwrite_rows(QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows,
+                                       int64_t R, const uint8_t* scales, const float* outer, const uint8_t* guide,
+                                       formats::GuidanceKind kind) {
+  const int64_t M = q.rows, K = q.cols;
+  NIB_CHECK_MSG(q.format == QuantFormat::kNvfp4TwoLevel && K > 0 && K % 16 == 0 && R >= 0,
+                "guided_overwrite_rows: a two-level NVFP4 tensor with cols % 16 == 0 (got {} ({}, {}), {} rows)",
+                quant_format_name(q.format), M, K, R);
+  const int64_t kb = K / 16, no = (K + 127) / 128;
+  const int64_t gstride = kind == formats::GuidanceKind::kFull ? K / 2 : K / 8;
+  std::vector<bool> seen(static_cast<size_t>(M), false);
+  for (int64_t i = 0; i < R; ++i) {
+    const int32_t m = rows[i];
+    NIB_CHECK_MSG(m >= 0 && m < M && !seen[static_cast<size_t>(m)],
+                  "guided_overwrite_rows: row index {} (entry {}) is out of [0, {}) or repeated", m, i, M);
+    seen[static_cast<size_t>(m)] = true;
+  }
+  std::vector<int64_t> row_stats(static_cast<size_t>(3 * R), 0);  // per row, summed in row order after
+  parallel_for(R, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<uint8_t> gc(static_cast<size_t>(K / 2));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = rows[i];
+      const uint8_t* g = guide + i * gstride;
+      formats::nvfp4_2level_quantize_guided_cpu(gc.data(), x + m * K, 1, K, scales + i * kb, outer + i * no, g, kind);
+      uint8_t* own = q.codes + m * (K / 2);
+      int64_t* st = row_stats.data() + 3 * i;
+      for (int64_t c = 0; c < K; ++c) {
+        const uint32_t gd = kind == formats::GuidanceKind::kFull ? formats::e2m1_unpack(g, c) : (g[c >> 3] >> (c & 7)) & 1u;
+        const uint32_t f = formats::guided_element_stats(formats::e2m1_unpack(own, c), formats::e2m1_unpack(gc.data(), c),
+                                                         gd, kind);
+        st[0] += (f & formats::kGuidedRtnMismatch) != 0, st[1] += (f & formats::kGuidedOneStep) != 0;
+        st[2] += (f & formats::kGuidedReproduced) != 0;
+      }
+      std::memcpy(own, gc.data(), gc.size());
+      std::memcpy(q.scales + m * kb, scales + i * kb, static_cast<size_t>(kb));
+      std::memcpy(q.outer + m * no, outer + i * no, sizeof(float) * static_cast<size_t>(no));
+    }
+  });
+  for (int64_t i = 0; i < R; ++i)
+    for (int j = 0; j < 3; ++j) stats[j] += row_stats[static_cast<size_t>(3 * i + j)];
+}
+
+void CpuBackend::guidance_payload_rows(uint8_t* out, const QuantizedTensor& q, formats::GuidanceKind kind) {
+  const int64_t M = q.rows, K = q.cols;
+  NIB_CHECK_MSG(q.format == QuantFormat::kNvfp4TwoLevel && K > 0 && K % 16 == 0,
+                "guidance_payload_rows: a two-level NVFP4 tensor with cols % 16 == 0 (got {} ({}, {}))",
+                quant_format_name(q.format), M, K);
+  const int64_t kb = K / 16, no = (K + 127) / 128;
+  const int64_t gb = kind == formats::GuidanceKind::kFull ? K / 2 : K / 8, P = kb + 4 * no + gb;
+  parallel_for(M, std::max<int64_t>(1, (int64_t{1} << 15) / K), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      uint8_t* p = out + r * P;
+      std::memcpy(p, q.scales + r * kb, static_cast<size_t>(kb));
+      std::memcpy(p + kb, q.outer + r * no, sizeof(float) * static_cast<size_t>(no));
+      if (kind == formats::GuidanceKind::kFull)
+        std::memcpy(p + kb + 4 * no, q.codes + r * (K / 2), static_cast<size_t>(K / 2));
+      else
+        formats::e2m1_mantissa_bits_cpu(p + kb + 4 * no, q.codes + r * (K / 2), 1, K);
+    }
+  });
+}
+
 // ---- registry -----------------------------------------------------------------------------------------
 namespace {
 std::mutex& registry_mutex() {

@@ -137,6 +137,11 @@ class CpuBackend final : public Backend {
                        AttentionPrecision precision) override;
   // packed-NVFP4 weight GEMM: the reference (dequantize, then matmul_nt)
   void matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M) override;
+  // TRACE guided rows: formats::nvfp4_2level_quantize_guided_cpu row by row
+  void guided_overwrite_rows(QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows, int64_t R,
+                             const uint8_t* scales, const float* outer, const uint8_t* guide,
+                             formats::GuidanceKind kind) override;
+  void guidance_payload_rows(uint8_t* out, const QuantizedTensor& q, formats::GuidanceKind kind) override;
 
  protected:
   bool host_memory_scratch() const override { return true; }  // the composed fused ops' skipped parts

@@ -903,6 +903,27 @@ void CudaBackend::matmul_nt_nvfp4_weight(float* y, const float* x, const backend
               "matmul_nt_nvfp4_weight", "({}, {}) M={}", w.rows, w.cols, M);
 }
 
+// ---- TRACE guided rows -----------------------------------------------------------------------------
+void CudaBackend::guided_overwrite_rows(backend::QuantizedTensor& q, int64_t* stats, const float* x,
+                                        const int32_t* rows, int64_t R, const uint8_t* scales, const float* outer,
+                                        const uint8_t* guide, formats::GuidanceKind kind) {
+  activate();
+  NIB_OP_REQUIRE(q.format == backend::QuantFormat::kNvfp4TwoLevel && q.cols > 0 && q.cols % 16 == 0 && R >= 0 &&
+                     R <= q.rows,
+                 "guided_overwrite_rows", "{} ({}, {}) R={}", backend::quant_format_name(q.format), q.rows, q.cols, R);
+  NIB_OP_STATUS(cuda::nvfp4_2level_guided_rows(q.codes, q.scales, q.outer, stats, x, rows, R, q.cols, scales, outer,
+                                               guide, kind, stream_),
+                "guided_overwrite_rows", "({}, {}) R={}", q.rows, q.cols, R);
+}
+
+void CudaBackend::guidance_payload_rows(uint8_t* out, const backend::QuantizedTensor& q, formats::GuidanceKind kind) {
+  activate();
+  NIB_OP_REQUIRE(q.format == backend::QuantFormat::kNvfp4TwoLevel && q.cols > 0 && q.cols % 16 == 0,
+                 "guidance_payload_rows", "{} ({}, {})", backend::quant_format_name(q.format), q.rows, q.cols);
+  NIB_OP_STATUS(cuda::guidance_payload_rows(out, q.codes, q.scales, q.outer, q.rows, q.cols, kind, stream_),
+                "guidance_payload_rows", "({}, {})", q.rows, q.cols);
+}
+
 // ---- paged KV cache ------------------------------------------------------------------------------
 void CudaBackend::kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat format, const float* k,
                                  const float* v, const int32_t* slots, int64_t N, int64_t Hkv, int64_t D) {

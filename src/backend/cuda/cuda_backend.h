@@ -185,6 +185,11 @@ class CudaBackend final : public backend::Backend, public backend::GraphCapture 
 
   // packed-NVFP4 weight GEMM (backend/cuda/fp4_gemv.cuh for M <= 8, fp4_weight_mma.cuh beyond)
   void matmul_nt_nvfp4_weight(float* y, const float* x, const backend::QuantizedTensor& w, int64_t M) override;
+  // TRACE guided rows (backend/cuda/guided.cu: nvfp4_2level_guided_rows)
+  void guided_overwrite_rows(backend::QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows,
+                             int64_t R, const uint8_t* scales, const float* outer, const uint8_t* guide,
+                             formats::GuidanceKind kind) override;
+  void guidance_payload_rows(uint8_t* out, const backend::QuantizedTensor& q, formats::GuidanceKind kind) override;
   // paged KV cache (backend/cuda/paged_attention.h)
   void kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat format, const float* k, const float* v,
                       const int32_t* slots, int64_t N, int64_t Hkv, int64_t D) override;

@@ -108,6 +108,20 @@ template <typename In>
 Status quantize_nvfp4_2level_guided(uint8_t* codes, const In* x, int64_t M, int64_t K, const uint8_t* roll_inner,
                                     const float* roll_outer, const uint8_t* guide, GuidanceKind kind,
                                     cudaStream_t stream = nullptr);
+// The RL trainer's guided rows (backend::Backend::guided_overwrite_rows): for i < R, row rows[i]
+// of the 2-level (codes (M, K/2), inner (M, K/16), outer (M, ceil(K/128))) <- the guided rounding
+// of x row rows[i] (x (M, K) f32) under roll_inner row i, roll_outer row i, guide row i; stats
+// (3) i64 += {rtn_mismatch, one_step, reproduced} (formats::guided_element_stats) against the
+// codes replaced. rows (R) i32, distinct; roll_inner (R, K/16); roll_outer (R, ceil(K/128)); guide
+// (R, K/2) or (R, K/8), 8-byte aligned. Integer atomics: the same sums in any order.
+Status nvfp4_2level_guided_rows(uint8_t* codes, uint8_t* inner, float* outer, int64_t* stats, const float* x,
+                                const int32_t* rows, int64_t R, int64_t K, const uint8_t* roll_inner,
+                                const float* roll_outer, const uint8_t* guide, GuidanceKind kind,
+                                cudaStream_t stream = nullptr);
+// The TRACE records' payload of every row of a 2-level (codes, inner, outer) (M, K):
+// backend::Backend::guidance_payload_rows. out (M, P) bytes.
+Status guidance_payload_rows(uint8_t* out, const uint8_t* codes, const uint8_t* inner, const float* outer, int64_t M,
+                             int64_t K, GuidanceKind kind, cudaStream_t stream = nullptr);
 
 // TE wgrad RHT: y_t (K, M) bf16 <- for every row of x^T and every 16-group along M,
 // formats::rht16_bf16_exact(group, sign_mask). x (M, K) bf16; M % 16 == 0.
