@@ -15,11 +15,7 @@ namespace nibble::rl {
 
 using backend::QuantFormat;
 
-bool e2m1_one_step_apart(uint32_t a, uint32_t b) {
-  // signed grid index: magnitude index, negated when the sign bit is set (-0 == +0)
-  auto s = [](uint32_t c) { return (c & 8u) ? -static_cast<int>(c & 7u) : static_cast<int>(c & 7u); };
-  return std::abs(s(a) - s(b)) == 1;
-}
+bool e2m1_one_step_apart(uint32_t a, uint32_t b) { return formats::e2m1_one_step_apart(a, b); }
 
 void FakeQuantLinear::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N,
                               int64_t K, const model::LinearCall& call) {
@@ -44,27 +40,22 @@ void FakeQuantLinear::forward(backend::Backend& be, float* y, const float* x, co
     const bool guided = g != nullptr && g->store != nullptr && g->status.is_ok() && site.has_value() &&
                         info_.block < static_cast<int>(g->layers.size()) && g->layers[static_cast<size_t>(info_.block)] &&
                         (routed || static_cast<int64_t>(g->row_sequence.size()) == M);
-    if (guided) {
-      // keep the BF16 input for the guided rows, then dequantize the RTN codes and overwrite them
-      std::vector<float> xb(static_cast<size_t>(M * K));
-      be.copy_to_host(xb.data(), xq, sizeof(float) * static_cast<size_t>(M * K));
-      be.dequantize(xq, q);
+    if (guided) {  // re-round the guided rows of q under the rollout's scales (xq still holds the BF16 input)
       Status s = routed && call.token_of_row == nullptr
                      ? Status(StatusCode::kInternal,
                               fmt::format("{}: routed expert linear {} ran without its tokens (LinearCall::token_of_row)",
                                           kFakeQuantRecipe, info_.name))
-                     : apply_guidance(be, xq, xb.data(), q.codes, M, K, *site, routed ? call.token_of_row : nullptr);
+                     : apply_guidance(be, q, xq, M, K, *site, routed ? call.token_of_row : nullptr);
       if (!s.is_ok()) g->status = s;
-    } else {
-      be.dequantize(xq, q);
     }
+    be.dequantize(xq, q);
   }
   be.matmul_nt(y, xq, wq, M, N, K, /*accumulate=*/false, /*operands_bf16=*/!four_bit);
   if (four_bit) be.round_to_bf16(y, y, M * N);  // as the rollout's 4-bit modes: the GEMM writes BF16
 }
 
-Status FakeQuantLinear::apply_guidance(backend::Backend& be, float* xq, const float* xb, const uint8_t* rtn_codes_dev,
-                                       int64_t M, int64_t K, uint16_t site, const int32_t* token_of_row) {
+Status FakeQuantLinear::apply_guidance(backend::Backend& be, backend::QuantizedTensor& q, const float* xb, int64_t M,
+                                       int64_t K, uint16_t site, const int32_t* token_of_row) {
   TraceGuidance& g = *options_.guidance;
   std::vector<int32_t> tokens;  // host copy of token_of_row
   if (token_of_row != nullptr) {
@@ -105,53 +96,45 @@ Status FakeQuantLinear::apply_guidance(backend::Backend& be, float* xq, const fl
     return invalid_argument("{}: guidance of linear {} is {} {}x{}, the trainer quantizes {} rows of {} cols",
                             kFakeQuantRecipe, info_.name, backend::quant_format_name(gb.format), gb.rows_per_record,
                             gb.cols, backend::quant_format_name(QuantFormat::kNvfp4TwoLevel), K);
-  NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, xq, xb, rtn_codes_dev, M, K, rows, gb, st));
+  NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, q, xb, rows, gb, scratch_, st));
   g.stats.add(st);
   return Status::ok();
 }
 
-Status overwrite_guided_rows(backend::Backend& be, float* xq, const float* xb, const uint8_t* rtn_codes_dev, int64_t M,
-                             int64_t K, const std::vector<int64_t>& rows, const rollout::GuidanceBatch& gb,
-                             GuidedSiteStats& st) {
+Status overwrite_guided_rows(backend::Backend& be, backend::QuantizedTensor& q, const float* xb,
+                             const std::vector<int64_t>& rows, const rollout::GuidanceBatch& gb,
+                             GuidedRowsScratch& scratch, GuidedSiteStats& st) {
   const int64_t Rr = gb.rows_per_record;  // matrix rows per record
-  const int64_t R = static_cast<int64_t>(rows.size()) * Rr;
-  NIB_CHECK(gb.rows == R && gb.cols == K);
-  std::vector<float> xr(static_cast<size_t>(R * K));
-  std::vector<uint8_t> rtn_all(static_cast<size_t>(M * K / 2)), guided(static_cast<size_t>(R * K / 2));
-  be.copy_to_host(rtn_all.data(), rtn_codes_dev, rtn_all.size());
-  auto matrix_row = [&](int64_t i) { return rows[static_cast<size_t>(i / Rr)] * Rr + i % Rr; };
-  for (int64_t i = 0; i < R; ++i)
-    std::memcpy(xr.data() + i * K, xb + matrix_row(i) * K, sizeof(float) * static_cast<size_t>(K));
-  rollout::guided_quantize_cpu(guided.data(), xr.data(), gb);
-  std::vector<float> deq(static_cast<size_t>(R * K));
-  formats::nvfp4_2level_dequantize_cpu(deq.data(), guided.data(), gb.scales.data(), gb.outer.data(), R, K);
-  const rollout::GuidanceMode mode = gb.mode;
+  const int64_t R = static_cast<int64_t>(rows.size()) * Rr, K = q.cols;
+  NIB_CHECK(gb.rows == R && gb.cols == K && q.format == QuantFormat::kNvfp4TwoLevel && K % 16 == 0);
+  if (R == 0) return Status::ok();
+  if (q.rows > INT32_MAX)
+    return invalid_argument("{}: {} guided rows do not fit the op's i32 row indices", kFakeQuantRecipe, q.rows);
+  // One upload: stats (3) i64 zeroed | row indices (R) i32 | outer | inner scales | guide, each
+  // part 8-byte aligned (the kernels load the guide and the codes 8 bytes at a time).
+  const auto align8 = [](int64_t n) { return (n + 7) & ~int64_t{7}; };
+  const int64_t no = (K + 127) / 128;
+  const int64_t guide_bytes = static_cast<int64_t>(gb.guide.size());
+  NIB_CHECK(static_cast<int64_t>(gb.scales.size()) == R * (K / 16) && static_cast<int64_t>(gb.outer.size()) == R * no);
+  const int64_t o_rows = 3 * 8, o_outer = o_rows + align8(4 * R), o_scales = o_outer + align8(4 * R * no),
+                o_guide = o_scales + align8(R * (K / 16)), total = o_guide + guide_bytes;
+  scratch.host.assign(static_cast<size_t>(total), 0);
+  uint8_t* h = scratch.host.data();
   for (int64_t i = 0; i < R; ++i) {
-    const uint8_t* rtn = rtn_all.data() + matrix_row(i) * (K / 2);
-    for (int64_t k = 0; k < K; ++k) {
-      const uint32_t own = formats::e2m1_unpack(rtn, k);
-      const uint32_t gc = formats::e2m1_unpack(guided.data() + i * (K / 2), k);
-      uint32_t roll = gc;  // trace: the guided code stands for the rollout's
-      bool same;
-      if (mode == rollout::GuidanceMode::kTraceFull) {
-        roll = formats::e2m1_unpack(gb.guide.data() + i * (K / 2), k);
-        same = gc == roll || ((gc & 7u) == 0 && (roll & 7u) == 0);  // +0 == -0
-      } else {
-        same = (gc & 1u) == ((gb.guide[static_cast<size_t>(i * (K / 8) + k / 8)] >> (k & 7)) & 1u);
-      }
-      const bool mism = own != roll && !((own & 7u) == 0 && (roll & 7u) == 0);
-      st.rtn_mismatch += mism;
-      st.one_step += mism && e2m1_one_step_apart(own, roll);
-      st.reproduced += same;
-    }
+    const auto m = static_cast<int32_t>(rows[static_cast<size_t>(i / Rr)] * Rr + i % Rr);  // the matrix row
+    std::memcpy(h + o_rows + 4 * i, &m, 4);
   }
-  // one copy per run of consecutive matrix rows
-  for (int64_t i = 0; i < R;) {
-    int64_t j = i + 1;
-    while (j < R && matrix_row(j) == matrix_row(j - 1) + 1) ++j;
-    be.copy_to_device(xq + matrix_row(i) * K, deq.data() + i * K, sizeof(float) * static_cast<size_t>((j - i) * K));
-    i = j;
-  }
+  std::memcpy(h + o_outer, gb.outer.data(), sizeof(float) * gb.outer.size());
+  std::memcpy(h + o_scales, gb.scales.data(), gb.scales.size());
+  std::memcpy(h + o_guide, gb.guide.data(), gb.guide.size());
+  uint8_t* d = scratch.device.ensure(be, total, "rl-fake-quant: guidance upload");
+  be.copy_to_device(d, h, static_cast<size_t>(total));
+  auto* stats_dev = reinterpret_cast<int64_t*>(d);
+  be.guided_overwrite_rows(q, stats_dev, xb, reinterpret_cast<const int32_t*>(d + o_rows), R, d + o_scales,
+                           reinterpret_cast<const float*>(d + o_outer), d + o_guide, rollout::guidance_kind(gb.mode));
+  int64_t counts[3];
+  be.copy_to_host(counts, stats_dev, sizeof(counts));
+  st.rtn_mismatch += counts[0], st.one_step += counts[1], st.reproduced += counts[2];
   st.elements += R * K;
   return Status::ok();
 }
@@ -170,16 +153,18 @@ void TraceKvQuantizer::quantize(backend::Backend& be, int64_t layer, float* k, f
       model::nvfp4_kv_round_trip(be, x, N * Hkv, D, buf_);
       continue;
     }
-    xb_.resize(static_cast<size_t>(N * Hkv * D));
-    be.copy_to_host(xb_.data(), x, sizeof(float) * xb_.size());  // the input, for the guided rows
-    const backend::QuantizedTensor q = model::nvfp4_kv_round_trip(be, x, N * Hkv, D, buf_);
-    Status s = apply_guidance(be, x, q.codes, N, Hkv, D, static_cast<uint16_t>(layer),
+    // model::nvfp4_kv_round_trip with the guided rows re-rounded between quantize and dequantize
+    NIB_CHECK_MSG(D > 0 && D % 16 == 0, "nvfp4 KV cache: head dim {} is not a multiple of 16", D);
+    backend::QuantizedTensor q = buf_.view(be, QuantFormat::kNvfp4TwoLevel, N * Hkv, D);
+    be.quantize(q, x);
+    Status s = apply_guidance(be, q, x, N, Hkv, D, static_cast<uint16_t>(layer),
                               values ? rollout::kValueCache : rollout::kKeyCache);
     if (!s.is_ok()) g->status = s;
+    be.dequantize(x, q);
   }
 }
 
-Status TraceKvQuantizer::apply_guidance(backend::Backend& be, float* x, const uint8_t* rtn_codes_dev, int64_t N,
+Status TraceKvQuantizer::apply_guidance(backend::Backend& be, backend::QuantizedTensor& q, const float* x, int64_t N,
                                         int64_t Hkv, int64_t D, uint16_t layer, uint16_t site) {
   TraceGuidance& g = *guidance_;
   std::vector<int64_t> rows;
@@ -200,7 +185,7 @@ Status TraceKvQuantizer::apply_guidance(backend::Backend& be, float* x, const ui
       return invalid_argument("{}: KV guidance of layer {} site {} is {} {}x{}, the trainer's cache rows are {} {}x{}",
                               kFakeQuantRecipe, layer, site, backend::quant_format_name(gb.format), gb.rows_per_record,
                               gb.cols, backend::quant_format_name(QuantFormat::kNvfp4TwoLevel), Hkv, D);
-    NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, x, xb_.data(), rtn_codes_dev, N * Hkv, D, rows, gb, st));
+    NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, q, x, rows, gb, scratch_, st));
   }
   g.stats.add(st);
   return Status::ok();

@@ -54,6 +54,12 @@ struct TraceGuidance {
   Status status;                          // the first error (a missing record); forward() cannot return one
 };
 
+// Where overwrite_guided_rows keeps one call's upload (grow-only, reused call to call).
+struct GuidedRowsScratch {
+  std::vector<uint8_t> host;        // the packed upload: stats, row indices, outer, scales, guide
+  backend::Buffer<uint8_t> device;  // its copy in backend memory
+};
+
 struct FakeQuantOptions {
   bool weights = true;      // W4: NVFP4 weights
   bool activations = true;  // A4: NVFP4 inputs (RTN or guided)
@@ -72,14 +78,16 @@ class FakeQuantLinear final : public model::LinearRecipe {
   void set_guidance(TraceGuidance* g) { options_.guidance = g; }
 
  private:
-  // Rows of xq (M, K) whose rollout record at `site` exists are re-rounded under the rollout's
-  // scales. token_of_row: (M) i32 backend memory, the token row of each row (routed experts), or null.
-  Status apply_guidance(backend::Backend& be, float* xq, const float* xb, const uint8_t* rtn_codes_dev, int64_t M,
-                        int64_t K, uint16_t site, const int32_t* token_of_row);
+  // Rows of q (M, K: the RTN quantization of the BF16 input xb (M, K), backend memory) whose
+  // rollout record at `site` exists are re-rounded under the rollout's scales (overwrite_guided_rows).
+  // token_of_row: (M) i32 backend memory, the token row of each row (routed experts), or null.
+  Status apply_guidance(backend::Backend& be, backend::QuantizedTensor& q, const float* xb, int64_t M, int64_t K,
+                        uint16_t site, const int32_t* token_of_row);
   FakeQuantOptions options_;
   model::LinearInfo info_;
   backend::Buffer<float> wq_, xq_;  // saved ŵ (N,K), x̂ (M,K) for backward
   backend::QuantizedBuffer qbuf_;
+  GuidedRowsScratch scratch_;
 };
 
 // The KV-cache sites (an NVFP4 rollout cache, RlConfig::rollout_kv): the trainer's step between
@@ -95,20 +103,23 @@ class TraceKvQuantizer final : public model::KvQuantizer {
   void set_guidance(TraceGuidance* g) { guidance_ = g; }  // null: RTN everywhere
 
  private:
-  Status apply_guidance(backend::Backend& be, float* x, const uint8_t* rtn_codes_dev, int64_t N, int64_t Hkv,
+  // q (N*Hkv, D): the RTN quantization of x (N*Hkv, D) backend memory; its guided rows re-rounded.
+  Status apply_guidance(backend::Backend& be, backend::QuantizedTensor& q, const float* x, int64_t N, int64_t Hkv,
                         int64_t D, uint16_t layer, uint16_t site);
   TraceGuidance* guidance_ = nullptr;
   backend::QuantizedBuffer buf_;
-  std::vector<float> xb_;  // host copy of K or V before rounding
+  GuidedRowsScratch scratch_;
 };
 
-// xq (M, K) rows of the gathered records <- their guided rounding, dequantized with the rollout's
-// scales; the rest of xq is left as it is. rows: the token rows of gb's records (record i covers
-// matrix rows rows[i] * gb.rows_per_record + j); xb (M, K) host: the unrounded input; rtn_codes_dev
-// (M, K/2): the trainer's own RTN codes (backend memory), compared for st.
-Status overwrite_guided_rows(backend::Backend& be, float* xq, const float* xb, const uint8_t* rtn_codes_dev, int64_t M,
-                             int64_t K, const std::vector<int64_t>& rows, const rollout::GuidanceBatch& gb,
-                             GuidedSiteStats& st);
+// The rows of q (rows, K) kNvfp4TwoLevel that the gathered records cover <- their guided rounding
+// under the rollout's scales (codes, inner and outer scales replaced: dequantize(q) then gives
+// the rollout-scaled values), through Backend::guided_overwrite_rows: one upload of the row
+// indices and gb's scales, outer and guide bytes, one op, one copy of the three counts back. rows:
+// the token rows of gb's records (record i covers matrix rows rows[i] * gb.rows_per_record + j);
+// xb (rows, K) backend memory: the values q was quantized from. st += the counts and elements.
+Status overwrite_guided_rows(backend::Backend& be, backend::QuantizedTensor& q, const float* xb,
+                             const std::vector<int64_t>& rows, const rollout::GuidanceBatch& gb,
+                             GuidedRowsScratch& scratch, GuidedSiteStats& st);
 
 // Registers "rl-fake-quant" (idempotent). RecipeConfig::raw may hold {"weights": b, "activations": b};
 // guidance is attached afterwards with attach_guidance.

@@ -7,12 +7,15 @@
 // records of the tokens the dispatch plan names (LinearCall::token_of_row) at the expert's own
 // site; a row without one stays RTN and is counted. The backward is straight-through. The KV-cache
 // sites (TraceKvQuantizer): RTN gives the NVFP4 page codec's values, guidance the rollout's codes
-// (trace-full) or mantissa bits (trace) of K and V per (token, kv head) row.
+// (trace-full) or mantissa bits (trace) of K and V per (token, kv head) row. The guided rows go
+// through Backend::guided_overwrite_rows (overwrite_guided_rows); on the CPU backend its xq and
+// counts equal, bit for bit, the host path that ran before it (kept here as the reference).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -239,6 +242,108 @@ TEST(FakeQuant, BackwardIsStraightThrough) {
       for (int64_t m = 0; m < M; ++m) ref += static_cast<double>(dy[m * N + n]) * xq[m * K + k];
       // M = 6 products of magnitude <= 0.75 x 6 (|x̂| <= 6 x scale, scale ~ amax/6 ~ 1)
       EXPECT_NEAR(dw[n * K + k], ref, 1e-4);
+    }
+}
+
+// ---- the device path against the host path it replaced -----------------------------------------
+
+// The host path fake_quant.cpp ran before Backend::guided_overwrite_rows: the guided rows of the
+// BF16 input re-rounded on the host (rollout::guided_quantize_cpu), dequantized with the rollout's
+// scales over the RTN dequantization xq, and the counts taken element by element.
+void host_overwrite_guided_rows(std::vector<float>& xq, const std::vector<float>& xb, const std::vector<uint8_t>& rtn,
+                                int64_t K_, const std::vector<int64_t>& rows, const rollout::GuidanceBatch& gb,
+                                GuidedSiteStats& st) {
+  const int64_t Rr = gb.rows_per_record, R = static_cast<int64_t>(rows.size()) * Rr;
+  auto matrix_row = [&](int64_t i) { return rows[static_cast<size_t>(i / Rr)] * Rr + i % Rr; };
+  std::vector<float> xr(static_cast<size_t>(R * K_)), deq(static_cast<size_t>(R * K_));
+  std::vector<uint8_t> guided(static_cast<size_t>(R * K_ / 2));
+  for (int64_t i = 0; i < R; ++i) std::copy_n(xb.data() + matrix_row(i) * K_, K_, xr.data() + i * K_);
+  rollout::guided_quantize_cpu(guided.data(), xr.data(), gb);
+  formats::nvfp4_2level_dequantize_cpu(deq.data(), guided.data(), gb.scales.data(), gb.outer.data(), R, K_);
+  for (int64_t i = 0; i < R; ++i) {
+    for (int64_t k = 0; k < K_; ++k) {
+      const uint32_t own = formats::e2m1_unpack(rtn.data() + matrix_row(i) * (K_ / 2), k);
+      const uint32_t gc = formats::e2m1_unpack(guided.data() + i * (K_ / 2), k);
+      uint32_t roll = gc;
+      bool same;
+      if (gb.mode == rollout::GuidanceMode::kTraceFull) {
+        roll = formats::e2m1_unpack(gb.guide.data() + i * (K_ / 2), k);
+        same = gc == roll || ((gc & 7u) == 0 && (roll & 7u) == 0);
+      } else {
+        same = (gc & 1u) == ((gb.guide[static_cast<size_t>(i * (K_ / 8) + k / 8)] >> (k & 7)) & 1u);
+      }
+      const bool mism = own != roll && !((own & 7u) == 0 && (roll & 7u) == 0);
+      st.rtn_mismatch += mism;
+      st.one_step += mism && e2m1_one_step_apart(own, roll);
+      st.reproduced += same;
+    }
+    std::copy_n(deq.data() + i * K_, K_, xq.data() + matrix_row(i) * K_);
+  }
+  st.elements += R * K_;
+}
+
+TEST(FakeQuant, DeviceGuidedRowsEqualTheHostPathBitForBit) {
+  // 40 matrix rows of 144 columns (a partial 128-block); the rollout saw x moved by ~4% (odd
+  // rows: ~50%), so its codes differ from the trainer's RTN by one step and (odd rows) more, and
+  // its scales differ
+  constexpr int64_t Mr = 40, Kc = 144, kb = Kc / 16, no = 2;
+  PhiloxStream rng(17, 3);
+  std::vector<float> x(Mr * Kc), xr(Mr * Kc);
+  for (int64_t i = 0; i < Mr * Kc; ++i) {
+    x[i] = std::ldexp(static_cast<float>(rng.next_normal()), static_cast<int>((i / Kc) % 7) - 3);
+    xr[i] = x[i] * (1.0f + ((i / Kc) % 2 ? 0.5f : 0.04f) * static_cast<float>(rng.next_normal()));
+  }
+  model::round_to_bf16_array(x.data(), x.data(), Mr * Kc);
+  std::vector<uint8_t> roll_codes(Mr * Kc / 2), roll_inner(Mr * kb);
+  std::vector<float> roll_outer(Mr * no);
+  formats::nvfp4_2level_quantize_cpu(roll_codes.data(), roll_inner.data(), roll_outer.data(), xr.data(), Mr, Kc);
+  backend::Backend& be = backend::cpu_backend();
+  for (const int64_t Rr : {1, 4})  // version-1 records (linears) and version-2 records of 4 rows (KV)
+    for (auto mode : {rollout::GuidanceMode::kTraceFull, rollout::GuidanceMode::kTrace}) {
+      SCOPED_TRACE(std::string(rollout::guidance_mode_name(mode)) + " rows per record " + std::to_string(Rr));
+      // token rows with a record: unsorted, gaps between them
+      std::vector<int64_t> rows;
+      for (int64_t t = Mr / Rr - 1; t >= 0; t -= 2) rows.push_back(t);
+      rollout::GuidanceBatch gb;
+      gb.format = backend::QuantFormat::kNvfp4TwoLevel, gb.mode = mode, gb.cols = Kc, gb.rows_per_record = Rr;
+      gb.rows = static_cast<int64_t>(rows.size()) * Rr;
+      const int64_t gstride = mode == rollout::GuidanceMode::kTraceFull ? Kc / 2 : Kc / 8;
+      gb.guide.resize(static_cast<size_t>(gb.rows * gstride));
+      for (int64_t i = 0; i < gb.rows; ++i) {
+        const int64_t m = rows[static_cast<size_t>(i / Rr)] * Rr + i % Rr;
+        gb.scales.insert(gb.scales.end(), roll_inner.begin() + m * kb, roll_inner.begin() + (m + 1) * kb);
+        gb.outer.insert(gb.outer.end(), roll_outer.begin() + m * no, roll_outer.begin() + (m + 1) * no);
+        if (mode == rollout::GuidanceMode::kTraceFull)
+          std::copy_n(roll_codes.data() + m * Kc / 2, Kc / 2, gb.guide.data() + i * gstride);
+        else
+          formats::e2m1_mantissa_bits_cpu(gb.guide.data() + i * gstride, roll_codes.data() + m * Kc / 2, 1, Kc);
+      }
+      // the host path
+      std::vector<uint8_t> rtn(Mr * Kc / 2), rtn_inner(Mr * kb);
+      std::vector<float> rtn_outer(Mr * no), xq_host(Mr * Kc);
+      formats::nvfp4_2level_quantize_cpu(rtn.data(), rtn_inner.data(), rtn_outer.data(), x.data(), Mr, Kc);
+      formats::nvfp4_2level_dequantize_cpu(xq_host.data(), rtn.data(), rtn_inner.data(), rtn_outer.data(), Mr, Kc);
+      GuidedSiteStats st_host;
+      host_overwrite_guided_rows(xq_host, x, rtn, Kc, rows, gb, st_host);
+      // the device path on the CPU backend
+      backend::QuantizedBuffer qb;
+      backend::QuantizedTensor q = qb.view(be, backend::QuantFormat::kNvfp4TwoLevel, Mr, Kc);
+      be.quantize(q, x.data());
+      GuidedRowsScratch scratch;
+      GuidedSiteStats st;
+      ASSERT_TRUE(overwrite_guided_rows(be, q, x.data(), rows, gb, scratch, st).is_ok());
+      std::vector<float> xq(Mr * Kc);
+      be.dequantize(xq.data(), q);
+      EXPECT_GT(st_host.one_step, 0);
+      if (mode == rollout::GuidanceMode::kTraceFull) {  // some mismatches are more than one step
+        EXPECT_GT(st_host.rtn_mismatch, st_host.one_step);
+      }
+      EXPECT_EQ(st.elements, st_host.elements);
+      EXPECT_EQ(st.rtn_mismatch, st_host.rtn_mismatch);
+      EXPECT_EQ(st.one_step, st_host.one_step);
+      EXPECT_EQ(st.reproduced, st_host.reproduced);
+      ASSERT_EQ(xq.size(), xq_host.size());
+      EXPECT_EQ(0, std::memcmp(xq.data(), xq_host.data(), sizeof(float) * xq.size()));
     }
 }
 
