@@ -455,6 +455,25 @@ Result<std::vector<uint8_t>> extract_guidance(const backend::QuantizedTensor& q,
   return rec;
 }
 
+Result<std::vector<uint8_t>> guidance_record_from_payload(backend::QuantFormat format, int64_t cols, GuidanceMode mode,
+                                                          std::span<const uint8_t> payload) {
+  if (!is_nvfp4(format))
+    return invalid_argument("guidance: format {} has no E2M1 codes", backend::quant_format_name(format));
+  if (cols <= 0 || cols % 16 != 0 || cols > int64_t{0xFFFFFFFF})
+    return invalid_argument("guidance: cols={} must be a positive multiple of 16", cols);
+  const int64_t bytes = guidance_record_bytes(format, cols, mode);
+  if (static_cast<int64_t>(payload.size()) != bytes - kGuidanceHeaderBytes)
+    return invalid_argument("guidance: a payload of {} bytes, a {} record of {} columns has {}", payload.size(),
+                            backend::quant_format_name(format), cols, bytes - kGuidanceHeaderBytes);
+  std::vector<uint8_t> rec(static_cast<size_t>(bytes));
+  rec[0] = static_cast<uint8_t>(format);
+  rec[1] = static_cast<uint8_t>(mode);
+  put<uint16_t>(rec.data() + 2, kGuidanceRecordVersion);
+  put<uint32_t>(rec.data() + 4, static_cast<uint32_t>(cols));
+  std::memcpy(rec.data() + kGuidanceHeaderBytes, payload.data(), payload.size());
+  return rec;
+}
+
 Status append_guidance(RecordStore& store, const backend::QuantizedTensor& q, const uint64_t* row_sequence,
                        const uint32_t* row_position, uint16_t layer, uint16_t site, GuidanceMode mode) {
   for (int64_t r = 0; r < q.rows; ++r) {

@@ -161,6 +161,11 @@ int64_t guidance_rows_record_bytes(int64_t rows, int64_t cols, GuidanceMode mode
 
 // Rollout side: the record of row `row` of q (host memory; an NVFP4 format, cols % 16 == 0).
 Result<std::vector<uint8_t>> extract_guidance(const backend::QuantizedTensor& q, int64_t row, GuidanceMode mode);
+// The same record from its payload (scales | outer | guide, as Backend::guidance_payload_rows
+// writes a row of a kNvfp4TwoLevel tensor of `cols`): the header prepended. Errors: a payload of
+// the wrong size, a non-NVFP4 format.
+Result<std::vector<uint8_t>> guidance_record_from_payload(backend::QuantFormat format, int64_t cols, GuidanceMode mode,
+                                                          std::span<const uint8_t> payload);
 // Appends the record of every row of q; row r is token (row_sequence[r], row_position[r]).
 // row_sequence, row_position: (q.rows) host arrays.
 Status append_guidance(RecordStore& store, const backend::QuantizedTensor& q, const uint64_t* row_sequence,

@@ -369,6 +369,33 @@ TEST_F(GuidanceStoreTest, ExtractRejectsNonNvfp4AndBadWidths) {
   EXPECT_NE(o.status().message().find("version 0"), std::string::npos) << o.status().message();
 }
 
+// The recorder's records from the backend's payload rows (Backend::guidance_payload_rows) are the
+// records extract_guidance makes, byte for byte, in both modes; a payload of the wrong size or a
+// format without codes is an error.
+TEST_F(GuidanceStoreTest, RecordsFromPayloadRowsEqualExtractGuidance) {
+  HostQuant h = quantize(QuantFormat::kNvfp4TwoLevel, 5, 144, 7);
+  for (auto mode : {GuidanceMode::kTraceFull, GuidanceMode::kTrace}) {
+    SCOPED_TRACE(guidance_mode_name(mode));
+    const int64_t P = guidance_record_bytes(QuantFormat::kNvfp4TwoLevel, 144, mode) - kGuidanceHeaderBytes;
+    std::vector<uint8_t> payload(static_cast<size_t>(5 * P));
+    backend::cpu_backend().guidance_payload_rows(payload.data(), h.q, guidance_kind(mode));
+    for (int64_t r = 0; r < 5; ++r) {
+      auto want = extract_guidance(h.q, r, mode);
+      ASSERT_TRUE(want.is_ok());
+      auto got = guidance_record_from_payload(QuantFormat::kNvfp4TwoLevel, 144, mode,
+                                              std::span<const uint8_t>(payload.data() + r * P, P));
+      ASSERT_TRUE(got.is_ok()) << got.status().message();
+      EXPECT_EQ(*got, *want) << "row " << r;
+    }
+    EXPECT_FALSE(guidance_record_from_payload(QuantFormat::kNvfp4TwoLevel, 144, mode,
+                                              std::span<const uint8_t>(payload.data(), P - 1))
+                     .is_ok());
+    EXPECT_FALSE(guidance_record_from_payload(QuantFormat::kMxfp8, 144, mode,
+                                              std::span<const uint8_t>(payload.data(), P))
+                     .is_ok());
+  }
+}
+
 // Routed experts' sites: two per expert (gate/up input, down input), distinct from each other and
 // from the fixed sites below kRoutedExpertSite0, up to the last id a u16 holds.
 TEST(GuidanceSites, RoutedExpertSitesAreDistinctPerExpertAndPart) {

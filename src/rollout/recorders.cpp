@@ -72,9 +72,37 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
         return Status(StatusCode::kInternal, fmt::format("guidance recorder: linear {} row {} is token {}, the step has {}",
                                                          info.name, r, tokens_[static_cast<size_t>(r)], N));
   }
-  // the record reader works on host memory: a device activation is copied first
+  RecordStore& store = *recorders_.guidance;
+  const GuidanceMode mode = recorders_.guidance_mode;
   backend::QuantizedTensor q = qx;
   q.rows = M;
+  auto append_row = [&](int64_t r, std::vector<uint8_t>&& rec) -> Status {
+    const auto n = static_cast<size_t>(routed ? tokens_[static_cast<size_t>(r)] : r);  // the step row
+    const auto pos = static_cast<uint32_t>(rows_.positions[n]);
+    const RecordKey key{0, pos, static_cast<uint16_t>(info.block), *site};
+    return for_each_sample_of_row(rows_, n, [&](uint64_t seq) {
+      RecordKey k = key;
+      k.sequence = seq;
+      return store.append(k, std::vector<uint8_t>(rec));
+    });
+  };
+  if (qx.format == backend::QuantFormat::kNvfp4TwoLevel && be.supports(backend::Op::kTraceGuidedRows)) {
+    // the records' payloads of all M rows made where the activation lives (mantissa bits there
+    // for trace), then one copy of just those bytes
+    const int64_t P = guidance_record_bytes(qx.format, qx.cols, mode) - kGuidanceHeaderBytes;
+    uint8_t* d = payload_dev_.ensure(be, M * P, "guidance recorder: record payloads");
+    be.guidance_payload_rows(d, q, guidance_kind(mode));
+    payload_.resize(static_cast<size_t>(M * P));
+    if (M > 0) be.copy_to_host(payload_.data(), d, payload_.size());
+    for (int64_t r = 0; r < M; ++r) {
+      NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec,
+                           guidance_record_from_payload(qx.format, qx.cols, mode,
+                                                        std::span<const uint8_t>(payload_.data() + r * P, P)));
+      NIB_RETURN_IF_ERROR(append_row(r, std::move(rec)));
+    }
+    return Status::ok();
+  }
+  // other formats: the record reader works on host memory, a device activation is copied first
   if (be.device() != Device::kCPU) {
     const int64_t cb = backend::QuantizedTensor::code_bytes(qx.format, M, qx.cols);
     const int64_t sb = backend::QuantizedTensor::scale_bytes(qx.format, M, qx.cols);
@@ -85,14 +113,9 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
     be.copy_to_host(outer_.data(), qx.outer, sizeof(float) * static_cast<size_t>(no));
     q.codes = codes_.data(), q.scales = scales_.data(), q.outer = outer_.data();
   }
-  RecordStore& store = *recorders_.guidance;
   for (int64_t r = 0; r < M; ++r) {
-    NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec, extract_guidance(q, r, recorders_.guidance_mode));
-    const auto n = static_cast<size_t>(routed ? tokens_[static_cast<size_t>(r)] : r);  // the step row
-    const auto pos = static_cast<uint32_t>(rows_.positions[n]);
-    NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows_, n, [&](uint64_t seq) {
-      return store.append(RecordKey{seq, pos, static_cast<uint16_t>(info.block), *site}, std::vector<uint8_t>(rec));
-    }));
+    NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec, extract_guidance(q, r, mode));
+    NIB_RETURN_IF_ERROR(append_row(r, std::move(rec)));
   }
   return Status::ok();
 }

@@ -2,7 +2,9 @@
 // what a generate() call hands to the RL trainer besides tokens and log-probs. R3: each token's
 // top-k expert ids per MoE layer (routing_record.h) into a RecordStore. TRACE (w4a4 mode only):
 // at the chosen layers, the NVFP4 codes (or only their mantissa bits) and block scales of each
-// activation entering a quantized linear (guidance_store.h), prompt tokens included. Both are
+// activation entering a quantized linear (guidance_store.h), prompt tokens included; a two-level
+// activation's record payloads are made on its backend (Backend::guidance_payload_rows: codes or
+// mantissa bits, scales) and come to the host in one copy per recorded call. Both are
 // keyed by (recorded_sequence(request id, sample), position, layer, site): a prompt row the G
 // samples share is stored once per sample, so the trainer reads every sequence alone.
 // The sites recorded are kAttnInput, kAttnOutputInput, kMlpInput (dense MLP or shared expert),
@@ -76,7 +78,9 @@ class GuidanceRecorder final : public ActivationObserver, public KvWriteObserver
   std::vector<bool> layer_on_;
   RecordedRows rows_;
   Status status_;
-  std::vector<uint8_t> codes_, scales_;  // host copies of a device activation
+  backend::Buffer<uint8_t> payload_dev_;  // (M, P) the records' payloads (Backend::guidance_payload_rows)
+  std::vector<uint8_t> payload_;          // their host copy
+  std::vector<uint8_t> codes_, scales_;   // host copies of a device activation (formats other than 2-level)
   std::vector<float> outer_;
   std::vector<int32_t> tokens_;  // host copy of a routed expert's token_of_row
 };
