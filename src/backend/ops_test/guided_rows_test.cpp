@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
+#include <string>
 #include <vector>
 
 #include <fmt/format.h>
@@ -180,6 +182,28 @@ TEST_P(GuidedRowsOpsTest, PayloadRowsHoldTheScalesAndTheCodesOrTheirMantissaBits
       be().guidance_payload_rows(out, q, full ? formats::GuidanceKind::kFull : formats::GuidanceKind::kMantissaBit);
       EXPECT_TRUE(bits_equal(download(out, M * P), ref));
     }
+}
+
+// A tensor that is not two-level NVFP4 is refused by name on every backend (one line, no kernel).
+TEST_P(GuidedRowsOpsTest, AnotherFormatIsRefusedNamingTheOp) {
+  QuantizedBuffer qb;
+  QuantizedTensor q = qb.view(be(), QuantFormat::kMxfp8, 2, 64);
+  int64_t* stats = zeros<int64_t>(3);
+  float* x = zeros<float>(2 * 64);
+  const std::vector<int32_t> rows = {1};
+  try {
+    be().guided_overwrite_rows(q, stats, x, upload(rows), 1, zeros<uint8_t>(4), zeros<float>(1), zeros<uint8_t>(32),
+                               formats::GuidanceKind::kFull);
+    ADD_FAILURE() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("guided_overwrite_rows"), std::string::npos) << e.what();
+  }
+  try {
+    be().guidance_payload_rows(zeros<uint8_t>(2 * 64), q, formats::GuidanceKind::kFull);
+    ADD_FAILURE() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("guidance_payload_rows"), std::string::npos) << e.what();
+  }
 }
 
 NIB_INSTANTIATE_OPS_TEST(GuidedRowsOpsTest);
