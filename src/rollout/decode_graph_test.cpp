@@ -242,7 +242,7 @@ void expect_graph_layout_equals_eager(backend::Backend* be, DecodeGraphMode grap
     SCOPED_TRACE(c.name());
     const GenRun eager = run_case(*m, c, DecodeGraphMode::kOff, false);
     EXPECT_EQ(eager.stats.graph_steps, 0);
-    EXPECT_EQ(eager.status, "off: not asked for (--no-cuda-graphs; the default outside bench decode)");
+    EXPECT_EQ(eager.status, "off: turned off (--no-cuda-graphs)");
     for (bool pad : {false, true}) {
       SCOPED_TRACE(pad ? "padded" : "not padded");
       const GenRun g = run_case(*m, c, graphs, pad);
@@ -274,18 +274,20 @@ TEST(DecodeGraphs, GraphLayoutRunEagerlyEqualsEagerSteps) {
 TEST(DecodeGraphs, EnginesSayWhyGraphsAreOff) {
   auto m = dense_model(&backend::cpu_backend());
   EngineOptions o;
-  auto e = Engine::create(*m, o);  // kOff by default
+  EXPECT_EQ(o.decode_graphs, DecodeGraphMode::kOn);  // on by default
+  auto e = Engine::create(*m, o);  // kOn on the CPU: no capture
   ASSERT_TRUE(e.is_ok());
-  EXPECT_EQ((*e)->decode_graphs_status(), "off: not asked for (--no-cuda-graphs; the default outside bench decode)");
+  EXPECT_EQ((*e)->decode_graphs_status(), "off: backend 'cpu' cannot capture graphs");
+  o.decode_graphs = DecodeGraphMode::kOff;
+  e = Engine::create(*m, o);
+  ASSERT_TRUE(e.is_ok());
+  EXPECT_EQ((*e)->decode_graphs_status(), "off: turned off (--no-cuda-graphs)");
   ::setenv("NIBBLE_CUDA_GRAPHS", "on", 1);  // turns them on for every engine
   e = Engine::create(*m, o);
   ::unsetenv("NIBBLE_CUDA_GRAPHS");
   ASSERT_TRUE(e.is_ok());
   EXPECT_EQ((*e)->decode_graphs_status(), "off: backend 'cpu' cannot capture graphs");
   o.decode_graphs = DecodeGraphMode::kOn;
-  e = Engine::create(*m, o);  // kOn on the CPU: no capture
-  ASSERT_TRUE(e.is_ok());
-  EXPECT_EQ((*e)->decode_graphs_status(), "off: backend 'cpu' cannot capture graphs");
   o.mode = PrecisionMode::kRecipe;
   e = Engine::create(*m, o);
   ASSERT_TRUE(e.is_ok());

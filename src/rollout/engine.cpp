@@ -61,7 +61,7 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
   }
   if (o.decode_graphs == DecodeGraphMode::kOff) {
     graphs_off = std::getenv("NIBBLE_CUDA_GRAPHS") != nullptr ? "NIBBLE_CUDA_GRAPHS=off"
-                                                                : "not asked for (--no-cuda-graphs; the default outside bench decode)";
+                                                                : "turned off (--no-cuda-graphs)";
   } else if (o.mode == PrecisionMode::kRecipe) {
     graphs_off = "the recipe mode runs the model's own recipes";
   } else if (model.num_moe_layers() > 0) {
@@ -624,7 +624,7 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
     stats_.forward_seconds += seconds_since(t_forward);
     cache_->finish_batch();
     ++stats_.steps;
-    if (guidance) NIB_RETURN_IF_ERROR(guidance->status());
+    if (guidance) NIB_RETURN_IF_ERROR(guidance->finish_step());  // the step's records, one copy
     if (record_routing)
       NIB_RETURN_IF_ERROR(record_routing_step(*recorders->routing, rec_rows, routing.data(), Lm, topk, cfg.num_experts));
     if (record && callbacks.on_routing) {

@@ -48,17 +48,16 @@ struct EngineOptions {
   // instead of sample_with_logprob over the rows in parallel: the same tokens and log-probs,
   // slower; kept for comparisons (tests, `nibble bench decode --reference-sampler`).
   bool reference_sampler = false;
-  // CUDA graphs for decode-only steps (rollout/decode_graph.h): kOff by default until they have run
-  // on the H200 (`nibble bench decode` turns them on; NIBBLE_CUDA_GRAPHS=on|off overrides every
-  // engine's choice); kOn uses them where
+  // CUDA graphs for decode-only steps (rollout/decode_graph.h; NIBBLE_CUDA_GRAPHS=on|off overrides
+  // every engine's choice): kOn, the default, uses them where
   // the backend captures graphs and the engine allows them (bf16 / w4a16 / w4a4 modes of a dense
   // model; padded w4a4 only with per-row activation scales), else runs eagerly (decode_graphs_status()
-  // says why); kOff always eager (`--no-cuda-graphs`; the environment variable
+  // says why); kOff always eager (`nibble bench decode --no-cuda-graphs`; the environment variable
   // NIBBLE_CUDA_GRAPHS=off does the same for every engine); kEagerLayout runs the graph steps'
   // layout eagerly on any backend (tests). Tokens and log-probs are the eager bits unless
   // decode_graph_padding. Steps with prompt chunks, guidance recording or the routing hook always
   // run eagerly.
-  DecodeGraphMode decode_graphs = DecodeGraphMode::kOff;
+  DecodeGraphMode decode_graphs = DecodeGraphMode::kOn;
   // Pad graph steps to 1, 2, 4, ... rows (one graph per size instead of one per row count); a
   // GEMM over more rows may sum a real row in another order, so log-probs may differ from the
   // eager ones in their last bits (tokens only where that flips a draw). `--cuda-graph-padding`.

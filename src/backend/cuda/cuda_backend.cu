@@ -884,12 +884,12 @@ void CudaBackend::matmul_nt_nvfp4_weight(float* y, const float* x, const backend
                      M <= INT32_MAX && w.rows <= INT32_MAX && w.cols <= INT32_MAX,
                  "matmul_nt_nvfp4_weight", "{} ({}, {}) M={}", backend::quant_format_name(w.format), w.rows, w.cols,
                  M);
-  // the GEMV for every M, or with NIBBLE_NVFP4_WEIGHT_GEMM=mma (read once per process; the default
-  // until the kernel has run on the H200) the GEMV for M <= 8 and BF16 tensor cores beyond
-  // (backend/cuda/fp4_weight_mma.cuh), whose K splits take S (M, N) f32 partial sums from the scratch
+  // the GEMV for M <= 8 and BF16 tensor cores beyond (backend/cuda/fp4_weight_mma.cuh), whose K
+  // splits take S (M, N) f32 partial sums from the scratch; NIBBLE_NVFP4_WEIGHT_GEMM=gemv (read once
+  // per process) keeps the GEMV for every M (3.6-5x slower at M 16-64 on the H200, docs/benchmarks.md)
   static const bool mma = [] {
     const char* v = std::getenv("NIBBLE_NVFP4_WEIGHT_GEMM");
-    return v != nullptr && std::strcmp(v, "mma") == 0;
+    return v == nullptr || std::strcmp(v, "gemv") != 0;
   }();
   const int m = static_cast<int>(M), n = static_cast<int>(w.rows), k = static_cast<int>(w.cols);
   if (!mma) {
