@@ -17,6 +17,14 @@ using backend::QuantFormat;
 
 bool e2m1_one_step_apart(uint32_t a, uint32_t b) { return formats::e2m1_one_step_apart(a, b); }
 
+namespace {
+// Where a guided call adds its counts: the guidance's device counts once reset_guided_counts made
+// them (collected later, no wait per call), else null (the call copies its own back).
+int64_t* device_counts(const backend::Backend& be, TraceGuidance& g) {
+  return g.device_counts.size() >= 3 ? g.device_counts.data() : nullptr;
+}
+}  // namespace
+
 void FakeQuantLinear::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N,
                               int64_t K, const model::LinearCall& call) {
   NIB_CHECK_MSG(K % 16 == 0, "{}: linear {} has in-features {}, NVFP4 needs a multiple of 16", kFakeQuantRecipe,
@@ -57,10 +65,12 @@ void FakeQuantLinear::forward(backend::Backend& be, float* y, const float* x, co
 Status FakeQuantLinear::apply_guidance(backend::Backend& be, backend::QuantizedTensor& q, const float* xb, int64_t M,
                                        int64_t K, uint16_t site, const int32_t* token_of_row) {
   TraceGuidance& g = *options_.guidance;
-  std::vector<int32_t> tokens;  // host copy of token_of_row
-  if (token_of_row != nullptr) {
-    tokens.resize(static_cast<size_t>(M));
-    be.copy_to_host(tokens.data(), token_of_row, sizeof(int32_t) * static_cast<size_t>(M));
+  std::vector<int32_t> copy;  // host copy of token_of_row, unless forward_experts made one
+  const int32_t* tokens = host_tokens_;
+  if (token_of_row != nullptr && tokens == nullptr) {
+    copy.resize(static_cast<size_t>(M));
+    be.copy_to_host(copy.data(), token_of_row, sizeof(int32_t) * static_cast<size_t>(M));
+    tokens = copy.data();
   }
   const auto block = static_cast<uint16_t>(info_.block);
   GuidedSiteStats st;
@@ -68,13 +78,13 @@ Status FakeQuantLinear::apply_guidance(backend::Backend& be, backend::QuantizedT
   std::vector<uint64_t> seqs;
   std::vector<uint32_t> poss;
   for (int64_t r = 0; r < M; ++r) {
-    const int64_t n = tokens.empty() ? r : tokens[static_cast<size_t>(r)];  // the row's token row
+    const int64_t n = tokens == nullptr ? r : tokens[r];  // the row's token row
     if (n < 0 || n >= static_cast<int64_t>(g.row_sequence.size()))
       return Status(StatusCode::kInternal, fmt::format("{}: linear {} row {} is token {}, the batch has {}",
                                                        kFakeQuantRecipe, info_.name, r, n, g.row_sequence.size()));
     const auto t = static_cast<size_t>(n);
     if (!g.row_recorded[t]) continue;
-    if (!tokens.empty()) {  // a routed expert: the rollout may have routed this token elsewhere
+    if (tokens != nullptr) {  // a routed expert: the rollout may have routed this token elsewhere
       ++st.routed_rows;
       if (!g.store->contains(rollout::RecordKey{g.row_sequence[t], g.row_position[t], block, site})) {
         ++st.routed_fallback_rows;
@@ -96,14 +106,60 @@ Status FakeQuantLinear::apply_guidance(backend::Backend& be, backend::QuantizedT
     return invalid_argument("{}: guidance of linear {} is {} {}x{}, the trainer quantizes {} rows of {} cols",
                             kFakeQuantRecipe, info_.name, backend::quant_format_name(gb.format), gb.rows_per_record,
                             gb.cols, backend::quant_format_name(QuantFormat::kNvfp4TwoLevel), K);
-  NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, q, xb, rows, gb, scratch_, st));
+  NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, q, xb, rows, gb, scratch_, st, device_counts(be, g)));
   g.stats.add(st);
   return Status::ok();
 }
 
+void FakeQuantLinear::forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N,
+                                      int64_t K, const model::ExpertGroup& group) {
+  const TraceGuidance* g = options_.guidance;
+  const bool guided_layer = options_.activations && g != nullptr && g->store != nullptr && g->status.is_ok() &&
+                            group.token_of_row != nullptr && info_.block < static_cast<int>(g->layers.size()) &&
+                            g->layers[static_cast<size_t>(info_.block)];
+  if (!guided_layer) {
+    model::LinearRecipe::forward_experts(be, y, x, w, N, K, group);
+    return;
+  }
+  std::vector<int64_t> offsets;
+  const int64_t* off = group.offsets_host;
+  if (off == nullptr) {
+    offsets.resize(static_cast<size_t>(group.E + 1));
+    be.copy_to_host(offsets.data(), group.offsets, offsets.size() * sizeof(int64_t));
+    off = offsets.data();
+  }
+  std::vector<int32_t> tokens(static_cast<size_t>(off[group.E]));
+  be.copy_to_host(tokens.data(), group.token_of_row, tokens.size() * sizeof(int32_t));
+  for (int64_t e = 0; e < group.E; ++e) {
+    const int64_t r0 = off[e], rows = off[e + 1] - r0;
+    if (rows == 0) continue;
+    model::LinearCall call = group.calls[e];
+    call.token_of_row = group.token_of_row + r0;
+    auto* f = dynamic_cast<FakeQuantLinear*>(group.recipes[e]);
+    if (f != nullptr) f->host_tokens_ = tokens.data() + r0;
+    group.recipes[e]->forward(be, y + r0 * N, x + r0 * K, w + e * group.w_stride, rows, N, K, call);
+    if (f != nullptr) f->host_tokens_ = nullptr;
+  }
+}
+
+void reset_guided_counts(backend::Backend& be, TraceGuidance& g) {
+  g.stats = GuidedSiteStats{};
+  const int64_t zeros[3] = {0, 0, 0};
+  be.copy_to_device(g.device_counts.ensure(be, 3, "rl-fake-quant: guided counts"), zeros, sizeof(zeros));
+}
+
+void collect_guided_counts(backend::Backend& be, TraceGuidance& g) {
+  if (g.device_counts.size() < 3) return;
+  int64_t counts[3];
+  be.copy_to_host(counts, g.device_counts.data(), sizeof(counts));
+  g.stats.rtn_mismatch += counts[0], g.stats.one_step += counts[1], g.stats.reproduced += counts[2];
+  const int64_t zeros[3] = {0, 0, 0};
+  be.copy_to_device(g.device_counts.data(), zeros, sizeof(zeros));
+}
+
 Status overwrite_guided_rows(backend::Backend& be, backend::QuantizedTensor& q, const float* xb,
                              const std::vector<int64_t>& rows, const rollout::GuidanceBatch& gb,
-                             GuidedRowsScratch& scratch, GuidedSiteStats& st) {
+                             GuidedRowsScratch& scratch, GuidedSiteStats& st, int64_t* device_counts) {
   const int64_t Rr = gb.rows_per_record;  // matrix rows per record
   const int64_t R = static_cast<int64_t>(rows.size()) * Rr, K = q.cols;
   NIB_CHECK(gb.rows == R && gb.cols == K && q.format == QuantFormat::kNvfp4TwoLevel && K % 16 == 0);
@@ -129,12 +185,14 @@ Status overwrite_guided_rows(backend::Backend& be, backend::QuantizedTensor& q, 
   std::memcpy(h + o_guide, gb.guide.data(), gb.guide.size());
   uint8_t* d = scratch.device.ensure(be, total, "rl-fake-quant: guidance upload");
   be.copy_to_device(d, h, static_cast<size_t>(total));
-  auto* stats_dev = reinterpret_cast<int64_t*>(d);
+  auto* stats_dev = device_counts != nullptr ? device_counts : reinterpret_cast<int64_t*>(d);
   be.guided_overwrite_rows(q, stats_dev, xb, reinterpret_cast<const int32_t*>(d + o_rows), R, d + o_scales,
                            reinterpret_cast<const float*>(d + o_outer), d + o_guide, rollout::guidance_kind(gb.mode));
-  int64_t counts[3];
-  be.copy_to_host(counts, stats_dev, sizeof(counts));
-  st.rtn_mismatch += counts[0], st.one_step += counts[1], st.reproduced += counts[2];
+  if (device_counts == nullptr) {
+    int64_t counts[3];
+    be.copy_to_host(counts, stats_dev, sizeof(counts));
+    st.rtn_mismatch += counts[0], st.one_step += counts[1], st.reproduced += counts[2];
+  }
   st.elements += R * K;
   return Status::ok();
 }
@@ -185,7 +243,7 @@ Status TraceKvQuantizer::apply_guidance(backend::Backend& be, backend::Quantized
       return invalid_argument("{}: KV guidance of layer {} site {} is {} {}x{}, the trainer's cache rows are {} {}x{}",
                               kFakeQuantRecipe, layer, site, backend::quant_format_name(gb.format), gb.rows_per_record,
                               gb.cols, backend::quant_format_name(QuantFormat::kNvfp4TwoLevel), Hkv, D);
-    NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, q, x, rows, gb, scratch_, st));
+    NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, q, x, rows, gb, scratch_, st, device_counts(be, g)));
   }
   g.stats.add(st);
   return Status::ok();

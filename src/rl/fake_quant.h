@@ -52,7 +52,17 @@ struct TraceGuidance {
   std::vector<uint8_t> row_recorded;      // (B*T) 1 where the rollout recorded the row (not padding)
   GuidedSiteStats stats;                  // accumulated by every guided forward
   Status status;                          // the first error (a missing record); forward() cannot return one
+  // (3) i64 in backend memory once reset_guided_counts made it: {rtn_mismatch, one_step,
+  // reproduced} summed on the device by every guided call, brought into `stats` by
+  // collect_guided_counts, so no call waits for its counts. Empty: each call copies its own back.
+  backend::Buffer<int64_t> device_counts;
 };
+
+// Zeroes `stats` and the device counts (making them on first use): the start of a measured forward.
+void reset_guided_counts(backend::Backend& be, TraceGuidance& g);
+// Adds the device counts summed since the last reset or collect into g.stats and zeroes them (one
+// synchronising copy).
+void collect_guided_counts(backend::Backend& be, TraceGuidance& g);
 
 // Where overwrite_guided_rows keeps one call's upload (grow-only, reused call to call).
 struct GuidedRowsScratch {
@@ -75,14 +85,21 @@ class FakeQuantLinear final : public model::LinearRecipe {
                const model::LinearCall& call) override;
   void backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
                 const model::LinearCall& call) override;
+  // A guided layer's routed experts: the dispatch plan's tokens of all the layer's rows come to the
+  // host in one copy, each expert's forward() reads its part (not one copy per expert); other
+  // layers and arms: LinearRecipe's per-expert loop.
+  void forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N, int64_t K,
+                       const model::ExpertGroup& group) override;
   void set_guidance(TraceGuidance* g) { options_.guidance = g; }
 
  private:
   // Rows of q (M, K: the RTN quantization of the BF16 input xb (M, K), backend memory) whose
   // rollout record at `site` exists are re-rounded under the rollout's scales (overwrite_guided_rows).
-  // token_of_row: (M) i32 backend memory, the token row of each row (routed experts), or null.
+  // token_of_row: (M) i32 backend memory, the token row of each row (routed experts), or null;
+  // read from host_tokens_ instead when forward_experts set it.
   Status apply_guidance(backend::Backend& be, backend::QuantizedTensor& q, const float* xb, int64_t M, int64_t K,
                         uint16_t site, const int32_t* token_of_row);
+  const int32_t* host_tokens_ = nullptr;  // (M) host copy of this call's token_of_row (forward_experts)
   FakeQuantOptions options_;
   model::LinearInfo info_;
   backend::Buffer<float> wq_, xq_;  // saved ŵ (N,K), x̂ (M,K) for backward
@@ -114,12 +131,14 @@ class TraceKvQuantizer final : public model::KvQuantizer {
 // The rows of q (rows, K) kNvfp4TwoLevel that the gathered records cover <- their guided rounding
 // under the rollout's scales (codes, inner and outer scales replaced: dequantize(q) then gives
 // the rollout-scaled values), through Backend::guided_overwrite_rows: one upload of the row
-// indices and gb's scales, outer and guide bytes, one op, one copy of the three counts back. rows:
+// indices and gb's scales, outer and guide bytes, one op, and one copy of the three counts back
+// unless device_counts ((3) i64 backend memory) takes them (+=, read later: no wait here). rows:
 // the token rows of gb's records (record i covers matrix rows rows[i] * gb.rows_per_record + j);
-// xb (rows, K) backend memory: the values q was quantized from. st += the counts and elements.
+// xb (rows, K) backend memory: the values q was quantized from. st += the elements and, without
+// device_counts, the counts.
 Status overwrite_guided_rows(backend::Backend& be, backend::QuantizedTensor& q, const float* xb,
                              const std::vector<int64_t>& rows, const rollout::GuidanceBatch& gb,
-                             GuidedRowsScratch& scratch, GuidedSiteStats& st);
+                             GuidedRowsScratch& scratch, GuidedSiteStats& st, int64_t* device_counts = nullptr);
 
 // Registers "rl-fake-quant" (idempotent). RecipeConfig::raw may hold {"weights": b, "activations": b};
 // guidance is attached afterwards with attach_guidance.

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -200,6 +201,52 @@ TEST(FakeQuant, RoutedExpertRowsWithoutARecordFallBackToRtnAndAreCounted) {
 
 // A routed expert's call without the plan's tokens, or a token outside the batch, is an error,
 // never a silent RTN.
+// A layer's experts through forward_experts (one host copy of the plan's tokens for the layer)
+// with the counts summed on the device (reset_guided_counts / collect_guided_counts): the same
+// output and counts as expert 2's own forward with its per-call copies. Experts 0 and 1 get no rows.
+TEST(FakeQuant, ExpertGroupWithDeviceCountsEqualsThePerCallPath) {
+  const Operands s = expert_operands();
+  auto store = rollout_records(s, rollout::GuidanceMode::kTraceFull, rollout::routed_expert_site(2, 1), kRowPositions, 4);
+  TraceGuidance g1 = guidance_over(store.get(), kTokenRows, kTokenRows);
+  const std::vector<float> y1 = forward(s, s.x_train, &g1, expert_call());
+  ASSERT_TRUE(g1.status.is_ok()) << g1.status.message();
+
+  backend::Backend& be = backend::cpu_backend();
+  TraceGuidance g2 = guidance_over(store.get(), kTokenRows, kTokenRows);
+  reset_guided_counts(be, g2);
+  std::vector<std::unique_ptr<FakeQuantLinear>> experts;
+  std::vector<model::LinearRecipe*> recipes;
+  std::vector<model::LinearCall> calls(3);
+  for (int e = 0; e < 3; ++e) {
+    model::LinearInfo info = s.info;
+    info.expert = e, info.id = e;
+    experts.push_back(std::make_unique<FakeQuantLinear>(FakeQuantOptions{true, true, &g2}, info));
+    recipes.push_back(experts.back().get());
+  }
+  const std::vector<int64_t> offsets = {0, 0, 0, M};
+  std::vector<float> w3(3 * N * K, 0.5f);  // experts 0 and 1: weights never read
+  std::copy(s.w.begin(), s.w.end(), w3.begin() + 2 * N * K);
+  model::ExpertGroup group;
+  group.recipes = recipes.data(), group.calls = calls.data(), group.offsets_host = offsets.data();
+  group.E = 3, group.rows = M, group.w_stride = N * K, group.token_of_row = kTokenOfRow.data();
+  std::vector<float> y2(M * N);
+  recipes[0]->forward_experts(be, y2.data(), s.x_train.data(), w3.data(), N, K, group);
+  ASSERT_TRUE(g2.status.is_ok()) << g2.status.message();
+  EXPECT_EQ(g2.stats.rtn_mismatch, 0);  // not collected yet: still on the device
+  collect_guided_counts(be, g2);
+  EXPECT_EQ(y2, y1);
+  EXPECT_EQ(g2.stats.elements, g1.stats.elements);
+  EXPECT_EQ(g2.stats.rtn_mismatch, g1.stats.rtn_mismatch);
+  EXPECT_EQ(g2.stats.one_step, g1.stats.one_step);
+  EXPECT_EQ(g2.stats.reproduced, g1.stats.reproduced);
+  EXPECT_EQ(g2.stats.routed_rows, g1.stats.routed_rows);
+  EXPECT_EQ(g2.stats.routed_fallback_rows, g1.stats.routed_fallback_rows);
+  EXPECT_GT(g1.stats.reproduced, 0);
+  EXPECT_GT(g1.stats.rtn_mismatch, 0);
+  collect_guided_counts(be, g2);  // collected counts are zeroed on the device: nothing more
+  EXPECT_EQ(g2.stats.rtn_mismatch, g1.stats.rtn_mismatch);
+}
+
 TEST(FakeQuant, RoutedExpertWithoutItsTokensIsAnError) {
   const Operands s = expert_operands();
   auto store = rollout_records(s, rollout::GuidanceMode::kTraceFull, rollout::routed_expert_site(2, 1), kRowPositions);

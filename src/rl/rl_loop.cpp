@@ -542,7 +542,7 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch, std::chrono::st
   const auto t_train = std::chrono::steady_clock::now();
   prev_train_began_ = t_train;
   guidance_.store = guided_arm(cfg_.arm) ? guidance_store.get() : nullptr;
-  guidance_.stats = GuidedSiteStats{};
+  reset_guided_counts(be_, guidance_);  // the π_old forward's counts are the step's metrics
   guidance_.status = Status::ok();
   set_guidance_rows(guidance_, full);
   model_->forward_logits(logits.data(), full.inputs.data(), B, T, routing);
@@ -562,6 +562,7 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch, std::chrono::st
   }
   const double nt = std::max<double>(1.0, static_cast<double>(resp_tokens));
   m.entropy = ent / nt, m.logp_diff_mean = dsum / nt, m.logp_diff_max = dmax, m.kl_rollout_train = k3 / nt;
+  collect_guided_counts(be_, guidance_);
   const GuidedSiteStats gs = guidance_.stats;
   if (guided_arm(cfg_.arm) && gs.elements > 0) {
     m.guided_mismatch = static_cast<double>(gs.rtn_mismatch) / static_cast<double>(gs.elements);

@@ -1,6 +1,8 @@
 // The rollout engine's R3 routing and TRACE guidance recorders (see recorders.h).
 #include "rollout/recorders.h"
 
+#include <algorithm>
+
 #include "rollout/routing_record.h"
 
 namespace nibble::rollout {
@@ -28,6 +30,10 @@ std::optional<uint16_t> guidance_site(const model::LinearInfo& info) {
 }
 
 namespace {
+// The step arena grows (doubling) up to this; a step that records more flushes it mid-step (one
+// more copy) instead of growing it further.
+constexpr int64_t kMaxArenaBytes = int64_t{256} << 20;
+
 // Calls fn(sequence id) for every sample that row r belongs to.
 template <typename Fn>
 Status for_each_sample_of_row(const RecordedRows& rows, size_t r, Fn&& fn) {
@@ -61,10 +67,40 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
   if (!routed && M != N)
     return Status(StatusCode::kInternal,
                   fmt::format("guidance recorder: linear {} ran on {} rows, the step has {}", info.name, M, N));
+  if (routed && token_of_row == nullptr)
+    return Status(StatusCode::kInternal,
+                  fmt::format("guidance recorder: routed expert linear {} ran without its tokens", info.name));
+  const GuidanceMode mode = recorders_.guidance_mode;
+  backend::QuantizedTensor q = qx;
+  q.rows = M;
+  if (qx.format == backend::QuantFormat::kNvfp4TwoLevel && be.supports(backend::Op::kTraceGuidedRows)) {
+    // the records' payloads of all M rows made where the activation lives (mantissa bits there
+    // for trace) into the step arena, a routed expert's tokens beside them; finish_step copies
+    // the arena once
+    if (M == 0) return Status::ok();
+    const auto align8 = [](int64_t n) { return (n + 7) & ~int64_t{7}; };
+    const int64_t P = guidance_record_bytes(qx.format, qx.cols, mode) - kGuidanceHeaderBytes;
+    const int64_t need = align8(M * P) + (routed ? align8(4 * M) : 0);
+    if (arena_be_ != &be || arena_used_ + need > arena_.size()) {  // full: flush, then grow (contents not kept)
+      NIB_RETURN_IF_ERROR(flush_pending());
+      if (arena_be_ != &be || need > arena_.size() || arena_.size() < kMaxArenaBytes) {
+        const int64_t want = arena_be_ == &be ? std::min(2 * arena_.size(), kMaxArenaBytes) : int64_t{1} << 20;
+        arena_.ensure(be, std::max(need, want), "guidance recorder: step arena");
+      }
+      arena_be_ = &be;
+    }
+    Pending p{info.name, info.block, *site, qx.format, qx.cols, M, P, arena_used_, -1};
+    be.guidance_payload_rows(arena_.data() + p.payload_at, q, guidance_kind(mode));
+    arena_used_ += align8(M * P);
+    if (routed) {
+      p.tokens_at = arena_used_;
+      be.copy(arena_.data() + p.tokens_at, token_of_row, sizeof(int32_t) * static_cast<size_t>(M));
+      arena_used_ += align8(4 * M);
+    }
+    pending_.push_back(p);
+    return Status::ok();
+  }
   if (routed) {  // row r of the call is step row tokens_[r]
-    if (token_of_row == nullptr)
-      return Status(StatusCode::kInternal,
-                    fmt::format("guidance recorder: routed expert linear {} ran without its tokens", info.name));
     tokens_.resize(static_cast<size_t>(M));
     be.copy_to_host(tokens_.data(), token_of_row, sizeof(int32_t) * static_cast<size_t>(M));
     for (int64_t r = 0; r < M; ++r)
@@ -73,9 +109,6 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
                                                          info.name, r, tokens_[static_cast<size_t>(r)], N));
   }
   RecordStore& store = *recorders_.guidance;
-  const GuidanceMode mode = recorders_.guidance_mode;
-  backend::QuantizedTensor q = qx;
-  q.rows = M;
   auto append_row = [&](int64_t r, std::vector<uint8_t>&& rec) -> Status {
     const auto n = static_cast<size_t>(routed ? tokens_[static_cast<size_t>(r)] : r);  // the step row
     const auto pos = static_cast<uint32_t>(rows_.positions[n]);
@@ -86,22 +119,6 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
       return store.append(k, std::vector<uint8_t>(rec));
     });
   };
-  if (qx.format == backend::QuantFormat::kNvfp4TwoLevel && be.supports(backend::Op::kTraceGuidedRows)) {
-    // the records' payloads of all M rows made where the activation lives (mantissa bits there
-    // for trace), then one copy of just those bytes
-    const int64_t P = guidance_record_bytes(qx.format, qx.cols, mode) - kGuidanceHeaderBytes;
-    uint8_t* d = payload_dev_.ensure(be, M * P, "guidance recorder: record payloads");
-    be.guidance_payload_rows(d, q, guidance_kind(mode));
-    payload_.resize(static_cast<size_t>(M * P));
-    if (M > 0) be.copy_to_host(payload_.data(), d, payload_.size());
-    for (int64_t r = 0; r < M; ++r) {
-      NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec,
-                           guidance_record_from_payload(qx.format, qx.cols, mode,
-                                                        std::span<const uint8_t>(payload_.data() + r * P, P)));
-      NIB_RETURN_IF_ERROR(append_row(r, std::move(rec)));
-    }
-    return Status::ok();
-  }
   // other formats: the record reader works on host memory, a device activation is copied first
   if (be.device() != Device::kCPU) {
     const int64_t cb = backend::QuantizedTensor::code_bytes(qx.format, M, qx.cols);
@@ -116,6 +133,44 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
   for (int64_t r = 0; r < M; ++r) {
     NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec, extract_guidance(q, r, mode));
     NIB_RETURN_IF_ERROR(append_row(r, std::move(rec)));
+  }
+  return Status::ok();
+}
+
+Status GuidanceRecorder::finish_step() {
+  if (status_.is_ok()) status_ = flush_pending();
+  return status_;
+}
+
+Status GuidanceRecorder::flush_pending() {
+  if (pending_.empty()) return Status::ok();
+  arena_host_.resize(static_cast<size_t>(arena_used_));
+  arena_be_->copy_to_host(arena_host_.data(), arena_.data(), arena_host_.size());
+  std::vector<Pending> pending;
+  pending.swap(pending_);
+  arena_used_ = 0;
+  RecordStore& store = *recorders_.guidance;
+  const GuidanceMode mode = recorders_.guidance_mode;
+  const int64_t N = static_cast<int64_t>(rows_.positions.size());
+  for (const Pending& p : pending) {
+    const auto* tokens = p.tokens_at >= 0 ? reinterpret_cast<const int32_t*>(arena_host_.data() + p.tokens_at) : nullptr;
+    for (int64_t r = 0; r < p.M; ++r) {
+      const int64_t n = tokens != nullptr ? tokens[r] : r;  // the step row
+      if (n < 0 || n >= N)
+        return Status(StatusCode::kInternal, fmt::format("guidance recorder: linear {} row {} is token {}, the step has {}",
+                                                         p.linear, r, n, N));
+      NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec,
+                           guidance_record_from_payload(p.format, p.cols, mode,
+                                                        std::span<const uint8_t>(arena_host_.data() + p.payload_at + r * p.P,
+                                                                                 static_cast<size_t>(p.P))));
+      const RecordKey key{0, static_cast<uint32_t>(rows_.positions[static_cast<size_t>(n)]),
+                          static_cast<uint16_t>(p.block), p.site};
+      NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows_, static_cast<size_t>(n), [&](uint64_t seq) {
+        RecordKey k = key;
+        k.sequence = seq;
+        return store.append(k, std::vector<uint8_t>(rec));
+      }));
+    }
   }
   return Status::ok();
 }

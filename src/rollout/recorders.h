@@ -4,7 +4,8 @@
 // at the chosen layers, the NVFP4 codes (or only their mantissa bits) and block scales of each
 // activation entering a quantized linear (guidance_store.h), prompt tokens included; a two-level
 // activation's record payloads are made on its backend (Backend::guidance_payload_rows: codes or
-// mantissa bits, scales) and come to the host in one copy per recorded call. Both are
+// mantissa bits, scales) into a step arena in backend memory (with a routed expert's tokens) and
+// come to the host in one copy per step (GuidanceRecorder::finish_step). Both are
 // keyed by (recorded_sequence(request id, sample), position, layer, site): a prompt row the G
 // samples share is stored once per sample, so the trainer reads every sequence alone.
 // The sites recorded are kAttnInput, kAttnOutputInput, kMlpInput (dense MLP or shared expert),
@@ -19,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "core/status.h"
@@ -67,9 +69,22 @@ class GuidanceRecorder final : public ActivationObserver, public KvWriteObserver
                                int64_t M, const int32_t* token_of_row) override;
   // kKeyCache / kValueCache records of the batch's rows at `layer` (an NVFP4 cache; a recorded layer).
   void on_kv_written(const PagedKvCache& cache, int64_t layer) override;
+  // Ends the step whose rows set_rows named: brings the step arena's payloads to the host in one
+  // copy and appends their records, in the order of the calls. Returns the first error of the step.
+  Status finish_step();
   const Status& status() const { return status_; }
 
  private:
+  // A recorded call whose payloads wait in the step arena: rows [0, M) of `site` at `block`, P
+  // payload bytes each at payload_at; a routed expert's M i32 step rows at tokens_at (else -1).
+  struct Pending {
+    std::string linear;  // its name, for errors
+    int block;
+    uint16_t site;
+    backend::QuantFormat format;
+    int64_t cols, M, P, payload_at, tokens_at;
+  };
+  Status flush_pending();  // the arena's payloads to the host, their records to the store
   Status record(backend::Backend& be, const model::LinearInfo& info, const backend::QuantizedTensor& qx, int64_t M,
                 const int32_t* token_of_row);
   Status record_kv(const PagedKvCache& cache, int64_t layer);
@@ -78,8 +93,11 @@ class GuidanceRecorder final : public ActivationObserver, public KvWriteObserver
   std::vector<bool> layer_on_;
   RecordedRows rows_;
   Status status_;
-  backend::Buffer<uint8_t> payload_dev_;  // (M, P) the records' payloads (Backend::guidance_payload_rows)
-  std::vector<uint8_t> payload_;          // their host copy
+  backend::Buffer<uint8_t> arena_;        // the step's payloads and tokens (grow-only)
+  backend::Backend* arena_be_ = nullptr;  // the backend arena_ lives on
+  int64_t arena_used_ = 0;
+  std::vector<Pending> pending_;
+  std::vector<uint8_t> arena_host_;       // its host copy
   std::vector<uint8_t> codes_, scales_;   // host copies of a device activation (formats other than 2-level)
   std::vector<float> outer_;
   std::vector<int32_t> tokens_;  // host copy of a routed expert's token_of_row

@@ -101,7 +101,7 @@ void expect_w4a4_codes_equal_the_trainer_quantizer(bool moe) {
   b.tokens = tokens.data(), b.positions = pos.data(), b.N = N, b.kv = cache.value().get(), b.linears = &tap;
   m->forward_decode(logits.data(), b);
   cache.value()->finish_batch();
-  ASSERT_TRUE(recorder.status().is_ok()) << recorder.status().message();
+  ASSERT_TRUE(recorder.finish_step().is_ok()) << recorder.status().message();
   ASSERT_TRUE(store->flush().is_ok());
 
   int64_t checked = 0, rows_recorded = 0, routed_rows = 0;
@@ -182,7 +182,7 @@ TEST(RolloutRecorders, Nvfp4KvSlotsAreRecordedPerKvHead) {
     model::DecodeBatch b;
     b.tokens = tokens.data(), b.positions = pos.data(), b.N = N, b.kv = cache.value().get(), b.linears = q.value().get();
     m->forward_decode(logits.data(), b);
-    ASSERT_TRUE(recorder.status().is_ok()) << recorder.status().message();
+    ASSERT_TRUE(recorder.finish_step().is_ok()) << recorder.status().message();
     cache.value()->finish_batch();
     ASSERT_TRUE(store->flush().is_ok());
     EXPECT_EQ(store->stats().records, 2 * 2 * N);  // 2 samples x 2 sites x N rows, layer 1 only
