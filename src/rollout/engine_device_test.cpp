@@ -212,7 +212,9 @@ TEST(RolloutEngineDevice, InferenceStorageWeightsPerTensorAreTheCpuTrainingPaths
   EXPECT_EQ(mem.gradients, 0);
   EXPECT_EQ(mem.packed_weights, (*de)->linears()->weight_bytes());
   const int64_t held = dev->memory_stats().in_use_bytes;
-  if (held >= 0) EXPECT_LE(mem.total(), held);
+  if (held >= 0) {
+    EXPECT_LE(mem.total(), held);
+  }
 }
 
 }  // namespace

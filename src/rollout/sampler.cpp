@@ -10,8 +10,10 @@
 
 #include "core/check.h"
 #include "core/parallel.h"
+#include "core/softmax_f64.h"
 
 namespace nibble::rollout {
+
 
 int32_t sample_token(const float* logits, int64_t V, const SamplingParams& params, PhiloxStream* rng) {
   NIB_CHECK(V > 0);
@@ -22,11 +24,10 @@ int32_t sample_token(const float* logits, int64_t V, const SamplingParams& param
       if (logits[i] > logits[best]) best = i;
     return static_cast<int32_t>(best);
   }
-  double mx = -INFINITY;
-  for (int64_t i = 0; i < V; ++i) mx = std::max(mx, static_cast<double>(logits[i]) / temperature);
+  const double mx = softmax_scaled_max(logits, V, temperature);
   std::vector<double> p(static_cast<size_t>(V));
-  double z = 0;
-  for (int64_t i = 0; i < V; ++i) z += (p[i] = std::exp(static_cast<double>(logits[i]) / temperature - mx));
+  for (int64_t i = 0; i < V; ++i) p[i] = softmax_term(logits, i, temperature, mx);
+  const double z = softmax_lane_sum(p.data(), V);
   for (auto& v : p) v /= z;
   std::vector<int32_t> ids(static_cast<size_t>(V));
   std::iota(ids.begin(), ids.end(), 0);
@@ -54,11 +55,8 @@ int32_t sample_token(const float* logits, int64_t V, const SamplingParams& param
 double token_logprob(const float* logits, int64_t V, int32_t token, double temperature) {
   NIB_CHECK(V > 0 && token >= 0 && token < V);
   const double t = temperature > 0 ? temperature : 1.0;
-  double mx = -INFINITY;
-  for (int64_t i = 0; i < V; ++i) mx = std::max(mx, static_cast<double>(logits[i]) / t);
-  double z = 0;
-  for (int64_t i = 0; i < V; ++i) z += std::exp(static_cast<double>(logits[i]) / t - mx);
-  return static_cast<double>(logits[token]) / t - mx - std::log(z);
+  const double mx = softmax_scaled_max(logits, V, t);
+  return static_cast<double>(logits[token]) / t - mx - std::log(softmax_exp_sum(logits, V, t, mx));
 }
 
 namespace {
@@ -148,18 +146,16 @@ class Ranking {
 };
 
 // e[i] = exp(logits[i] / t - mx) for i < V (the threads share the range when `split`); returns
-// their sum in index order, as sample_token and token_logprob add them. e: (V) f64.
+// their sum in the lanes' order, as sample_token and token_logprob add them. e: (V) f64.
 double exponentials(double* e, const float* logits, int64_t V, double t, double mx, bool split) {
   auto run = [&](int64_t b, int64_t end) {
-    for (int64_t i = b; i < end; ++i) e[i] = std::exp(static_cast<double>(logits[i]) / t - mx);
+    for (int64_t i = b; i < end; ++i) e[i] = softmax_term(logits, i, t, mx);
   };
   if (split)
     parallel_for(V, 8192, run);
   else
     run(0, V);
-  double z = 0;
-  for (int64_t i = 0; i < V; ++i) z += e[i];
-  return z;
+  return softmax_lane_sum(e, V);
 }
 
 }  // namespace
@@ -171,17 +167,14 @@ SampledToken sample_with_logprob(const float* logits, int64_t V, const SamplingP
   // the softmax of logits / t as token_logprob computes it (t = 1 when greedy; t = temperature,
   // sample_token's divisor, otherwise)
   const double t = temperature > 0 ? temperature : 1.0;
-  double mx = -INFINITY;
-  for (int64_t i = 0; i < V; ++i) mx = std::max(mx, static_cast<double>(logits[i]) / t);
+  const double mx = softmax_scaled_max(logits, V, t);
   SampledToken out;
   if (!(temperature > 0) && !split_row) {  // greedy on one thread: token_logprob's loop, no row kept
     int64_t best = 0;
     for (int64_t i = 1; i < V; ++i)
       if (logits[i] > logits[best]) best = i;
-    double z = 0;
-    for (int64_t i = 0; i < V; ++i) z += std::exp(static_cast<double>(logits[i]) / t - mx);
     out.token = static_cast<int32_t>(best);
-    out.logprob = static_cast<double>(logits[best]) / t - mx - std::log(z);
+    out.logprob = static_cast<double>(logits[best]) / t - mx - std::log(softmax_exp_sum(logits, V, t, mx));
     return out;
   }
   Scratch& scr = scratch();

@@ -32,7 +32,7 @@ double token_logprob(const float* logits, int64_t V, int32_t token, double tempe
 // selection; the top-p prefix and the draw's walk by sorting successive chunks of the ranking
 // (a radix sort of all ids when the nucleus is expected to span the vocabulary: top-p 1 without
 // top-k, or reaches a quarter of it). split_row: the row's exponentials are computed over the
-// threads (for a step of fewer rows than threads); the sum stays in index order. logits: (V) f32.
+// threads (for a step of fewer rows than threads); the sums keep core/softmax_f64.h's order. logits: (V) f32.
 struct SampledToken {
   int32_t token = 0;
   double logprob = 0;

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <numeric>
 
+#include "core/softmax_f64.h"
+
 namespace nibble::train {
 
 int32_t sample_token(const float* logits, int64_t V, double temperature, double top_p, PhiloxStream* rng) {
@@ -16,11 +18,11 @@ int32_t sample_token(const float* logits, int64_t V, double temperature, double 
     return static_cast<int32_t>(best);
   }
   // Softmax of logits / T in double, then the smallest set of most likely ids with mass >= top_p.
-  double mx = -INFINITY;
-  for (int64_t i = 0; i < V; ++i) mx = std::max(mx, static_cast<double>(logits[i]) / temperature);
+  // (core/softmax_f64.h: the terms and sums in the order every sampler of nibble shares)
+  const double mx = softmax_scaled_max(logits, V, temperature);
   std::vector<double> p(V);
-  double z = 0;
-  for (int64_t i = 0; i < V; ++i) z += (p[i] = std::exp(static_cast<double>(logits[i]) / temperature - mx));
+  for (int64_t i = 0; i < V; ++i) p[i] = softmax_term(logits, i, temperature, mx);
+  const double z = softmax_lane_sum(p.data(), V);
   for (auto& v : p) v /= z;
   std::vector<int32_t> ids(V);
   std::iota(ids.begin(), ids.end(), 0);
