@@ -124,6 +124,7 @@ void FakeQuantLinear::forward_experts(backend::Backend& be, float* y, const floa
   std::vector<int64_t> offsets;
   const int64_t* off = group.offsets_host;
   if (off == nullptr) {
+    NIB_CHECK_MSG(group.offsets != nullptr, "rl-fake-quant: experts without offsets");
     offsets.resize(static_cast<size_t>(group.E + 1));
     be.copy_to_host(offsets.data(), group.offsets, offsets.size() * sizeof(int64_t));
     off = offsets.data();
