@@ -69,6 +69,31 @@ class InputTap final : public model::LinearOverride {
   QuantizedLinears& q_;
 };
 
+// One recorded prefill step: kPromptRows prompt rows (tokens (mul i + add) % 40 at positions
+// 0..kPromptRows-1) of request id 3, shared by 2 samples, into a new sequence of `cache` through
+// `linears`, with `recorder` told the rows and finishing the step (its records are then in the
+// store). *seq: the sequence.
+constexpr int64_t kPromptRows = 9;
+void run_recorded_prompt(model::Model& m, PagedKvCache& cache, model::LinearOverride* linears,
+                         GuidanceRecorder& recorder, int32_t mul, int32_t add, PagedKvCache::SeqId* seq) {
+  const int64_t N = kPromptRows;
+  std::vector<int32_t> tokens, pos;
+  for (int64_t i = 0; i < N; ++i)
+    tokens.push_back(static_cast<int32_t>((mul * i + add) % 40)), pos.push_back(static_cast<int32_t>(i));
+  *seq = cache.add_sequence();
+  ASSERT_TRUE(cache.grow(*seq, N).is_ok());
+  ASSERT_TRUE(cache.begin_batch(std::vector<PagedKvCache::SeqId>(N, *seq), pos).is_ok());
+  std::vector<uint64_t> ids(N, 3);
+  std::vector<int64_t> samples(N, -1), samples_of(N, 2);
+  recorder.set_rows(RecordedRows{ids, samples, samples_of, pos});
+  std::vector<float> logits(static_cast<size_t>(N * m.config().vocab_size));
+  model::DecodeBatch b;
+  b.tokens = tokens.data(), b.positions = pos.data(), b.N = N, b.kv = &cache, b.linears = linears;
+  m.forward_decode(logits.data(), b);
+  ASSERT_TRUE(recorder.finish_step().is_ok()) << recorder.status().message();
+  cache.finish_batch();
+}
+
 // One prefill of 9 prompt rows of request id 3, shared by 2 samples, through the w4a4 linears with
 // the guidance recorder on: every record equals the trainer's quantizer on the linear's input row
 // (sequence of the sample, position of the row's token). A routed expert's rows are the tokens the
@@ -87,21 +112,9 @@ void expect_w4a4_codes_equal_the_trainer_quantizer(bool moe) {
                    m->config().head_dim, 16, 4, backend::KvPageFormat::kF32, backend::AttentionPrecision::kFp32};
   auto cache = PagedKvCache::create(m->backend(), kc);
   ASSERT_TRUE(cache.is_ok());
-  const int64_t N = 9;
-  std::vector<int32_t> tokens, pos;
-  for (int64_t i = 0; i < N; ++i) tokens.push_back(static_cast<int32_t>((5 * i + 2) % 40)), pos.push_back(static_cast<int32_t>(i));
-  auto seq = cache.value()->add_sequence();
-  ASSERT_TRUE(cache.value()->grow(seq, N).is_ok());
-  ASSERT_TRUE(cache.value()->begin_batch(std::vector<PagedKvCache::SeqId>(N, seq), pos).is_ok());
-  std::vector<uint64_t> ids(N, 3);
-  std::vector<int64_t> samples(N, -1), samples_of(N, 2);
-  recorder.set_rows(RecordedRows{ids, samples, samples_of, pos});
-  std::vector<float> logits(static_cast<size_t>(N * m->config().vocab_size));
-  model::DecodeBatch b;
-  b.tokens = tokens.data(), b.positions = pos.data(), b.N = N, b.kv = cache.value().get(), b.linears = &tap;
-  m->forward_decode(logits.data(), b);
-  cache.value()->finish_batch();
-  ASSERT_TRUE(recorder.finish_step().is_ok()) << recorder.status().message();
+  PagedKvCache::SeqId seq = -1;
+  run_recorded_prompt(*m, *cache.value(), &tap, recorder, 5, 2, &seq);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
   ASSERT_TRUE(store->flush().is_ok());
 
   int64_t checked = 0, rows_recorded = 0, routed_rows = 0;
@@ -115,10 +128,11 @@ void expect_w4a4_codes_equal_the_trainer_quantizer(bool moe) {
     }
     const std::vector<float>& x = in->second;
     const int64_t K = info.K, rows = static_cast<int64_t>(x.size()) / K;
-    // the position of each row's token: the row's own, or (routed expert) its token's
+    // the position of each row's token (step row i is at position i): the row's own, or (routed
+    // expert) its token's
     std::vector<uint32_t> row_pos(static_cast<size_t>(rows));
     for (int64_t r = 0; r < rows; ++r)
-      row_pos[r] = static_cast<uint32_t>(is_routed_expert(info.kind) ? pos[tap.tokens.at(info.id)[r]] : pos[r]);
+      row_pos[r] = static_cast<uint32_t>(is_routed_expert(info.kind) ? tap.tokens.at(info.id)[r] : r);
     if (is_routed_expert(info.kind)) routed_rows += rows;
     std::vector<uint8_t> codes(static_cast<size_t>(rows * K / 2)), inner(static_cast<size_t>(rows * K / 16));
     std::vector<float> outer(static_cast<size_t>(rows * ((K + 127) / 128)));
@@ -136,7 +150,7 @@ void expect_w4a4_codes_equal_the_trainer_quantizer(bool moe) {
   EXPECT_GT(checked, 0);
   EXPECT_EQ(store->stats().records, rows_recorded);  // nothing else was recorded
   // every token went through top_k experts' gate/up and down in the MoE layer (layer 1 is dense)
-  EXPECT_EQ(routed_rows, moe ? 2 * N * m->config().num_experts_per_tok : 0);
+  EXPECT_EQ(routed_rows, moe ? 2 * kPromptRows * m->config().num_experts_per_tok : 0);
 }
 
 TEST(RolloutRecorders, W4a4GuidanceCodesEqualTheTrainerQuantizerOnTheSameInputs) {
@@ -169,22 +183,11 @@ TEST(RolloutRecorders, Nvfp4KvSlotsAreRecordedPerKvHead) {
     auto cache = PagedKvCache::create(m->backend(), kc);
     ASSERT_TRUE(cache.is_ok());
     cache.value()->set_write_observer(&recorder);
-    const int64_t N = 9;
-    std::vector<int32_t> tokens, pos;
-    for (int64_t i = 0; i < N; ++i) tokens.push_back(static_cast<int32_t>((3 * i + 1) % 40)), pos.push_back(static_cast<int32_t>(i));
-    auto seq = cache.value()->add_sequence();
-    ASSERT_TRUE(cache.value()->grow(seq, N).is_ok());
-    ASSERT_TRUE(cache.value()->begin_batch(std::vector<PagedKvCache::SeqId>(N, seq), pos).is_ok());
-    std::vector<uint64_t> ids(N, 3);
-    std::vector<int64_t> samples(N, -1), samples_of(N, 2);
-    recorder.set_rows(RecordedRows{ids, samples, samples_of, pos});
-    std::vector<float> logits(static_cast<size_t>(N * c.vocab_size));
-    model::DecodeBatch b;
-    b.tokens = tokens.data(), b.positions = pos.data(), b.N = N, b.kv = cache.value().get(), b.linears = q.value().get();
-    m->forward_decode(logits.data(), b);
-    ASSERT_TRUE(recorder.finish_step().is_ok()) << recorder.status().message();
-    cache.value()->finish_batch();
+    PagedKvCache::SeqId seq = -1;
+    run_recorded_prompt(*m, *cache.value(), q.value().get(), recorder, 3, 1, &seq);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
     ASSERT_TRUE(store->flush().is_ok());
+    const int64_t N = kPromptRows;
     EXPECT_EQ(store->stats().records, 2 * 2 * N);  // 2 samples x 2 sites x N rows, layer 1 only
     const backend::kv::TokenLayout L = backend::kv::token_layout(backend::KvPageFormat::kNvfp4, Hkv, D);
     const std::vector<int32_t>& pages = cache.value()->pages_of(seq);
