@@ -5,6 +5,8 @@
 #include <cmath>
 
 #include "core/check.h"
+#include "core/parallel.h"
+#include "core/softmax_f64.h"
 
 namespace nibble::rl {
 
@@ -39,13 +41,10 @@ std::vector<double> group_advantages(const std::vector<double>& rewards, int64_t
 }
 
 namespace {
-// max and log-sum-exp of row / t
+// max and log-sum-exp of row / t (core/softmax_f64.h: the samplers' order, vectorized)
 void row_lse(const float* row, int64_t V, double t, double& mx, double& lse) {
-  mx = -INFINITY;
-  for (int64_t v = 0; v < V; ++v) mx = std::max(mx, static_cast<double>(row[v]) / t);
-  double z = 0;
-  for (int64_t v = 0; v < V; ++v) z += std::exp(static_cast<double>(row[v]) / t - mx);
-  lse = mx + std::log(z);
+  mx = softmax_scaled_max(row, V, t);
+  lse = mx + std::log(softmax_exp_sum(row, V, t, mx));
 }
 }  // namespace
 
@@ -54,10 +53,17 @@ TokenLogprob token_logprob_entropy(const float* row, int64_t V, int32_t target, 
   row_lse(row, V, temperature, mx, lse);
   TokenLogprob r;
   r.logp = static_cast<double>(row[target]) / temperature - lse;
-  for (int64_t v = 0; v < V; ++v) {
+  // entropy = -sum p lp, summed in softmax_f64.h's lanes
+  double s[kSoftmaxLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  auto term = [&](int64_t v) {
     const double lp = static_cast<double>(row[v]) / temperature - lse;
-    r.entropy -= std::exp(lp) * lp;
-  }
+    return exp_f64(lp) * lp;
+  };
+  int64_t v = 0;
+  for (; v + kSoftmaxLanes <= V; v += kSoftmaxLanes)
+    for (int64_t j = 0; j < kSoftmaxLanes; ++j) s[j] += term(v + j);
+  for (int64_t j = 0; v + j < V; ++j) s[j] += term(v + j);
+  r.entropy = -softmax_combine_lanes(s);
   return r;
 }
 
@@ -77,51 +83,64 @@ PolicyLossStats policy_loss_and_grad(float* logits, const PolicyBatch& batch, in
   for (int64_t b = 0; b < B; ++b) total += batch.response_len[static_cast<size_t>(b)];
   int64_t seqs = 0;
   for (int64_t b = 0; b < B; ++b) seqs += batch.response_len[static_cast<size_t>(b)] > 0;
-  double clipped = 0, tis_cut = 0, kl_sum = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const double len = static_cast<double>(batch.response_len[static_cast<size_t>(b)]);
-    // each token's weight in the aggregate mean
-    const double norm = c.aggregation == Aggregation::kToken ? (total > 0 ? 1.0 / static_cast<double>(total) : 0.0)
-                                                             : (len > 0 ? 1.0 / (len * static_cast<double>(seqs)) : 0.0);
-    const double A = batch.advantage[static_cast<size_t>(b)];
-    for (int64_t i = 0; i < T; ++i) {
-      const int64_t n = b * T + i;
+  // Each token row is independent: its loss terms and its logits gradient are computed over the
+  // threads (each row's softmax vectorized), then the sums are taken in token order as before.
+  struct TokenTerms {
+    double loss = 0, k3 = 0;
+    bool clipped = false, tis_cut = false;
+  };
+  std::vector<TokenTerms> terms(static_cast<size_t>(B * T));
+  parallel_for(B * T, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t b = n / T;
       float* row = logits + n * V;
       const int32_t target = batch.targets[static_cast<size_t>(n)];
       if (target < 0) {
         std::fill(row, row + V, 0.0f);
         continue;
       }
+      const double len = static_cast<double>(batch.response_len[static_cast<size_t>(b)]);
+      // each token's weight in the aggregate mean
+      const double norm = c.aggregation == Aggregation::kToken
+                              ? (total > 0 ? 1.0 / static_cast<double>(total) : 0.0)
+                              : (len > 0 ? 1.0 / (len * static_cast<double>(seqs)) : 0.0);
+      const double A = batch.advantage[static_cast<size_t>(b)];
+      TokenTerms& tt = terms[static_cast<size_t>(n)];
       double mx, lse;
       row_lse(row, V, t, mx, lse);
       const double logp = static_cast<double>(row[target]) / t - lse;
       const double rho = std::exp(logp - batch.logp_old[static_cast<size_t>(n)]);
       const double w = tis_weight(batch.logp_old[static_cast<size_t>(n)], batch.logp_rollout[static_cast<size_t>(n)],
                                   c.tis, c.tis_cap);
-      tis_cut += w != std::exp(batch.logp_old[static_cast<size_t>(n)] - batch.logp_rollout[static_cast<size_t>(n)]) &&
-                 c.tis != TisMode::kNone;
+      tt.tis_cut = w != std::exp(batch.logp_old[static_cast<size_t>(n)] - batch.logp_rollout[static_cast<size_t>(n)]) &&
+                   c.tis != TisMode::kNone;
       const double rho_c = std::clamp(rho, 1.0 - c.clip_eps, 1.0 + c.clip_eps);
       const double unclipped = rho * A, clip_term = rho_c * A;
       // d/dlogp of -w min(ρA, clip(ρ)A): -w ρ A where the unclipped term is the min, else 0
       double dlogp = unclipped <= clip_term ? -w * unclipped : 0.0;
-      clipped += unclipped > clip_term;
+      tt.clipped = unclipped > clip_term;
       double token_loss = -w * std::min(unclipped, clip_term);
       if (kl) {
         const double r = std::exp(batch.logp_ref[static_cast<size_t>(n)] - logp);  // π_ref / π_θ
-        const double k3 = r - std::log(r) - 1.0;
-        kl_sum += k3;
-        token_loss += c.kl_coef * k3;
+        tt.k3 = r - std::log(r) - 1.0;
+        token_loss += c.kl_coef * tt.k3;
         dlogp += c.kl_coef * (1.0 - r);  // d k3 / d logp = -r + 1
       }
-      st.loss += norm * token_loss;
+      tt.loss = norm * token_loss;
       // dlogp/dz_v = (1[v == target] - p_v) / t
       const double g = norm * dlogp / t;
-      for (int64_t v = 0; v < V; ++v) {
-        const double p = std::exp(static_cast<double>(row[v]) / t - lse);
-        row[v] = static_cast<float>(g * ((v == target ? 1.0 : 0.0) - p));
-      }
-      ++st.tokens;
+      const double p_target = softmax_term(row, target, t, lse);  // before the row is overwritten
+      for (int64_t v = 0; v < V; ++v) row[v] = static_cast<float>(g * (0.0 - softmax_term(row, v, t, lse)));
+      row[target] = static_cast<float>(g * (1.0 - p_target));
     }
+  });
+  double clipped = 0, tis_cut = 0, kl_sum = 0;
+  for (int64_t n = 0; n < B * T; ++n) {
+    if (batch.targets[static_cast<size_t>(n)] < 0) continue;
+    const TokenTerms& tt = terms[static_cast<size_t>(n)];
+    st.loss += tt.loss;
+    clipped += tt.clipped, tis_cut += tt.tis_cut, kl_sum += tt.k3;
+    ++st.tokens;
   }
   if (st.tokens > 0) {
     st.clip_fraction = clipped / static_cast<double>(st.tokens);

@@ -10,6 +10,7 @@
 
 #include "core/check.h"
 #include "core/log.h"
+#include "core/parallel.h"
 #include "io/safetensors.h"
 #include "rl/fake_quant.h"
 #include "rl/mpi_rollout.h"
@@ -548,11 +549,19 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch, std::chrono::st
   model_->forward_logits(logits.data(), full.inputs.data(), B, T, routing);
   NIB_RETURN_IF_ERROR(guidance_.status);
   pb.logp_old.assign(static_cast<size_t>(B * T), 0.0);
+  // each row's log-prob and entropy over the threads (rows are independent), then the sums in
+  // token order
+  std::vector<TokenLogprob> row_lp(pb.targets.size());
+  parallel_for(static_cast<int64_t>(pb.targets.size()), 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      if (pb.targets[static_cast<size_t>(n)] >= 0)
+        row_lp[static_cast<size_t>(n)] = token_logprob_entropy(logits.data() + n * V, V, pb.targets[static_cast<size_t>(n)],
+                                                               cfg_.grpo.temperature);
+  });
   double ent = 0, dsum = 0, dmax = 0, k3 = 0;
   for (size_t n = 0; n < pb.targets.size(); ++n) {
     if (pb.targets[n] < 0) continue;
-    TokenLogprob tl = token_logprob_entropy(logits.data() + n * static_cast<size_t>(V), V, pb.targets[n],
-                                            cfg_.grpo.temperature);
+    const TokenLogprob& tl = row_lp[n];
     pb.logp_old[n] = tl.logp;
     ent += tl.entropy;
     const double d = tl.logp - pb.logp_rollout[n];
@@ -577,10 +586,13 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch, std::chrono::st
   if (ref_) {
     ref_->forward_logits(logits.data(), full.inputs.data(), B, T, routing);
     pb.logp_ref.assign(static_cast<size_t>(B * T), 0.0);
-    for (size_t n = 0; n < pb.targets.size(); ++n)
-      if (pb.targets[n] >= 0)
-        pb.logp_ref[n] = token_logprob_entropy(logits.data() + n * static_cast<size_t>(V), V, pb.targets[n],
-                                               cfg_.grpo.temperature).logp;
+    parallel_for(static_cast<int64_t>(pb.targets.size()), 1, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n)
+        if (pb.targets[static_cast<size_t>(n)] >= 0)
+          pb.logp_ref[static_cast<size_t>(n)] = token_logprob_entropy(logits.data() + n * V, V,
+                                                                      pb.targets[static_cast<size_t>(n)],
+                                                                      cfg_.grpo.temperature).logp;
+    });
   }
 
   m.logprob_seconds = seconds_since(t_train);
