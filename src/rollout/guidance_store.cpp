@@ -534,8 +534,11 @@ Result<GuidanceBatch> gather_guidance(RecordStore& store, const uint64_t* row_se
   for (int64_t r = 0; r < rows; ++r) {
     const RecordKey key{row_sequence[r], row_position[r], layer, site};
     NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> payload, store.read(key));
-    const std::string what = fmt::format("{} in {}", record_key_name(key), store.name());
-    NIB_ASSIGN_OR_RETURN(GuidanceRecordView v, parse_guidance_record(payload, what));
+    // the record's name only for an error (formatting it for every row cost more than the copies)
+    const auto what = [&] { return fmt::format("{} in {}", record_key_name(key), store.name()); };
+    Result<GuidanceRecordView> parsed = parse_guidance_record(payload, std::string());
+    if (!parsed.is_ok()) parsed = parse_guidance_record(payload, what());  // the same error, named
+    NIB_ASSIGN_OR_RETURN(GuidanceRecordView v, std::move(parsed));
     if (r == 0) {
       g.format = v.format, g.mode = v.mode, g.cols = v.cols, g.rows_per_record = v.rows;
       g.rows = rows * v.rows;
@@ -543,7 +546,7 @@ Result<GuidanceBatch> gather_guidance(RecordStore& store, const uint64_t* row_se
       g.outer.resize(static_cast<size_t>(g.rows * guidance_outer_count(g.format, g.cols)));
       g.guide.resize(static_cast<size_t>(g.rows * guide_bytes(g.cols, g.mode)));
     } else if (v.format != g.format || v.mode != g.mode || v.cols != g.cols || v.rows != g.rows_per_record) {
-      return invalid_argument("guidance record {}: {} {} {}x{} differs from row 0's {} {} {}x{}", what,
+      return invalid_argument("guidance record {}: {} {} {}x{} differs from row 0's {} {} {}x{}", what(),
                               backend::quant_format_name(v.format), guidance_mode_name(v.mode), v.rows, v.cols,
                               backend::quant_format_name(g.format), guidance_mode_name(g.mode), g.rows_per_record,
                               g.cols);
