@@ -222,21 +222,18 @@ int64_t LinearWorkspace::bytes() const {
 }
 
 // ---- all experts of a layer: the per-expert loop -------------------------------------------------
-namespace {
-// The host offsets of a group: its own, or a copy of the device ones (a synchronising copy).
-const int64_t* host_offsets(backend::Backend& be, const ExpertGroup& g, std::vector<int64_t>& copy) {
+const int64_t* expert_offsets_host(backend::Backend& be, const ExpertGroup& g, std::vector<int64_t>& copy) {
   if (g.offsets_host != nullptr) return g.offsets_host;
   NIB_CHECK_MSG(g.offsets != nullptr, "experts: no offsets");
   copy.resize(static_cast<size_t>(g.E + 1));
   be.copy_to_host(copy.data(), g.offsets, copy.size() * sizeof(int64_t));
   return copy.data();
 }
-}  // namespace
 
 void LinearRecipe::forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N,
                                    int64_t K, const ExpertGroup& group) {
   std::vector<int64_t> copy;
-  const int64_t* off = host_offsets(be, group, copy);
+  const int64_t* off = expert_offsets_host(be, group, copy);
   for (int64_t e = 0; e < group.E; ++e) {
     const int64_t r0 = off[e], rows = off[e + 1] - r0;
     if (rows == 0) continue;  // no call: quantized recipes never see empty GEMMs
@@ -249,7 +246,7 @@ void LinearRecipe::forward_experts(backend::Backend& be, float* y, const float* 
 void LinearRecipe::backward_experts(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t N,
                                     int64_t K, const ExpertGroup& group) {
   std::vector<int64_t> copy;
-  const int64_t* off = host_offsets(be, group, copy);
+  const int64_t* off = expert_offsets_host(be, group, copy);
   for (int64_t e = 0; e < group.E; ++e) {
     const int64_t r0 = off[e], rows = off[e + 1] - r0;
     if (rows == 0) continue;

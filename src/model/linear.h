@@ -66,6 +66,9 @@ struct LinearCall {
   // dispatch plan's token_of_row for this expert's rows. Null for every other linear (its rows
   // are the tokens themselves) and where the caller has no plan (a recipe called by itself).
   const int32_t* token_of_row = nullptr;
+  // The same tokens in host memory where the caller already has them (a recipe's forward_experts
+  // that copied the layer's plan once), else null: a recipe that needs them on the host copies them.
+  const int32_t* token_of_row_host = nullptr;
 };
 
 enum class LinearKind { kQkv, kAttnOut, kGateUp, kDown, kExpertGateUp, kExpertDown, kSharedGateUp, kSharedDown };
@@ -83,6 +86,10 @@ struct LinearInfo {
 };
 
 class LinearRecipe;
+struct ExpertGroup;
+
+// The group's (E+1) host offsets: its own, or a (synchronising) copy of the device ones in `copy`.
+const int64_t* expert_offsets_host(backend::Backend& be, const ExpertGroup& g, std::vector<int64_t>& copy);
 
 // All experts of one MoE layer's gate_up (or down) linears at once (issue #13): expert g's rows
 // are [offsets[g], offsets[g+1]) of x, y, dx, dy; its weight and gradient start w_stride elements

@@ -20,7 +20,7 @@ bool e2m1_one_step_apart(uint32_t a, uint32_t b) { return formats::e2m1_one_step
 namespace {
 // Where a guided call adds its counts: the guidance's device counts once reset_guided_counts made
 // them (collected later, no wait per call), else null (the call copies its own back).
-int64_t* device_counts(const backend::Backend& be, TraceGuidance& g) {
+int64_t* device_counts(TraceGuidance& g) {
   return g.device_counts.size() >= 3 ? g.device_counts.data() : nullptr;
 }
 }  // namespace
@@ -53,7 +53,7 @@ void FakeQuantLinear::forward(backend::Backend& be, float* y, const float* x, co
                      ? Status(StatusCode::kInternal,
                               fmt::format("{}: routed expert linear {} ran without its tokens (LinearCall::token_of_row)",
                                           kFakeQuantRecipe, info_.name))
-                     : apply_guidance(be, q, xq, M, K, *site, routed ? call.token_of_row : nullptr);
+                     : apply_guidance(be, q, xq, M, K, *site, routed ? &call : nullptr);
       if (!s.is_ok()) g->status = s;
     }
     be.dequantize(xq, q);
@@ -63,13 +63,13 @@ void FakeQuantLinear::forward(backend::Backend& be, float* y, const float* x, co
 }
 
 Status FakeQuantLinear::apply_guidance(backend::Backend& be, backend::QuantizedTensor& q, const float* xb, int64_t M,
-                                       int64_t K, uint16_t site, const int32_t* token_of_row) {
+                                       int64_t K, uint16_t site, const model::LinearCall* routed) {
   TraceGuidance& g = *options_.guidance;
-  std::vector<int32_t> copy;  // host copy of token_of_row, unless forward_experts made one
-  const int32_t* tokens = host_tokens_;
-  if (token_of_row != nullptr && tokens == nullptr) {
+  std::vector<int32_t> copy;  // host copy of token_of_row, unless the caller has one
+  const int32_t* tokens = routed != nullptr ? routed->token_of_row_host : nullptr;
+  if (routed != nullptr && tokens == nullptr) {
     copy.resize(static_cast<size_t>(M));
-    be.copy_to_host(copy.data(), token_of_row, sizeof(int32_t) * static_cast<size_t>(M));
+    be.copy_to_host(copy.data(), routed->token_of_row, sizeof(int32_t) * static_cast<size_t>(M));
     tokens = copy.data();
   }
   const auto block = static_cast<uint16_t>(info_.block);
@@ -106,7 +106,7 @@ Status FakeQuantLinear::apply_guidance(backend::Backend& be, backend::QuantizedT
     return invalid_argument("{}: guidance of linear {} is {} {}x{}, the trainer quantizes {} rows of {} cols",
                             kFakeQuantRecipe, info_.name, backend::quant_format_name(gb.format), gb.rows_per_record,
                             gb.cols, backend::quant_format_name(QuantFormat::kNvfp4TwoLevel), K);
-  NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, q, xb, rows, gb, scratch_, st, device_counts(be, g)));
+  NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, q, xb, rows, gb, scratch_, st, device_counts(g)));
   g.stats.add(st);
   return Status::ok();
 }
@@ -121,14 +121,8 @@ void FakeQuantLinear::forward_experts(backend::Backend& be, float* y, const floa
     model::LinearRecipe::forward_experts(be, y, x, w, N, K, group);
     return;
   }
-  std::vector<int64_t> offsets;
-  const int64_t* off = group.offsets_host;
-  if (off == nullptr) {
-    NIB_CHECK_MSG(group.offsets != nullptr, "rl-fake-quant: experts without offsets");
-    offsets.resize(static_cast<size_t>(group.E + 1));
-    be.copy_to_host(offsets.data(), group.offsets, offsets.size() * sizeof(int64_t));
-    off = offsets.data();
-  }
+  std::vector<int64_t> copy;
+  const int64_t* off = model::expert_offsets_host(be, group, copy);
   std::vector<int32_t> tokens(static_cast<size_t>(off[group.E]));
   be.copy_to_host(tokens.data(), group.token_of_row, tokens.size() * sizeof(int32_t));
   for (int64_t e = 0; e < group.E; ++e) {
@@ -136,17 +130,14 @@ void FakeQuantLinear::forward_experts(backend::Backend& be, float* y, const floa
     if (rows == 0) continue;
     model::LinearCall call = group.calls[e];
     call.token_of_row = group.token_of_row + r0;
-    auto* f = dynamic_cast<FakeQuantLinear*>(group.recipes[e]);
-    if (f != nullptr) f->host_tokens_ = tokens.data() + r0;
+    call.token_of_row_host = tokens.data() + r0;
     group.recipes[e]->forward(be, y + r0 * N, x + r0 * K, w + e * group.w_stride, rows, N, K, call);
-    if (f != nullptr) f->host_tokens_ = nullptr;
   }
 }
 
 void reset_guided_counts(backend::Backend& be, TraceGuidance& g) {
   g.stats = GuidedSiteStats{};
-  const int64_t zeros[3] = {0, 0, 0};
-  be.copy_to_device(g.device_counts.ensure(be, 3, "rl-fake-quant: guided counts"), zeros, sizeof(zeros));
+  be.fill_zero(g.device_counts.ensure(be, 3, "rl-fake-quant: guided counts"), 3 * sizeof(int64_t));
 }
 
 void collect_guided_counts(backend::Backend& be, TraceGuidance& g) {
@@ -154,8 +145,7 @@ void collect_guided_counts(backend::Backend& be, TraceGuidance& g) {
   int64_t counts[3];
   be.copy_to_host(counts, g.device_counts.data(), sizeof(counts));
   g.stats.rtn_mismatch += counts[0], g.stats.one_step += counts[1], g.stats.reproduced += counts[2];
-  const int64_t zeros[3] = {0, 0, 0};
-  be.copy_to_device(g.device_counts.data(), zeros, sizeof(zeros));
+  be.fill_zero(g.device_counts.data(), sizeof(counts));
 }
 
 Status overwrite_guided_rows(backend::Backend& be, backend::QuantizedTensor& q, const float* xb,
@@ -244,7 +234,7 @@ Status TraceKvQuantizer::apply_guidance(backend::Backend& be, backend::Quantized
       return invalid_argument("{}: KV guidance of layer {} site {} is {} {}x{}, the trainer's cache rows are {} {}x{}",
                               kFakeQuantRecipe, layer, site, backend::quant_format_name(gb.format), gb.rows_per_record,
                               gb.cols, backend::quant_format_name(QuantFormat::kNvfp4TwoLevel), Hkv, D);
-    NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, q, x, rows, gb, scratch_, st, device_counts(be, g)));
+    NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, q, x, rows, gb, scratch_, st, device_counts(g)));
   }
   g.stats.add(st);
   return Status::ok();

@@ -86,8 +86,8 @@ class FakeQuantLinear final : public model::LinearRecipe {
   void backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
                 const model::LinearCall& call) override;
   // A guided layer's routed experts: the dispatch plan's tokens of all the layer's rows come to the
-  // host in one copy, each expert's forward() reads its part (not one copy per expert); other
-  // layers and arms: LinearRecipe's per-expert loop.
+  // host in one copy, each expert's forward() reads its part (LinearCall::token_of_row_host; not
+  // one copy per expert); other layers and arms: LinearRecipe's per-expert loop.
   void forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N, int64_t K,
                        const model::ExpertGroup& group) override;
   void set_guidance(TraceGuidance* g) { options_.guidance = g; }
@@ -95,11 +95,10 @@ class FakeQuantLinear final : public model::LinearRecipe {
  private:
   // Rows of q (M, K: the RTN quantization of the BF16 input xb (M, K), backend memory) whose
   // rollout record at `site` exists are re-rounded under the rollout's scales (overwrite_guided_rows).
-  // token_of_row: (M) i32 backend memory, the token row of each row (routed experts), or null;
-  // read from host_tokens_ instead when forward_experts set it.
+  // routed: a routed expert's call, whose token_of_row (or token_of_row_host) names each row's token
+  // row; null for every other linear.
   Status apply_guidance(backend::Backend& be, backend::QuantizedTensor& q, const float* xb, int64_t M, int64_t K,
-                        uint16_t site, const int32_t* token_of_row);
-  const int32_t* host_tokens_ = nullptr;  // (M) host copy of this call's token_of_row (forward_experts)
+                        uint16_t site, const model::LinearCall* routed);
   FakeQuantOptions options_;
   model::LinearInfo info_;
   backend::Buffer<float> wq_, xq_;  // saved ŵ (N,K), x̂ (M,K) for backward

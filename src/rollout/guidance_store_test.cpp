@@ -237,6 +237,13 @@ TEST_F(GuidanceStoreTest, KvRecordErrors) {
   auto g = gather_guidance(*store, seq.data(), pos.data(), 2, 0, kKeyCache);
   ASSERT_FALSE(g.is_ok());
   EXPECT_NE(g.status().message().find("position 1"), std::string::npos) << g.status().message();
+  // a damaged record: the error names its key and store too
+  ASSERT_TRUE(store->append(RecordKey{1, 2, 0, kKeyCache}, std::vector<uint8_t>(cut)).is_ok());
+  const std::vector<uint32_t> pos2 = {2};
+  auto damaged = gather_guidance(*store, seq.data(), pos2.data(), 1, 0, kKeyCache);
+  ASSERT_FALSE(damaged.is_ok());
+  EXPECT_NE(damaged.status().message().find("position 2"), std::string::npos) << damaged.status().message();
+  EXPECT_NE(damaged.status().message().find("bytes, shorter than its"), std::string::npos) << damaged.status().message();
   EXPECT_TRUE(store->close().is_ok());
 }
 

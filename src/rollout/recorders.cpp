@@ -81,15 +81,15 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
     const auto align8 = [](int64_t n) { return (n + 7) & ~int64_t{7}; };
     const int64_t P = guidance_record_bytes(qx.format, qx.cols, mode) - kGuidanceHeaderBytes;
     const int64_t need = align8(M * P) + (routed ? align8(4 * M) : 0);
-    if (arena_be_ != &be || arena_used_ + need > arena_.size()) {  // full: flush, then grow (contents not kept)
+    if (arena_be_ != &be || arena_used_ + need > arena_.size()) {
+      // full: the step so far goes to the host, then the arena doubles (up to the cap; ensure()
+      // keeps no contents, and does nothing when it is large enough)
       NIB_RETURN_IF_ERROR(flush_pending());
-      if (arena_be_ != &be || need > arena_.size() || arena_.size() < kMaxArenaBytes) {
-        const int64_t want = arena_be_ == &be ? std::min(2 * arena_.size(), kMaxArenaBytes) : int64_t{1} << 20;
-        arena_.ensure(be, std::max(need, want), "guidance recorder: step arena");
-      }
+      const int64_t doubled = arena_be_ == &be ? std::min(2 * arena_.size(), kMaxArenaBytes) : 0;
+      arena_.ensure(be, std::max(need, doubled), "guidance recorder: step arena");
       arena_be_ = &be;
     }
-    Pending p{info.name, info.block, *site, qx.format, qx.cols, M, P, arena_used_, -1};
+    Pending p{info.name, info.block, *site, qx.cols, M, P, arena_used_, -1};
     be.guidance_payload_rows(arena_.data() + p.payload_at, q, guidance_kind(mode));
     arena_used_ += align8(M * P);
     if (routed) {
@@ -160,7 +160,7 @@ Status GuidanceRecorder::flush_pending() {
         return Status(StatusCode::kInternal, fmt::format("guidance recorder: linear {} row {} is token {}, the step has {}",
                                                          p.linear, r, n, N));
       NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec,
-                           guidance_record_from_payload(p.format, p.cols, mode,
+                           guidance_record_from_payload(backend::QuantFormat::kNvfp4TwoLevel, p.cols, mode,
                                                         std::span<const uint8_t>(arena_host_.data() + p.payload_at + r * p.P,
                                                                                  static_cast<size_t>(p.P))));
       const RecordKey key{0, static_cast<uint32_t>(rows_.positions[static_cast<size_t>(n)]),

@@ -75,13 +75,13 @@ class GuidanceRecorder final : public ActivationObserver, public KvWriteObserver
   const Status& status() const { return status_; }
 
  private:
-  // A recorded call whose payloads wait in the step arena: rows [0, M) of `site` at `block`, P
-  // payload bytes each at payload_at; a routed expert's M i32 step rows at tokens_at (else -1).
+  // A recorded call (a two-level activation) whose payloads wait in the step arena: rows [0, M) of
+  // `site` at `block`, P payload bytes each at payload_at; a routed expert's M i32 step rows at
+  // tokens_at (else -1).
   struct Pending {
     std::string linear;  // its name, for errors
     int block;
     uint16_t site;
-    backend::QuantFormat format;
     int64_t cols, M, P, payload_at, tokens_at;
   };
   Status flush_pending();  // the arena's payloads to the host, their records to the store

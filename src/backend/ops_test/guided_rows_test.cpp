@@ -63,10 +63,11 @@ uint32_t reference_guided_code(float x, float sp, uint32_t guide, bool full) {
 
 int signed_index(uint32_t c) { return (c & 8u) ? -static_cast<int>(c & 7u) : static_cast<int>(c & 7u); }
 
+struct Shape {  // M rows of K columns
+  int64_t M, K;
+};
+
 TEST_P(GuidedRowsOpsTest, EqualsTheReadableReferenceBitForBit) {
-  struct Shape {
-    int64_t M, K;
-  };
   for (Shape s : {Shape{5, 16}, Shape{37, 144}, Shape{300, 256}})
     for (const bool full : {true, false}) {
       SCOPED_TRACE(fmt::format("M={} K={} {}", s.M, s.K, full ? "trace-full" : "trace"));
@@ -147,9 +148,6 @@ TEST_P(GuidedRowsOpsTest, EqualsTheReadableReferenceBitForBit) {
 // guidance_payload_rows: row r = inner scales | outer (little-endian f32 bytes) | codes or their
 // mantissa bits, against the bytes assembled here from the backend's own quantization.
 TEST_P(GuidedRowsOpsTest, PayloadRowsHoldTheScalesAndTheCodesOrTheirMantissaBits) {
-  struct Shape {
-    int64_t M, K;
-  };
   for (Shape s : {Shape{3, 16}, Shape{21, 144}, Shape{130, 256}})
     for (const bool full : {true, false}) {
       SCOPED_TRACE(fmt::format("M={} K={} {}", s.M, s.K, full ? "trace-full" : "trace"));
