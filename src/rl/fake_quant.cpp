@@ -84,13 +84,6 @@ Status FakeQuantLinear::apply_guidance(backend::Backend& be, backend::QuantizedT
                                                        kFakeQuantRecipe, info_.name, r, n, g.row_sequence.size()));
     const auto t = static_cast<size_t>(n);
     if (!g.row_recorded[t]) continue;
-    if (tokens != nullptr) {  // a routed expert: the rollout may have routed this token elsewhere
-      ++st.routed_rows;
-      if (!g.store->contains(rollout::RecordKey{g.row_sequence[t], g.row_position[t], block, site})) {
-        ++st.routed_fallback_rows;
-        continue;
-      }
-    }
     rows.push_back(r);
     seqs.push_back(g.row_sequence[t]);
     poss.push_back(g.row_position[t]);
@@ -99,9 +92,24 @@ Status FakeQuantLinear::apply_guidance(backend::Backend& be, backend::QuantizedT
     g.stats.add(st);
     return Status::ok();
   }
-  const int64_t R = static_cast<int64_t>(rows.size());
+  // a routed expert: the rollout may have routed some of these tokens elsewhere (no record here);
+  // those rows keep the trainer's own rounding
+  std::vector<uint8_t> found;
   NIB_ASSIGN_OR_RETURN(rollout::GuidanceBatch gb,
-                       rollout::gather_guidance(*g.store, seqs.data(), poss.data(), R, block, site));
+                       rollout::gather_guidance(*g.store, seqs.data(), poss.data(), static_cast<int64_t>(rows.size()),
+                                                block, site, tokens != nullptr ? &found : nullptr));
+  if (tokens != nullptr) {
+    st.routed_rows += static_cast<int64_t>(rows.size());
+    size_t kept = 0;
+    for (size_t i = 0; i < rows.size(); ++i)
+      if (found[i] != 0) rows[kept++] = rows[i];
+    st.routed_fallback_rows += static_cast<int64_t>(rows.size() - kept);
+    rows.resize(kept);
+    if (rows.empty()) {
+      g.stats.add(st);
+      return Status::ok();
+    }
+  }
   if (gb.cols != K || gb.rows_per_record != 1 || gb.format != QuantFormat::kNvfp4TwoLevel)
     return invalid_argument("{}: guidance of linear {} is {} {}x{}, the trainer quantizes {} rows of {} cols",
                             kFakeQuantRecipe, info_.name, backend::quant_format_name(gb.format), gb.rows_per_record,

@@ -124,15 +124,32 @@ Result<std::unique_ptr<RecordStore>> RecordStore::open(const RecordStoreOptions&
 
 RecordStore::~RecordStore() { (void)close(); }
 
+size_t RecordKeyHash::operator()(const RecordKey& key) const noexcept {
+  // splitmix64 of the fields folded into one word
+  uint64_t h = key.sequence * 0x9E3779B97F4A7C15ull ^
+               ((uint64_t{key.position} << 32) | (uint64_t{key.layer} << 16) | key.site);
+  h ^= h >> 30, h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 27, h *= 0x94D049BB133111EBull;
+  return static_cast<size_t>(h ^ (h >> 31));
+}
+
 Status RecordStore::append(const RecordKey& key, std::vector<uint8_t>&& payload) {
+  std::vector<Record> one;
+  one.emplace_back(key, std::move(payload));
+  return append_batch(std::move(one));
+}
+
+Status RecordStore::append_batch(std::vector<Record>&& records) {
+  if (records.empty()) return Status::ok();
   std::unique_lock lk(queue_mu_);
   queue_not_full_.wait(lk, [&] {
     return closed_ || stopping_ || !writer_error_.is_ok() ||
            static_cast<int64_t>(queue_.size()) < options_.queue_capacity;
   });
-  if (closed_ || stopping_) return invalid_argument("{}: append {} after close", options_.name, record_key_name(key));
+  if (closed_ || stopping_)
+    return invalid_argument("{}: append {} after close", options_.name, record_key_name(records.front().first));
   if (!writer_error_.is_ok()) return writer_error_;
-  queue_.emplace_back(key, std::move(payload));
+  for (Record& r : records) queue_.push_back(std::move(r));
   queue_not_empty_.notify_one();
   return Status::ok();
 }
@@ -151,32 +168,39 @@ Status RecordStore::flush() {
 }
 
 void RecordStore::writer_loop() {
+  std::deque<Record> items;  // what the queue held when the writer took it: indexed under one lock
   for (;;) {
-    std::pair<RecordKey, std::vector<uint8_t>> item;
     {
       std::unique_lock lk(queue_mu_);
       queue_not_empty_.wait(lk, [&] { return !queue_.empty() || stopping_; });
       if (queue_.empty()) return;  // stopping and drained
-      item = std::move(queue_.front());
-      queue_.pop_front();
+      items.swap(queue_);
       writer_busy_ = true;
-      queue_not_full_.notify_one();
+      queue_not_full_.notify_all();
     }
-    Status st = insert(item.first, std::move(item.second));
+    Status first_error;
+    {
+      std::lock_guard lk(index_mu_);
+      for (Record& r : items) {
+        Status st = insert(r.first, std::move(r.second));
+        if (!st.is_ok() && first_error.is_ok()) first_error = st;
+      }
+    }
+    items.clear();
     {
       std::lock_guard lk(queue_mu_);
-      if (!st.is_ok() && writer_error_.is_ok()) writer_error_ = st;
+      if (!first_error.is_ok() && writer_error_.is_ok()) writer_error_ = first_error;
       writer_busy_ = false;
       if (queue_.empty()) drained_.notify_all();
-      if (!st.is_ok()) queue_not_full_.notify_all();  // blocked producers see the error
+      if (!first_error.is_ok()) queue_not_full_.notify_all();  // blocked producers see the error
     }
   }
 }
 
 Status RecordStore::insert(const RecordKey& key, std::vector<uint8_t>&& payload) {
-  std::lock_guard lk(index_mu_);
   auto [it, inserted] = index_.try_emplace(key);
   if (!inserted) return invalid_argument("{}: duplicate record {}", options_.name, record_key_name(key));
+  keys_of_sequence_[key.sequence].push_back(key);
   const auto n = static_cast<int64_t>(payload.size());
   it->second.size = n;
   it->second.payload = std::move(payload);
@@ -211,13 +235,18 @@ Status RecordStore::spill_memory_records() {
   // Records are written in key order in chunks of about 4 MiB; the index changes only when all
   // writes succeeded, so a failed spill leaves every record in memory and the file as it was.
   constexpr size_t kChunk = size_t{4} << 20;
+  std::vector<std::pair<const RecordKey*, Entry*>> in_memory;
+  for (auto& [key, e] : index_)
+    if (e.file_offset < 0) in_memory.emplace_back(&key, &e);
+  std::sort(in_memory.begin(), in_memory.end(), [](const auto& a, const auto& b) { return *a.first < *b.first; });
   std::vector<uint8_t> buf;
   std::vector<std::pair<Entry*, int64_t>> placed;
   int64_t offset = spill_size_;
   int64_t chunk_offset = offset;
   Status st;
-  for (auto& [key, e] : index_) {
-    if (e.file_offset >= 0) continue;
+  for (auto [keyp, ep] : in_memory) {
+    const RecordKey& key = *keyp;
+    Entry& e = *ep;
     const size_t at = buf.size();
     buf.resize(at + kSpillHeaderBytes + e.payload.size());
     encode_spill_header(buf.data() + at, key, e.payload);
@@ -285,6 +314,33 @@ Result<std::vector<uint8_t>> RecordStore::read(const RecordKey& key) {
   return out;
 }
 
+Status RecordStore::read_each(std::span<const RecordKey> keys,
+                              const std::function<Status(size_t i, std::span<const uint8_t> payload)>& fn,
+                              std::vector<uint8_t>* found) {
+  if (keys.empty()) return Status::ok();
+  if (!wait_drained()) return invalid_argument("{}: read {} after close", options_.name, record_key_name(keys[0]));
+  if (found != nullptr) found->assign(keys.size(), 0);
+  std::vector<uint8_t> spilled;
+  // the index lock is held throughout, so no spill moves a payload while fn reads it
+  std::lock_guard lk(index_mu_);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto it = index_.find(keys[i]);
+    if (it == index_.end()) {
+      if (found != nullptr) continue;
+      return not_found("{}: no record {}", options_.name, record_key_name(keys[i]));
+    }
+    if (found != nullptr) (*found)[i] = 1;
+    const Entry& e = it->second;
+    if (e.file_offset < 0) {
+      NIB_RETURN_IF_ERROR(fn(i, std::span<const uint8_t>(e.payload)));
+    } else {
+      NIB_RETURN_IF_ERROR(read_spilled(keys[i], e.file_offset, e.size, spilled));
+      NIB_RETURN_IF_ERROR(fn(i, std::span<const uint8_t>(spilled)));
+    }
+  }
+  return Status::ok();
+}
+
 bool RecordStore::contains(const RecordKey& key) {
   if (!wait_drained()) return false;
   std::lock_guard lk(index_mu_);
@@ -297,24 +353,21 @@ Status RecordStore::for_each_in_sequence(
   std::vector<RecordKey> keys;
   {
     std::lock_guard lk(index_mu_);
-    for (auto it = index_.lower_bound(RecordKey{sequence, 0, 0, 0}); it != index_.end() && it->first.sequence == sequence;
-         ++it)
-      keys.push_back(it->first);
+    if (auto it = keys_of_sequence_.find(sequence); it != keys_of_sequence_.end()) keys = it->second;
   }
+  std::sort(keys.begin(), keys.end());
   if (keys.empty()) return not_found("{}: no records of sequence {}", options_.name, sequence);
-  for (const RecordKey& k : keys) {
-    NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> payload, read(k));
-    NIB_RETURN_IF_ERROR(fn(k, std::span<const uint8_t>(payload)));
-  }
-  return Status::ok();
+  return read_each(keys, [&](size_t i, std::span<const uint8_t> payload) { return fn(keys[i], payload); });
 }
 
 std::vector<uint64_t> RecordStore::sequences() {
   (void)wait_drained();
   std::vector<uint64_t> out;
-  std::lock_guard lk(index_mu_);
-  for (const auto& [k, e] : index_)
-    if (out.empty() || out.back() != k.sequence) out.push_back(k.sequence);
+  {
+    std::lock_guard lk(index_mu_);
+    for (const auto& [sequence, keys] : keys_of_sequence_) out.push_back(sequence);
+  }
+  std::sort(out.begin(), out.end());
   return out;
 }
 
@@ -359,6 +412,7 @@ Status RecordStore::close() {
       created_spill_dir_ = false;
     }
     index_.clear();
+    keys_of_sequence_.clear();
     memory_bytes_ = 0;
   }
   {
@@ -476,11 +530,13 @@ Result<std::vector<uint8_t>> guidance_record_from_payload(backend::QuantFormat f
 
 Status append_guidance(RecordStore& store, const backend::QuantizedTensor& q, const uint64_t* row_sequence,
                        const uint32_t* row_position, uint16_t layer, uint16_t site, GuidanceMode mode) {
+  std::vector<Record> batch;
+  batch.reserve(static_cast<size_t>(q.rows));
   for (int64_t r = 0; r < q.rows; ++r) {
     NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec, extract_guidance(q, r, mode));
-    NIB_RETURN_IF_ERROR(store.append(RecordKey{row_sequence[r], row_position[r], layer, site}, std::move(rec)));
+    batch.emplace_back(RecordKey{row_sequence[r], row_position[r], layer, site}, std::move(rec));
   }
-  return Status::ok();
+  return store.append_batch(std::move(batch));
 }
 
 float GuidanceRecordView::outer_at(int64_t i) const { return get<float>(outer + 4 * i); }
@@ -528,35 +584,43 @@ Result<GuidanceRecordView> parse_guidance_record(std::span<const uint8_t> payloa
 }
 
 Result<GuidanceBatch> gather_guidance(RecordStore& store, const uint64_t* row_sequence, const uint32_t* row_position,
-                                      int64_t rows, uint16_t layer, uint16_t site) {
+                                      int64_t rows, uint16_t layer, uint16_t site, std::vector<uint8_t>* found) {
   GuidanceBatch g;
-  g.rows = rows;
-  for (int64_t r = 0; r < rows; ++r) {
-    const RecordKey key{row_sequence[r], row_position[r], layer, site};
-    NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> payload, store.read(key));
+  g.rows = 0;
+  std::vector<RecordKey> keys(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) keys[static_cast<size_t>(r)] = RecordKey{row_sequence[r], row_position[r], layer, site};
+  int64_t filled = 0;  // batch records written so far
+  auto take = [&](size_t r, std::span<const uint8_t> payload) -> Status {
     // the record's name only for an error (formatting it for every row cost more than the copies)
-    const auto what = [&] { return fmt::format("{} in {}", record_key_name(key), store.name()); };
+    const auto what = [&] { return fmt::format("{} in {}", record_key_name(keys[r]), store.name()); };
     Result<GuidanceRecordView> parsed = parse_guidance_record(payload, std::string());
     if (!parsed.is_ok()) parsed = parse_guidance_record(payload, what());  // the same error, named
     NIB_ASSIGN_OR_RETURN(GuidanceRecordView v, std::move(parsed));
-    if (r == 0) {
+    if (filled == 0) {
       g.format = v.format, g.mode = v.mode, g.cols = v.cols, g.rows_per_record = v.rows;
-      g.rows = rows * v.rows;
-      g.scales.resize(static_cast<size_t>(g.rows * (g.cols / 16)));
-      g.outer.resize(static_cast<size_t>(g.rows * guidance_outer_count(g.format, g.cols)));
-      g.guide.resize(static_cast<size_t>(g.rows * guide_bytes(g.cols, g.mode)));
+      // sized for every row; trimmed to the rows found at the end
+      g.scales.resize(static_cast<size_t>(rows * v.rows * (g.cols / 16)));
+      g.outer.resize(static_cast<size_t>(rows * v.rows * guidance_outer_count(g.format, g.cols)));
+      g.guide.resize(static_cast<size_t>(rows * v.rows * guide_bytes(g.cols, g.mode)));
     } else if (v.format != g.format || v.mode != g.mode || v.cols != g.cols || v.rows != g.rows_per_record) {
-      return invalid_argument("guidance record {}: {} {} {}x{} differs from row 0's {} {} {}x{}", what(),
+      return invalid_argument("guidance record {}: {} {} {}x{} differs from the first row's {} {} {}x{}", what(),
                               backend::quant_format_name(v.format), guidance_mode_name(v.mode), v.rows, v.cols,
                               backend::quant_format_name(g.format), guidance_mode_name(g.mode), g.rows_per_record,
                               g.cols);
     }
-    const int64_t R = g.rows_per_record;
+    const int64_t R = g.rows_per_record, b = filled;
     const int64_t no = guidance_outer_count(g.format, g.cols), gb = guide_bytes(g.cols, g.mode);
-    std::memcpy(g.scales.data() + r * R * (g.cols / 16), v.scales, static_cast<size_t>(R * (g.cols / 16)));
-    std::memcpy(g.outer.data() + r * R * no, v.outer, static_cast<size_t>(4 * R * no));
-    std::memcpy(g.guide.data() + r * R * gb, v.guide, static_cast<size_t>(R * gb));
-  }
+    std::memcpy(g.scales.data() + b * R * (g.cols / 16), v.scales, static_cast<size_t>(R * (g.cols / 16)));
+    std::memcpy(g.outer.data() + b * R * no, v.outer, static_cast<size_t>(4 * R * no));
+    std::memcpy(g.guide.data() + b * R * gb, v.guide, static_cast<size_t>(R * gb));
+    ++filled;
+    return Status::ok();
+  };
+  NIB_RETURN_IF_ERROR(store.read_each(keys, take, found));
+  g.rows = filled * g.rows_per_record;
+  g.scales.resize(static_cast<size_t>(g.rows * (g.cols / 16)));
+  g.outer.resize(static_cast<size_t>(g.rows * guidance_outer_count(g.format, g.cols)));
+  g.guide.resize(static_cast<size_t>(g.rows * guide_bytes(g.cols, g.mode)));
   return g;
 }
 

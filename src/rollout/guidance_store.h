@@ -12,13 +12,14 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -40,6 +41,11 @@ struct RecordKey {
 };
 // "(sequence 3, position 17, layer 5, site 1)": how errors name a key.
 std::string record_key_name(const RecordKey& key);
+struct RecordKeyHash {
+  size_t operator()(const RecordKey& key) const noexcept;
+};
+// A key and its payload, as append_batch takes them.
+using Record = std::pair<RecordKey, std::vector<uint8_t>>;
 
 struct RecordStoreOptions {
   std::string name = "record store";  // names the store in errors ("guidance store", "routing store")
@@ -72,12 +78,24 @@ class RecordStore {
   // the writer's first error (spill write failed, duplicate key, over budget without a spill
   // directory) or when the store is closed.
   Status append(const RecordKey& key, std::vector<uint8_t>&& payload);
+  // Queues all of `records` at once (one lock and one wake-up of the writer for the batch, which is
+  // what a recorder appending thousands of rows a step needs); blocks while the queue is full, then
+  // queues the whole batch (the queue may exceed its capacity by one batch). Errors as append().
+  Status append_batch(std::vector<Record>&& records);
   // Waits until every queued record is stored; returns the writer's first error, if any.
   Status flush();
 
   // The payload of one record (waits for queued records first). Errors: no such key (not found), a
   // damaged or truncated spill record (data loss), a failed read (I/O).
   Result<std::vector<uint8_t>> read(const RecordKey& key);
+  // Reads many records in one pass (one wait for queued records, one lock of the index):
+  // fn(i, payload of keys[i]) for each i in order; the payload span is valid during the call only.
+  // A missing key fails (not found, naming it) unless `found` is given: then found[i] (resized to
+  // keys.size()) says whether keys[i] was stored, and missing keys are skipped. Stops at fn's
+  // first error, and on a damaged spilled record (data loss).
+  Status read_each(std::span<const RecordKey> keys,
+                   const std::function<Status(size_t i, std::span<const uint8_t> payload)>& fn,
+                   std::vector<uint8_t>* found = nullptr);
   // Whether a record `key` is stored (waits for queued records first); false once closed.
   bool contains(const RecordKey& key);
   // Calls fn for each record of `sequence` in key order (positions, then layers, then sites), one
@@ -103,7 +121,7 @@ class RecordStore {
     int64_t file_offset = -1;      // of the record's header in the spill file; -1: in memory
   };
   void writer_loop();
-  Status insert(const RecordKey& key, std::vector<uint8_t>&& payload);  // writer thread
+  Status insert(const RecordKey& key, std::vector<uint8_t>&& payload);  // writer thread, index_mu_ held
   Status spill_memory_records();                                         // writer thread, index_mu_ held
   Status open_spill_file();                                              // writer thread, index_mu_ held
   Status read_spilled(const RecordKey& key, int64_t offset, int64_t size, std::vector<uint8_t>& out);
@@ -113,10 +131,14 @@ class RecordStore {
   // queue_mu_: the queue, its flags and writer_error_. index_mu_: the index, the spill file, counters.
   std::mutex queue_mu_, index_mu_;
   std::condition_variable queue_not_full_, queue_not_empty_, drained_;
-  std::deque<std::pair<RecordKey, std::vector<uint8_t>>> queue_;
+  std::deque<Record> queue_;
   bool stopping_ = false, closed_ = false, writer_busy_ = false;
   Status writer_error_;
-  std::map<RecordKey, Entry> index_;
+  // A hash index (one probe per read: a gather reads hundreds of thousands of keys a step); the
+  // key order that sequences() and for_each_in_sequence() promise comes from sorting a sequence's
+  // keys when asked.
+  std::unordered_map<RecordKey, Entry, RecordKeyHash> index_;
+  std::unordered_map<uint64_t, std::vector<RecordKey>> keys_of_sequence_;
   int64_t payload_bytes_ = 0, memory_bytes_ = 0, spilled_records_ = 0;
   int spill_fd_ = -1;
   int64_t spill_size_ = 0;
@@ -207,10 +229,13 @@ struct GuidanceBatch {
   std::vector<float> outer;     // TE: (rows) the amax of each row's rollout tensor; 2-level (rows, ceil(cols/128))
   std::vector<uint8_t> guide;   // (rows, cols/2) packed codes or (rows, cols/8) mantissa bits
 };
-// rows: token rows. Errors: a missing record (not found, naming the key), records of different
-// widths/formats/modes/row counts.
+// rows: token rows, read in one pass over the store (RecordStore::read_each). Errors: a missing
+// record (not found, naming the key) unless `found` is given: then found[r] says whether row r had
+// a record, and the batch holds the found rows' records in row order (a routed expert's rows that
+// the rollout sent elsewhere have none); records of different widths/formats/modes/row counts.
 Result<GuidanceBatch> gather_guidance(RecordStore& store, const uint64_t* row_sequence, const uint32_t* row_position,
-                                      int64_t rows, uint16_t layer, uint16_t site);
+                                      int64_t rows, uint16_t layer, uint16_t site,
+                                      std::vector<uint8_t>* found = nullptr);
 // codes (g.rows, g.cols/2) <- guided rounding of x (g.rows, g.cols) f32 under the rollout's scales
 // (TE rows are grouped by equal amax, since the TE quantizer takes one amax per call).
 void guided_quantize_cpu(uint8_t* codes, const float* x, const GuidanceBatch& g);

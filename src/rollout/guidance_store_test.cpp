@@ -458,7 +458,9 @@ TEST_F(GuidanceStoreTest, RoutedExpertRecordsRoundTripThroughTheSpillFile) {
       for (int64_t t = 0; t < T; ++t) {
         const RecordKey key{seq, static_cast<uint32_t>(t), layer, routed_expert_site(x, part)};
         EXPECT_EQ(store->contains(key), routed(t, x)) << record_key_name(key);
-        if (!routed(t, x)) EXPECT_EQ(store->read(key).status().code(), StatusCode::kNotFound);
+        if (!routed(t, x)) {
+          EXPECT_EQ(store->read(key).status().code(), StatusCode::kNotFound);
+        }
       }
     }
   ASSERT_TRUE(store->close().is_ok());
@@ -626,6 +628,120 @@ TEST_F(GuidanceStoreTest, ConcurrentProducersWithBackPressure) {
     ASSERT_TRUE(s.is_ok()) << s.message();
     EXPECT_EQ(i, kPerProducer);
   }
+}
+
+// Batches from three producers through a queue of 2 records (a batch larger than the queue still
+// goes in once the queue has room) and a budget that spills; read_each then reads a mix of memory
+// and spilled records in one pass, in the order asked, reports missing keys through `found` or
+// fails naming the first one, and stops at the callback's error.
+TEST_F(GuidanceStoreTest, AppendBatchAndReadEach) {
+  auto store = open(options(500, 2));
+  constexpr int kProducers = 3, kBatches = 20, kPerBatch = 7;
+  std::vector<std::thread> producers;
+  std::atomic<int> failures{0};
+  for (int p = 0; p < kProducers; ++p)
+    producers.emplace_back([&, p] {
+      for (int b = 0; b < kBatches; ++b) {
+        std::vector<Record> batch;
+        for (int i = 0; i < kPerBatch; ++i)
+          batch.emplace_back(RecordKey{static_cast<uint64_t>(p), static_cast<uint32_t>(b), static_cast<uint16_t>(i), 1},
+                             bytes_of(static_cast<uint64_t>(p * 10000 + b * 100 + i), 16 + i));
+        if (!store->append_batch(std::move(batch)).is_ok()) ++failures;
+      }
+    });
+  for (auto& t : producers) t.join();
+  ASSERT_EQ(failures.load(), 0);
+  ASSERT_TRUE(store->append_batch({}).is_ok());  // an empty batch is nothing
+  ASSERT_TRUE(store->flush().is_ok());
+  EXPECT_EQ(store->stats().records, kProducers * kBatches * kPerBatch);
+  EXPECT_GT(store->stats().spilled_records, 0);
+
+  // keys out of order, one missing in the middle
+  std::vector<RecordKey> keys{{2, 19, 6, 1}, {0, 0, 0, 1}, {1, 7, 3, 1}, {1, 7, 3, 2}, {0, 19, 6, 1}};
+  std::vector<size_t> seen;
+  std::vector<uint8_t> found;
+  Status s = store->read_each(keys, [&](size_t i, std::span<const uint8_t> payload) {
+    const RecordKey& k = keys[i];
+    EXPECT_EQ(std::vector<uint8_t>(payload.begin(), payload.end()),
+              bytes_of(k.sequence * 10000 + k.position * 100 + k.layer, 16 + k.layer)) << record_key_name(k);
+    seen.push_back(i);
+    return Status::ok();
+  }, &found);
+  ASSERT_TRUE(s.is_ok()) << s.message();
+  EXPECT_EQ(seen, (std::vector<size_t>{0, 1, 2, 4}));
+  EXPECT_EQ(found, (std::vector<uint8_t>{1, 1, 1, 0, 1}));
+
+  Status miss = store->read_each(keys, [](size_t, std::span<const uint8_t>) { return Status::ok(); });
+  EXPECT_EQ(miss.code(), StatusCode::kNotFound);
+  EXPECT_EQ(miss.message(), "guidance store: no record (sequence 1, position 7, layer 3, site 2)");
+
+  int calls = 0;
+  Status stop = store->read_each(keys, [&](size_t, std::span<const uint8_t>) {
+    ++calls;
+    return invalid_argument("stop here");
+  }, &found);
+  EXPECT_EQ(stop.message(), "stop here");
+  EXPECT_EQ(calls, 1);
+
+  ASSERT_TRUE(store->close().is_ok());
+  EXPECT_FALSE(store->read_each(keys, [](size_t, std::span<const uint8_t>) { return Status::ok(); }).is_ok());
+  std::vector<Record> late;
+  late.emplace_back(RecordKey{5, 0, 0, 0}, bytes_of(1, 4));
+  Status after = store->append_batch(std::move(late));
+  EXPECT_FALSE(after.is_ok());
+  EXPECT_NE(after.message().find("after close"), std::string::npos) << after.message();
+}
+
+// gather_guidance with `found`: rows without a record (a routed expert's tokens the rollout sent
+// elsewhere) are skipped and reported; the batch equals a gather of only the found rows. Without
+// `found` the same rows fail, naming the first missing key.
+TEST_F(GuidanceStoreTest, GatherSkipsMissingRowsWhenAsked) {
+  const int64_t rows = 6, cols = 48;
+  HostQuant h = quantize(QuantFormat::kNvfp4TwoLevel, rows, cols, 31);
+  auto store = open(options(int64_t{1} << 20));
+  std::vector<uint64_t> seq{0, 1, 2, 3, 4, 5};
+  std::vector<uint32_t> pos(rows, 3);
+  ASSERT_TRUE(append_guidance(*store, h.q, seq.data(), pos.data(), 2, routed_expert_site(5, 0), GuidanceMode::kTrace)
+                  .is_ok());
+  // ask for rows 1, 7 (never recorded), 4, 9 (never recorded), 0
+  std::vector<uint64_t> ask_seq{1, 7, 4, 9, 0};
+  std::vector<uint32_t> ask_pos(5, 3);
+  std::vector<uint8_t> found;
+  auto g = gather_guidance(*store, ask_seq.data(), ask_pos.data(), 5, 2, routed_expert_site(5, 0), &found);
+  ASSERT_TRUE(g.is_ok()) << g.status().message();
+  EXPECT_EQ(found, (std::vector<uint8_t>{1, 0, 1, 0, 1}));
+  std::vector<uint64_t> only_seq{1, 4, 0};
+  auto want = gather_guidance(*store, only_seq.data(), ask_pos.data(), 3, 2, routed_expert_site(5, 0));
+  ASSERT_TRUE(want.is_ok());
+  EXPECT_EQ(g->rows, 3);
+  EXPECT_EQ(g->scales, want->scales);
+  EXPECT_EQ(g->outer, want->outer);
+  EXPECT_EQ(g->guide, want->guide);
+  auto none = gather_guidance(*store, ask_seq.data() + 1, ask_pos.data(), 1, 2, routed_expert_site(5, 0), &found);
+  ASSERT_TRUE(none.is_ok());
+  EXPECT_EQ(none->rows, 0);
+  EXPECT_TRUE(none->guide.empty());
+  auto strict = gather_guidance(*store, ask_seq.data(), ask_pos.data(), 5, 2, routed_expert_site(5, 0));
+  ASSERT_FALSE(strict.is_ok());
+  EXPECT_EQ(strict.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(strict.status().message().find("(sequence 7, position 3, layer 2, site 26)"), std::string::npos)
+      << strict.status().message();
+}
+
+// A duplicate inside one batch is the writer's error (the first record is kept), as for append().
+TEST_F(GuidanceStoreTest, DuplicateInsideABatchIsAnError) {
+  auto store = open(options(1 << 20));
+  std::vector<Record> batch;
+  batch.emplace_back(RecordKey{1, 2, 3, 4}, bytes_of(1, 8));
+  batch.emplace_back(RecordKey{1, 2, 3, 5}, bytes_of(2, 8));
+  batch.emplace_back(RecordKey{1, 2, 3, 4}, bytes_of(3, 8));
+  ASSERT_TRUE(store->append_batch(std::move(batch)).is_ok());
+  Status dup = store->flush();
+  EXPECT_NE(dup.message().find("duplicate record (sequence 1, position 2, layer 3, site 4)"), std::string::npos)
+      << dup.message();
+  EXPECT_EQ(store->read({1, 2, 3, 4}).value(), bytes_of(1, 8));
+  EXPECT_EQ(store->read({1, 2, 3, 5}).value(), bytes_of(2, 8));
+  EXPECT_FALSE(store->close().is_ok());
 }
 
 void overwrite(const std::string& path, int64_t offset, uint8_t byte) {

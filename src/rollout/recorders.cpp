@@ -109,6 +109,7 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
                                                          info.name, r, tokens_[static_cast<size_t>(r)], N));
   }
   RecordStore& store = *recorders_.guidance;
+  std::vector<Record> batch;
   auto append_row = [&](int64_t r, std::vector<uint8_t>&& rec) -> Status {
     const auto n = static_cast<size_t>(routed ? tokens_[static_cast<size_t>(r)] : r);  // the step row
     const auto pos = static_cast<uint32_t>(rows_.positions[n]);
@@ -116,7 +117,8 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
     return for_each_sample_of_row(rows_, n, [&](uint64_t seq) {
       RecordKey k = key;
       k.sequence = seq;
-      return store.append(k, std::vector<uint8_t>(rec));
+      batch.emplace_back(k, rec);
+      return Status::ok();
     });
   };
   // other formats: the record reader works on host memory, a device activation is copied first
@@ -134,7 +136,7 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
     NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec, extract_guidance(q, r, mode));
     NIB_RETURN_IF_ERROR(append_row(r, std::move(rec)));
   }
-  return Status::ok();
+  return store.append_batch(std::move(batch));
 }
 
 Status GuidanceRecorder::finish_step() {
@@ -152,6 +154,7 @@ Status GuidanceRecorder::flush_pending() {
   RecordStore& store = *recorders_.guidance;
   const GuidanceMode mode = recorders_.guidance_mode;
   const int64_t N = static_cast<int64_t>(rows_.positions.size());
+  std::vector<Record> batch;  // appended at once: one lock and one wake-up of the store's writer
   for (const Pending& p : pending) {
     const auto* tokens = p.tokens_at >= 0 ? reinterpret_cast<const int32_t*>(arena_host_.data() + p.tokens_at) : nullptr;
     for (int64_t r = 0; r < p.M; ++r) {
@@ -168,11 +171,12 @@ Status GuidanceRecorder::flush_pending() {
       NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows_, static_cast<size_t>(n), [&](uint64_t seq) {
         RecordKey k = key;
         k.sequence = seq;
-        return store.append(k, std::vector<uint8_t>(rec));
+        batch.emplace_back(k, rec);
+        return Status::ok();
       }));
     }
   }
-  return Status::ok();
+  return store.append_batch(std::move(batch));
 }
 
 void GuidanceRecorder::on_kv_written(const PagedKvCache& cache, int64_t layer) {
@@ -189,6 +193,7 @@ Status GuidanceRecorder::record_kv(const PagedKvCache& cache, int64_t layer) {
                                                      "holds {}", backend::kv_page_format_name(c.format)));
   const int64_t N = static_cast<int64_t>(rows_.positions.size()), tb = cache.token_bytes();
   RecordStore& store = *recorders_.guidance;
+  std::vector<Record> batch;
   for (const bool values : {false, true}) {
     cache.read_batch_slots(layer, values, slots_);
     if (static_cast<int64_t>(slots_.size()) != N * tb)
@@ -200,16 +205,18 @@ Status GuidanceRecorder::record_kv(const PagedKvCache& cache, int64_t layer) {
                                                                         c.head_dim, recorders_.guidance_mode));
       const auto pos = static_cast<uint32_t>(rows_.positions[static_cast<size_t>(n)]);
       NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows_, static_cast<size_t>(n), [&](uint64_t seq) {
-        return store.append(RecordKey{seq, pos, static_cast<uint16_t>(layer), site}, std::vector<uint8_t>(rec));
+        batch.emplace_back(RecordKey{seq, pos, static_cast<uint16_t>(layer), site}, rec);
+        return Status::ok();
       }));
     }
   }
-  return Status::ok();
+  return store.append_batch(std::move(batch));
 }
 
 Status record_routing_step(RecordStore& store, const RecordedRows& rows, const int32_t* expert_ids,
                            int64_t num_moe_layers, int64_t top_k, int64_t num_experts) {
   const int64_t N = static_cast<int64_t>(rows.positions.size());
+  std::vector<Record> batch;
   for (int64_t m = 0; m < num_moe_layers; ++m)
     for (int64_t n = 0; n < N; ++n) {
       const int32_t* ids = expert_ids + (m * N + n) * top_k;
@@ -217,10 +224,11 @@ Status record_routing_step(RecordStore& store, const RecordedRows& rows, const i
                            encode_routing(std::span<const int32_t>(ids, static_cast<size_t>(top_k)), num_experts));
       const auto pos = static_cast<uint32_t>(rows.positions[static_cast<size_t>(n)]);
       NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows, static_cast<size_t>(n), [&](uint64_t seq) {
-        return store.append(RecordKey{seq, pos, static_cast<uint16_t>(m), 0}, std::vector<uint8_t>(rec));
+        batch.emplace_back(RecordKey{seq, pos, static_cast<uint16_t>(m), 0}, rec);
+        return Status::ok();
       }));
     }
-  return Status::ok();
+  return store.append_batch(std::move(batch));
 }
 
 }  // namespace nibble::rollout

@@ -73,21 +73,26 @@ Status append_routing(RecordStore& store, const int32_t* topk, int64_t num_moe_l
   if (first_moe_layer < 0 || first_moe_layer + num_moe_layers > 0x10000)
     return invalid_argument("routing record: MoE layers {}..{} do not fit the key", first_moe_layer,
                             first_moe_layer + num_moe_layers - 1);
+  std::vector<Record> batch;
+  batch.reserve(static_cast<size_t>(num_moe_layers * N));
   for (int64_t m = 0; m < num_moe_layers; ++m)
     for (int64_t n = 0; n < N; ++n) {
       const int32_t* ids = topk + (m * N + n) * top_k;
       NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec,
                            encode_routing(std::span<const int32_t>(ids, static_cast<size_t>(top_k)), num_experts));
-      const RecordKey key{row_sequence[n], row_position[n], static_cast<uint16_t>(first_moe_layer + m), 0};
-      NIB_RETURN_IF_ERROR(store.append(key, std::move(rec)));
+      batch.emplace_back(RecordKey{row_sequence[n], row_position[n], static_cast<uint16_t>(first_moe_layer + m), 0},
+                         std::move(rec));
     }
-  return Status::ok();
+  return store.append_batch(std::move(batch));
 }
 
 Status gather_routing(int32_t* forced, RecordStore& store, const uint64_t* sequence, const int64_t* lengths, int64_t B,
                       int64_t T, int64_t num_moe_layers, int64_t top_k, int64_t num_experts) {
   if (top_k > num_experts)
     return invalid_argument("routing replay: top_k={} exceeds {} experts", top_k, num_experts);
+  // the recorded tokens' keys, read in one pass; padding tokens get experts 0..top_k-1
+  std::vector<RecordKey> keys;
+  std::vector<int32_t*> dsts;
   for (int64_t m = 0; m < num_moe_layers; ++m)
     for (int64_t b = 0; b < B; ++b) {
       const int64_t len = lengths ? lengths[b] : T;
@@ -97,16 +102,21 @@ Status gather_routing(int32_t* forced, RecordStore& store, const uint64_t* seque
           for (int64_t j = 0; j < top_k; ++j) dst[j] = static_cast<int32_t>(j);
           continue;
         }
-        const RecordKey key{sequence[b], static_cast<uint32_t>(t), static_cast<uint16_t>(m), 0};
-        NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> payload, store.read(key));
-        const std::string what = fmt::format("{} in {}", record_key_name(key), store.name());
-        NIB_ASSIGN_OR_RETURN(std::vector<int32_t> ids, decode_routing(payload, num_experts, what));
-        if (static_cast<int64_t>(ids.size()) != top_k)
-          return invalid_argument("routing record {}: top_k {} but the trainer expects {}", what, ids.size(), top_k);
-        std::memcpy(dst, ids.data(), sizeof(int32_t) * static_cast<size_t>(top_k));
+        keys.push_back(RecordKey{sequence[b], static_cast<uint32_t>(t), static_cast<uint16_t>(m), 0});
+        dsts.push_back(dst);
       }
     }
-  return Status::ok();
+  return store.read_each(keys, [&](size_t i, std::span<const uint8_t> payload) -> Status {
+    // the record's name only for an error
+    const auto what = [&] { return fmt::format("{} in {}", record_key_name(keys[i]), store.name()); };
+    Result<std::vector<int32_t>> decoded = decode_routing(payload, num_experts, std::string());
+    if (!decoded.is_ok()) decoded = decode_routing(payload, num_experts, what());  // the same error, named
+    NIB_ASSIGN_OR_RETURN(std::vector<int32_t> ids, std::move(decoded));
+    if (static_cast<int64_t>(ids.size()) != top_k)
+      return invalid_argument("routing record {}: top_k {} but the trainer expects {}", what(), ids.size(), top_k);
+    std::memcpy(dsts[i], ids.data(), sizeof(int32_t) * static_cast<size_t>(top_k));
+    return Status::ok();
+  });
 }
 
 }  // namespace nibble::rollout
