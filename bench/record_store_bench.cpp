@@ -5,7 +5,8 @@
 // (docs/benchmarks.md "RL step time"): 64 sequences of 45 tokens, guidance on the later half
 // (layers 6..11), per token and layer the QKV and o_proj inputs (768 columns), 8 of 64 routed
 // experts' gate/up (768) and down (256) inputs, and K and V (4 kv heads of 64) in `trace` mode:
-// 345,600 records a step. Phases are timed separately and printed; `--benchmark_filter=trace`.
+// 345,600 records a step. Phases (append, drain, one forward's gathers, close: the RL loop opens
+// and closes a store each step) are timed separately and printed; `--benchmark_filter=trace`.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -76,7 +77,7 @@ void BM_trace_guidance_step(benchmark::State& state) {
   }
   const std::vector<uint8_t> rec_hidden = activation_record(kHidden), rec_inter = activation_record(kMoeInter),
                              rec_kv = kv_record();
-  double append_s = 0, drain_s = 0, gather_s = 0;
+  double append_s = 0, drain_s = 0, gather_s = 0, close_s = 0;
   int64_t records = 0, gathered = 0;
   for (auto _ : state) {
     RecordStoreOptions o;
@@ -144,15 +145,18 @@ void BM_trace_guidance_step(benchmark::State& state) {
         for (int64_t e = 0; e < kExperts; ++e) gather(rows_of_expert[l][e], layer, routed_expert_site(e, part), true);
     }
     gather_s = seconds_since(t0);
-    NIB_CHECK(store.close().is_ok());
+    t0 = std::chrono::steady_clock::now();
+    NIB_CHECK(store.close().is_ok());  // the RL loop closes each step's store
+    close_s = seconds_since(t0);
   }
   state.counters["records"] = static_cast<double>(records);
   state.counters["append_s"] = append_s;
   state.counters["drain_s"] = drain_s;
   state.counters["gather_s"] = gather_s;
+  state.counters["close_s"] = close_s;
   std::printf("trace guidance step: %lld records appended in %.3f s, writer drained %.3f s later; one forward's "
-              "gathers (%lld rows) %.3f s\n",
-              static_cast<long long>(records), append_s, drain_s, static_cast<long long>(gathered), gather_s);
+              "gathers (%lld rows) %.3f s; close %.3f s\n",
+              static_cast<long long>(records), append_s, drain_s, static_cast<long long>(gathered), gather_s, close_s);
 }
 BENCHMARK(BM_trace_guidance_step)->Iterations(1)->Unit(benchmark::kMillisecond);
 

@@ -52,7 +52,7 @@ T get(const uint8_t* src) {
   return v;
 }
 
-void encode_spill_header(uint8_t* h, const RecordKey& key, const std::vector<uint8_t>& payload) {
+void encode_spill_header(uint8_t* h, const RecordKey& key, std::span<const uint8_t> payload) {
   put<uint32_t>(h + 0, kSpillMagic);
   put<uint32_t>(h + 4, crc32(payload.data(), payload.size()));
   put<uint64_t>(h + 8, key.sequence);
@@ -141,15 +141,25 @@ Status RecordStore::append(const RecordKey& key, std::vector<uint8_t>&& payload)
 
 Status RecordStore::append_batch(std::vector<Record>&& records) {
   if (records.empty()) return Status::ok();
+  PackedBatch b;
+  size_t total = 0;
+  for (const Record& r : records) total += r.second.size();
+  b.keys.reserve(records.size()), b.ends.reserve(records.size()), b.bytes.reserve(total);
+  for (const Record& r : records) {
+    b.keys.push_back(r.first);
+    b.bytes.insert(b.bytes.end(), r.second.begin(), r.second.end());
+    b.ends.push_back(b.bytes.size());
+  }
+  std::vector<Record>().swap(records);  // the records' blocks go on this thread
   std::unique_lock lk(queue_mu_);
   queue_not_full_.wait(lk, [&] {
-    return closed_ || stopping_ || !writer_error_.is_ok() ||
-           static_cast<int64_t>(queue_.size()) < options_.queue_capacity;
+    return closed_ || stopping_ || !writer_error_.is_ok() || queued_records_ < options_.queue_capacity;
   });
   if (closed_ || stopping_)
-    return invalid_argument("{}: append {} after close", options_.name, record_key_name(records.front().first));
+    return invalid_argument("{}: append {} after close", options_.name, record_key_name(b.keys.front()));
   if (!writer_error_.is_ok()) return writer_error_;
-  for (Record& r : records) queue_.push_back(std::move(r));
+  queued_records_ += static_cast<int64_t>(b.keys.size());
+  queue_.push_back(std::move(b));
   queue_not_empty_.notify_one();
   return Status::ok();
 }
@@ -168,23 +178,26 @@ Status RecordStore::flush() {
 }
 
 void RecordStore::writer_loop() {
-  std::deque<Record> items;  // what the queue held when the writer took it: indexed under one lock
+  std::deque<PackedBatch> items;  // what the queue held when the writer took it: indexed under one lock
   for (;;) {
     {
       std::unique_lock lk(queue_mu_);
       queue_not_empty_.wait(lk, [&] { return !queue_.empty() || stopping_; });
       if (queue_.empty()) return;  // stopping and drained
       items.swap(queue_);
+      queued_records_ = 0;
       writer_busy_ = true;
       queue_not_full_.notify_all();
     }
     Status first_error;
     {
       std::lock_guard lk(index_mu_);
-      for (Record& r : items) {
-        Status st = insert(r.first, std::move(r.second));
-        if (!st.is_ok() && first_error.is_ok()) first_error = st;
-      }
+      for (const PackedBatch& b : items)
+        for (size_t i = 0; i < b.keys.size(); ++i) {
+          const size_t begin = i == 0 ? 0 : b.ends[i - 1];
+          Status st = insert(b.keys[i], std::span<const uint8_t>(b.bytes.data() + begin, b.ends[i] - begin));
+          if (!st.is_ok() && first_error.is_ok()) first_error = st;
+        }
     }
     items.clear();
     {
@@ -197,13 +210,54 @@ void RecordStore::writer_loop() {
   }
 }
 
-Status RecordStore::insert(const RecordKey& key, std::vector<uint8_t>&& payload) {
-  auto [it, inserted] = index_.try_emplace(key);
-  if (!inserted) return invalid_argument("{}: duplicate record {}", options_.name, record_key_name(key));
-  keys_of_sequence_[key.sequence].push_back(key);
+RecordStore::Slot* RecordStore::find_slot(const RecordKey& key) {
+  if (slots_.empty()) return nullptr;
+  const size_t mask = slots_.size() - 1;
+  for (size_t i = RecordKeyHash{}(key) & mask;; i = (i + 1) & mask) {
+    Slot& s = slots_[i];
+    if (s.size < 0) return nullptr;
+    if (s.key == key) return &s;
+  }
+}
+
+void RecordStore::grow_index() {
+  std::vector<Slot> old(slots_.empty() ? size_t{1024} : 2 * slots_.size());
+  old.swap(slots_);
+  const size_t mask = slots_.size() - 1;
+  for (const Slot& s : old) {
+    if (s.size < 0) continue;
+    size_t i = RecordKeyHash{}(s.key) & mask;
+    while (slots_[i].size >= 0) i = (i + 1) & mask;
+    slots_[i] = s;
+  }
+}
+
+const uint8_t* RecordStore::arena_copy(std::span<const uint8_t> payload) {
+  constexpr size_t kArenaChunk = size_t{4} << 20;
+  const size_t n = (payload.size() + 7) & ~size_t{7};  // 8-byte aligned records
+  if (n > arena_left_) {
+    const size_t chunk = std::max(kArenaChunk, n);
+    arena_.push_back(std::make_unique_for_overwrite<uint8_t[]>(chunk));
+    arena_next_ = arena_.back().get();
+    arena_left_ = chunk;
+  }
+  uint8_t* at = arena_next_;
+  if (!payload.empty()) std::memcpy(at, payload.data(), payload.size());
+  arena_next_ += n;
+  arena_left_ -= n;
+  return at;
+}
+
+Status RecordStore::insert(const RecordKey& key, std::span<const uint8_t> payload) {
+  if (10 * (records_ + 1) > 7 * static_cast<int64_t>(slots_.size())) grow_index();
+  const size_t mask = slots_.size() - 1;
+  size_t i = RecordKeyHash{}(key) & mask;
+  for (; slots_[i].size >= 0; i = (i + 1) & mask)
+    if (slots_[i].key == key) return invalid_argument("{}: duplicate record {}", options_.name, record_key_name(key));
   const auto n = static_cast<int64_t>(payload.size());
-  it->second.size = n;
-  it->second.payload = std::move(payload);
+  slots_[i] = Slot{key, arena_copy(payload), -1, n};
+  ++records_;
+  keys_of_sequence_[key.sequence].push_back(key);
   payload_bytes_ += n;
   memory_bytes_ += n;
   if (memory_bytes_ <= options_.memory_budget_bytes) return Status::ok();
@@ -235,24 +289,23 @@ Status RecordStore::spill_memory_records() {
   // Records are written in key order in chunks of about 4 MiB; the index changes only when all
   // writes succeeded, so a failed spill leaves every record in memory and the file as it was.
   constexpr size_t kChunk = size_t{4} << 20;
-  std::vector<std::pair<const RecordKey*, Entry*>> in_memory;
-  for (auto& [key, e] : index_)
-    if (e.file_offset < 0) in_memory.emplace_back(&key, &e);
-  std::sort(in_memory.begin(), in_memory.end(), [](const auto& a, const auto& b) { return *a.first < *b.first; });
+  std::vector<Slot*> in_memory;
+  for (Slot& e : slots_)
+    if (e.size >= 0 && e.file_offset < 0) in_memory.push_back(&e);
+  std::sort(in_memory.begin(), in_memory.end(), [](const Slot* a, const Slot* b) { return a->key < b->key; });
   std::vector<uint8_t> buf;
-  std::vector<std::pair<Entry*, int64_t>> placed;
+  std::vector<std::pair<Slot*, int64_t>> placed;
   int64_t offset = spill_size_;
   int64_t chunk_offset = offset;
   Status st;
-  for (auto [keyp, ep] : in_memory) {
-    const RecordKey& key = *keyp;
-    Entry& e = *ep;
+  for (Slot* e : in_memory) {
+    const std::span<const uint8_t> payload(e->data, static_cast<size_t>(e->size));
     const size_t at = buf.size();
-    buf.resize(at + kSpillHeaderBytes + e.payload.size());
-    encode_spill_header(buf.data() + at, key, e.payload);
-    if (!e.payload.empty()) std::memcpy(buf.data() + at + kSpillHeaderBytes, e.payload.data(), e.payload.size());
-    placed.emplace_back(&e, offset);
-    offset += kSpillHeaderBytes + e.size;
+    buf.resize(at + kSpillHeaderBytes + payload.size());
+    encode_spill_header(buf.data() + at, e->key, payload);
+    if (!payload.empty()) std::memcpy(buf.data() + at + kSpillHeaderBytes, payload.data(), payload.size());
+    placed.emplace_back(e, offset);
+    offset += kSpillHeaderBytes + e->size;
     if (buf.size() >= kChunk) {
       st = pwrite_all(spill_fd_, buf.data(), buf.size(), chunk_offset, what);
       if (!st.is_ok()) break;
@@ -269,10 +322,14 @@ Status RecordStore::spill_memory_records() {
   }
   for (auto& [e, off] : placed) {
     e->file_offset = off;
-    std::vector<uint8_t>().swap(e->payload);
+    e->data = nullptr;
     memory_bytes_ -= e->size;
     ++spilled_records_;
   }
+  // every in-memory record is in the file now: the arena goes
+  arena_.clear();
+  arena_next_ = nullptr;
+  arena_left_ = 0;
   spill_size_ = offset;
   return Status::ok();
 }
@@ -303,11 +360,11 @@ Result<std::vector<uint8_t>> RecordStore::read(const RecordKey& key) {
   std::vector<uint8_t> out;
   {
     std::lock_guard lk(index_mu_);
-    auto it = index_.find(key);
-    if (it == index_.end()) return not_found("{}: no record {}", options_.name, record_key_name(key));
-    if (it->second.file_offset < 0) return it->second.payload;
-    offset = it->second.file_offset;
-    size = it->second.size;
+    const Slot* e = find_slot(key);
+    if (e == nullptr) return not_found("{}: no record {}", options_.name, record_key_name(key));
+    if (e->file_offset < 0) return std::vector<uint8_t>(e->data, e->data + e->size);
+    offset = e->file_offset;
+    size = e->size;
   }
   // Spilled records never move and the file only grows, so the read needs no lock.
   NIB_RETURN_IF_ERROR(read_spilled(key, offset, size, out));
@@ -324,17 +381,16 @@ Status RecordStore::read_each(std::span<const RecordKey> keys,
   // the index lock is held throughout, so no spill moves a payload while fn reads it
   std::lock_guard lk(index_mu_);
   for (size_t i = 0; i < keys.size(); ++i) {
-    auto it = index_.find(keys[i]);
-    if (it == index_.end()) {
+    const Slot* e = find_slot(keys[i]);
+    if (e == nullptr) {
       if (found != nullptr) continue;
       return not_found("{}: no record {}", options_.name, record_key_name(keys[i]));
     }
     if (found != nullptr) (*found)[i] = 1;
-    const Entry& e = it->second;
-    if (e.file_offset < 0) {
-      NIB_RETURN_IF_ERROR(fn(i, std::span<const uint8_t>(e.payload)));
+    if (e->file_offset < 0) {
+      NIB_RETURN_IF_ERROR(fn(i, std::span<const uint8_t>(e->data, static_cast<size_t>(e->size))));
     } else {
-      NIB_RETURN_IF_ERROR(read_spilled(keys[i], e.file_offset, e.size, spilled));
+      NIB_RETURN_IF_ERROR(read_spilled(keys[i], e->file_offset, e->size, spilled));
       NIB_RETURN_IF_ERROR(fn(i, std::span<const uint8_t>(spilled)));
     }
   }
@@ -344,7 +400,7 @@ Status RecordStore::read_each(std::span<const RecordKey> keys,
 bool RecordStore::contains(const RecordKey& key) {
   if (!wait_drained()) return false;
   std::lock_guard lk(index_mu_);
-  return index_.count(key) > 0;
+  return find_slot(key) != nullptr;
 }
 
 Status RecordStore::for_each_in_sequence(
@@ -375,7 +431,7 @@ RecordStoreStats RecordStore::stats() {
   (void)wait_drained();
   std::lock_guard lk(index_mu_);
   RecordStoreStats s;
-  s.records = static_cast<int64_t>(index_.size());
+  s.records = records_;
   s.payload_bytes = payload_bytes_;
   s.memory_bytes = memory_bytes_;
   s.spilled_records = spilled_records_;
@@ -411,8 +467,12 @@ Status RecordStore::close() {
       ::rmdir(options_.spill_dir.c_str());
       created_spill_dir_ = false;
     }
-    index_.clear();
+    std::vector<Slot>().swap(slots_);
+    records_ = 0;
     keys_of_sequence_.clear();
+    arena_.clear();
+    arena_next_ = nullptr;
+    arena_left_ = 0;
     memory_bytes_ = 0;
   }
   {

@@ -115,30 +115,49 @@ class RecordStore {
 
  private:
   explicit RecordStore(const RecordStoreOptions& options);
-  struct Entry {
-    std::vector<uint8_t> payload;  // emptied once spilled
-    int64_t size = 0;              // payload bytes
-    int64_t file_offset = -1;      // of the record's header in the spill file; -1: in memory
+  // One slot of the index: open addressing with linear probing over a power-of-two table kept at
+  // most 70% full, the key and where its payload is inline (one cache line per probe).
+  struct Slot {
+    RecordKey key;
+    const uint8_t* data = nullptr;  // the payload in the arena while in memory
+    int64_t file_offset = -1;       // of the record's header in the spill file; -1: in memory
+    int64_t size = -1;              // payload bytes; -1: an empty slot
   };
   void writer_loop();
-  Status insert(const RecordKey& key, std::vector<uint8_t>&& payload);  // writer thread, index_mu_ held
+  Status insert(const RecordKey& key, std::span<const uint8_t> payload);  // writer thread, index_mu_ held
   Status spill_memory_records();                                         // writer thread, index_mu_ held
   Status open_spill_file();                                              // writer thread, index_mu_ held
   Status read_spilled(const RecordKey& key, int64_t offset, int64_t size, std::vector<uint8_t>& out);
+  Slot* find_slot(const RecordKey& key);  // index_mu_ held; nullptr: no such record
+  void grow_index();                      // index_mu_ held
+  const uint8_t* arena_copy(std::span<const uint8_t> payload);  // index_mu_ held
   bool wait_drained();  // false once closed
 
   RecordStoreOptions options_;
   // queue_mu_: the queue, its flags and writer_error_. index_mu_: the index, the spill file, counters.
   std::mutex queue_mu_, index_mu_;
   std::condition_variable queue_not_full_, queue_not_empty_, drained_;
-  std::deque<Record> queue_;
+  // A queued batch: its keys and their payloads packed end to end. The producer packs it, so each
+  // record's own heap block is freed on the thread that made it; the writer frees three blocks.
+  struct PackedBatch {
+    std::vector<RecordKey> keys;
+    std::vector<size_t> ends;    // payload i is bytes[ends[i-1] (0 for i = 0), ends[i])
+    std::vector<uint8_t> bytes;
+  };
+  std::deque<PackedBatch> queue_;
+  int64_t queued_records_ = 0;
   bool stopping_ = false, closed_ = false, writer_busy_ = false;
   Status writer_error_;
-  // A hash index (one probe per read: a gather reads hundreds of thousands of keys a step); the
-  // key order that sequences() and for_each_in_sequence() promise comes from sorting a sequence's
-  // keys when asked.
-  std::unordered_map<RecordKey, Entry, RecordKeyHash> index_;
+  // A hash index (a gather reads hundreds of thousands of keys a step: one probe each, not a tree
+  // walk); the key order that sequences() and for_each_in_sequence() promise comes from sorting a
+  // sequence's keys when asked. In-memory payloads live in an arena of 4 MiB chunks (no heap block
+  // per record), freed when a spill has moved every in-memory record to the file.
+  std::vector<Slot> slots_;
+  int64_t records_ = 0;
   std::unordered_map<uint64_t, std::vector<RecordKey>> keys_of_sequence_;
+  std::vector<std::unique_ptr<uint8_t[]>> arena_;
+  uint8_t* arena_next_ = nullptr;
+  size_t arena_left_ = 0;
   int64_t payload_bytes_ = 0, memory_bytes_ = 0, spilled_records_ = 0;
   int spill_fd_ = -1;
   int64_t spill_size_ = 0;
