@@ -93,10 +93,10 @@ void BM_trace_guidance_step(benchmark::State& state) {
     for (int64_t p = 0; p < kPositions; ++p)
       for (int64_t l = kFirstLayer; l < kLayers; ++l) {
         const auto layer = static_cast<uint16_t>(l);
-        std::vector<Record> batch;  // a recorder step's records go in one append_batch
+        RecordBatch batch;  // a recorder step's records go in one append_batch
         auto site_rows = [&](uint16_t site, const std::vector<uint8_t>& rec) {
           for (int64_t s = 0; s < kSequences; ++s) {
-            batch.emplace_back(RecordKey{static_cast<uint64_t>(s), static_cast<uint32_t>(p), layer, site}, rec);
+            batch.add(RecordKey{static_cast<uint64_t>(s), static_cast<uint32_t>(p), layer, site}, rec);
             ++records;
           }
         };
@@ -108,8 +108,8 @@ void BM_trace_guidance_step(benchmark::State& state) {
           for (int64_t e = 0; e < kExperts; ++e)
             for (int64_t t : rows_of_expert[l][e]) {
               if (tokens[t].position != p) continue;
-              batch.emplace_back(RecordKey{tokens[t].sequence, tokens[t].position, layer, routed_expert_site(e, part)},
-                                 part == 0 ? rec_hidden : rec_inter);
+              batch.add(RecordKey{tokens[t].sequence, tokens[t].position, layer, routed_expert_site(e, part)},
+                        part == 0 ? rec_hidden : rec_inter);
               ++records;
             }
         NIB_CHECK(store.append_batch(std::move(batch)).is_ok());

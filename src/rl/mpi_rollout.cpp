@@ -197,7 +197,6 @@ Result<RolloutJob> get_job(Reader& r) {
   j.guidance_layers = r.get_vec<int64_t>();
   j.guidance_spill_dir = r.get_str();
   const int64_t n = r.get<int64_t>();
-  std::vector<rollout::Record> batch;
   for (int64_t i = 0; i < n && r.status.is_ok(); ++i) {
     rollout::Request q;
     q.id = r.get<uint64_t>();
@@ -240,14 +239,14 @@ Status put_records(Writer& w, rollout::RecordStore& store) {
 
 Status get_records(Reader& r, rollout::RecordStore& store) {
   const int64_t n = r.get<int64_t>();
-  std::vector<rollout::Record> batch;
+  rollout::RecordBatch batch;
   for (int64_t i = 0; i < n && r.status.is_ok(); ++i) {
     rollout::RecordKey k;
     k.sequence = r.get<uint64_t>(), k.position = r.get<uint32_t>(), k.layer = r.get<uint16_t>(),
     k.site = r.get<uint16_t>();
     std::vector<uint8_t> payload = r.get_vec<uint8_t>();
     if (!r.status.is_ok()) break;
-    batch.emplace_back(k, std::move(payload));
+    batch.add(k, payload);
   }
   NIB_RETURN_IF_ERROR(r.status);
   NIB_RETURN_IF_ERROR(store.append_batch(std::move(batch)));
@@ -361,7 +360,6 @@ Status add_reply(Reader& r, int rank, int64_t first, int64_t share, bool first_r
   b.generated_tokens += tokens;
   b.began = std::min(b.began, began), b.ended = std::max(b.ended, ended);
   const int64_t n = r.get<int64_t>();
-  std::vector<rollout::Record> batch;
   for (int64_t i = 0; i < n && r.status.is_ok(); ++i) {
     rollout::Completion c;
     c.request = r.get<int64_t>(), c.sample = r.get<int64_t>();

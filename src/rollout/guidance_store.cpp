@@ -90,6 +90,15 @@ Result<size_t> pread_all(int fd, uint8_t* p, size_t n, int64_t offset, const std
 
 std::atomic<uint64_t> g_spill_counter{0};
 
+// splitmix64 of the key's fields folded into one word: the index's hash
+size_t hash_key(const RecordKey& key) {
+  uint64_t h = key.sequence * 0x9E3779B97F4A7C15ull ^
+               ((uint64_t{key.position} << 32) | (uint64_t{key.layer} << 16) | key.site);
+  h ^= h >> 30, h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 27, h *= 0x94D049BB133111EBull;
+  return static_cast<size_t>(h ^ (h >> 31));
+}
+
 }  // namespace
 
 std::string record_key_name(const RecordKey& key) {
@@ -124,41 +133,33 @@ Result<std::unique_ptr<RecordStore>> RecordStore::open(const RecordStoreOptions&
 
 RecordStore::~RecordStore() { (void)close(); }
 
-size_t RecordKeyHash::operator()(const RecordKey& key) const noexcept {
-  // splitmix64 of the fields folded into one word
-  uint64_t h = key.sequence * 0x9E3779B97F4A7C15ull ^
-               ((uint64_t{key.position} << 32) | (uint64_t{key.layer} << 16) | key.site);
-  h ^= h >> 30, h *= 0xBF58476D1CE4E5B9ull;
-  h ^= h >> 27, h *= 0x94D049BB133111EBull;
-  return static_cast<size_t>(h ^ (h >> 31));
+void RecordBatch::add(const RecordKey& key, std::span<const uint8_t> payload) {
+  keys_.push_back(key);
+  bytes_.insert(bytes_.end(), payload.begin(), payload.end());
+  ends_.push_back(bytes_.size());
+}
+
+std::span<const uint8_t> RecordBatch::payload(size_t i) const {
+  const size_t begin = i == 0 ? 0 : ends_[i - 1];
+  return std::span<const uint8_t>(bytes_.data() + begin, ends_[i] - begin);
 }
 
 Status RecordStore::append(const RecordKey& key, std::vector<uint8_t>&& payload) {
-  std::vector<Record> one;
-  one.emplace_back(key, std::move(payload));
+  RecordBatch one;
+  one.add(key, payload);
   return append_batch(std::move(one));
 }
 
-Status RecordStore::append_batch(std::vector<Record>&& records) {
-  if (records.empty()) return Status::ok();
-  PackedBatch b;
-  size_t total = 0;
-  for (const Record& r : records) total += r.second.size();
-  b.keys.reserve(records.size()), b.ends.reserve(records.size()), b.bytes.reserve(total);
-  for (const Record& r : records) {
-    b.keys.push_back(r.first);
-    b.bytes.insert(b.bytes.end(), r.second.begin(), r.second.end());
-    b.ends.push_back(b.bytes.size());
-  }
-  std::vector<Record>().swap(records);  // the records' blocks go on this thread
+Status RecordStore::append_batch(RecordBatch&& b) {
+  if (b.empty()) return Status::ok();
   std::unique_lock lk(queue_mu_);
   queue_not_full_.wait(lk, [&] {
     return closed_ || stopping_ || !writer_error_.is_ok() || queued_records_ < options_.queue_capacity;
   });
   if (closed_ || stopping_)
-    return invalid_argument("{}: append {} after close", options_.name, record_key_name(b.keys.front()));
+    return invalid_argument("{}: append {} after close", options_.name, record_key_name(b.key(0)));
   if (!writer_error_.is_ok()) return writer_error_;
-  queued_records_ += static_cast<int64_t>(b.keys.size());
+  queued_records_ += static_cast<int64_t>(b.size());
   queue_.push_back(std::move(b));
   queue_not_empty_.notify_one();
   return Status::ok();
@@ -178,7 +179,7 @@ Status RecordStore::flush() {
 }
 
 void RecordStore::writer_loop() {
-  std::deque<PackedBatch> items;  // what the queue held when the writer took it: indexed under one lock
+  std::deque<RecordBatch> items;  // what the queue held when the writer took it: indexed under one lock
   for (;;) {
     {
       std::unique_lock lk(queue_mu_);
@@ -192,10 +193,9 @@ void RecordStore::writer_loop() {
     Status first_error;
     {
       std::lock_guard lk(index_mu_);
-      for (const PackedBatch& b : items)
-        for (size_t i = 0; i < b.keys.size(); ++i) {
-          const size_t begin = i == 0 ? 0 : b.ends[i - 1];
-          Status st = insert(b.keys[i], std::span<const uint8_t>(b.bytes.data() + begin, b.ends[i] - begin));
+      for (const RecordBatch& b : items)
+        for (size_t i = 0; i < b.size(); ++i) {
+          Status st = insert(b.key(i), b.payload(i));
           if (!st.is_ok() && first_error.is_ok()) first_error = st;
         }
     }
@@ -210,26 +210,24 @@ void RecordStore::writer_loop() {
   }
 }
 
+RecordStore::Slot& RecordStore::probe(const RecordKey& key) {
+  const size_t mask = slots_.size() - 1;
+  size_t i = hash_key(key) & mask;
+  while (slots_[i].size >= 0 && slots_[i].key != key) i = (i + 1) & mask;
+  return slots_[i];
+}
+
 RecordStore::Slot* RecordStore::find_slot(const RecordKey& key) {
   if (slots_.empty()) return nullptr;
-  const size_t mask = slots_.size() - 1;
-  for (size_t i = RecordKeyHash{}(key) & mask;; i = (i + 1) & mask) {
-    Slot& s = slots_[i];
-    if (s.size < 0) return nullptr;
-    if (s.key == key) return &s;
-  }
+  Slot& s = probe(key);
+  return s.size >= 0 ? &s : nullptr;
 }
 
 void RecordStore::grow_index() {
   std::vector<Slot> old(slots_.empty() ? size_t{1024} : 2 * slots_.size());
   old.swap(slots_);
-  const size_t mask = slots_.size() - 1;
-  for (const Slot& s : old) {
-    if (s.size < 0) continue;
-    size_t i = RecordKeyHash{}(s.key) & mask;
-    while (slots_[i].size >= 0) i = (i + 1) & mask;
-    slots_[i] = s;
-  }
+  for (const Slot& s : old)
+    if (s.size >= 0) probe(s.key) = s;  // keys are distinct: probe ends at an empty slot
 }
 
 const uint8_t* RecordStore::arena_copy(std::span<const uint8_t> payload) {
@@ -250,12 +248,10 @@ const uint8_t* RecordStore::arena_copy(std::span<const uint8_t> payload) {
 
 Status RecordStore::insert(const RecordKey& key, std::span<const uint8_t> payload) {
   if (10 * (records_ + 1) > 7 * static_cast<int64_t>(slots_.size())) grow_index();
-  const size_t mask = slots_.size() - 1;
-  size_t i = RecordKeyHash{}(key) & mask;
-  for (; slots_[i].size >= 0; i = (i + 1) & mask)
-    if (slots_[i].key == key) return invalid_argument("{}: duplicate record {}", options_.name, record_key_name(key));
+  Slot& slot = probe(key);
+  if (slot.size >= 0) return invalid_argument("{}: duplicate record {}", options_.name, record_key_name(key));
   const auto n = static_cast<int64_t>(payload.size());
-  slots_[i] = Slot{key, arena_copy(payload), -1, n};
+  slot = Slot{key, arena_copy(payload), -1, n};
   ++records_;
   keys_of_sequence_[key.sequence].push_back(key);
   payload_bytes_ += n;
@@ -590,11 +586,10 @@ Result<std::vector<uint8_t>> guidance_record_from_payload(backend::QuantFormat f
 
 Status append_guidance(RecordStore& store, const backend::QuantizedTensor& q, const uint64_t* row_sequence,
                        const uint32_t* row_position, uint16_t layer, uint16_t site, GuidanceMode mode) {
-  std::vector<Record> batch;
-  batch.reserve(static_cast<size_t>(q.rows));
+  RecordBatch batch;
   for (int64_t r = 0; r < q.rows; ++r) {
     NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec, extract_guidance(q, r, mode));
-    batch.emplace_back(RecordKey{row_sequence[r], row_position[r], layer, site}, std::move(rec));
+    batch.add(RecordKey{row_sequence[r], row_position[r], layer, site}, rec);
   }
   return store.append_batch(std::move(batch));
 }

@@ -19,7 +19,6 @@
 #include <string_view>
 #include <thread>
 #include <unordered_map>
-#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -41,11 +40,22 @@ struct RecordKey {
 };
 // "(sequence 3, position 17, layer 5, site 1)": how errors name a key.
 std::string record_key_name(const RecordKey& key);
-struct RecordKeyHash {
-  size_t operator()(const RecordKey& key) const noexcept;
+
+// Records queued together (RecordStore::append_batch): keys and payloads packed end to end, so a
+// step's hundreds of thousands of records are three heap blocks, not one each.
+class RecordBatch {
+ public:
+  void add(const RecordKey& key, std::span<const uint8_t> payload);
+  size_t size() const { return keys_.size(); }
+  bool empty() const { return keys_.empty(); }
+  const RecordKey& key(size_t i) const { return keys_[i]; }
+  std::span<const uint8_t> payload(size_t i) const;
+
+ private:
+  std::vector<RecordKey> keys_;
+  std::vector<size_t> ends_;  // payload i is bytes_[ends_[i-1] (0 for i = 0), ends_[i])
+  std::vector<uint8_t> bytes_;
 };
-// A key and its payload, as append_batch takes them.
-using Record = std::pair<RecordKey, std::vector<uint8_t>>;
 
 struct RecordStoreOptions {
   std::string name = "record store";  // names the store in errors ("guidance store", "routing store")
@@ -81,7 +91,7 @@ class RecordStore {
   // Queues all of `records` at once (one lock and one wake-up of the writer for the batch, which is
   // what a recorder appending thousands of rows a step needs); blocks while the queue is full, then
   // queues the whole batch (the queue may exceed its capacity by one batch). Errors as append().
-  Status append_batch(std::vector<Record>&& records);
+  Status append_batch(RecordBatch&& records);
   // Waits until every queued record is stored; returns the writer's first error, if any.
   Status flush();
 
@@ -128,6 +138,7 @@ class RecordStore {
   Status spill_memory_records();                                         // writer thread, index_mu_ held
   Status open_spill_file();                                              // writer thread, index_mu_ held
   Status read_spilled(const RecordKey& key, int64_t offset, int64_t size, std::vector<uint8_t>& out);
+  Slot& probe(const RecordKey& key);      // index_mu_ held, slots_ not empty: key's slot, or the empty one it would take
   Slot* find_slot(const RecordKey& key);  // index_mu_ held; nullptr: no such record
   void grow_index();                      // index_mu_ held
   const uint8_t* arena_copy(std::span<const uint8_t> payload);  // index_mu_ held
@@ -137,14 +148,7 @@ class RecordStore {
   // queue_mu_: the queue, its flags and writer_error_. index_mu_: the index, the spill file, counters.
   std::mutex queue_mu_, index_mu_;
   std::condition_variable queue_not_full_, queue_not_empty_, drained_;
-  // A queued batch: its keys and their payloads packed end to end. The producer packs it, so each
-  // record's own heap block is freed on the thread that made it; the writer frees three blocks.
-  struct PackedBatch {
-    std::vector<RecordKey> keys;
-    std::vector<size_t> ends;    // payload i is bytes[ends[i-1] (0 for i = 0), ends[i])
-    std::vector<uint8_t> bytes;
-  };
-  std::deque<PackedBatch> queue_;
+  std::deque<RecordBatch> queue_;
   int64_t queued_records_ = 0;
   bool stopping_ = false, closed_ = false, writer_busy_ = false;
   Status writer_error_;

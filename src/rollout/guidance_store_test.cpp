@@ -642,10 +642,10 @@ TEST_F(GuidanceStoreTest, AppendBatchAndReadEach) {
   for (int p = 0; p < kProducers; ++p)
     producers.emplace_back([&, p] {
       for (int b = 0; b < kBatches; ++b) {
-        std::vector<Record> batch;
+        RecordBatch batch;
         for (int i = 0; i < kPerBatch; ++i)
-          batch.emplace_back(RecordKey{static_cast<uint64_t>(p), static_cast<uint32_t>(b), static_cast<uint16_t>(i), 1},
-                             bytes_of(static_cast<uint64_t>(p * 10000 + b * 100 + i), 16 + i));
+          batch.add(RecordKey{static_cast<uint64_t>(p), static_cast<uint32_t>(b), static_cast<uint16_t>(i), 1},
+                    bytes_of(static_cast<uint64_t>(p * 10000 + b * 100 + i), 16 + i));
         if (!store->append_batch(std::move(batch)).is_ok()) ++failures;
       }
     });
@@ -685,8 +685,8 @@ TEST_F(GuidanceStoreTest, AppendBatchAndReadEach) {
 
   ASSERT_TRUE(store->close().is_ok());
   EXPECT_FALSE(store->read_each(keys, [](size_t, std::span<const uint8_t>) { return Status::ok(); }).is_ok());
-  std::vector<Record> late;
-  late.emplace_back(RecordKey{5, 0, 0, 0}, bytes_of(1, 4));
+  RecordBatch late;
+  late.add(RecordKey{5, 0, 0, 0}, bytes_of(1, 4));
   Status after = store->append_batch(std::move(late));
   EXPECT_FALSE(after.is_ok());
   EXPECT_NE(after.message().find("after close"), std::string::npos) << after.message();
@@ -731,10 +731,14 @@ TEST_F(GuidanceStoreTest, GatherSkipsMissingRowsWhenAsked) {
 // A duplicate inside one batch is the writer's error (the first record is kept), as for append().
 TEST_F(GuidanceStoreTest, DuplicateInsideABatchIsAnError) {
   auto store = open(options(1 << 20));
-  std::vector<Record> batch;
-  batch.emplace_back(RecordKey{1, 2, 3, 4}, bytes_of(1, 8));
-  batch.emplace_back(RecordKey{1, 2, 3, 5}, bytes_of(2, 8));
-  batch.emplace_back(RecordKey{1, 2, 3, 4}, bytes_of(3, 8));
+  RecordBatch batch;
+  batch.add(RecordKey{1, 2, 3, 4}, bytes_of(1, 8));
+  batch.add(RecordKey{1, 2, 3, 5}, bytes_of(2, 8));
+  batch.add(RecordKey{1, 2, 3, 4}, bytes_of(3, 8));
+  ASSERT_EQ(batch.size(), 3u);
+  EXPECT_EQ(batch.key(2), (RecordKey{1, 2, 3, 4}));
+  const std::span<const uint8_t> second = batch.payload(1);
+  EXPECT_EQ(std::vector<uint8_t>(second.begin(), second.end()), bytes_of(2, 8));
   ASSERT_TRUE(store->append_batch(std::move(batch)).is_ok());
   Status dup = store->flush();
   EXPECT_NE(dup.message().find("duplicate record (sequence 1, position 2, layer 3, site 4)"), std::string::npos)

@@ -109,7 +109,7 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
                                                          info.name, r, tokens_[static_cast<size_t>(r)], N));
   }
   RecordStore& store = *recorders_.guidance;
-  std::vector<Record> batch;
+  RecordBatch batch;
   auto append_row = [&](int64_t r, std::vector<uint8_t>&& rec) -> Status {
     const auto n = static_cast<size_t>(routed ? tokens_[static_cast<size_t>(r)] : r);  // the step row
     const auto pos = static_cast<uint32_t>(rows_.positions[n]);
@@ -117,7 +117,7 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
     return for_each_sample_of_row(rows_, n, [&](uint64_t seq) {
       RecordKey k = key;
       k.sequence = seq;
-      batch.emplace_back(k, rec);
+      batch.add(k, rec);
       return Status::ok();
     });
   };
@@ -154,7 +154,7 @@ Status GuidanceRecorder::flush_pending() {
   RecordStore& store = *recorders_.guidance;
   const GuidanceMode mode = recorders_.guidance_mode;
   const int64_t N = static_cast<int64_t>(rows_.positions.size());
-  std::vector<Record> batch;  // appended at once: one lock and one wake-up of the store's writer
+  RecordBatch batch;  // appended at once: one lock and one wake-up of the store's writer
   for (const Pending& p : pending) {
     const auto* tokens = p.tokens_at >= 0 ? reinterpret_cast<const int32_t*>(arena_host_.data() + p.tokens_at) : nullptr;
     for (int64_t r = 0; r < p.M; ++r) {
@@ -171,7 +171,7 @@ Status GuidanceRecorder::flush_pending() {
       NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows_, static_cast<size_t>(n), [&](uint64_t seq) {
         RecordKey k = key;
         k.sequence = seq;
-        batch.emplace_back(k, rec);
+        batch.add(k, rec);
         return Status::ok();
       }));
     }
@@ -193,7 +193,7 @@ Status GuidanceRecorder::record_kv(const PagedKvCache& cache, int64_t layer) {
                                                      "holds {}", backend::kv_page_format_name(c.format)));
   const int64_t N = static_cast<int64_t>(rows_.positions.size()), tb = cache.token_bytes();
   RecordStore& store = *recorders_.guidance;
-  std::vector<Record> batch;
+  RecordBatch batch;
   for (const bool values : {false, true}) {
     cache.read_batch_slots(layer, values, slots_);
     if (static_cast<int64_t>(slots_.size()) != N * tb)
@@ -205,7 +205,7 @@ Status GuidanceRecorder::record_kv(const PagedKvCache& cache, int64_t layer) {
                                                                         c.head_dim, recorders_.guidance_mode));
       const auto pos = static_cast<uint32_t>(rows_.positions[static_cast<size_t>(n)]);
       NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows_, static_cast<size_t>(n), [&](uint64_t seq) {
-        batch.emplace_back(RecordKey{seq, pos, static_cast<uint16_t>(layer), site}, rec);
+        batch.add(RecordKey{seq, pos, static_cast<uint16_t>(layer), site}, rec);
         return Status::ok();
       }));
     }
@@ -216,7 +216,7 @@ Status GuidanceRecorder::record_kv(const PagedKvCache& cache, int64_t layer) {
 Status record_routing_step(RecordStore& store, const RecordedRows& rows, const int32_t* expert_ids,
                            int64_t num_moe_layers, int64_t top_k, int64_t num_experts) {
   const int64_t N = static_cast<int64_t>(rows.positions.size());
-  std::vector<Record> batch;
+  RecordBatch batch;
   for (int64_t m = 0; m < num_moe_layers; ++m)
     for (int64_t n = 0; n < N; ++n) {
       const int32_t* ids = expert_ids + (m * N + n) * top_k;
@@ -224,7 +224,7 @@ Status record_routing_step(RecordStore& store, const RecordedRows& rows, const i
                            encode_routing(std::span<const int32_t>(ids, static_cast<size_t>(top_k)), num_experts));
       const auto pos = static_cast<uint32_t>(rows.positions[static_cast<size_t>(n)]);
       NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows, static_cast<size_t>(n), [&](uint64_t seq) {
-        batch.emplace_back(RecordKey{seq, pos, static_cast<uint16_t>(m), 0}, rec);
+        batch.add(RecordKey{seq, pos, static_cast<uint16_t>(m), 0}, rec);
         return Status::ok();
       }));
     }

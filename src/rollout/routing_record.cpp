@@ -73,15 +73,13 @@ Status append_routing(RecordStore& store, const int32_t* topk, int64_t num_moe_l
   if (first_moe_layer < 0 || first_moe_layer + num_moe_layers > 0x10000)
     return invalid_argument("routing record: MoE layers {}..{} do not fit the key", first_moe_layer,
                             first_moe_layer + num_moe_layers - 1);
-  std::vector<Record> batch;
-  batch.reserve(static_cast<size_t>(num_moe_layers * N));
+  RecordBatch batch;
   for (int64_t m = 0; m < num_moe_layers; ++m)
     for (int64_t n = 0; n < N; ++n) {
       const int32_t* ids = topk + (m * N + n) * top_k;
       NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec,
                            encode_routing(std::span<const int32_t>(ids, static_cast<size_t>(top_k)), num_experts));
-      batch.emplace_back(RecordKey{row_sequence[n], row_position[n], static_cast<uint16_t>(first_moe_layer + m), 0},
-                         std::move(rec));
+      batch.add(RecordKey{row_sequence[n], row_position[n], static_cast<uint16_t>(first_moe_layer + m), 0}, rec);
     }
   return store.append_batch(std::move(batch));
 }
