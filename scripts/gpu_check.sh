@@ -28,7 +28,8 @@
 #                      the same call: NIBBLE_DECODE_CONFIG, NIBBLE_DECODE_GRAPH_BATCHES (1,16,64),
 #                      NIBBLE_DECODE_NEW (64), NIBBLE_DECODE_MODES; decode_graphs.jsonl and a table on/off),
 #                      "decode30b" (nibble bench decode of the Qwen3-30B-A3B shape in w4a16, batches 1,16,
-#                      prompt 512, new 32: the inference-storage engine on one GPU; decode30b.jsonl),
+#                      prompt 512, new 32, --init uniform (the training init took > 5 min there): the
+#                      inference-storage engine on one GPU; decode30b.jsonl),
 #                      "rlbench" (nibble bench rl on configs/qwen3moe-768.json: the RL step time split
 #                      per arm, trace overhead, NVFP4/BF16 sync bytes; rlbench.jsonl + rlbench.log;
 #                      NIBBLE_RLBENCH_ARGS replaces the default --steps/--prompts/--group/--max-new)
@@ -395,9 +396,9 @@ if want decode30b; then
   # weights drawn on the host per tensor (init_s, a few minutes), memory_bytes and peak_bytes.
   D30_RC=0
   if [ -n "$NIBBLE" ] && "$NIBBLE" bench decode --help >/dev/null 2>&1; then
-    stamp "nibble bench decode --config configs/qwen3-30b-a3b.json --mode w4a16 --batch 1,16 --prompt 512 --new 32"
+    stamp "nibble bench decode --config configs/qwen3-30b-a3b.json --mode w4a16 --init uniform --batch 1,16 --prompt 512 --new 32"
     timeout "$(limit 570)" "$NIBBLE" bench decode --device cuda --config configs/qwen3-30b-a3b.json --mode w4a16 \
-      --batch 1,16 --prompt 512 --new 32 >"$OUT/decode30b.jsonl" 2>"$OUT/decode30b.log" || D30_RC=$?
+      --init uniform --batch 1,16 --prompt 512 --new 32 >"$OUT/decode30b.jsonl" 2>"$OUT/decode30b.log" || D30_RC=$?
     note_rc "bench decode 30b" "$D30_RC"
     cat "$OUT/decode30b.jsonl"; tail -5 "$OUT/decode30b.log"
   else

@@ -46,7 +46,8 @@ for p in "${PACKAGES[@]}"; do
   if [ ! -d "$CACHE/root/$p" ]; then
     mkdir -p "$CACHE/root/$p.tmp" && dpkg-deb -x "$deb" "$CACHE/root/$p.tmp" && mv "$CACHE/root/$p.tmp" "$CACHE/root/$p"
   fi
-  lic=$(find "$CACHE/root/$p/usr/share/doc" -name copyright -exec grep -h '^License:' {} + 2>/dev/null \
+  # (|| true: a copyright file without License: fields, dict-gcide's, is no error)
+  lic=$( (find "$CACHE/root/$p/usr/share/doc" -name copyright -exec grep -h '^License:' {} + 2>/dev/null || true) \
     | sed 's/^License: *//' | sort -u | paste -sd ';' -)
   printf '%s\t%s\t%s\n' "$p" "$(dpkg-deb -f "$deb" Version)" "${lic:-see /usr/share/doc/$p/copyright}" >>"$OUT/packages.tsv"
 done

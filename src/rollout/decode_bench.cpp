@@ -75,7 +75,7 @@ Status bench_decode(backend::Backend& device_be, const model::ModelConfig& confi
   eo.decode_graphs = o.cuda_graphs ? DecodeGraphMode::kOn : DecodeGraphMode::kOff;
   eo.decode_graph_padding = o.graph_padding;
   NIB_ASSIGN_OR_RETURN(auto engine, Engine::create(*m, eo));
-  NIB_RETURN_IF_ERROR(engine->init_random_weights(o.seed));
+  NIB_RETURN_IF_ERROR(engine->init_random_weights(o.seed, o.init));
   be.synchronize();
   const double init_seconds = seconds_since(t_init);
   for (const int64_t batch : batches) {

@@ -42,6 +42,9 @@ struct DecodeBenchOptions {
   // kTraining: the model of the training path (FP32 master weights and gradients, quantized
   // from them) as before inference storage existed; the same bits, for comparisons.
   model::ParameterStorage storage = model::ParameterStorage::kInference;
+  // The random weights: the training init's (default) or the fast uniform one (`--init uniform`;
+  // Engine::init_random_weights) for shapes whose training init takes minutes.
+  Engine::WeightInit init = Engine::WeightInit::kTraining;
 };
 
 struct DecodeBenchResult {

@@ -159,7 +159,32 @@ Status Engine::set_linear_weight(int id, const float* w) {
   return linears_->set_weight(id, w, QuantizedLinears::Memory::kHost);
 }
 
-Status Engine::init_random_weights(uint64_t seed) {
+namespace {
+// WeightInit::kUniform's values of one block linear (see engine.h): n elements from 4-word
+// Philox blocks, in parallel ranges of whole blocks.
+void fill_uniform_linear(float* w, int64_t n, int linear_id, uint64_t seed, double sigma) {
+  const PhiloxRoundKeys keys = philox_round_keys(seed);
+  const float half_width = static_cast<float>(std::sqrt(3.0) * sigma);
+  const uint64_t stream = 0x1417u + static_cast<uint64_t>(linear_id);
+  const int64_t blocks = (n + 3) / 4;
+  parallel_for(blocks, 4096, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const Philox4x32 r = philox4x32_10(philox_counter(stream, static_cast<uint64_t>(b)), keys);
+      for (int64_t j = 0; j < 4 && 4 * b + j < n; ++j) {
+        const float u = static_cast<float>(r.v[j] >> 8) * 0x1.0p-24f;  // [0, 1), exact in FP32
+        w[4 * b + j] = (2.0f * u - 1.0f) * half_width;
+      }
+    }
+  });
+}
+}  // namespace
+
+Status Engine::init_random_weights(uint64_t seed, WeightInit init) {
+  if (init == WeightInit::kUniform) {
+    if (!linears_) return invalid_argument("uniform weight init: the recipe mode runs the model's own recipes");
+    if (model_->storage() == model::ParameterStorage::kTraining)
+      return invalid_argument("uniform weight init: only for a model of inference storage");
+  }
   if (model_->storage() == model::ParameterStorage::kTraining) {
     model_->init_weights(seed);
     return refresh_weights();
@@ -170,6 +195,16 @@ Status Engine::init_random_weights(uint64_t seed) {
     std::vector<float> w(static_cast<size_t>(model_->param_refs()[i].numel));
     model_->init_parameter(w.data(), i, seed);
     NIB_RETURN_IF_ERROR(set_lm_head_weight(w.data()));
+  }
+  if (init == WeightInit::kUniform) {
+    std::vector<float> host;
+    for (const model::LinearInfo& info : model_->linear_infos()) {
+      host.resize(static_cast<size_t>(info.N * info.K));
+      fill_uniform_linear(host.data(), info.N * info.K, info.id, seed, model_->config().initializer_range);
+      NIB_RETURN_IF_ERROR(set_linear_weight(info.id, host.data()));
+    }
+    snapshot_lm_head();
+    return Status::ok();
   }
   // the block linears in groups of one per thread: each thread draws one linear's members (their
   // own Philox streams, as init_weights), then the group is quantized in order

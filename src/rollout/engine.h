@@ -199,7 +199,15 @@ class Engine {
   // followed by refresh_weights(). The block linears are drawn on the host in parallel, one per
   // thread (num_threads() tensors on the host at once), each quantized as it arrives. On a
   // training-storage model: init_weights(seed) then refresh_weights().
-  Status init_random_weights(uint64_t seed);
+  //
+  // WeightInit::kUniform (benchmarks of large shapes: the training init draws a truncated normal
+  // at 70-100 ns an element, minutes for Qwen3-30B-A3B's 30 G weights): the block linears are
+  // instead uniform on [-sqrt(3) sigma, sqrt(3) sigma) (sigma = initializer_range, the normal's
+  // standard deviation), element e of linear `id` from Philox4x32-10 word e%4 of block
+  // (stream 0x1417 + id, offset e/4) under `seed`, 24 bits each; every other tensor is the
+  // training init's. Same values on every host and thread count; not the training init's bits.
+  enum class WeightInit { kTraining, kUniform };
+  Status init_random_weights(uint64_t seed, WeightInit init = WeightInit::kTraining);
   // Backend memory held now, by kind (the model's included).
   EngineMemory memory() const;
   // Weights received already quantized (w4a16 / w4a4; QuantizedLinears::set_quantized_weights):

@@ -14,6 +14,7 @@
 
 #include "backend/backend.h"
 #include "core/check.h"
+#include "core/philox.h"
 #include "model/config.h"
 #include "rollout/engine.h"
 #include "rollout/engine_test_util.h"
@@ -100,6 +101,56 @@ TEST(EngineMemory, PerTensorWeightsOfAnInferenceModelAreTheTrainingPathsBits) {
         EXPECT_EQ((*want)[i].logprobs, (*got)[i].logprobs);  // the same bits: same function, same order
       }
     }
+}
+
+// The fast uniform init of the decode benchmark (Engine::WeightInit::kUniform): each block linear
+// holds exactly what set_linear_weight makes of the documented draw, written here from its
+// definition (element e of linear id: Philox word e%4 of block (stream 0x1417 + id, offset e/4),
+// its top 24 bits u, value (2 u / 2^24 - 1) sqrt(3) sigma); the other tensors are the training
+// init's; the draw has the normal's standard deviation (sigma sqrt(3) / sqrt(3): within 2% over
+// >= 16 K elements, a ~6-sigma margin for the sample std of a uniform); a training-storage model
+// refuses it.
+TEST(EngineMemory, UniformInitIsTheDocumentedDrawQuantizedAsItArrives) {
+  const model::ModelConfig cfg = mixed_moe_config();
+  backend::Backend& be = backend::cpu_backend();
+  auto lean = make_model(cfg, be, ParameterStorage::kInference);
+  auto engine = make_engine(*lean, PrecisionMode::kW4A16);
+  ASSERT_TRUE(engine->init_random_weights(5, Engine::WeightInit::kUniform).is_ok());
+  auto lean2 = make_model(cfg, be, ParameterStorage::kInference);
+  auto reference = make_engine(*lean2, PrecisionMode::kW4A16);
+  ASSERT_TRUE(reference->init_random_weights(5).is_ok());  // the kept tensors: the training init's
+  const double sigma = cfg.initializer_range;
+  for (const model::LinearInfo& info : lean->linear_infos()) {
+    const int64_t n = info.N * info.K;
+    std::vector<float> w(static_cast<size_t>(n));
+    double sum2 = 0;
+    for (int64_t e = 0; e < n; ++e) {
+      const Philox4x32 r = philox4x32_10(philox_counter(0x1417u + static_cast<uint64_t>(info.id), static_cast<uint64_t>(e / 4)),
+                                         5u, 0u);
+      const double u = static_cast<double>(r.v[e % 4] >> 8) / 16777216.0;
+      w[static_cast<size_t>(e)] = static_cast<float>((2 * u - 1) * static_cast<float>(std::sqrt(3.0) * sigma));
+      sum2 += static_cast<double>(w[static_cast<size_t>(e)]) * w[static_cast<size_t>(e)];
+    }
+    if (n >= 16384) EXPECT_NEAR(std::sqrt(sum2 / static_cast<double>(n)), sigma, 0.02 * sigma) << info.name;
+    ASSERT_TRUE(reference->set_linear_weight(info.id, w.data()).is_ok());
+    const backend::QuantizedTensor& a = reference->linears()->quantized_weight(info.id);
+    const backend::QuantizedTensor& b = engine->linears()->quantized_weight(info.id);
+    using backend::QuantizedTensor;
+    const int64_t cb = QuantizedTensor::code_bytes(a.format, a.rows, a.cols);
+    const int64_t sb = QuantizedTensor::scale_bytes(a.format, a.rows, a.cols);
+    ASSERT_EQ(host_bytes(be, a.codes, cb), host_bytes(be, b.codes, cb)) << info.name;
+    ASSERT_EQ(host_bytes(be, a.scales, sb), host_bytes(be, b.scales, sb)) << info.name;
+  }
+  for (size_t i = 0; i < lean->param_refs().size(); ++i) {
+    const model::ParamRef<float>& p = lean->param_refs()[i];
+    if (p.value == nullptr) continue;
+    ASSERT_EQ(host_bytes(be, p.value, 4 * p.numel), host_bytes(be, lean2->param_refs()[i].value, 4 * p.numel)) << p.name;
+  }
+  auto trained = make_model(cfg, be, ParameterStorage::kTraining);
+  auto e_train = make_engine(*trained, PrecisionMode::kW4A16);
+  const Status st = e_train->init_random_weights(5, Engine::WeightInit::kUniform);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("inference storage"), std::string::npos) << st.message();
 }
 
 // Weights of the block linears in the mode's storage, by the format's size formula: codes N K / 2,

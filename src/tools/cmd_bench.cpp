@@ -66,7 +66,7 @@ struct BenchArgs {
 
 struct DecodeBenchArgs {
   std::string config;  // empty: configs/olmo2-1b.json (here, else in the source tree)
-  std::string mode = "bf16", kv_dtype = "bf16", device, batches = "1,16,64,256";
+  std::string mode = "bf16", kv_dtype = "bf16", device, batches = "1,16,64,256", init = "training";
   int64_t prompt = 512, new_tokens = 128;
   double temperature = 0, top_p = 1;  // 0: greedy
   bool profile = false, reference_sampler = false, no_cuda_graphs = false, cuda_graph_padding = false;
@@ -421,6 +421,8 @@ int run_bench_decode(const DecodeBenchArgs& a) {
   if (a.kv_dtype == "fp8") o.kv_format = backend::KvPageFormat::kFp8;
   else if (a.kv_dtype == "nvfp4") o.kv_format = backend::KvPageFormat::kNvfp4;
   else if (a.kv_dtype != "bf16") return report_error("bench", invalid_argument("--kv-dtype '{}': bf16, fp8 or nvfp4", a.kv_dtype));
+  if (a.init == "uniform") o.init = rollout::Engine::WeightInit::kUniform;
+  else if (a.init != "training") return report_error("bench", invalid_argument("--init '{}': training or uniform", a.init));
   std::vector<int64_t> batches;
   for (size_t at = 0; at <= a.batches.size();) {
     const size_t comma = std::min(a.batches.find(',', at), a.batches.size());
@@ -456,7 +458,7 @@ int run_bench_decode(const DecodeBenchArgs& a) {
                      {"decode_tokens_per_s", r.decode_tokens_per_s}, {"weight_bytes", r.weight_bytes},
                      {"kv_bytes_per_token", r.kv_bytes_per_token}, {"bytes_per_step", r.bytes_per_step},
                      {"copy_gb_per_s", r.copy_bytes_per_s / 1e9}, {"bound_tokens_per_s", r.bound_tokens_per_s},
-                     {"fraction_of_bound", r.fraction_of_bound}, {"init_s", r.init_seconds},
+                     {"fraction_of_bound", r.fraction_of_bound}, {"init", a.init}, {"init_s", r.init_seconds},
                      {"cuda_graphs", r.cuda_graphs}, {"graph_replays", r.graph_replays},
                      {"graph_captures", r.graph_captures}};
     j["host_ms_per_step"] = {{"forward", r.host_forward_ms}, {"sample", r.host_sample_ms},
@@ -570,6 +572,9 @@ CommandRun setup_bench(CLI::App& app) {
   d->decode->add_option("--config", d->config, "Model config.json (default configs/olmo2-1b.json)");
   d->decode->add_option("--mode", d->mode, "bf16 (default), w4a16 or w4a4");
   d->decode->add_option("--kv-dtype", d->kv_dtype, "KV cache pages: bf16 (default), fp8 or nvfp4");
+  d->decode->add_option("--init", d->init,
+                        "Random weights: training (default: the training init's bits) or uniform (fast: block "
+                        "linears uniform with the same standard deviation, for shapes like Qwen3-30B-A3B)");
   d->decode->add_option("--batch", d->batches, "Comma list of batch sizes (default 1,16,64,256)");
   d->decode->add_option("--prompt", d->prompt, "Prompt tokens per sequence (default 512)")->check(IntegerIn(1, kMaxSeq));
   d->decode->add_option("--new", d->new_tokens, "New tokens per sequence (default 128)")->check(IntegerIn(2, kMaxSeq));
