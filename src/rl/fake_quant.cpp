@@ -23,7 +23,29 @@ namespace {
 int64_t* device_counts(TraceGuidance& g) {
   return g.device_counts.size() >= 3 ? g.device_counts.data() : nullptr;
 }
+
+// gather_guidance of rows (sequences, positions) at (layer, site), through g.gathered: the same
+// rows asked again (the same store) are answered from the last read.
+Result<const TraceGuidance::Gathered*> gather_cached(TraceGuidance& g, uint16_t layer, uint16_t site,
+                                                     std::vector<uint64_t>&& sequences, std::vector<uint32_t>&& positions,
+                                                     bool with_found) {
+  TraceGuidance::Gathered& c = g.gathered[{layer, site}];
+  if (!c.sequences.empty() && c.with_found == with_found && c.sequences == sequences && c.positions == positions)
+    return &c;
+  c.sequences.clear(), c.positions.clear();  // a failed read leaves no entry that could match
+  NIB_ASSIGN_OR_RETURN(c.batch, rollout::gather_guidance(*g.store, sequences.data(), positions.data(),
+                                                         static_cast<int64_t>(sequences.size()), layer, site,
+                                                         with_found ? &c.found : nullptr));
+  c.with_found = with_found;
+  c.sequences = std::move(sequences), c.positions = std::move(positions);
+  return &c;
+}
 }  // namespace
+
+void set_guidance_store(TraceGuidance& g, rollout::RecordStore* store) {
+  g.store = store;
+  g.gathered.clear();
+}
 
 void FakeQuantLinear::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N,
                               int64_t K, const model::LinearCall& call) {
@@ -94,10 +116,10 @@ Status FakeQuantLinear::apply_guidance(backend::Backend& be, backend::QuantizedT
   }
   // a routed expert: the rollout may have routed some of these tokens elsewhere (no record here);
   // those rows keep the trainer's own rounding
-  std::vector<uint8_t> found;
-  NIB_ASSIGN_OR_RETURN(rollout::GuidanceBatch gb,
-                       rollout::gather_guidance(*g.store, seqs.data(), poss.data(), static_cast<int64_t>(rows.size()),
-                                                block, site, tokens != nullptr ? &found : nullptr));
+  NIB_ASSIGN_OR_RETURN(const TraceGuidance::Gathered* gathered,
+                       gather_cached(g, block, site, std::move(seqs), std::move(poss), tokens != nullptr));
+  const rollout::GuidanceBatch& gb = gathered->batch;
+  const std::vector<uint8_t>& found = gathered->found;
   if (tokens != nullptr) {
     st.routed_rows += static_cast<int64_t>(rows.size());
     size_t kept = 0;
@@ -236,8 +258,9 @@ Status TraceKvQuantizer::apply_guidance(backend::Backend& be, backend::Quantized
   }
   GuidedSiteStats st;
   if (!rows.empty()) {
-    NIB_ASSIGN_OR_RETURN(rollout::GuidanceBatch gb, rollout::gather_guidance(*g.store, seqs.data(), poss.data(),
-                                                                             static_cast<int64_t>(rows.size()), layer, site));
+    NIB_ASSIGN_OR_RETURN(const TraceGuidance::Gathered* gathered,
+                         gather_cached(g, layer, site, std::move(seqs), std::move(poss), /*with_found=*/false));
+    const rollout::GuidanceBatch& gb = gathered->batch;
     if (gb.cols != D || gb.rows_per_record != Hkv || gb.format != QuantFormat::kNvfp4TwoLevel)
       return invalid_argument("{}: KV guidance of layer {} site {} is {} {}x{}, the trainer's cache rows are {} {}x{}",
                               kFakeQuantRecipe, layer, site, backend::quant_format_name(gb.format), gb.rows_per_record,

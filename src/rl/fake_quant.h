@@ -15,6 +15,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include "model/linear.h"
@@ -45,7 +47,7 @@ struct GuidedSiteStats {
 // by all of them). Rows are the (B, T) batch's token rows b*T + t (a routed expert's row r is
 // token row call.token_of_row[r]).
 struct TraceGuidance {
-  rollout::RecordStore* store = nullptr;  // null: RTN everywhere
+  rollout::RecordStore* store = nullptr;  // null: RTN everywhere (set through set_guidance_store)
   std::vector<bool> layers;               // guided blocks
   std::vector<uint64_t> row_sequence;     // (B*T) record sequence of each row
   std::vector<uint32_t> row_position;     // (B*T) its position
@@ -56,7 +58,22 @@ struct TraceGuidance {
   // reproduced} summed on the device by every guided call, brought into `stats` by
   // collect_guided_counts, so no call waits for its counts. Empty: each call copies its own back.
   backend::Buffer<int64_t> device_counts;
+  // The last rows each guided (layer, site) read from `store` and what it found: a later forward
+  // asking for the same rows (the update's forward after the pi_old forward, one minibatch) reuses
+  // them instead of reading the store again. Emptied whenever `store` changes.
+  struct Gathered {
+    std::vector<uint64_t> sequences;
+    std::vector<uint32_t> positions;
+    bool with_found = false;
+    rollout::GuidanceBatch batch;
+    std::vector<uint8_t> found;
+  };
+  std::map<std::pair<uint16_t, uint16_t>, Gathered> gathered;
 };
+
+// Points g at `store` (a step's records; null: RTN everywhere) and forgets what was gathered from
+// the previous one.
+void set_guidance_store(TraceGuidance& g, rollout::RecordStore* store);
 
 // Zeroes `stats` and the device counts (making them on first use): the start of a measured forward.
 void reset_guided_counts(backend::Backend& be, TraceGuidance& g);

@@ -136,6 +136,28 @@ TEST(FakeQuant, AMissingRecordIsAnError) {
   EXPECT_FALSE(g.status.is_ok());
 }
 
+// The update's forward after the pi_old forward asks for the same rows: they come from what the
+// first forward gathered (TraceGuidance::gathered), not from the store again; a new store
+// (set_guidance_store) is read afresh. Shown with an empty store swapped in behind the cache's
+// back: a read of it would fail on the first missing record.
+TEST(FakeQuant, SameRowsAgainReuseTheGatheredRecordsUntilTheStoreChanges) {
+  Operands s;
+  auto store = rollout_records(s, rollout::GuidanceMode::kTraceFull);
+  TraceGuidance g = guidance_over(store.get(), M);
+  const std::vector<float> y = forward(s, s.x_train, &g);
+  ASSERT_TRUE(g.status.is_ok()) << g.status.message();
+  EXPECT_EQ(g.gathered.size(), 1u);
+  auto empty = rollout::RecordStore::open({});
+  ASSERT_TRUE(empty.is_ok());
+  g.store = empty->get();  // not through set_guidance_store: the cache stays
+  EXPECT_EQ(forward(s, s.x_train, &g), y);
+  EXPECT_TRUE(g.status.is_ok()) << g.status.message();
+  set_guidance_store(g, empty->get());
+  EXPECT_TRUE(g.gathered.empty());
+  forward(s, s.x_train, &g);
+  EXPECT_FALSE(g.status.is_ok());  // read afresh: sequence 5 has no record there
+}
+
 // ---- a routed expert's linear: its M rows are tokens of a batch of 12 token rows ----------------
 
 constexpr int64_t kTokenRows = 12;

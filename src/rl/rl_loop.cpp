@@ -542,7 +542,7 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch, std::chrono::st
   // ---- π_old (the trainer's log-probs before the update; guided sites measured here) ----
   const auto t_train = std::chrono::steady_clock::now();
   prev_train_began_ = t_train;
-  guidance_.store = guided_arm(cfg_.arm) ? guidance_store.get() : nullptr;
+  set_guidance_store(guidance_, guided_arm(cfg_.arm) ? guidance_store.get() : nullptr);
   reset_guided_counts(be_, guidance_);  // the π_old forward's counts are the step's metrics
   guidance_.status = Status::ok();
   set_guidance_rows(guidance_, full);
@@ -653,7 +653,7 @@ Result<RlStepMetrics> RlRun::step(int64_t s, RolloutBatch batch, std::chrono::st
   prev_train_ended_ = std::chrono::steady_clock::now();
   m.train_seconds = std::chrono::duration<double>(prev_train_ended_ - t_update).count();
   m.train_tokens_per_s = static_cast<double>(all_rows) / std::max(seconds_since(t_train), 1e-9);
-  guidance_.store = nullptr;
+  set_guidance_store(guidance_, nullptr);
   NIB_RETURN_IF_ERROR(guidance_store->close());
   NIB_RETURN_IF_ERROR(routing_store->close());
 
