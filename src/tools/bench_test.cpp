@@ -132,7 +132,11 @@ TEST(BenchCli, DecodeJsonLinesOnATinyConfig) {
                                              "' --batch 1 --prompt 5 --new 2 --no-cuda-graphs");
   ASSERT_EQ(eager.code, 0) << eager.err;
   EXPECT_EQ(nlohmann::json::parse(eager.out).at("cuda_graphs"), "off: turned off (--no-cuda-graphs)");
-  for (const char* bad : {"--batch 0", "--batch 1,,2", "--mode recipe", "--new 1", "--kv-dtype fp4"}) {
+  RunResult uniform = run_nibble(dir.path, "bench decode --device cpu --config '" + (dir / "tiny.json") +
+                                               "' --batch 1 --prompt 5 --new 2 --mode w4a16 --init uniform");
+  ASSERT_EQ(uniform.code, 0) << uniform.err;
+  EXPECT_EQ(nlohmann::json::parse(uniform.out).at("init"), "uniform");
+  for (const char* bad : {"--batch 0", "--batch 1,,2", "--mode recipe", "--new 1", "--kv-dtype fp4", "--init normal"}) {
     RunResult b = run_nibble(dir.path, "bench decode --device cpu --config '" + (dir / "tiny.json") + "' " + bad);
     EXPECT_EQ(b.code, 2) << bad << ": " << b.err;
     EXPECT_EQ(b.err_lines(), 1) << b.err;
