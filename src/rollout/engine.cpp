@@ -171,8 +171,7 @@ void fill_uniform_linear(float* w, int64_t n, int linear_id, uint64_t seed, doub
     for (int64_t b = b0; b < b1; ++b) {
       const Philox4x32 r = philox4x32_10(philox_counter(stream, static_cast<uint64_t>(b)), keys);
       for (int64_t j = 0; j < 4 && 4 * b + j < n; ++j) {
-        const float u = static_cast<float>(r.v[j] >> 8) * 0x1.0p-24f;  // [0, 1), exact in FP32
-        w[4 * b + j] = (2.0f * u - 1.0f) * half_width;
+        w[4 * b + j] = (2.0f * u32_to_uniform(r.v[j]) - 1.0f) * half_width;
       }
     }
   });
