@@ -122,7 +122,9 @@ void check_explicit_backend(const char* config_file) {
     // the run did something: finite, changing losses
     EXPECT_TRUE(std::isfinite(a.losses[0]) && std::isfinite(a.losses[2]));
     EXPECT_NE(a.losses[0], a.losses[1]);
-    if (rc.oscireset.enabled) EXPECT_GT(a.resets, 0);
+    if (rc.oscireset.enabled) {
+      EXPECT_GT(a.resets, 0);
+    }
   }
 }
 
