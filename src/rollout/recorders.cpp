@@ -156,21 +156,21 @@ Status GuidanceRecorder::flush_pending() {
   const GuidanceMode mode = recorders_.guidance_mode;
   const int64_t N = static_cast<int64_t>(rows_.positions.size());
   RecordBatch batch;  // appended at once: one lock and one wake-up of the store's writer
-  std::vector<uint8_t> rec;  // one record buffer per call: the header once, each row's payload copied in
   for (const Pending& p : pending) {
+    if (p.M <= 0) continue;
+    const uint8_t* payloads = arena_host_.data() + p.payload_at;  // (M, P), row r at r * P
+    // one record buffer per call: the format, columns and payload size checked and the header
+    // written once; each row's payload is copied into it
+    NIB_ASSIGN_OR_RETURN(std::vector<uint8_t> rec,
+                         guidance_record_from_payload(backend::QuantFormat::kNvfp4TwoLevel, p.cols, mode,
+                                                      std::span<const uint8_t>(payloads, static_cast<size_t>(p.P))));
     const auto* tokens = p.tokens_at >= 0 ? reinterpret_cast<const int32_t*>(arena_host_.data() + p.tokens_at) : nullptr;
     for (int64_t r = 0; r < p.M; ++r) {
       const int64_t n = tokens != nullptr ? tokens[r] : r;  // the step row
       if (n < 0 || n >= N)
         return Status(StatusCode::kInternal, fmt::format("guidance recorder: linear {} row {} is token {}, the step has {}",
                                                          p.linear, r, n, N));
-      const uint8_t* payload = arena_host_.data() + p.payload_at + r * p.P;
-      if (r == 0) {  // checks the call's format, columns and payload size, and writes the header
-        NIB_ASSIGN_OR_RETURN(rec, guidance_record_from_payload(backend::QuantFormat::kNvfp4TwoLevel, p.cols, mode,
-                                                               std::span<const uint8_t>(payload, static_cast<size_t>(p.P))));
-      } else {
-        std::memcpy(rec.data() + kGuidanceHeaderBytes, payload, static_cast<size_t>(p.P));
-      }
+      std::memcpy(rec.data() + kGuidanceHeaderBytes, payloads + r * p.P, static_cast<size_t>(p.P));
       const RecordKey key{0, static_cast<uint32_t>(rows_.positions[static_cast<size_t>(n)]),
                           static_cast<uint16_t>(p.block), p.site};
       NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows_, static_cast<size_t>(n), [&](uint64_t seq) {
