@@ -34,6 +34,7 @@ json RlBenchRow::to_json() const {
   return json{{"bench", "rl"},
               {"arm", arm_name(arm)},
               {"timed_steps", timed_steps},
+              {"rounds", rounds},
               {"step_s", step_seconds},
               {"rollout_s", rollout_seconds},
               {"logprob_s", logprob_seconds},
@@ -96,50 +97,65 @@ Result<std::vector<RlBenchRow>> bench_rl(const RlBenchOptions& o, const Task& ta
     if (::mkdtemp(tmpl.data()) == nullptr) return io_error("bench rl: cannot create a temporary folder ({})", tmpl);
     own.path = scratch = tmpl;
   }
+  if (o.rounds < 1) return invalid_argument("bench rl: --rounds must be >= 1 (got {})", o.rounds);
+  // the distinct arms in order of first appearance; each one's timed steps over all rounds
+  std::vector<Arm> arms;
+  for (Arm a : o.arms)
+    if (std::find(arms.begin(), arms.end(), a) == arms.end()) arms.push_back(a);
+  std::vector<std::vector<RlStepMetrics>> timed(arms.size());
+  std::vector<int64_t> rounds_of(arms.size(), 0);
   std::vector<RlBenchRow> rows;
-  for (Arm arm : o.arms) {
-    json j = {{"model", o.model},
-              {"arm", arm_name(arm)},
-              {"task", task.name()},
-              {"level", o.level},
-              {"steps", o.steps},
-              {"prompts_per_step", o.prompts_per_step},
-              {"group_size", o.group_size},
-              {"max_new_tokens", o.max_new_tokens}};
-    NIB_ASSIGN_OR_RETURN(RlConfig cfg, parse_rl_config(j));
-    const fs::path run = fs::path(scratch) / arm_name(arm);
-    RlOptions ro;
-    ro.run_dir = run.string();
-    ro.backend = o.backend;
-    ro.checkpoints = false;
-    auto r = run_rl(cfg, task, ro);
-    std::error_code ec;
-    fs::remove_all(run, ec);
-    if (!r) return Status(r.status().code(), fmt::format("bench rl: arm {}: {}", arm_name(arm), r.status().message()));
-    const std::vector<RlStepMetrics>& steps = r->steps;
-    NIB_CHECK_MSG(steps.size() >= 2, "bench rl: arm {} ran {} steps", arm_name(arm), steps.size());
-    auto med = [&](double RlStepMetrics::*field) {
-      std::vector<double> v;
-      for (size_t i = 1; i < steps.size(); ++i) v.push_back(steps[i].*field);
-      return median_of(std::move(v));
-    };
-    RlBenchRow row;
-    row.arm = arm;
-    row.timed_steps = static_cast<int64_t>(steps.size()) - 1;
-    row.step_seconds = med(&RlStepMetrics::step_seconds);
-    row.rollout_seconds = med(&RlStepMetrics::rollout_seconds);
-    row.logprob_seconds = med(&RlStepMetrics::logprob_seconds);
-    row.moe_check_seconds = med(&RlStepMetrics::moe_check_seconds);
-    row.train_seconds = med(&RlStepMetrics::train_seconds);
-    row.sync_seconds = med(&RlStepMetrics::sync_seconds);
-    row.other_seconds = med(&RlStepMetrics::other_seconds);
-    row.rollout_tokens_per_s = med(&RlStepMetrics::rollout_tokens_per_s);
-    row.train_tokens_per_s = med(&RlStepMetrics::train_tokens_per_s);
-    row.response_len = med(&RlStepMetrics::response_len);
-    row.sync_bytes = steps.back().sync_bytes;
-    row.sync_linear_bytes = steps.back().sync_linear_bytes;
-    if (on_row) on_row(row);
-    rows.push_back(row);
+  for (int64_t round = 0; round < o.rounds; ++round) {
+    for (size_t ai = 0; ai < arms.size(); ++ai) {
+      const Arm arm = arms[ai];
+      json j = {{"model", o.model},
+                {"arm", arm_name(arm)},
+                {"task", task.name()},
+                {"level", o.level},
+                {"steps", o.steps},
+                {"prompts_per_step", o.prompts_per_step},
+                {"group_size", o.group_size},
+                {"max_new_tokens", o.max_new_tokens}};
+      NIB_ASSIGN_OR_RETURN(RlConfig cfg, parse_rl_config(j));
+      const fs::path run = fs::path(scratch) / arm_name(arm);
+      RlOptions ro;
+      ro.run_dir = run.string();
+      ro.backend = o.backend;
+      ro.checkpoints = false;
+      auto r = run_rl(cfg, task, ro);
+      std::error_code ec;
+      fs::remove_all(run, ec);
+      if (!r) return Status(r.status().code(), fmt::format("bench rl: arm {}: {}", arm_name(arm), r.status().message()));
+      const std::vector<RlStepMetrics>& steps = r->steps;
+      NIB_CHECK_MSG(steps.size() >= 2, "bench rl: arm {} ran {} steps", arm_name(arm), steps.size());
+      timed[ai].insert(timed[ai].end(), steps.begin() + 1, steps.end());  // the warm-up dropped
+      ++rounds_of[ai];
+      if (round + 1 < o.rounds) continue;
+      const std::vector<RlStepMetrics>& t = timed[ai];
+      auto med = [&](double RlStepMetrics::*field) {
+        std::vector<double> v;
+        for (const RlStepMetrics& m : t) v.push_back(m.*field);
+        return median_of(std::move(v));
+      };
+      RlBenchRow row;
+      row.arm = arm;
+      row.timed_steps = static_cast<int64_t>(t.size());
+      row.rounds = rounds_of[ai];
+      row.step_seconds = med(&RlStepMetrics::step_seconds);
+      row.rollout_seconds = med(&RlStepMetrics::rollout_seconds);
+      row.logprob_seconds = med(&RlStepMetrics::logprob_seconds);
+      row.moe_check_seconds = med(&RlStepMetrics::moe_check_seconds);
+      row.train_seconds = med(&RlStepMetrics::train_seconds);
+      row.sync_seconds = med(&RlStepMetrics::sync_seconds);
+      row.other_seconds = med(&RlStepMetrics::other_seconds);
+      row.rollout_tokens_per_s = med(&RlStepMetrics::rollout_tokens_per_s);
+      row.train_tokens_per_s = med(&RlStepMetrics::train_tokens_per_s);
+      row.response_len = med(&RlStepMetrics::response_len);
+      row.sync_bytes = t.back().sync_bytes;
+      row.sync_linear_bytes = t.back().sync_linear_bytes;
+      if (on_row) on_row(row);
+      rows.push_back(row);
+    }
   }
   return rows;
 }

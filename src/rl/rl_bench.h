@@ -23,7 +23,10 @@ namespace nibble::rl {
 struct RlBenchOptions {
   nlohmann::json model;  // a model config object (HF config.json); random init
   std::vector<Arm> arms = {Arm::kFp4Naive, Arm::kTrace, Arm::kBf16Rollout};
-  int64_t steps = 4;  // per arm, >= 2: the first is a warm-up
+  int64_t steps = 4;  // per arm and round, >= 2: the first is a warm-up
+  // the arm list runs `rounds` times in turn (a, b, a, b, ...), so slow drifts of the machine fall on
+  // every arm alike; an arm's timed steps are pooled over its rounds
+  int64_t rounds = 1;
   int64_t prompts_per_step = 8, group_size = 8, max_new_tokens = 32;
   int64_t level = 0;
   backend::Backend* backend = nullptr;  // null: the CPU backend
@@ -35,7 +38,8 @@ struct RlBenchOptions {
 // not add up to the step's), and the per-step constants.
 struct RlBenchRow {
   Arm arm = Arm::kTrace;
-  int64_t timed_steps = 0;
+  int64_t timed_steps = 0;  // over all rounds
+  int64_t rounds = 0;
   double step_seconds = 0, rollout_seconds = 0, logprob_seconds = 0, moe_check_seconds = 0, train_seconds = 0,
          sync_seconds = 0, other_seconds = 0;
   double rollout_tokens_per_s = 0, train_tokens_per_s = 0, response_len = 0;
@@ -56,7 +60,8 @@ double median_of(std::vector<double> v);
 // The summary of rows (any subset of arms, in any order).
 RlBenchSummary summarize_rl_bench(const std::vector<RlBenchRow>& rows);
 
-// Runs every arm in turn on `task`; `on_row` gets each arm's row as soon as it is measured.
+// Runs every arm in turn on `task`, `rounds` times; `on_row` gets each arm's row as soon as its
+// last round is measured. Rows come in the order of o.arms' first appearances.
 // Errors: bad options (invalid argument), and whatever run_rl returns.
 Result<std::vector<RlBenchRow>> bench_rl(const RlBenchOptions& options, const Task& task,
                                          const std::function<void(const RlBenchRow&)>& on_row = nullptr);

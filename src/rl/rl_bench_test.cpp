@@ -95,6 +95,33 @@ TEST(RlBench, EveryArmGivesARowOfFiniteParts) {
   EXPECT_LT(s.sync_bytes_ratio, 1.0);
 }
 
+// Two rounds of (fp4-naive, trace): the arms alternate, each arm's timed steps are pooled (one per
+// round here), a row per distinct arm (a repeated arm in the list runs once a round).
+TEST(RlBench, RoundsInterleaveTheArmsAndPoolTheirSteps) {
+  RlBenchOptions o;
+  o.model = tiny_moe();
+  o.steps = 2, o.rounds = 2;
+  o.arms = {Arm::kFp4Naive, Arm::kTrace, Arm::kFp4Naive};
+  o.prompts_per_step = 1, o.group_size = 2, o.max_new_tokens = 2;
+  auto task = make_task("arithmetic");
+  ASSERT_TRUE(task.is_ok());
+  auto rows = bench_rl(o, **task);
+  ASSERT_TRUE(rows.is_ok()) << rows.status().message();
+  ASSERT_EQ(rows.value().size(), 2u);
+  EXPECT_EQ(rows.value()[0].arm, Arm::kFp4Naive);
+  EXPECT_EQ(rows.value()[1].arm, Arm::kTrace);
+  for (const RlBenchRow& r : rows.value()) {
+    EXPECT_EQ(r.timed_steps, 2);
+    EXPECT_EQ(r.rounds, 2);
+    EXPECT_EQ(r.to_json().at("rounds"), 2);
+    EXPECT_TRUE(std::isfinite(r.step_seconds));
+  }
+  o.rounds = 0;
+  auto bad = bench_rl(o, **task);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(RlBench, BadOptionsAreArgumentErrors) {
   auto task = make_task("arithmetic");
   ASSERT_TRUE(task.is_ok());

@@ -204,7 +204,7 @@ TEST(BenchCli, RlRowsPerArmAndSummaryOnTinyMoe) {
   EXPECT_GT(summary.at("sync_bytes_ratio").get<double>(), 0.0);
   EXPECT_LT(summary.at("sync_bytes_ratio").get<double>(), 1.0);
   EXPECT_LT(summary.at("sync_linear_bytes_ratio").get<double>(), summary.at("sync_bytes_ratio").get<double>());
-  for (const char* bad : {"--steps 1", "--arms trace,nope", "--group 1", "--task nope", "--level 99"}) {
+  for (const char* bad : {"--steps 1", "--rounds 0", "--arms trace,nope", "--group 1", "--task nope", "--level 99"}) {
     RunResult b = run_nibble(dir.path, "bench rl --device cpu --config '" + config + "' " + bad);
     EXPECT_EQ(b.code, 2) << bad << ": " << b.err;
     EXPECT_EQ(b.err_lines(), 1) << b.err;

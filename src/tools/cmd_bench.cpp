@@ -83,7 +83,7 @@ struct AttentionBenchArgs {
 struct RlBenchArgs {
   std::string config;  // empty: configs/qwen3moe-768.json (here, else in the source tree)
   std::string device, arms = "fp4-naive,trace,bf16-rollout", task = "arithmetic";
-  int64_t steps = 4, prompts = 8, group = 8, max_new = 32, level = 0;
+  int64_t steps = 4, rounds = 1, prompts = 8, group = 8, max_new = 32, level = 0;
   CLI::App* rl = nullptr;
 };
 
@@ -512,7 +512,7 @@ int run_bench_rl(const RlBenchArgs& a) {
   auto be = open_device(a.device);
   if (!be) return report_error("bench", be.status());
   o.model = config->to_json();
-  o.steps = a.steps, o.prompts_per_step = a.prompts, o.group_size = a.group, o.max_new_tokens = a.max_new;
+  o.steps = a.steps, o.rounds = a.rounds, o.prompts_per_step = a.prompts, o.group_size = a.group, o.max_new_tokens = a.max_new;
   o.level = a.level;
   o.backend = be->get();
   const std::string device = (*be)->name();
@@ -602,6 +602,9 @@ CommandRun setup_bench(CLI::App& app) {
   r->rl->add_option("--arms", r->arms, "Comma list of arms (default fp4-naive,trace,bf16-rollout)");
   r->rl->add_option("--steps", r->steps, "RL steps per arm, the first a warm-up (default 4)")
       ->check(IntegerIn(2, kMaxSteps));
+  r->rl->add_option("--rounds", r->rounds,
+                    "Run the arm list this many times in turn, pooling each arm's timed steps (default 1)")
+      ->check(IntegerIn(1, 1000));
   r->rl->add_option("--prompts", r->prompts, "Prompts per step (default 8)")->check(IntegerIn(1, 65535));
   r->rl->add_option("--group", r->group, "Samples per prompt (default 8)")->check(IntegerIn(2, kMaxBatch));
   r->rl->add_option("--max-new", r->max_new, "Most new tokens per sample (default 32)")->check(IntegerIn(1, kMaxSeq));
