@@ -65,6 +65,14 @@ void Backend::matmul_nt_nvfp4_weight(float*, const float*, const QuantizedTensor
                 name());
 }
 
+void Backend::grouped_matmul_nt_nvfp4_weight(float*, const float*, const QuantizedTensor&, const int64_t*, int64_t,
+                                             int64_t) {
+  require(Op::kNvfp4WeightGemm);
+  NIB_CHECK_MSG(false,
+                "backend '{}' claims op 'nvfp4_weight_gemm' but does not override grouped_matmul_nt_nvfp4_weight",
+                name());
+}
+
 void Backend::guided_overwrite_rows(QuantizedTensor&, int64_t*, const float*, const int32_t*, int64_t, const uint8_t*,
                                     const float*, const uint8_t*, formats::GuidanceKind) {
   require(Op::kTraceGuidedRows);

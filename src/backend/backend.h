@@ -53,7 +53,7 @@ enum class Op : uint16_t {
   kGemm, kEmbedding, kRmsNorm, kRope, kSwiglu, kAttention, kCrossEntropy, kElementwise, kMoeRouting,
   kAdamW, kQuantizeNvfp4Te, kQuantizeNvfp4TwoLevel, kQuantizeMxfp8, kRht16, kBackwardOperandTwoLevel,
   kPagedKvCache,  // kv_cache_write + paged_attention (the rollout engine's decode attention)
-  kNvfp4WeightGemm,  // matmul_nt_nvfp4_weight (the rollout engine's decode GEMV on packed weights)
+  kNvfp4WeightGemm,  // matmul_nt_nvfp4_weight, grouped_matmul_nt_nvfp4_weight (decode GEMV on packed weights)
   kGroupedGemm,   // grouped_matmul_bf16_* + moe_dispatch_plan_device (MoE experts in one launch)
   kTraceGuidedRows,  // guided_overwrite_rows (the RL trainer's TRACE guided rounding), guidance_payload_rows
   kCount
@@ -378,6 +378,16 @@ class Backend {
   // (fp4_weight_mma.cuh) on e2m1 * e4m3 with the outer scale applied per 128-chunk, within the
   // bound derived in ops_test/packed_weight_gemm_test.cpp. The default fails through require().
   virtual void matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M);
+  // All G experts of a MoE layer part at once (the rollout engine's fused MoE decode; no host
+  // offsets): for each g < G, rows [offsets[g], offsets[g+1]) of y (rows, N) <- the same rows of x
+  // (rows, K) . dequantize(W_g)^T, where W_g is the (N, K) two-level tensor whose parts start g
+  // tensors after w's (packed back to back: w.codes + g * code_bytes(N, K), w.scales + g *
+  // scale_bytes(N, K), w.outer + g * outer_count(N, K)). offsets (G+1) i64 in backend memory,
+  // non-decreasing, offsets[G] <= rows; rows past offsets[G] are left alone, an empty group reads
+  // nothing of its weight. Each row's arithmetic is that of matmul_nt_nvfp4_weight's GEMV (CUDA:
+  // the same bits as matmul_nt_nvfp4_weight with M <= 8; the CPU runs it per group).
+  virtual void grouped_matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w,
+                                              const int64_t* offsets, int64_t G, int64_t rows);
 
   // ---- TRACE guided rounding of gathered rows (03-rl-and-trace.md §2; Op::kTraceGuidedRows) -----
   // q (rows, cols) kNvfp4TwoLevel, as quantize(q, x) left it (RTN, the trainer's own scales). For

@@ -76,6 +76,7 @@ constexpr OpInfo kOps[] = {
     {"kv_cache_write", OpCategory::kCopies},
     {"paged_attention", OpCategory::kAttention},
     {"matmul_nt_nvfp4_weight", OpCategory::kGemm},
+    {"grouped_matmul_nt_nvfp4_weight", OpCategory::kGemm},
     {"quantize_operand_f32", OpCategory::kQuantize},
     {"quantize_operand_bf16", OpCategory::kQuantize},
     {"quantize_te_rht_transpose_operand", OpCategory::kQuantize},
@@ -441,6 +442,11 @@ void ProfilingBackend::paged_attention(float* out, const float* q, const void* k
 void ProfilingBackend::matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M) {
   Timed timed(*this, ProfiledOp::kMatmulNtNvfp4Weight);
   inner_->matmul_nt_nvfp4_weight(y, x, w, M);
+}
+void ProfilingBackend::grouped_matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w,
+                                                      const int64_t* offsets, int64_t G, int64_t rows) {
+  Timed timed(*this, ProfiledOp::kGroupedMatmulNtNvfp4Weight);
+  inner_->grouped_matmul_nt_nvfp4_weight(y, x, w, offsets, G, rows);
 }
 void ProfilingBackend::guided_overwrite_rows(QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows,
                                              int64_t R, const uint8_t* scales, const float* outer,

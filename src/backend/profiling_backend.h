@@ -74,6 +74,7 @@ enum class ProfiledOp : uint8_t {
   kKvCacheWrite,
   kPagedAttention,
   kMatmulNtNvfp4Weight,
+  kGroupedMatmulNtNvfp4Weight,
   kQuantizeOperandF32,
   kQuantizeOperandBf16,
   kQuantizeTeRhtTransposeOperand,
@@ -156,6 +157,8 @@ class ProfilingBackend final : public Backend {
                        int64_t H, int64_t Hkv, int64_t D, int64_t page_size,
                        AttentionPrecision precision = AttentionPrecision::kFp32) override;
   void matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M) override;
+  void grouped_matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, const int64_t* offsets,
+                                      int64_t G, int64_t rows) override;
   void guided_overwrite_rows(QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows, int64_t R,
                              const uint8_t* scales, const float* outer, const uint8_t* guide,
                              formats::GuidanceKind kind) override;

@@ -203,6 +203,12 @@ struct BlockActs {
 
 }  // namespace
 
+void LinearOverride::forward_experts(backend::Backend&, float*, const float*, int64_t, const LinearInfo* infos,
+                                     int64_t, const int64_t*, const int32_t*, const LinearCall&) {
+  NIB_CHECK_MSG(false, "LinearOverride: forward_experts of {} called but not implemented",
+                infos != nullptr ? infos[0].name : std::string("?"));
+}
+
 template <typename T>
 struct TransformerT<T>::Impl {
   backend::Backend* mem = nullptr;  // owns the model's memory (the CPU backend for double)
@@ -237,6 +243,7 @@ struct TransformerT<T>::Impl {
   // one ExpertGroup's recipes and calls (E each), refilled per call
   std::vector<LinearRecipe*> group_recipes;
   std::vector<LinearCall> group_calls;
+  std::vector<LinearInfo> group_infos;  // a decode override's grouped experts (E)
   std::vector<int64_t> larena;
   int32_t *tokens = nullptr, *targets = nullptr, *forced = nullptr;  // (N), (N), (Lm,N,k) copies of the host inputs
   int32_t* positions = nullptr;                                       // (N) decode: each row's position
@@ -816,8 +823,10 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
   // backward_experts (one grouped GEMM each where the recipe and backend have it); the double
   // model and decode overrides walk the experts with the host offsets.
   auto experts_grouped = [&](const BlockParams& bp) {
-    if constexpr (std::is_same_v<T, float>)
-      return im.decode == nullptr && im.linears[bp.lin_expert0].recipe->runs_experts_grouped(mem);
+    if constexpr (std::is_same_v<T, float>) {
+      if (im.decode == nullptr) return im.linears[bp.lin_expert0].recipe->runs_experts_grouped(mem);
+      return im.decode->linears != nullptr && im.decode->linears->runs_experts_grouped(mem);  // fused MoE decode
+    }
     return false;
   };
   [[maybe_unused]] auto expert_group = [&](const BlockActs<T>& a, const BlockParams& bp, int part) {
@@ -844,6 +853,13 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
       if (im.decode == nullptr) {
         const ExpertGroup g = expert_group(a, bp, part);
         s0.recipe->forward_experts(ops, y, xin, W(s0.w_offset), s0.info.N, s0.info.K, g);
+        return;
+      }
+      if (a.experts_grouped) {  // the decode override, all experts in one call on device offsets
+        im.group_infos.resize(static_cast<size_t>(E));
+        for (int64_t e = 0; e < E; ++e) im.group_infos[e] = im.linears[bp.lin_expert0 + 2 * e + part].info;
+        im.decode->linears->forward_experts(ops, y, xin, Nk, im.group_infos.data(), E, a.offsets_dev, a.token_of_row,
+                                            call(s0));
         return;
       }
     }
@@ -889,8 +905,9 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     ops.moe_router_forward(a.probs, a.rlse, a.topk_idx, a.topk_w, a.rlogits, forced, N, E, K, cfg.norm_topk_prob);
     if (routing.record)
       mem.copy_to_host(routing.record + bp.moe_index * Nk, a.topk_idx, sizeof(int32_t) * static_cast<size_t>(Nk));
-    im.router_lse2 +=
-        ops.moe_accumulate_load(im.load_count.data(), im.load_prob.data(), a.probs, a.rlse, a.topk_idx, N, E, K);
+    if (im.decode == nullptr)  // the load-balancing statistics of the training losses (a host read)
+      im.router_lse2 +=
+          ops.moe_accumulate_load(im.load_count.data(), im.load_prob.data(), a.probs, a.rlse, a.topk_idx, N, E, K);
     a.experts_grouped = experts_grouped(bp);
     if (a.experts_grouped)  // the offsets stay in backend memory: no host round trip
       mem.moe_dispatch_plan_device(a.offsets_dev, a.row_of_slot, a.token_of_row, a.topk_idx, N, E, K);

@@ -99,6 +99,18 @@ class LinearOverride {
   // expert, call.token_of_row names the step row of each of the M rows).
   virtual void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
                        const LinearInfo& info, const LinearCall& call) = 0;
+  // The routed experts of one MoE layer part at once (the fused MoE decode): true when
+  // forward_experts runs on `be` from offsets in backend memory; the model then plans the routing
+  // on the device (moe_dispatch_plan_device) and reads no offsets back. Default: false (the model
+  // walks the experts with host offsets, one forward() each).
+  virtual bool runs_experts_grouped(backend::Backend& be) const { return false; }
+  // y: (rows, N) f32 <- x: (rows, K) f32, rows [offsets[e], offsets[e+1]) through linear infos[e]
+  // (the E experts of one layer and part, in expert order: the same N, K); offsets (E+1) i64 and
+  // token_of_row (rows) i32 (the step row of each row) in be's memory; call: the first expert's.
+  // Default: fails (only called where runs_experts_grouped said true).
+  virtual void forward_experts(backend::Backend& be, float* y, const float* x, int64_t rows, const LinearInfo* infos,
+                               int64_t E, const int64_t* offsets, const int32_t* token_of_row,
+                               const LinearCall& call);
 };
 
 // One prefill/decode call: N rows, each a token at a position of some sequence of the cache.

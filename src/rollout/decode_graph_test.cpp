@@ -196,6 +196,20 @@ std::unique_ptr<model::Model> dense_model(backend::Backend* be) {
   return std::move(m).value();
 }
 
+// A Qwen3-MoE of 3 layers (test::mixed_moe_config: 4 experts, top-2, a dense middle layer, a shared
+// expert) with moe_intermediate_size 32, so the experts' down_proj has K % 32 == 0 and every mode
+// runs the fused MoE decode (QuantizedLinears::forward_experts on device offsets).
+std::unique_ptr<model::Model> moe_model(backend::Backend* be) {
+  model::RecipeConfig rc;
+  rc.name = "bf16";
+  model::ModelConfig cfg = test::mixed_moe_config();
+  cfg.moe_intermediate_size = 32;
+  auto m = model::Model::create(cfg, rc, be);
+  EXPECT_TRUE(m.is_ok()) << m.status().message();
+  m.value()->init_weights(11);
+  return std::move(m).value();
+}
+
 // The cases: bf16 and w4a16, greedy and sampled, batches of 1 (2 requests one after the other),
 // 3 (three requests in a batch of 4: padded to 4 where padding is on) and 16 (22 requests, one of
 // 2 samples: joining and leaving at most steps).
@@ -236,8 +250,8 @@ constexpr double kPaddingLogprobTolerance = 0.05;
 
 // Graph-layout steps (kEagerLayout on `be`, or kOn) against eager ones: the same bits without
 // padding; with padding the same tokens, log-probs within kPaddingLogprobTolerance.
-void expect_graph_layout_equals_eager(backend::Backend* be, DecodeGraphMode graphs) {
-  auto m = dense_model(be);
+void expect_graph_layout_equals_eager(backend::Backend* be, DecodeGraphMode graphs, bool moe = false) {
+  auto m = moe ? moe_model(be) : dense_model(be);
   for (const Case& c : cases()) {
     SCOPED_TRACE(c.name());
     const GenRun eager = run_case(*m, c, DecodeGraphMode::kOff, false);
@@ -270,6 +284,37 @@ void expect_graph_layout_equals_eager(backend::Backend* be, DecodeGraphMode grap
 TEST(DecodeGraphs, GraphLayoutRunEagerlyEqualsEagerSteps) {
   expect_graph_layout_equals_eager(&backend::cpu_backend(), DecodeGraphMode::kEagerLayout);
 }
+// MoE: the routing plan and the experts stay in backend memory (no host offsets), so MoE decode
+// steps take the graph layout too; without padding the eager bits, padded the same tokens.
+TEST(DecodeGraphs, MoeGraphLayoutRunEagerlyEqualsEagerSteps) {
+  expect_graph_layout_equals_eager(&backend::cpu_backend(), DecodeGraphMode::kEagerLayout, /*moe=*/true);
+}
+
+// The fused MoE decode against the per-expert walk (NIBBLE_FUSED_MOE_DECODE=off) on the CPU: the
+// same tokens and log-prob bits in every mode (each expert's rows meet the same roundings and
+// GEMMs; the activation formats are row-local), for a churning sampled batch of 16.
+TEST(DecodeGraphs, FusedMoeDecodeGivesThePerExpertWalksBits) {
+  auto m = moe_model(&backend::cpu_backend());
+  for (PrecisionMode mode : {PrecisionMode::kBf16, PrecisionMode::kW4A16, PrecisionMode::kW4A4}) {
+    SCOPED_TRACE(precision_mode_name(mode));
+    EngineOptions o;
+    o.mode = mode;
+    o.recipe_name = "tetrajet-v2";
+    o.page_size = 4;
+    o.max_batch = 16;
+    const std::vector<Request> reqs = churn_requests(m->config().vocab_size, 22, 2, /*sampled=*/true);
+    ::setenv("NIBBLE_FUSED_MOE_DECODE", "off", 1);
+    const GenRun walk = generate(*m, o, DecodeGraphMode::kOff, false, reqs);
+    ::unsetenv("NIBBLE_FUSED_MOE_DECODE");
+    const GenRun fused = generate(*m, o, DecodeGraphMode::kOff, false, reqs);
+    expect_same(walk.out, fused.out);
+    // the layout of graph steps is only open to the fused form
+    ::setenv("NIBBLE_FUSED_MOE_DECODE", "off", 1);
+    const GenRun walk_layout = generate(*m, o, DecodeGraphMode::kEagerLayout, false, reqs);
+    ::unsetenv("NIBBLE_FUSED_MOE_DECODE");
+    EXPECT_EQ(walk_layout.status, "off: MoE layers walk their experts with host offsets");
+  }
+}
 
 TEST(DecodeGraphs, EnginesSayWhyGraphsAreOff) {
   auto m = dense_model(&backend::cpu_backend());
@@ -300,7 +345,12 @@ TEST(DecodeGraphs, EnginesSayWhyGraphsAreOff) {
   o.decode_graphs = DecodeGraphMode::kEagerLayout;
   e = Engine::create(**moe, o);
   ASSERT_TRUE(e.is_ok());
+  EXPECT_EQ((*e)->decode_graphs_status(), "eager-layout");  // the fused MoE decode: no host offsets
+  o.mode = PrecisionMode::kW4A16;  // but its experts' down_proj has K = 16: the packed GEMV needs K % 32
+  e = Engine::create(**moe, o);
+  ASSERT_TRUE(e.is_ok());
   EXPECT_EQ((*e)->decode_graphs_status(), "off: MoE layers walk their experts with host offsets");
+  o.mode = PrecisionMode::kBf16;
   ::setenv("NIBBLE_CUDA_GRAPHS", "off", 1);
   o.decode_graphs = DecodeGraphMode::kOn;
   e = Engine::create(*m, o);
@@ -342,6 +392,10 @@ TEST(DecodeGraphsDevice, GraphStepsEqualEagerStepsBitForBit) {
   {
     SCOPED_TRACE("graphs on");
     expect_graph_layout_equals_eager(dev.get(), DecodeGraphMode::kOn);
+  }
+  {
+    SCOPED_TRACE("MoE, graphs on");
+    expect_graph_layout_equals_eager(dev.get(), DecodeGraphMode::kOn, /*moe=*/true);
   }
   auto m = dense_model(dev.get());
   for (const Case& c : cases()) {

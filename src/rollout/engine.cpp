@@ -51,6 +51,10 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
                             o.max_batch);
   if (model.storage() == model::ParameterStorage::kInference && o.mode == PrecisionMode::kRecipe)
     return invalid_argument("rollout: a model of inference storage has no recipe weights (mode bf16, w4a16 or w4a4)");
+  std::unique_ptr<QuantizedLinears> linears;
+  if (o.mode != PrecisionMode::kRecipe) {
+    NIB_ASSIGN_OR_RETURN(linears, QuantizedLinears::create(model, o.mode, o.recipe_name));
+  }
   std::string graphs_off;
   // decode graphs (decode_graph.h): where they cannot run, every step is eager and graphs_off_ says why
   // NIBBLE_CUDA_GRAPHS=off|on overrides the option for every engine (kEagerLayout, a test mode, stays)
@@ -64,8 +68,8 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
                                                                 : "turned off (--no-cuda-graphs)";
   } else if (o.mode == PrecisionMode::kRecipe) {
     graphs_off = "the recipe mode runs the model's own recipes";
-  } else if (model.num_moe_layers() > 0) {
-    graphs_off = "MoE layers walk their experts with host offsets";
+  } else if (model.num_moe_layers() > 0 && !linears->runs_experts_grouped(model.backend())) {
+    graphs_off = "MoE layers walk their experts with host offsets";  // (the TE formats: per-expert scales)
   } else if (o.decode_graph_padding && o.mode == PrecisionMode::kW4A4 && o.recipe_name == "nvfp4-nvidia") {
     graphs_off = "padding rows would enter w4a4's per-tensor activation scale (nvfp4-nvidia)";
   } else if (o.decode_graphs == DecodeGraphMode::kOn && backend::graph_capture(model.backend()) == nullptr) {
@@ -93,7 +97,7 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
     if (model.param_refs()[i].name == "lm_head.weight" && model.param_refs()[i].value == nullptr)
       e->lm_head_index_ = static_cast<int64_t>(i);  // inference storage, BF16 lm_head: ours alone
   if (o.mode != PrecisionMode::kRecipe) {
-    NIB_ASSIGN_OR_RETURN(e->linears_, QuantizedLinears::create(model, o.mode, o.recipe_name));
+    e->linears_ = std::move(linears);
     e->snapshot_lm_head();
   }
   if (e->lm_head_held())  // allocated now, so memory() counts it from the start

@@ -1,6 +1,12 @@
 // Precision modes of the rollout engine's block linears (see precision.h).
 #include "rollout/precision.h"
 
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <utility>
+
 #include "core/check.h"
 
 namespace nibble::rollout {
@@ -34,18 +40,68 @@ Result<std::unique_ptr<QuantizedLinears>> QuantizedLinears::create(model::Model&
   q->infos_ = model.linear_infos();
   const bool te = recipe_name == "nvfp4-nvidia";
   q->weight_format_ = te ? QuantFormat::kNvfp4Te2d : QuantFormat::kNvfp4TwoLevel;
+  if (const char* v = std::getenv("NIBBLE_FUSED_MOE_DECODE"); v != nullptr && std::string(v) == "off")
+    q->fused_moe_ = false;
   q->act_format_ = te ? QuantFormat::kNvfp4Te : QuantFormat::kNvfp4TwoLevel;
   backend::Backend& be = model.backend();
   const bool four_bit = mode != PrecisionMode::kBf16;
-  for (const model::LinearInfo& info : model.linear_infos()) {
+  const std::vector<model::LinearInfo>& infos = model.linear_infos();
+  for (const model::LinearInfo& info : infos)
     if (four_bit && (info.K % 16 != 0 || (te && info.N % 16 != 0)))
       return invalid_argument("{} mode: linear {} is ({}, {}); NVFP4 needs in-features{} a multiple of 16",
                               precision_mode_name(mode), info.name, info.N, info.K, te ? " and out-features" : "");
+  // the routed experts of each MoE layer part back to back (the fused MoE decode's layout); the
+  // TE formats keep one tensor per expert (their per-tensor scale is not row-local)
+  std::vector<int> group_of_id(infos.size(), -1), expert_of_id(infos.size(), -1);
+  if (!te) {
+    std::map<std::pair<int, int>, std::vector<const model::LinearInfo*>> parts;  // (block, part) -> experts
+    for (const model::LinearInfo& info : infos)
+      if ((info.kind == model::LinearKind::kExpertGateUp || info.kind == model::LinearKind::kExpertDown) &&
+          info.expert >= 0)
+        parts[{info.block, info.kind == model::LinearKind::kExpertGateUp ? 0 : 1}].push_back(&info);
+    for (auto& [key, experts] : parts) {
+      std::sort(experts.begin(), experts.end(),
+                [](const model::LinearInfo* a, const model::LinearInfo* b) { return a->expert < b->expert; });
+      bool regular = true;
+      for (size_t e = 0; e < experts.size(); ++e)
+        regular = regular && experts[e]->expert == static_cast<int>(e) && experts[e]->N == experts[0]->N &&
+                  experts[e]->K == experts[0]->K;
+      if (!regular) continue;  // (not a model the engine makes) one tensor per expert
+      ExpertGroupStorage g;
+      g.E = static_cast<int64_t>(experts.size()), g.N = experts[0]->N, g.K = experts[0]->K;
+      if (four_bit) {
+        g.q0 = g.qbuf.view(be, q->weight_format_, g.E * g.N, g.K);
+        g.q0.rows = g.N;
+      } else {
+        g.bits.ensure(be, g.E * g.N * g.K, "rollout expert BF16 weights");
+      }
+      for (const model::LinearInfo* info : experts) {
+        g.ids.push_back(info->id);
+        group_of_id[static_cast<size_t>(info->id)] = static_cast<int>(q->groups_.size());
+        expert_of_id[static_cast<size_t>(info->id)] = info->expert;
+      }
+      q->groups_.push_back(std::move(g));
+    }
+  }
+  for (const model::LinearInfo& info : infos) {
     auto slot = std::make_unique<Slot>();
-    if (four_bit)
+    slot->group = group_of_id[static_cast<size_t>(info.id)];
+    if (slot->group >= 0) {  // a view of its group's storage
+      const ExpertGroupStorage& g = q->groups_[static_cast<size_t>(slot->group)];
+      const int64_t e = expert_of_id[static_cast<size_t>(info.id)];
+      if (four_bit) {
+        slot->q = g.q0;
+        slot->q.codes += e * backend::QuantizedTensor::code_bytes(g.q0.format, g.N, g.K);
+        slot->q.scales += e * backend::QuantizedTensor::scale_bytes(g.q0.format, g.N, g.K);
+        slot->q.outer += e * backend::QuantizedTensor::outer_count(g.q0.format, g.N, g.K);
+      } else {
+        slot->bits = const_cast<uint16_t*>(g.bits.data()) + e * g.N * g.K;
+      }
+    } else if (four_bit) {
       slot->q = slot->qbuf.view(be, q->weight_format_, info.N, info.K);
-    else
-      slot->w_bits.ensure(be, info.N * info.K, "rollout linear BF16 weight");
+    } else {
+      slot->bits = slot->w_bits.ensure(be, info.N * info.K, "rollout linear BF16 weight");
+    }
     q->weight_bytes_ += four_bit ? backend::QuantizedTensor::code_bytes(q->weight_format_, info.N, info.K) +
                                        backend::QuantizedTensor::scale_bytes(q->weight_format_, info.N, info.K) +
                                        4 * backend::QuantizedTensor::outer_count(q->weight_format_, info.N, info.K)
@@ -66,7 +122,7 @@ void QuantizedLinears::quantize_from(int id, const float* w) {
   Slot& slot = *slots_[id];
   backend::Backend& be = *be_;
   if (mode_ == PrecisionMode::kBf16) {
-    be.to_bf16_bits(slot.w_bits.data(), w, info.N * info.K);
+    be.to_bf16_bits(slot.bits, w, info.N * info.K);
   } else {
     float* wb = wd_.ensure(be, info.N * info.K, "rollout weight scratch");
     be.round_to_bf16(wb, w, info.N * info.K);  // the recipes quantize the BF16 weight
@@ -94,6 +150,8 @@ int64_t QuantizedLinears::storage_bytes() const {
   int64_t b = 0;
   for (const auto& s : slots_)
     b += s->qbuf.codes.size() + s->qbuf.scales.size() + 4 * s->qbuf.outer.size() + 2 * s->w_bits.size();
+  for (const ExpertGroupStorage& g : groups_)
+    b += g.qbuf.codes.size() + g.qbuf.scales.size() + 4 * g.qbuf.outer.size() + 2 * g.bits.size();
   return b;
 }
 
@@ -183,7 +241,7 @@ void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, c
   if (mode_ == PrecisionMode::kBf16) {  // BF16 bits of x against the weight's bits: exact products
     uint16_t* xb = xb_.ensure(be, M * K, "rollout BF16 activation");
     be.to_bf16_bits(xb, x, M * K);
-    be.matmul_bf16_nt(y, xb, s.w_bits.data(), M, N, K);
+    be.matmul_bf16_nt(y, xb, s.bits, M, N, K);
     return;
   }
   // the BF16 activation (zero rows pad the TE format's 16-row tiles)
@@ -209,6 +267,53 @@ void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, c
   else  // the dequantized weight, made for this call in the shared scratch
     be.matmul_nt(y, a, dequantized_weight(be, s.q), M, N, K, /*accumulate=*/false, /*operands_bf16=*/false);
   be.round_to_bf16(y, y, M * N);  // as the 4-bit recipes: the GEMM writes BF16
+}
+
+const QuantizedLinears::ExpertGroupStorage* QuantizedLinears::group_of(int id) const {
+  if (id < 0 || id >= static_cast<int>(slots_.size()) || slots_[id]->group < 0) return nullptr;
+  return &groups_[static_cast<size_t>(slots_[id]->group)];
+}
+
+bool QuantizedLinears::runs_experts_grouped(backend::Backend& be) const {
+  if (!fused_moe_ || groups_.empty() || !be.supports(backend::Op::kGroupedGemm)) return false;  // + device plan
+  if (mode_ == PrecisionMode::kBf16) return true;
+  if (weight_format_ != QuantFormat::kNvfp4TwoLevel || !be.supports(backend::Op::kNvfp4WeightGemm)) return false;
+  for (const ExpertGroupStorage& g : groups_)
+    if (g.K % 32 != 0) return false;  // the packed GEMV's chunks
+  return mode_ == PrecisionMode::kW4A16 || observer_ == nullptr || observer_->observes_experts_grouped(be);
+}
+
+void QuantizedLinears::forward_experts(backend::Backend& be, float* y, const float* x, int64_t rows,
+                                       const model::LinearInfo* infos, int64_t E, const int64_t* offsets,
+                                       const int32_t* token_of_row, const model::LinearCall& call) {
+  NIB_CHECK(infos != nullptr && E > 0 && rows >= 0);
+  const ExpertGroupStorage* g = group_of(infos[0].id);
+  NIB_CHECK_MSG(g != nullptr && g->E == E && g->ids[0] == infos[0].id && g->ids[static_cast<size_t>(E - 1)] == infos[E - 1].id,
+                "rollout: {} is not the first of a grouped expert part of {} experts", infos[0].name, E);
+  for (int id : g->ids) NIB_CHECK_MSG(slots_[id]->ready, "rollout: linear {} has no weight yet", infos_[id].name);
+  const int64_t N = g->N, K = g->K;
+  if (rows == 0) return;
+  if (mode_ == PrecisionMode::kBf16) {  // BF16 bits of every row against each expert's bits
+    uint16_t* xb = xb_.ensure(be, rows * K, "rollout BF16 activation");
+    be.to_bf16_bits(xb, x, rows * K);
+    be.grouped_matmul_bf16_nt(y, xb, g->bits.data(), offsets, E, rows, N, K, N * K);
+    return;
+  }
+  const int64_t Mp = mode_ == PrecisionMode::kW4A4 ? (rows + 15) / 16 * 16 : rows;
+  float* xs = xs_.ensure(be, Mp * K, "rollout activation");
+  be.round_to_bf16(xs, x, rows * K);
+  if (Mp > rows) be.fill_zero(xs + rows * K, static_cast<size_t>((Mp - rows) * K) * sizeof(float));
+  const float* a = xs;
+  if (mode_ == PrecisionMode::kW4A4) {  // two-level: each row quantized on its own, as per expert
+    backend::QuantizedTensor qx = xq_.view(be, act_format_, Mp, K);
+    be.quantize(qx, xs);
+    if (observer_ != nullptr) observer_->on_quantized_activation_experts(be, infos, E, qx, rows, offsets, token_of_row);
+    float* xd = xd_.ensure(be, Mp * K, "rollout dequantized activation");
+    be.dequantize(xd, qx);
+    a = xd;
+  }
+  be.grouped_matmul_nt_nvfp4_weight(y, a, g->q0, offsets, E, rows);
+  be.round_to_bf16(y, y, rows * N);  // as the 4-bit recipes: the GEMM writes BF16
 }
 
 }  // namespace nibble::rollout

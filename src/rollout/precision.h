@@ -41,6 +41,15 @@ class ActivationObserver {
   virtual void on_quantized_activation(backend::Backend& be, const model::LinearInfo& info,
                                        const backend::QuantizedTensor& qx, int64_t M,
                                        const int32_t* token_of_row) = 0;
+  // The fused MoE decode's form: true when on_quantized_activation_experts can take the routed
+  // experts of a layer part at once on `be` (else QuantizedLinears walks the experts). Default: no.
+  virtual bool observes_experts_grouped(backend::Backend& be) const { return false; }
+  // qx: the quantized activations of all `rows` rows (backend memory, zero rows may follow); rows
+  // [offsets[e], offsets[e+1]) enter expert linear infos[e] (E of one layer and part, in expert
+  // order); offsets (E+1) i64 and token_of_row (rows) i32 in backend memory.
+  virtual void on_quantized_activation_experts(backend::Backend& be, const model::LinearInfo* infos, int64_t E,
+                                               const backend::QuantizedTensor& qx, int64_t rows,
+                                               const int64_t* offsets, const int32_t* token_of_row) {}
 };
 const char* precision_mode_name(PrecisionMode m);
 // "recipe" | "bf16" | "w4a16" | "w4a4"
@@ -94,16 +103,40 @@ class QuantizedLinears final : public model::LinearOverride {
 
   void forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
                const model::LinearInfo& info, const model::LinearCall& call) override;
+  // The fused MoE decode (model::LinearOverride): each MoE layer part's routed experts keep their
+  // weights back to back (bf16: BF16 bits; w4a16 / w4a4 two-level NVFP4 codes + scales), so one
+  // grouped GEMM on device offsets runs them all (grouped_matmul_bf16_nt, or the packed-weight
+  // grouped GEMV grouped_matmul_nt_nvfp4_weight: only routed experts' weights are read). The same
+  // roundings as forward() per expert (the activation formats are row-local); CPU: the same bits.
+  // Not for the TE formats (nvfp4-nvidia: a per-tensor activation scale per expert), nor with an
+  // observer that cannot take the grouped form, nor when NIBBLE_FUSED_MOE_DECODE=off (read at create).
+  bool runs_experts_grouped(backend::Backend& be) const override;
+  void forward_experts(backend::Backend& be, float* y, const float* x, int64_t rows, const model::LinearInfo* infos,
+                       int64_t E, const int64_t* offsets, const int32_t* token_of_row,
+                       const model::LinearCall& call) override;
   // w4a4: every quantized activation is shown to `observer` (null: none) right after quantizing.
   void set_observer(ActivationObserver* observer) { observer_ = observer; }
 
  private:
   struct Slot {
-    backend::QuantizedBuffer qbuf;
-    backend::QuantizedTensor q;  // 4-bit modes
-    backend::Buffer<uint16_t> w_bits;  // (N,K) bf16 mode: BF16 bits of the weight
-    bool ready = false;          // holds a weight
+    backend::QuantizedBuffer qbuf;     // own storage (a linear outside the expert groups)
+    backend::QuantizedTensor q;        // 4-bit modes: a view of qbuf or of its expert group's storage
+    backend::Buffer<uint16_t> w_bits;  // (N,K) bf16 mode, own storage
+    uint16_t* bits = nullptr;          // (N,K) bf16 mode: BF16 bits of the weight (w_bits or the group's)
+    bool ready = false;                // holds a weight
+    int group = -1;                    // index in groups_, or -1
   };
+  // The E routed experts of one MoE layer and part, stored back to back: expert e's tensor starts
+  // e tensors after expert 0's (the grouped GEMMs' weight layout).
+  struct ExpertGroupStorage {
+    int64_t E = 0, N = 0, K = 0;
+    std::vector<int> ids;            // (E) linear ids in expert order
+    backend::QuantizedBuffer qbuf;   // 4-bit modes: (E N, K) two-level (row-local: E (N, K) tensors)
+    backend::QuantizedTensor q0;     // expert 0's (N, K) view of qbuf
+    backend::Buffer<uint16_t> bits;  // bf16 mode: (E N K)
+  };
+  // The group of linear `id`, or null.
+  const ExpertGroupStorage* group_of(int id) const;
   // (q.rows, q.cols) f32 in wd_ <- dequantize(q): the GEMM weight of a prefill chunk.
   float* dequantized_weight(backend::Backend& be, const backend::QuantizedTensor& q);
   // Makes slot `id`'s storage from w: (N,K) f32 in backend memory.
@@ -116,6 +149,8 @@ class QuantizedLinears final : public model::LinearOverride {
   backend::QuantFormat weight_format_ = backend::QuantFormat::kNvfp4TwoLevel;
   backend::QuantFormat act_format_ = backend::QuantFormat::kNvfp4TwoLevel;
   std::vector<std::unique_ptr<Slot>> slots_;
+  std::vector<ExpertGroupStorage> groups_;
+  bool fused_moe_ = true;  // NIBBLE_FUSED_MOE_DECODE=off walks the experts (A/B benches, tests)
   int64_t weight_bytes_ = 0;
   int64_t waiting_ = 0;                   // linears without a weight
   backend::Buffer<float> wd_;             // (N, K) of the largest linear: dequantized / BF16-rounded weight

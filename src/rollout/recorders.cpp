@@ -82,14 +82,7 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
     const auto align8 = [](int64_t n) { return (n + 7) & ~int64_t{7}; };
     const int64_t P = guidance_record_bytes(qx.format, qx.cols, mode) - kGuidanceHeaderBytes;
     const int64_t need = align8(M * P) + (routed ? align8(4 * M) : 0);
-    if (arena_be_ != &be || arena_used_ + need > arena_.size()) {
-      // full: the step so far goes to the host, then the arena doubles (up to the cap; ensure()
-      // keeps no contents, and does nothing when it is large enough)
-      NIB_RETURN_IF_ERROR(flush_pending());
-      const int64_t doubled = arena_be_ == &be ? std::min(2 * arena_.size(), kMaxArenaBytes) : 0;
-      arena_.ensure(be, std::max(need, doubled), "guidance recorder: step arena");
-      arena_be_ = &be;
-    }
+    NIB_RETURN_IF_ERROR(reserve_arena(be, need));
     Pending p{info.name, info.block, *site, qx.cols, M, P, arena_used_, -1};
     be.guidance_payload_rows(arena_.data() + p.payload_at, q, guidance_kind(mode));
     arena_used_ += align8(M * P);
@@ -140,6 +133,58 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
   return store.append_batch(std::move(batch));
 }
 
+Status GuidanceRecorder::reserve_arena(backend::Backend& be, int64_t need) {
+  if (arena_be_ != &be || arena_used_ + need > arena_.size()) {
+    // full: the step so far goes to the host, then the arena doubles (up to the cap; ensure()
+    // keeps no contents, and does nothing when it is large enough)
+    NIB_RETURN_IF_ERROR(flush_pending());
+    const int64_t doubled = arena_be_ == &be ? std::min(2 * arena_.size(), kMaxArenaBytes) : 0;
+    arena_.ensure(be, std::max(need, doubled), "guidance recorder: step arena");
+    arena_be_ = &be;
+  }
+  return Status::ok();
+}
+
+bool GuidanceRecorder::observes_experts_grouped(backend::Backend& be) const {
+  return be.supports(backend::Op::kTraceGuidedRows);
+}
+
+void GuidanceRecorder::on_quantized_activation_experts(backend::Backend& be, const model::LinearInfo* infos,
+                                                       int64_t E, const backend::QuantizedTensor& qx, int64_t rows,
+                                                       const int64_t* offsets, const int32_t* token_of_row) {
+  if (!status_.is_ok() || recorders_.guidance == nullptr || E <= 0 || rows <= 0) return;
+  const model::LinearInfo& info = infos[0];
+  if (info.block < 0 || info.block >= static_cast<int>(layer_on_.size()) || !layer_on_[static_cast<size_t>(info.block)])
+    return;
+  if (!is_routed_expert(info.kind) || qx.format != backend::QuantFormat::kNvfp4TwoLevel || token_of_row == nullptr ||
+      offsets == nullptr) {
+    status_ = Status(StatusCode::kInternal,
+                     fmt::format("guidance recorder: grouped call of {} is not of routed experts with two-level "
+                                 "activations, tokens and offsets", info.name));
+    return;
+  }
+  const auto align8 = [](int64_t n) { return (n + 7) & ~int64_t{7}; };
+  const GuidanceMode mode = recorders_.guidance_mode;
+  const int64_t P = guidance_record_bytes(qx.format, qx.cols, mode) - kGuidanceHeaderBytes;
+  const int64_t need = align8(rows * P) + align8(4 * rows) + 8 * (E + 1);
+  status_ = reserve_arena(be, need);
+  if (!status_.is_ok()) return;
+  const int part = info.kind == model::LinearKind::kExpertGateUp ? 0 : 1;
+  Pending p{info.name, info.block, routed_expert_site(0, part), qx.cols, rows, P, arena_used_, -1};
+  p.E = E, p.part = part;
+  backend::QuantizedTensor q = qx;
+  q.rows = rows;
+  be.guidance_payload_rows(arena_.data() + p.payload_at, q, guidance_kind(mode));
+  arena_used_ += align8(rows * P);
+  p.tokens_at = arena_used_;
+  be.copy(arena_.data() + p.tokens_at, token_of_row, sizeof(int32_t) * static_cast<size_t>(rows));
+  arena_used_ += align8(4 * rows);
+  p.offsets_at = arena_used_;
+  be.copy(arena_.data() + p.offsets_at, offsets, sizeof(int64_t) * static_cast<size_t>(E + 1));
+  arena_used_ += 8 * (E + 1);
+  pending_.push_back(p);
+}
+
 Status GuidanceRecorder::finish_step() {
   if (status_.is_ok()) status_ = flush_pending();
   return status_;
@@ -165,14 +210,30 @@ Status GuidanceRecorder::flush_pending() {
                          guidance_record_from_payload(backend::QuantFormat::kNvfp4TwoLevel, p.cols, mode,
                                                       std::span<const uint8_t>(payloads, static_cast<size_t>(p.P))));
     const auto* tokens = p.tokens_at >= 0 ? reinterpret_cast<const int32_t*>(arena_host_.data() + p.tokens_at) : nullptr;
+    // a grouped call: expert e's rows end at offsets[e + 1] (8-byte aligned in the arena)
+    std::vector<int64_t> offsets;
+    if (p.E > 0) {
+      offsets.resize(static_cast<size_t>(p.E + 1));
+      std::memcpy(offsets.data(), arena_host_.data() + p.offsets_at, offsets.size() * sizeof(int64_t));
+      if (offsets[0] != 0 || offsets[static_cast<size_t>(p.E)] != p.M)
+        return Status(StatusCode::kInternal, fmt::format("guidance recorder: grouped call of {} has offsets [{}, {}] "
+                                                         "for {} rows", p.linear, offsets[0],
+                                                         offsets[static_cast<size_t>(p.E)], p.M));
+    }
+    int64_t expert = 0;
     for (int64_t r = 0; r < p.M; ++r) {
       const int64_t n = tokens != nullptr ? tokens[r] : r;  // the step row
       if (n < 0 || n >= N)
         return Status(StatusCode::kInternal, fmt::format("guidance recorder: linear {} row {} is token {}, the step has {}",
                                                          p.linear, r, n, N));
+      uint16_t site = p.site;
+      if (p.E > 0) {
+        while (expert < p.E && r >= offsets[static_cast<size_t>(expert + 1)]) ++expert;
+        site = routed_expert_site(static_cast<int>(expert), p.part);
+      }
       std::memcpy(rec.data() + kGuidanceHeaderBytes, payloads + r * p.P, static_cast<size_t>(p.P));
       const RecordKey key{0, static_cast<uint32_t>(rows_.positions[static_cast<size_t>(n)]),
-                          static_cast<uint16_t>(p.block), p.site};
+                          static_cast<uint16_t>(p.block), site};
       NIB_RETURN_IF_ERROR(for_each_sample_of_row(rows_, static_cast<size_t>(n), [&](uint64_t seq) {
         RecordKey k = key;
         k.sequence = seq;

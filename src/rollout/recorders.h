@@ -67,6 +67,12 @@ class GuidanceRecorder final : public ActivationObserver, public KvWriteObserver
   void set_rows(const RecordedRows& rows) { rows_ = rows; }
   void on_quantized_activation(backend::Backend& be, const model::LinearInfo& info, const backend::QuantizedTensor& qx,
                                int64_t M, const int32_t* token_of_row) override;
+  // The fused MoE decode's routed experts (two-level activations on a backend with
+  // Op::kTraceGuidedRows): one payload kernel over all rows; the offsets come with the tokens.
+  bool observes_experts_grouped(backend::Backend& be) const override;
+  void on_quantized_activation_experts(backend::Backend& be, const model::LinearInfo* infos, int64_t E,
+                                       const backend::QuantizedTensor& qx, int64_t rows, const int64_t* offsets,
+                                       const int32_t* token_of_row) override;
   // kKeyCache / kValueCache records of the batch's rows at `layer` (an NVFP4 cache; a recorded layer).
   void on_kv_written(const PagedKvCache& cache, int64_t layer) override;
   // Ends the step whose rows set_rows named: brings the step arena's payloads to the host in one
@@ -77,13 +83,18 @@ class GuidanceRecorder final : public ActivationObserver, public KvWriteObserver
  private:
   // A recorded call (a two-level activation) whose payloads wait in the step arena: rows [0, M) of
   // `site` at `block`, P payload bytes each at payload_at; a routed expert's M i32 step rows at
-  // tokens_at (else -1).
+  // tokens_at (else -1). A grouped call (E > 0) of routed experts: E + 1 i64 offsets at offsets_at,
+  // rows [offsets[e], offsets[e+1]) are expert e's, site routed_expert_site(e, part).
   struct Pending {
     std::string linear;  // its name, for errors
     int block;
     uint16_t site;
     int64_t cols, M, P, payload_at, tokens_at;
+    int64_t E = 0, offsets_at = -1;
+    int part = 0;
   };
+  // Room for `need` more bytes in the step arena on `be` (flushing what is there when full).
+  Status reserve_arena(backend::Backend& be, int64_t need);
   Status flush_pending();  // the arena's payloads to the host, their records to the store
   Status record(backend::Backend& be, const model::LinearInfo& info, const backend::QuantizedTensor& qx, int64_t M,
                 const int32_t* token_of_row);

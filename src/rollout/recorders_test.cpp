@@ -25,13 +25,15 @@
 namespace nibble::rollout {
 namespace {
 
-std::unique_ptr<model::Model> tiny_model(bool moe) {
+// moe_intermediate 32 (not 16) gives the experts' down_proj K % 32 == 0: the fused MoE decode.
+std::unique_ptr<model::Model> tiny_model(bool moe, int64_t moe_intermediate = 16) {
   nlohmann::json j = moe ? nlohmann::json::parse(R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32,
     "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "head_dim": 16, "vocab_size": 40, "max_position_embeddings": 48, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
     "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [1]})")
                          : model::test::tiny_olmo2_model_json(40);
   j["initializer_range"] = 0.3;
+  if (moe) j["moe_intermediate_size"] = moe_intermediate;
   auto cfg = model::parse_model_config(j);
   EXPECT_TRUE(cfg.is_ok()) << cfg.status().message();
   model::RecipeConfig rc;
@@ -61,6 +63,25 @@ class InputTap final : public model::LinearOverride {
     model::round_to_bf16_array(xb.data(), x, M * info.K);
     if (call.token_of_row != nullptr) tokens[info.id].assign(call.token_of_row, call.token_of_row + M);
     q_.forward(be, y, x, w, M, info, call);
+  }
+  // grouped: the routed experts of a part in one call (the fused MoE decode), each expert's rows
+  // kept as above (CPU memory: the offsets and tokens are readable here)
+  bool grouped = false;
+  int64_t grouped_calls = 0;
+  bool runs_experts_grouped(backend::Backend& be) const override { return grouped && q_.runs_experts_grouped(be); }
+  void forward_experts(backend::Backend& be, float* y, const float* x, int64_t rows, const model::LinearInfo* infos,
+                       int64_t E, const int64_t* offsets, const int32_t* token_of_row,
+                       const model::LinearCall& call) override {
+    ++grouped_calls;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = offsets[e], M = offsets[e + 1] - r0, K = infos[e].K;
+      if (M == 0) continue;
+      std::vector<float>& xb = inputs[infos[e].id];
+      xb.resize(static_cast<size_t>(M * K));
+      model::round_to_bf16_array(xb.data(), x + r0 * K, M * K);
+      tokens[infos[e].id].assign(token_of_row + r0, token_of_row + r0 + M);
+    }
+    q_.forward_experts(be, y, x, rows, infos, E, offsets, token_of_row, call);
   }
   std::map<int, std::vector<float>> inputs;
   std::map<int, std::vector<int32_t>> tokens;  // routed experts: each row's step row (CPU memory)
@@ -98,8 +119,9 @@ void run_recorded_prompt(model::Model& m, PagedKvCache& cache, model::LinearOver
 // the guidance recorder on: every record equals the trainer's quantizer on the linear's input row
 // (sequence of the sample, position of the row's token). A routed expert's rows are the tokens the
 // dispatch plan sent to it, so its records sit at those tokens' positions under its own site.
-void expect_w4a4_codes_equal_the_trainer_quantizer(bool moe) {
-  auto m = tiny_model(moe);
+// grouped: the MoE experts through the fused MoE decode (one recorder call per layer part).
+void expect_w4a4_codes_equal_the_trainer_quantizer(bool moe, bool grouped = false) {
+  auto m = tiny_model(moe, grouped ? 32 : 16);
   auto q = QuantizedLinears::create(*m, PrecisionMode::kW4A4, "tetrajet-v2");
   ASSERT_TRUE(q.is_ok()) << q.status().message();
   auto store = open_store("guidance store");
@@ -108,6 +130,7 @@ void expect_w4a4_codes_equal_the_trainer_quantizer(bool moe) {
   GuidanceRecorder recorder(rec, m->config().num_hidden_layers);
   q.value()->set_observer(&recorder);
   InputTap tap(*q.value());
+  tap.grouped = grouped;
   KvCacheConfig kc{m->config().num_hidden_layers, m->config().num_attention_heads, m->config().num_key_value_heads,
                    m->config().head_dim, 16, 4, backend::KvPageFormat::kF32, backend::AttentionPrecision::kFp32};
   auto cache = PagedKvCache::create(m->backend(), kc);
@@ -151,6 +174,7 @@ void expect_w4a4_codes_equal_the_trainer_quantizer(bool moe) {
   EXPECT_EQ(store->stats().records, rows_recorded);  // nothing else was recorded
   // every token went through top_k experts' gate/up and down in the MoE layer (layer 1 is dense)
   EXPECT_EQ(routed_rows, moe ? 2 * kPromptRows * m->config().num_experts_per_tok : 0);
+  EXPECT_EQ(tap.grouped_calls, grouped ? 2 : 0);  // gate/up and down of the one MoE layer
 }
 
 TEST(RolloutRecorders, W4a4GuidanceCodesEqualTheTrainerQuantizerOnTheSameInputs) {
@@ -159,6 +183,12 @@ TEST(RolloutRecorders, W4a4GuidanceCodesEqualTheTrainerQuantizerOnTheSameInputs)
 
 TEST(RolloutRecorders, W4a4RoutedExpertCodesEqualTheTrainerQuantizerOnTheirTokens) {
   expect_w4a4_codes_equal_the_trainer_quantizer(true);
+}
+
+// The same through the fused MoE decode: one quantization of all routed rows, one grouped record
+// call per part, split into each expert's site by the offsets.
+TEST(RolloutRecorders, W4a4FusedMoeDecodeRecordsEachExpertsCodesOnItsTokens) {
+  expect_w4a4_codes_equal_the_trainer_quantizer(true, /*grouped=*/true);
 }
 
 // One prefill of 9 rows of request 3 (2 samples) into NVFP4 pages with the recorder watching the

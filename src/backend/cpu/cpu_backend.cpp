@@ -567,6 +567,24 @@ void CpuBackend::matmul_nt_nvfp4_weight(float* y, const float* x, const Quantize
   matmul_nt(y, x, nvfp4_weight_scratch_.data(), M, w.rows, w.cols, /*accumulate=*/false, /*operands_bf16=*/false);
 }
 
+void CpuBackend::grouped_matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w,
+                                                const int64_t* offsets, int64_t G, int64_t rows) {
+  NIB_CHECK_MSG(G >= 0 && rows >= 0 && (G == 0 || offsets != nullptr),
+                "grouped_matmul_nt_nvfp4_weight: G={} rows={} offsets {}", G, rows, offsets ? "set" : "null");
+  const int64_t N = w.rows, K = w.cols;
+  const int64_t cb = QuantizedTensor::code_bytes(w.format, N, K), sb = QuantizedTensor::scale_bytes(w.format, N, K);
+  const int64_t ob = QuantizedTensor::outer_count(w.format, N, K);
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t r0 = offsets[g], r1 = offsets[g + 1];
+    NIB_CHECK_MSG(0 <= r0 && r0 <= r1 && r1 <= rows,
+                  "grouped_matmul_nt_nvfp4_weight: group {} rows [{}, {}) outside [0, {}]", g, r0, r1, rows);
+    if (r1 == r0) continue;
+    QuantizedTensor wg = w;
+    wg.codes = w.codes + g * cb, wg.scales = w.scales + g * sb, wg.outer = w.outer + g * ob;
+    matmul_nt_nvfp4_weight(y + r0 * N, x + r0 * K, wg, r1 - r0);
+  }
+}
+
 void CpuBackend::guided_overwrite_rows(QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows,
                                        int64_t R, const uint8_t* scales, const float* outer, const uint8_t* guide,
                                        formats::GuidanceKind kind) {

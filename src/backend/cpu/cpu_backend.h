@@ -137,6 +137,8 @@ class CpuBackend final : public Backend {
                        AttentionPrecision precision) override;
   // packed-NVFP4 weight GEMM: the reference (dequantize, then matmul_nt)
   void matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, int64_t M) override;
+  void grouped_matmul_nt_nvfp4_weight(float* y, const float* x, const QuantizedTensor& w, const int64_t* offsets,
+                                      int64_t G, int64_t rows) override;
   // TRACE guided rows: formats::nvfp4_2level_quantize_guided_cpu row by row
   void guided_overwrite_rows(QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows, int64_t R,
                              const uint8_t* scales, const float* outer, const uint8_t* guide,

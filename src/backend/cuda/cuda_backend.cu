@@ -903,6 +903,20 @@ void CudaBackend::matmul_nt_nvfp4_weight(float* y, const float* x, const backend
               "matmul_nt_nvfp4_weight", "({}, {}) M={}", w.rows, w.cols, M);
 }
 
+void CudaBackend::grouped_matmul_nt_nvfp4_weight(float* y, const float* x, const backend::QuantizedTensor& w,
+                                                 const int64_t* offsets, int64_t G, int64_t rows) {
+  activate();
+  NIB_OP_REQUIRE(w.format == backend::QuantFormat::kNvfp4TwoLevel && w.cols % 32 == 0 && G >= 0 && rows >= 0 &&
+                     rows <= INT32_MAX && G <= INT32_MAX && w.rows <= INT32_MAX && w.cols <= INT32_MAX &&
+                     (G == 0 || offsets != nullptr) && (rows + 7) / 8 + G <= 65535,
+                 "grouped_matmul_nt_nvfp4_weight", "{} ({}, {}) G={} rows={}", backend::quant_format_name(w.format),
+                 w.rows, w.cols, G, rows);
+  NIB_OP_CUDA(nibble_fp4_gemv::nvfp4_grouped_gemv(y, x, w.codes, w.scales, w.outer, offsets, static_cast<int>(G),
+                                                  static_cast<int>(rows), static_cast<int>(w.rows),
+                                                  static_cast<int>(w.cols), stream_),
+              "grouped_matmul_nt_nvfp4_weight", "({}, {}) G={} rows={}", w.rows, w.cols, G, rows);
+}
+
 // ---- TRACE guided rows -----------------------------------------------------------------------------
 void CudaBackend::guided_overwrite_rows(backend::QuantizedTensor& q, int64_t* stats, const float* x,
                                         const int32_t* rows, int64_t R, const uint8_t* scales, const float* outer,

@@ -185,6 +185,8 @@ class CudaBackend final : public backend::Backend, public backend::GraphCapture 
 
   // packed-NVFP4 weight GEMM (backend/cuda/fp4_gemv.cuh for M <= 8, fp4_weight_mma.cuh beyond)
   void matmul_nt_nvfp4_weight(float* y, const float* x, const backend::QuantizedTensor& w, int64_t M) override;
+  void grouped_matmul_nt_nvfp4_weight(float* y, const float* x, const backend::QuantizedTensor& w,
+                                      const int64_t* offsets, int64_t G, int64_t rows) override;
   // TRACE guided rows (backend/cuda/guided.cu: nvfp4_2level_guided_rows)
   void guided_overwrite_rows(backend::QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows,
                              int64_t R, const uint8_t* scales, const float* outer, const uint8_t* guide,

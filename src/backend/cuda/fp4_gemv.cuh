@@ -4,7 +4,9 @@
 // nvfp4_2level_decode does (w = +-(e2m1 * fl(e4m3(inner) * outer)), the same FP32 values as
 // Backend::dequantize) and multiplied with FP32 FMAs. One warp per output column n reads its
 // weight row once for up to kMaxRowsPerBlock rows of x; lanes take 32-element chunks k = 32 (lane
-// + 32 i), each summed in order, then a fixed xor-shuffle tree: deterministic, no atomics.
+// + 32 i), each summed in order, then a fixed xor-shuffle tree: deterministic, no atomics. The
+// grouped kernel runs the same per-row arithmetic over the MoE experts of a layer, each row tile
+// against its own expert's weight (fused MoE decode: no host offsets, empty experts read nothing).
 // Dependency-free (CUDA only): dev/cuda/fp4_gemv.cu (the sandbox) and src/backend/cuda include it.
 #pragma once
 
@@ -51,21 +53,14 @@ __host__ __device__ __forceinline__ float decode(uint32_t code, float sp) {
   return (code & 8u) ? -v : v;
 }
 
-// Grid (ceil(N / kWarpsPerBlock), ceil(M / MT)), kWarpsPerBlock * 32 threads; MT <= kMaxRowsPerBlock.
-// Requires K % 32 == 0 and 16-byte aligned codes rows (K % 32 == 0 with an aligned base).
+// One warp's output column n for `rows` (<= MT) rows of x starting at x_rows (row stride K), into
+// y_rows (row stride N): the weight row (crow, irow, orow) read once. The arithmetic of every
+// kernel below (so the plain and the grouped GEMV give a row the same bits).
 template <int MT>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    nvfp4_gemv_kernel(float* __restrict__ y, const float* __restrict__ x, const uint8_t* __restrict__ codes,
-                      const uint8_t* __restrict__ inner, const float* __restrict__ outer, int M, int N, int K) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = blockIdx.x * kWarpsPerBlock + warp;
-  if (n >= N) return;  // whole warps leave; no block-wide barrier below
-  const int m0 = blockIdx.y * MT;
-  const int rows = M - m0 < MT ? M - m0 : MT;
-  const int chunks = K / 32, outer_per_row = (K + 127) / 128;
-  const uint8_t* crow = codes + static_cast<int64_t>(n) * (K / 2);
-  const uint8_t* irow = inner + static_cast<int64_t>(n) * (K / 16);
-  const float* orow = outer + static_cast<int64_t>(n) * outer_per_row;
+__device__ __forceinline__ void gemv_column(float* __restrict__ y_rows, const float* __restrict__ x_rows,
+                                            const uint8_t* __restrict__ crow, const uint8_t* __restrict__ irow,
+                                            const float* __restrict__ orow, int rows, int n, int N, int K, int lane) {
+  const int chunks = K / 32;
   float acc[MT];
 #pragma unroll
   for (int m = 0; m < MT; ++m) acc[m] = 0.0f;
@@ -81,7 +76,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       if (m < rows) {
-        const float4* xr = reinterpret_cast<const float4*>(x + static_cast<int64_t>(m0 + m) * K + 32 * c);
+        const float4* xr = reinterpret_cast<const float4*>(x_rows + static_cast<int64_t>(m) * K + 32 * c);
         float a = acc[m];
 #pragma unroll
         for (int q = 0; q < 8; ++q) {
@@ -100,8 +95,80 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     float v = acc[m];
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
-    if (lane == 0 && m < rows) y[static_cast<int64_t>(m0 + m) * N + n] = v;
+    if (lane == 0 && m < rows) y_rows[static_cast<int64_t>(m) * N + n] = v;
   }
+}
+
+// Grid (ceil(N / kWarpsPerBlock), ceil(M / MT)), kWarpsPerBlock * 32 threads; MT <= kMaxRowsPerBlock.
+// Requires K % 32 == 0 and 16-byte aligned codes rows (K % 32 == 0 with an aligned base).
+template <int MT>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    nvfp4_gemv_kernel(float* __restrict__ y, const float* __restrict__ x, const uint8_t* __restrict__ codes,
+                      const uint8_t* __restrict__ inner, const float* __restrict__ outer, int M, int N, int K) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = blockIdx.x * kWarpsPerBlock + warp;
+  if (n >= N) return;  // whole warps leave; no block-wide barrier below
+  const int m0 = blockIdx.y * MT;
+  const int rows = M - m0 < MT ? M - m0 : MT;
+  const int outer_per_row = (K + 127) / 128;
+  gemv_column<MT>(y + static_cast<int64_t>(m0) * N, x + static_cast<int64_t>(m0) * K,
+                  codes + static_cast<int64_t>(n) * (K / 2), inner + static_cast<int64_t>(n) * (K / 16),
+                  outer + static_cast<int64_t>(n) * outer_per_row, rows, n, N, K, lane);
+}
+
+// Grouped (MoE experts): grid (ceil(N / kWarpsPerBlock), tiles), tiles >= sum_g ceil(M_g /
+// kMaxRowsPerBlock) (ceil(rows / 8) + G always is). Block y takes the y-th row tile in expert
+// order: the block's threads count each expert's tiles from `offsets` (G+1, device memory) and scan
+// them in chunks of the block's 128 threads; a block past the last tile leaves. Expert g's weight
+// parts start g * (N K / 2), g * (N K / 16), g * N ceil(K/128) elements after expert 0's.
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    nvfp4_grouped_gemv_kernel(float* __restrict__ y, const float* __restrict__ x, const uint8_t* __restrict__ codes,
+                              const uint8_t* __restrict__ inner, const float* __restrict__ outer,
+                              const int64_t* __restrict__ offsets, int G, int N, int K) {
+  constexpr int MT = kMaxRowsPerBlock, kThreads = kWarpsPerBlock * 32;
+  __shared__ int warp_sums[kWarpsPerBlock];
+  __shared__ int found_g, found_m0, found_rows;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tile = blockIdx.y;
+  if (tid == 0) found_g = -1;
+  int before = 0;  // tiles of the experts before this chunk
+  for (int base = 0; base < G; base += kThreads) {
+    const int g = base + tid;
+    int64_t r0 = 0, cnt = 0;
+    if (g < G) r0 = offsets[g], cnt = offsets[g + 1] - r0;
+    const int t = static_cast<int>((cnt + MT - 1) / MT);
+    int incl = t;  // inclusive scan over the block: warps, then the warp totals
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int v = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+      if (lane >= off) incl += v;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    int prior = before;
+    for (int w = 0; w < warp; ++w) prior += warp_sums[w];
+    const int first = prior + incl - t;  // this expert's first tile
+    if (t > 0 && tile >= first && tile < first + t) {
+      const int64_t m0 = r0 + static_cast<int64_t>(tile - first) * MT;
+      found_g = g, found_m0 = static_cast<int>(m0);
+      found_rows = static_cast<int>(cnt - (m0 - r0) < MT ? cnt - (m0 - r0) : MT);
+    }
+    int total = 0;
+    for (int w = 0; w < kWarpsPerBlock; ++w) total += warp_sums[w];
+    before += total;
+    __syncthreads();  // warp_sums reused; found_* visible
+  }
+  const int g = found_g;
+  if (g < 0) return;  // past the last tile (the whole block)
+  const int n = blockIdx.x * kWarpsPerBlock + warp;
+  if (n >= N) return;
+  const int outer_per_row = (K + 127) / 128;
+  const int64_t ge = g;
+  const uint8_t* crow = codes + ge * N * (K / 2) + static_cast<int64_t>(n) * (K / 2);
+  const uint8_t* irow = inner + ge * N * (K / 16) + static_cast<int64_t>(n) * (K / 16);
+  const float* orow = outer + ge * N * outer_per_row + static_cast<int64_t>(n) * outer_per_row;
+  gemv_column<MT>(y + static_cast<int64_t>(found_m0) * N, x + static_cast<int64_t>(found_m0) * K, crow, irow, orow,
+                  found_rows, n, N, K, lane);
 }
 
 // Launches the kernel on `stream`. cudaErrorInvalidValue for K % 32 != 0, misaligned codes or x,
@@ -122,6 +189,21 @@ inline cudaError_t nvfp4_gemv(float* y, const float* x, const uint8_t* codes, co
     case 4: nvfp4_gemv_kernel<4><<<grid, block, 0, stream>>>(y, x, codes, inner, outer, M, N, K); break;
     default: nvfp4_gemv_kernel<8><<<grid, block, 0, stream>>>(y, x, codes, inner, outer, M, N, K); break;
   }
+  return cudaGetLastError();
+}
+
+// The grouped GEMV on `stream` (see nvfp4_grouped_gemv_kernel): rows = the rows of x and y.
+inline cudaError_t nvfp4_grouped_gemv(float* y, const float* x, const uint8_t* codes, const uint8_t* inner,
+                                      const float* outer, const int64_t* offsets, int G, int rows, int N, int K,
+                                      cudaStream_t stream) {
+  if (G == 0 || rows == 0 || N == 0) return cudaSuccess;
+  if (G < 0 || rows < 0 || N < 0 || K <= 0 || K % 32 != 0 || (reinterpret_cast<uintptr_t>(codes) & 15u) != 0 ||
+      (reinterpret_cast<uintptr_t>(x) & 15u) != 0 || offsets == nullptr)
+    return cudaErrorInvalidValue;
+  const int64_t tiles = (static_cast<int64_t>(rows) + kMaxRowsPerBlock - 1) / kMaxRowsPerBlock + G;
+  if (tiles > 65535) return cudaErrorInvalidValue;  // grid y limit
+  const dim3 grid((N + kWarpsPerBlock - 1) / kWarpsPerBlock, static_cast<unsigned>(tiles));
+  nvfp4_grouped_gemv_kernel<<<grid, kWarpsPerBlock * 32, 0, stream>>>(y, x, codes, inner, outer, offsets, G, N, K);
   return cudaGetLastError();
 }
 

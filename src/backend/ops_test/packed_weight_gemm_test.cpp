@@ -5,7 +5,7 @@
 // 16/32/64-row tiles and K splits beyond), N not a multiple of either kernel's tile, K with a
 // partial 128-block, activations that are BF16 numbers (w4a16) and that are not (w4a4's
 // dequantized activations: the kernel's three-part split); the OLMo-2 1B decode linears at
-// M = 9 .. 256; the same bits on a second call (no atomics).
+// M = 9 .. 256; the same bits on a second call (no atomics); the grouped (MoE experts) form.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -147,6 +147,62 @@ TEST_P(PackedWeightGemmOpsTest, Olmo1bDecodeLinears) {
     }
     check(pw, 33, nk.N, nk.K, cols, /*x_is_bf16=*/false);  // w4a4's dequantized activation
     if (HasFatalFailure()) return;
+  }
+}
+
+// grouped_matmul_nt_nvfp4_weight (the fused MoE decode): G experts' weights back to back (one
+// (G N, K) two-level tensor: the format is row-local, so its rows [g N, (g+1) N) are expert g's
+// (N, K) tensor), rows grouped by device offsets with empty experts, experts of 1 .. 8 rows (one
+// GEMV tile) and of 9 and 17 (two and three tiles), rows past offsets[G] left alone. Every row
+// within the summation bound of the double reference, and each expert of at most 8 rows equal to
+// matmul_nt_nvfp4_weight on its rows alone, bit for bit (the same per-row arithmetic: the GEMV on
+// CUDA, dequantize + matmul_nt on the CPU); a second call gives the same bits.
+TEST_P(PackedWeightGemmOpsTest, GroupedExpertsEqualEachExpertAlone) {
+  for (const bool x_bf16 : {true, false}) {
+    constexpr int64_t G = 7, N = 37, K = 160;
+    SCOPED_TRACE(x_bf16 ? "bf16 x" : "f32 x");
+    const std::vector<int64_t> counts = {3, 0, 8, 1, 17, 0, 9};
+    std::vector<int64_t> off(G + 1, 0);
+    for (int64_t g = 0; g < G; ++g) off[g + 1] = off[g] + counts[g];
+    const int64_t used = off[G], rows = used + 2;  // two rows past the last group
+    PackedWeight pw;
+    make_weight(pw, G * N, K);
+    std::vector<float> x = normal_vector(rows * K, 91, 1.0);
+    if (x_bf16)
+      for (float& v : x) v = round_to_bf16(v);
+    float* x_dev = upload(x);
+    const int64_t* off_dev = upload(off);
+    std::vector<float> y0(static_cast<size_t>(rows * N), -7.0f);  // the sentinel rows past off[G] keep
+    float* y_dev = upload(y0);
+    QuantizedTensor w0 = pw.q;
+    w0.rows = N;
+    be().grouped_matmul_nt_nvfp4_weight(y_dev, x_dev, w0, off_dev, G, rows);
+    const std::vector<float> y = download(y_dev, rows * N);
+    for (int64_t g = 0; g < G; ++g) {
+      SCOPED_TRACE(fmt::format("expert {} rows [{}, {})", g, off[g], off[g + 1]));
+      for (int64_t m = off[g]; m < off[g + 1]; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double ref = 0, mag = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            const double p = double(pw.wd[(g * N + n) * K + k]) * x[m * K + k];
+            ref += p, mag += std::fabs(p);
+          }
+          ASSERT_LE(std::fabs(y[m * N + n] - ref), packed_gemm_bound(K, x_bf16, mag)) << "y[" << m << "," << n << "]";
+        }
+      if (counts[g] == 0 || counts[g] > 8) continue;
+      QuantizedTensor wg = w0;
+      wg.codes += g * QuantizedTensor::code_bytes(wg.format, N, K);
+      wg.scales += g * QuantizedTensor::scale_bytes(wg.format, N, K);
+      wg.outer += g * QuantizedTensor::outer_count(wg.format, N, K);
+      float* yg_dev = zeros<float>(counts[g] * N);
+      be().matmul_nt_nvfp4_weight(yg_dev, x_dev + off[g] * K, wg, counts[g]);
+      const std::vector<float> yg = download(yg_dev, counts[g] * N);
+      ASSERT_TRUE(bits_equal(yg, std::vector<float>(y.begin() + off[g] * N, y.begin() + off[g + 1] * N)));
+    }
+    for (int64_t i = used * N; i < rows * N; ++i) ASSERT_EQ(y[i], -7.0f) << "row " << i / N << " past the groups";
+    float* y2_dev = upload(y0);
+    be().grouped_matmul_nt_nvfp4_weight(y2_dev, x_dev, w0, off_dev, G, rows);
+    ASSERT_TRUE(bits_equal(y, download(y2_dev, rows * N)));
   }
 }
 
