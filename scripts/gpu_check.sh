@@ -30,6 +30,9 @@
 #                      "decode30b" (nibble bench decode of the Qwen3-30B-A3B shape in w4a16, batches 1,16,
 #                      prompt 512, new 32, --init uniform (the training init took > 5 min there): the
 #                      inference-storage engine on one GPU; decode30b.jsonl),
+#                      "moedecode" (the fused MoE decode against the per-expert walk, NIBBLE_FUSED_MOE_DECODE=off:
+#                      nibble bench decode on NIBBLE_MOE_DECODE_CONFIG (configs/qwen3moe-768.json), bf16 and
+#                      w4a16, NIBBLE_MOE_DECODE_BATCHES (1,16,64); moe_decode_{fused,walk}.jsonl + a table),
 #                      "rlbench" (nibble bench rl on configs/qwen3moe-768.json: the RL step time split
 #                      per arm, trace overhead, NVFP4/BF16 sync bytes; rlbench.jsonl + rlbench.log;
 #                      NIBBLE_RLBENCH_ARGS replaces the default --steps/--prompts/--group/--max-new)
@@ -286,7 +289,7 @@ if want bench; then
   fi
 fi
 
-ATTN_RC=skip DIST_RC=skip PROF_RC=skip ROLL_RC=skip DEC_RC=skip DG_RC=skip RL_RC=skip D30_RC=skip RLB_RC=skip
+ATTN_RC=skip DIST_RC=skip PROF_RC=skip ROLL_RC=skip DEC_RC=skip DG_RC=skip MD_RC=skip RL_RC=skip D30_RC=skip RLB_RC=skip
 if want attn; then
   # Causal attention alone: nibble's FP32 and BF16 kernels, then PyTorch's SDPA (BF16) at the same
   # shapes in the same call (bench/torch_attention_baseline.py).
@@ -389,6 +392,43 @@ PY
     DG_RC=missing
   fi
   stamp "decode graphs exit code $DG_RC"
+fi
+
+if want moedecode; then
+  # The fused MoE decode (issue #15 item 4; rollout/precision.h QuantizedLinears::forward_experts)
+  # against the per-expert walk (NIBBLE_FUSED_MOE_DECODE=off) on a Qwen3-MoE shape, bf16 and w4a16,
+  # one after the other on one machine: moe_decode_fused.jsonl, moe_decode_walk.jsonl and a table.
+  MD_RC=0
+  MD_CONFIG=${NIBBLE_MOE_DECODE_CONFIG:-configs/qwen3moe-768.json}
+  MD_BATCHES=${NIBBLE_MOE_DECODE_BATCHES:-1,16,64}
+  if [ -n "$NIBBLE" ] && "$NIBBLE" bench decode --help >/dev/null 2>&1; then
+    for mode in ${NIBBLE_DECODE_MODES:-bf16 w4a16}; do
+      for form in fused walk; do
+        fused=on; [ "$form" = walk ] && fused=off
+        stamp "NIBBLE_FUSED_MOE_DECODE=$fused nibble bench decode --config $MD_CONFIG --mode $mode --batch $MD_BATCHES --prompt 512 --new 32"
+        NIBBLE_FUSED_MOE_DECODE=$fused timeout "$(limit 150)" "$NIBBLE" bench decode --device cuda --config "$MD_CONFIG" \
+          --mode "$mode" --batch "$MD_BATCHES" --prompt 512 --new 32 >>"$OUT/moe_decode_$form.jsonl" \
+          2>>"$OUT/moe_decode.log" || MD_RC=$?
+        note_rc "bench decode MoE $mode $form" "$MD_RC"
+      done
+    done
+    python3 - "$OUT/moe_decode_fused.jsonl" "$OUT/moe_decode_walk.jsonl" <<'PY' || true
+import json, sys
+def load(p):
+    try: return {(r["mode"], r["batch"]): r for r in (json.loads(l) for l in open(p) if l.startswith("{"))}
+    except OSError: return {}
+fu, wa = load(sys.argv[1]), load(sys.argv[2])
+print(f"{'mode':6} {'batch':>5} {'fused tok/s':>12} {'walk tok/s':>11} {'speedup':>8}  graphs (fused)")
+for k in sorted(set(fu) | set(wa)):
+    a, b = fu.get(k), wa.get(k)
+    ta = a["decode_tokens_per_s"] if a else float("nan")
+    tb = b["decode_tokens_per_s"] if b else float("nan")
+    print(f"{k[0]:6} {k[1]:5d} {ta:12.1f} {tb:11.1f} {ta / tb:8.2f}  {a['cuda_graphs'] if a else '-'}")
+PY
+  else
+    MD_RC=missing
+  fi
+  stamp "moe decode exit code $MD_RC"
 fi
 
 if want decode30b; then
@@ -664,7 +704,7 @@ fi
   echo "op suite           rc=$OPS_RC ($(count "$OUT/ops_tests.log"))"
   echo "training step      rc=$TRAIN_RC ($(count "$OUT/train_tests.log"))"
   [ "$BENCH_RC" != skip ] && { echo "bandwidth bench    rc=$BENCH_RC"; grep -E '^(kernel |copy |nvfp4|mxfp|dequant |fused |floor|te rht)' "$OUT/bench.log"; }
-  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC   rollout rc=$ROLL_RC   decode rc=$DEC_RC   decode graphs rc=$DG_RC   decode30b rc=$D30_RC   rl rc=$RL_RC   rlbench rc=$RLB_RC"
+  echo "bench train        rc=$BENCHT_RC   torch baseline rc=$TORCH_RC   attention rc=$ATTN_RC   dist rc=$DIST_RC   profile rc=$PROF_RC   rollout rc=$ROLL_RC   decode rc=$DEC_RC   decode graphs rc=$DG_RC   moe decode rc=$MD_RC   decode30b rc=$D30_RC   rl rc=$RL_RC   rlbench rc=$RLB_RC"
   python3 scripts/gpu_table.py "$OUT" 2>&1
 } | tee "$OUT/table.txt"
 ok() { [ "$1" = 0 ] || [ "$1" = skip ]; }
