@@ -246,6 +246,7 @@ struct TransformerT<T>::Impl {
   std::vector<LinearInfo> group_infos;  // a decode override's grouped experts (E)
   std::vector<int64_t> larena;
   int32_t *tokens = nullptr, *targets = nullptr, *forced = nullptr;  // (N), (N), (Lm,N,k) copies of the host inputs
+  int32_t* routing_out = nullptr;  // (Lm,N,k) the expert ids a RoutingIO::record asks for, read back once
   int32_t* positions = nullptr;                                       // (N) decode: each row's position
   const DecodeBatch* decode = nullptr;                                // set during forward_decode
   T* aux_extra = nullptr;                                             // (E) aux-loss dL/dprobs
@@ -764,6 +765,7 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     ireq.push_back({&im.tokens, N});
     ireq.push_back({&im.targets, N});
     ireq.push_back({&im.forced, Lm * Nk});
+    ireq.push_back({&im.routing_out, Lm * Nk});
     ireq.push_back({&im.positions, N});
     auto round16 = [](int64_t n) { return (n + 15) / 16 * 16; };
     int64_t total = 0, itotal = 0, ltotal = 0;
@@ -903,8 +905,8 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
     ops.matmul_nt(a.rlogits, x, W(bp.router), N, E, C);  // router in full precision
     const int32_t* forced = routing.forced ? im.forced + bp.moe_index * Nk : nullptr;
     ops.moe_router_forward(a.probs, a.rlse, a.topk_idx, a.topk_w, a.rlogits, forced, N, E, K, cfg.norm_topk_prob);
-    if (routing.record)
-      mem.copy_to_host(routing.record + bp.moe_index * Nk, a.topk_idx, sizeof(int32_t) * static_cast<size_t>(Nk));
+    if (routing.record)  // kept in backend memory; one read-back after the layers (no sync per layer)
+      mem.copy(im.routing_out + bp.moe_index * Nk, a.topk_idx, sizeof(int32_t) * static_cast<size_t>(Nk));
     if (im.decode == nullptr)  // the load-balancing statistics of the training losses (a host read)
       im.router_lse2 +=
           ops.moe_accumulate_load(im.load_count.data(), im.load_prob.data(), a.probs, a.rlse, a.topk_idx, N, E, K);
@@ -982,6 +984,8 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
       ops.add(out, a.h, im.mtmp, N * C);                   // out = h + MLP(RMSNorm(h))
     }
   }
+  if (routing.record && Lm > 0)
+    mem.copy_to_host(routing.record, im.routing_out, sizeof(int32_t) * static_cast<size_t>(Lm * Nk));
   ops.rmsnorm_forward(im.xf, im.xf_rstd, im.res[L], W(im.final_norm), N, C, eps);
   // forward_decode with logit_rows: only those rows reach the lm_head, moved to the front of xf
   // (row i <- row logit_rows[i] >= i: forward copies of distinct rows never overlap)
