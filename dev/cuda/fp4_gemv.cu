@@ -128,7 +128,8 @@ int main() {
   int failures = 0;
   // correctness: odd shapes (N not a multiple of the warps, K with a partial outer block), all M paths
   struct Shape { int M, N, K; };
-  for (Shape sh : {Shape{1, 37, 96}, Shape{3, 64, 160}, Shape{8, 130, 256}, Shape{13, 64, 2048}, Shape{64, 33, 512}}) {
+  for (Shape sh : {Shape{1, 37, 96}, Shape{1, 130, 2048}, Shape{1, 2048, 8192}, Shape{3, 64, 160}, Shape{8, 130, 256},
+                   Shape{13, 64, 2048}, Shape{64, 33, 512}}) {
     Weights w = random_weights(sh.N, sh.K, 7 + sh.N);
     std::mt19937 rng(11);
     std::normal_distribution<float> nd;
@@ -167,6 +168,16 @@ int main() {
       std::printf("FAIL M=%d N=%d K=%d: a second run gave other bits\n", sh.M, sh.N, sh.K);
       ++failures;
     }
+    if (sh.M == 1) {  // the column-blocked M = 1 kernel gives the per-column kernel's bits
+      const dim3 grid((sh.N + g::kWarpsPerBlock - 1) / g::kWarpsPerBlock, 1);
+      g::nvfp4_gemv_kernel<1><<<grid, g::kWarpsPerBlock * 32>>>(dy, dx, dc, di, dout, 1, sh.N, sh.K);
+      CK(cudaGetLastError());
+      CK(cudaMemcpy(y2.data(), dy, y2.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      if (std::memcmp(y.data(), y2.data(), y.size() * sizeof(float)) != 0) {
+        std::printf("FAIL M=1 N=%d K=%d: the row kernel and the per-column kernel differ\n", sh.N, sh.K);
+        ++failures;
+      }
+    }
     std::printf("check M=%-3d N=%-4d K=%-5d worst err / bound = %.3f\n", sh.M, sh.N, sh.K, worst);
     cudaFree(dc), cudaFree(di), cudaFree(dout), cudaFree(dx), cudaFree(dy);
   }
@@ -194,6 +205,14 @@ int main() {
       LtGemm lt(M, l.N, l.K);
       const float fp4 = time_ms([&] { CK(g::nvfp4_gemv(dy, dx, dc, di, dout, M, l.N, l.K, 0)); }, 50);
       const float bf = time_ms([&] { lt.run(dy, dxb, dwb); }, 50);
+      if (M == 1) {  // the per-column kernel the M = 1 path replaced, for the record
+        const dim3 grid((l.N + g::kWarpsPerBlock - 1) / g::kWarpsPerBlock, 1);
+        const float col = time_ms([&] {
+          g::nvfp4_gemv_kernel<1><<<grid, g::kWarpsPerBlock * 32>>>(dy, dx, dc, di, dout, 1, l.N, l.K);
+          CK(cudaGetLastError());
+        }, 50);
+        std::printf("%-10s %5d %6d %6d %10.2f   (per-column kernel, before)\n", l.name, M, l.N, l.K, col * 1e3);
+      }
       const double fp4_bytes = double(l.N) * l.K * (0.5 + 1.0 / 16) + 4.0 * l.N * ((l.K + 127) / 128) +
                                4.0 * M * l.K + 4.0 * M * l.N;
       const double bf_bytes = 2.0 * l.N * l.K + 2.0 * M * l.K + 4.0 * M * l.N;

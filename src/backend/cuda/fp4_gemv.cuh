@@ -116,6 +116,63 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
                   outer + static_cast<int64_t>(n) * outer_per_row, rows, n, N, K, lane);
 }
 
+// M = 1 (batch-1 decode): one warp takes kColsPerWarp output columns, and a lane's x chunk (32
+// floats) is read once for all of them; the plain kernel reads the x row once per column, 8 bytes
+// of FP32 x per 0.5 byte of weight on chip, which held it to 0.3-0.5 TB/s (docs/benchmarks.md).
+// A column's operations are the plain kernel's in the same order (lane chunks in order, FMAs in
+// element order, the same xor tree): the same bits. Grid ceil(N / (kWarpsPerBlock kColsPerWarp)).
+constexpr int kColsPerWarp = 4;
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    nvfp4_gemv_row_kernel(float* __restrict__ y, const float* __restrict__ x, const uint8_t* __restrict__ codes,
+                          const uint8_t* __restrict__ inner, const float* __restrict__ outer, int N, int K) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n0 = (blockIdx.x * kWarpsPerBlock + warp) * kColsPerWarp;
+  if (n0 >= N) return;
+  const int ncols = N - n0 < kColsPerWarp ? N - n0 : kColsPerWarp;
+  const int chunks = K / 32, outer_per_row = (K + 127) / 128;
+  float acc[kColsPerWarp];
+#pragma unroll
+  for (int j = 0; j < kColsPerWarp; ++j) acc[j] = 0.0f;
+  for (int c = lane; c < chunks; c += 32) {
+    // every column's loads first (independent of the sums), then x, then the FMAs
+    uint4 packed[kColsPerWarp];
+    uint32_t s2[kColsPerWarp];
+    float so[kColsPerWarp];
+#pragma unroll
+    for (int j = 0; j < kColsPerWarp; ++j) {
+      const int64_t n = n0 + (j < ncols ? j : 0);  // a missing column re-reads column n0, unused
+      packed[j] = *reinterpret_cast<const uint4*>(codes + n * (K / 2) + 16 * c);
+      const uint8_t* irow = inner + n * (K / 16);
+      s2[j] = static_cast<uint32_t>(irow[2 * c]) | (static_cast<uint32_t>(irow[2 * c + 1]) << 8);
+      so[j] = outer[n * outer_per_row + (32 * c) / 128];
+    }
+    float xv[32];
+    const float4* xr = reinterpret_cast<const float4*>(x + 32 * c);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const float4 v = xr[q];
+      xv[4 * q] = v.x, xv[4 * q + 1] = v.y, xv[4 * q + 2] = v.z, xv[4 * q + 3] = v.w;
+    }
+#pragma unroll
+    for (int j = 0; j < kColsPerWarp; ++j) {
+      const float sp0 = e4m3_to_f32(s2[j] & 0xFFu) * so[j], sp1 = e4m3_to_f32(s2[j] >> 8) * so[j];
+      const uint32_t words[4] = {packed[j].x, packed[j].y, packed[j].z, packed[j].w};
+      float a = acc[j];
+#pragma unroll
+      for (int i = 0; i < 32; ++i)
+        a = __fmaf_rn(decode((words[i >> 3] >> ((i & 7) * 4)) & 0xFu, i < 16 ? sp0 : sp1), xv[i], a);
+      acc[j] = a;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kColsPerWarp; ++j) {
+    float v = acc[j];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+    if (lane == 0 && j < ncols) y[n0 + j] = v;
+  }
+}
+
 // Grouped (MoE experts): grid (ceil(N / kWarpsPerBlock), tiles), tiles >= sum_g ceil(M_g /
 // kMaxRowsPerBlock) (ceil(rows / 8) + G always is). Block y takes the y-th row tile in expert
 // order: the block's threads count each expert's tiles from `offsets` (G+1, device memory) and scan
@@ -179,6 +236,12 @@ inline cudaError_t nvfp4_gemv(float* y, const float* x, const uint8_t* codes, co
   if (M < 0 || N < 0 || K <= 0 || K % 32 != 0 || (reinterpret_cast<uintptr_t>(codes) & 15u) != 0 ||
       (reinterpret_cast<uintptr_t>(x) & 15u) != 0)
     return cudaErrorInvalidValue;
+  if (M == 1) {
+    const int per_block = kWarpsPerBlock * kColsPerWarp;
+    nvfp4_gemv_row_kernel<<<(N + per_block - 1) / per_block, kWarpsPerBlock * 32, 0, stream>>>(y, x, codes, inner,
+                                                                                              outer, N, K);
+    return cudaGetLastError();
+  }
   const int mt = M >= kMaxRowsPerBlock ? kMaxRowsPerBlock : M;
   const dim3 grid((N + kWarpsPerBlock - 1) / kWarpsPerBlock, (M + mt - 1) / mt);
   const dim3 block(kWarpsPerBlock * 32);
