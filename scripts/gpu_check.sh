@@ -32,7 +32,7 @@
 #                      inference-storage engine on one GPU; decode30b.jsonl),
 #                      "moedecode" (the fused MoE decode against the per-expert walk, NIBBLE_FUSED_MOE_DECODE=off:
 #                      nibble bench decode on NIBBLE_MOE_DECODE_CONFIG (configs/qwen3moe-768.json), bf16 and
-#                      w4a16, NIBBLE_MOE_DECODE_BATCHES (1,16,64); moe_decode_{fused,walk}.jsonl + a table),
+#                      w4a16, NIBBLE_MOE_DECODE_BATCHES (1,16,64,256); moe_decode_{fused,walk}.jsonl + a table),
 #                      "rlbench" (nibble bench rl on configs/qwen3moe-768.json: the RL step time split
 #                      per arm, trace overhead, NVFP4/BF16 sync bytes; rlbench.jsonl + rlbench.log;
 #                      NIBBLE_RLBENCH_ARGS replaces the default --steps/--prompts/--group/--max-new)
@@ -400,7 +400,7 @@ if want moedecode; then
   # one after the other on one machine: moe_decode_fused.jsonl, moe_decode_walk.jsonl and a table.
   MD_RC=0
   MD_CONFIG=${NIBBLE_MOE_DECODE_CONFIG:-configs/qwen3moe-768.json}
-  MD_BATCHES=${NIBBLE_MOE_DECODE_BATCHES:-1,16,64}
+  MD_BATCHES=${NIBBLE_MOE_DECODE_BATCHES:-1,16,64,256}
   if [ -n "$NIBBLE" ] && "$NIBBLE" bench decode --help >/dev/null 2>&1; then
     for mode in ${NIBBLE_DECODE_MODES:-bf16 w4a16}; do
       for form in fused walk; do
