@@ -26,7 +26,7 @@ const char* op_name(Op op) {
                                       "adamw",         "quantize_nvfp4_te", "quantize_nvfp4_2level",
                                       "quantize_mxfp8", "rht16",          "backward_operand_2level",
                                       "paged_kv_cache", "nvfp4_weight_gemm", "grouped_gemm",
-                                      "trace_guided_rows"};
+                                      "trace_guided_rows", "greedy_rows"};
   static_assert(sizeof(names) / sizeof(names[0]) == static_cast<size_t>(Op::kCount));
   const auto i = static_cast<size_t>(op);
   return i < static_cast<size_t>(Op::kCount) ? names[i] : "?";
@@ -78,6 +78,11 @@ void Backend::guided_overwrite_rows(QuantizedTensor&, int64_t*, const float*, co
   require(Op::kTraceGuidedRows);
   NIB_CHECK_MSG(false, "backend '{}' claims op 'trace_guided_rows' but does not override guided_overwrite_rows",
                 name());
+}
+
+void Backend::greedy_rows(int32_t*, double*, const float*, int64_t, int64_t) {
+  require(Op::kGreedyRows);
+  NIB_CHECK_MSG(false, "backend '{}' claims op 'greedy_rows' but does not override it", name());
 }
 
 void Backend::guidance_payload_rows(uint8_t*, const QuantizedTensor&, formats::GuidanceKind) {

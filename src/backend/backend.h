@@ -56,6 +56,7 @@ enum class Op : uint16_t {
   kNvfp4WeightGemm,  // matmul_nt_nvfp4_weight, grouped_matmul_nt_nvfp4_weight (decode GEMV on packed weights)
   kGroupedGemm,   // grouped_matmul_bf16_* + moe_dispatch_plan_device (MoE experts in one launch)
   kTraceGuidedRows,  // guided_overwrite_rows (the RL trainer's TRACE guided rounding), guidance_payload_rows
+  kGreedyRows,    // greedy_rows (the rollout engine's greedy decoding where the logits are)
   kCount
 };
 const char* op_name(Op op);
@@ -411,6 +412,15 @@ class Backend {
   // kMantissaBit); P = cols/16 + 4 ceil(cols/128) + that. Backend memory; the same bytes on every
   // backend. The default fails through require().
   virtual void guidance_payload_rows(uint8_t* out, const QuantizedTensor& q, formats::GuidanceKind kind);
+
+  // ---- greedy decoding where the logits are (rollout engine; Op::kGreedyRows) --------------------
+  // For each row r of logits (rows, V) f32: token[r] = the first index of the row's largest logit
+  // (a NaN is never larger; a NaN at index 0 gives 0: the host sampler's sequential scan), and
+  // stats (rows, 3) f64 = (logits[token], mx, z): mx the row's largest logit, z the sum of
+  // exp_f64(logit - mx) in core/softmax_f64.h's lane order (softmax_exp_sum at t = 1). Then
+  // stats0 - mx - log(z) is rollout::sample_with_logprob's greedy log-prob to the bit. All in
+  // backend memory.
+  virtual void greedy_rows(int32_t* token, double* stats, const float* logits, int64_t rows, int64_t V);
 };
 
 // Thrown when backend memory cannot be had: the message is the backend's one line (what was being

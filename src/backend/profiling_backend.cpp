@@ -89,6 +89,7 @@ constexpr OpInfo kOps[] = {
     {"moe_dispatch_plan_device", OpCategory::kMoe},
     {"guided_overwrite_rows", OpCategory::kQuantize},
     {"guidance_payload_rows", OpCategory::kCopies},
+    {"greedy_rows", OpCategory::kElementwise},
 };
 static_assert(sizeof(kOps) / sizeof(kOps[0]) == static_cast<size_t>(ProfiledOp::kCount));
 using Clock = std::chrono::steady_clock;
@@ -447,6 +448,10 @@ void ProfilingBackend::grouped_matmul_nt_nvfp4_weight(float* y, const float* x, 
                                                       const int64_t* offsets, int64_t G, int64_t rows) {
   Timed timed(*this, ProfiledOp::kGroupedMatmulNtNvfp4Weight);
   inner_->grouped_matmul_nt_nvfp4_weight(y, x, w, offsets, G, rows);
+}
+void ProfilingBackend::greedy_rows(int32_t* token, double* stats, const float* logits, int64_t rows, int64_t V) {
+  Timed timed(*this, ProfiledOp::kGreedyRows);
+  inner_->greedy_rows(token, stats, logits, rows, V);
 }
 void ProfilingBackend::guided_overwrite_rows(QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows,
                                              int64_t R, const uint8_t* scales, const float* outer,

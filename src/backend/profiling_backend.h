@@ -87,6 +87,7 @@ enum class ProfiledOp : uint8_t {
   kMoeDispatchPlanDevice,
   kGuidedOverwriteRows,
   kGuidancePayloadRows,
+  kGreedyRows,
   kCount
 };
 
@@ -162,6 +163,7 @@ class ProfilingBackend final : public Backend {
   void guided_overwrite_rows(QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows, int64_t R,
                              const uint8_t* scales, const float* outer, const uint8_t* guide,
                              formats::GuidanceKind kind) override;
+  void greedy_rows(int32_t* token, double* stats, const float* logits, int64_t rows, int64_t V) override;
   void guidance_payload_rows(uint8_t* out, const QuantizedTensor& q, formats::GuidanceKind kind) override;
   void grouped_matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets, int64_t G,
                               int64_t extent, int64_t N, int64_t K, int64_t b_stride, const float* alpha,

@@ -4,16 +4,20 @@
 // degree-13 Taylor polynomial of e^r (truncation < 2e-17 relative) in Horner form, and 2^k
 // built from k's bits. Within 2 ulp of a correctly rounded exp (core tests compare it with
 // std::exp). Below -708 (and -inf) it gives 0 where std::exp would give subnormals (< 4e-308);
-// above 709, +inf; NaN stays NaN. The rollout sampler's softmax uses it (rollout/sampler.cpp).
+// above 709, +inf; NaN stays NaN. The rollout sampler's softmax uses it (rollout/sampler.cpp), and
+// so does the CUDA greedy kernel (backend/cuda/sampling.cu; nvcc builds with --fmad=false, so
+// the device evaluates the very same roundings).
 #pragma once
 
 #include <bit>
 #include <cstdint>
 #include <limits>
 
+#include "core/host_device.h"
+
 namespace nibble {
 
-inline double exp_f64(double x) {
+NIB_HOST_DEVICE double exp_f64(double x) {
   constexpr double kLog2e = 1.4426950408889634074;
   constexpr double kLn2Hi = 6.93147180369123816490e-01;  // 32 significant bits: k * kLn2Hi is exact
   constexpr double kLn2Lo = 1.90821492927058770002e-10;

@@ -651,8 +651,9 @@ template <typename T>
 void TransformerT<T>::forward_decode(T* logits, const DecodeBatch& batch) {
   NIB_CHECK_MSG((std::is_same_v<T, float>), "forward_decode: float models only");
   const bool on_device = batch.logits_device != nullptr;
-  NIB_CHECK_MSG(on_device == (batch.tokens_device != nullptr) && on_device == (batch.positions_device != nullptr),
-                "forward_decode: tokens_device, positions_device and logits_device go together");
+  NIB_CHECK_MSG((batch.tokens_device != nullptr) == (batch.positions_device != nullptr) &&
+                    (batch.tokens_device == nullptr || on_device),
+                "forward_decode: tokens_device and positions_device go together, and with logits_device");
   NIB_CHECK((logits != nullptr || on_device) && batch.kv != nullptr && batch.tokens != nullptr &&
             batch.positions != nullptr);
   NIB_CHECK_MSG(batch.N > 0, "forward_decode: empty batch");

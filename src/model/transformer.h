@@ -135,7 +135,9 @@ struct DecodeBatch {
   // (N) i32 arrays in backend memory (holding the same values as `tokens` and `positions`, which
   // are still checked on the host) instead of being uploaded, and the logits are written to
   // logits_device: (num_logit_rows, or N without logit_rows, V) f32 in backend memory instead of
-  // the host (forward_decode's `logits` may then be null). Set all three or none.
+  // the host (forward_decode's `logits` may then be null). The two inputs go together and need
+  // logits_device; logits_device may be set alone (the logits stay on the device: greedy decoding
+  // there, Backend::greedy_rows).
   const int32_t* tokens_device = nullptr;
   const int32_t* positions_device = nullptr;
   float* logits_device = nullptr;

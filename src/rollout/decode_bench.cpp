@@ -115,6 +115,7 @@ Status bench_decode(backend::Backend& device_be, const model::ModelConfig& confi
     res.cuda_graphs = engine->decode_graphs_status();
     res.graph_replays = all.graph_replays;
     res.graph_captures = all.graph_captures;
+    res.device_greedy_steps = all.device_greedy_steps;
     if (o.profile) {
       // One profiled run, split where the batch's first tokens are sampled: the op timings and the
       // clock then are the prefill's (all prompt chunks + the first token), the rest is the decode

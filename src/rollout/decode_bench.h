@@ -68,6 +68,7 @@ struct DecodeBenchResult {
   // tokens: decode steps replayed from a graph, graphs captured during it.
   std::string cuda_graphs;
   int64_t graph_replays = 0, graph_captures = 0;
+  int64_t device_greedy_steps = 0;  // steps sampled where the logits are (EngineOptions::device_greedy)
   bool profiled = false;
   backend::StepProfile prefill_profile;      // the run generating 1 token (prefill + first token)
   backend::StepProfile decode_step_profile;  // one decode step: (run of `new` - run of 1) / (new - 1)

@@ -128,7 +128,7 @@ void DecodeGraphs::step(float* logits, const model::DecodeBatch& base, const std
       }
     }
   }
-  be.copy_to_host(logits, logits_.data(), static_cast<size_t>(n * V) * sizeof(float));
+  if (logits != nullptr) be.copy_to_host(logits, logits_.data(), static_cast<size_t>(n * V) * sizeof(float));
 }
 
 }  // namespace nibble::rollout

@@ -54,13 +54,16 @@ class DecodeGraphs {
   // Rows a step of n rows runs: padded_decode_rows(n, max_rows) with padding, else n.
   int64_t rows_for(int64_t n) const { return pad_ ? padded_decode_rows(n, max_rows_) : n; }
   // One decode-only step of n = tokens.size() rows whose metadata the KV cache holds already in
-  // the graph layout (begin_padded_batch with rows_for(n)): logits (n, V) host <- the model on
+  // the graph layout (begin_padded_batch with rows_for(n)): logits (n, V) host (or null) <- the model on
   // the rows. base: the step's linears, lm_head bits and KV cache (its row fields are set here).
   // Replays the row count's graph, or runs eagerly and captures it.
   // Graphs are kept per (rows run, table_stride): the cache's block-table stride of the step
   // (PagedKvCache::table_stride()), a scalar its attention kernels take.
   void step(float* logits, const model::DecodeBatch& base, const std::vector<int32_t>& tokens,
             const std::vector<int32_t>& positions, int64_t table_stride);
+  // The last step's logits in backend memory (rows_for(n), V): step(nullptr, ...) leaves them
+  // there (greedy decoding on the device) instead of copying the first n rows to the host.
+  const float* device_logits() const { return logits_.data(); }
 
   DecodeGraphMode mode() const { return mode_; }
   // False once a capture failed (failure() says why): the engine then runs its steps eagerly.

@@ -316,6 +316,42 @@ TEST(DecodeGraphs, FusedMoeDecodeGivesThePerExpertWalksBits) {
   }
 }
 
+// Greedy steps sampled where the logits are (Backend::greedy_rows, forced on the CPU backend with
+// NIBBLE_DEVICE_GREEDY=on) against the host sampler: the same tokens and log-prob bits, eager and
+// in the graph layout, dense and MoE; a batch that mixes greedy and sampled requests (the sampled
+// steps go to the host) too.
+TEST(DecodeGraphs, DeviceGreedyGivesTheHostSamplersBits) {
+  for (const bool moe : {false, true}) {
+    auto m = moe ? moe_model(&backend::cpu_backend()) : dense_model(&backend::cpu_backend());
+    for (PrecisionMode mode : {PrecisionMode::kBf16, PrecisionMode::kW4A16}) {
+      for (DecodeGraphMode graphs : {DecodeGraphMode::kOff, DecodeGraphMode::kEagerLayout}) {
+        SCOPED_TRACE(std::string(moe ? "moe " : "dense ") + precision_mode_name(mode) + " " +
+                     decode_graph_mode_name(graphs));
+        EngineOptions o;
+        o.mode = mode;
+        o.recipe_name = "tetrajet-v2";
+        o.page_size = 4;
+        o.max_batch = 16;
+        std::vector<Request> reqs = churn_requests(m->config().vocab_size, 22, 2, /*sampled=*/false);
+        std::vector<Request> mixed = reqs;
+        for (size_t i = 0; i < mixed.size(); i += 3) mixed[i].params.sampling.temperature = 0.8;
+        for (const auto* rs : {&reqs, &mixed}) {
+          ::setenv("NIBBLE_DEVICE_GREEDY", "off", 1);
+          const GenRun host = generate(*m, o, graphs, false, *rs);
+          ::setenv("NIBBLE_DEVICE_GREEDY", "on", 1);
+          const GenRun dev = generate(*m, o, graphs, false, *rs);
+          ::unsetenv("NIBBLE_DEVICE_GREEDY");
+          expect_same(host.out, dev.out);
+          EXPECT_EQ(host.stats.device_greedy_steps, 0);
+          if (rs == &reqs) {  // all greedy: every step on the device (the mixed batch's steps have sampled rows)
+            EXPECT_EQ(dev.stats.device_greedy_steps, dev.stats.steps);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(DecodeGraphs, EnginesSayWhyGraphsAreOff) {
   auto m = dense_model(&backend::cpu_backend());
   EngineOptions o;

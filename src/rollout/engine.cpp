@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <string>
 
@@ -77,6 +78,15 @@ Result<std::unique_ptr<Engine>> Engine::create(model::Model& model, const Engine
   }
   std::unique_ptr<Engine> e(new Engine(model, o));
   e->graphs_off_ = graphs_off;
+  EngineOptions::DeviceGreedy dg = o.device_greedy;
+  if (const char* env = std::getenv("NIBBLE_DEVICE_GREEDY"); env != nullptr) {
+    const std::string v(env);
+    if (v == "on" || v == "1") dg = EngineOptions::DeviceGreedy::kOn;
+    if (v == "off" || v == "0") dg = EngineOptions::DeviceGreedy::kOff;
+  }
+  e->device_greedy_ = !o.reference_sampler && model.backend().supports(backend::Op::kGreedyRows) &&
+                      (dg == EngineOptions::DeviceGreedy::kOn ||
+                       (dg == EngineOptions::DeviceGreedy::kAuto && model.backend().device() != Device::kCPU));
   const bool graphs = e->graphs_off_.empty();
   KvCacheConfig kc;
   kc.num_layers = cfg.num_hidden_layers;
@@ -460,6 +470,8 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
   // in order.
   std::vector<size_t> draw_sample;
   std::vector<const float*> draw_row;
+  std::vector<int64_t> draw_logit;    // the logit row (of logit_rows) of each draw
+  std::vector<uint8_t> greedy_host;   // a device greedy step's tokens and sums, copied back
   std::vector<SampledToken> drawn;
   auto draw_tokens = [&] {
     const auto t0 = Clock::now();
@@ -485,6 +497,29 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
         parallel_for(rows, 1, [&](int64_t b, int64_t e) {
           for (int64_t j = b; j < e; ++j) draw(j);
         });
+    }
+    stats_.sample_seconds += seconds_since(t0);
+  };
+  // Greedy draws from logits left in backend memory: each logit row's token and softmax sums by
+  // Backend::greedy_rows, one copy back; the log-prob is sample_with_logprob's greedy formula on
+  // the same sums (the same bits).
+  auto draw_greedy_on_device = [&](const float* logits_dev, int64_t rows) {
+    const auto t0 = Clock::now();
+    backend::Backend& be = model_->backend();
+    const int64_t tok_bytes = (4 * rows + 7) / 8 * 8, bytes = tok_bytes + 24 * rows;
+    uint8_t* out = greedy_out_.ensure(be, bytes, "rollout greedy tokens");
+    be.greedy_rows(reinterpret_cast<int32_t*>(out), reinterpret_cast<double*>(out + tok_bytes), logits_dev, rows, V);
+    greedy_host.resize(static_cast<size_t>(bytes));
+    be.copy_to_host(greedy_host.data(), out, static_cast<size_t>(bytes));
+    drawn.resize(draw_sample.size());
+    for (size_t j = 0; j < drawn.size(); ++j) {
+      const int64_t row = draw_logit[j];
+      int32_t tok;
+      double st[3];
+      std::memcpy(&tok, greedy_host.data() + 4 * row, sizeof tok);
+      std::memcpy(st, greedy_host.data() + tok_bytes + 24 * row, sizeof st);
+      drawn[j].token = tok;
+      drawn[j].logprob = st[0] / 1.0 - st[1] - std::log(st[2]);
     }
     stats_.sample_seconds += seconds_since(t0);
   };
@@ -616,6 +651,13 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
     const bool record_routing = recorders != nullptr && recorders->routing != nullptr && Lm > 0;
     const bool record = (callbacks.on_routing || record_routing) && Lm > 0;
     const bool graph_step = graphs_ && graphs_->active() && chunks.empty() && !guidance && !record;
+    // every draw of the step greedy: sampled where the logits are, only tokens and sums come back
+    bool greedy_step = device_greedy_ && !logit_rows.empty();
+    for (size_t d = 0; greedy_step && d < decode_rows.size(); ++d)
+      greedy_step = !(requests[samples[decode_rows[d]].request].params.sampling.temperature > 0);
+    for (const Chunk& c : chunks)
+      if (greedy_step && c.logit >= 0)
+        greedy_step = !(requests[prefills[c.prefill].request].params.sampling.temperature > 0);
     const auto t_meta = Clock::now();
     if (graph_step)
       NIB_RETURN_IF_ERROR(cache_->begin_padded_batch(row_seq, row_pos, graphs_->rows_for(N)));
@@ -623,7 +665,8 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
       NIB_RETURN_IF_ERROR(cache_->begin_batch(row_seq, row_pos));
     stats_.metadata_seconds += seconds_since(t_meta);
     stats_.peak_pages_in_use = std::max(stats_.peak_pages_in_use, cache_->num_pages() - cache_->free_pages());
-    logits.resize(std::max<size_t>(logit_rows.size(), 1) * static_cast<size_t>(V));
+    if (!greedy_step) logits.resize(std::max<size_t>(logit_rows.size(), 1) * static_cast<size_t>(V));
+    const float* logits_dev = nullptr;  // a greedy step's logits (backend memory)
     model::DecodeBatch batch;
     batch.tokens = row_tok.data();
     batch.positions = row_pos.data();
@@ -651,11 +694,17 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
     const auto t_forward = Clock::now();
     if (graph_step) {
       const int64_t replays = graphs_->replays(), captures = graphs_->captures(), pad = graphs_->padding_rows();
-      graphs_->step(logits.data(), batch, row_tok, row_pos, cache_->table_stride());
+      graphs_->step(greedy_step ? nullptr : logits.data(), batch, row_tok, row_pos, cache_->table_stride());
+      if (greedy_step) logits_dev = graphs_->device_logits();
       ++stats_.graph_steps;
       stats_.graph_replays += graphs_->replays() - replays;
       stats_.graph_captures += graphs_->captures() - captures;
       stats_.padding_rows += graphs_->padding_rows() - pad;
+    } else if (greedy_step) {
+      batch.logits_device = greedy_logits_.ensure(model_->backend(), static_cast<int64_t>(logit_rows.size()) * V,
+                                                  "rollout greedy logits");
+      model_->forward_decode(nullptr, batch);
+      logits_dev = batch.logits_device;
     } else {
       model_->forward_decode(logits.data(), batch);
     }
@@ -672,18 +721,24 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
 
     // ---- sample: decode rows, then prompts whose last chunk ran (all drawn at once, then
     // recorded in this order) ----
-    draw_sample.clear(), draw_row.clear();
+    draw_sample.clear(), draw_row.clear(), draw_logit.clear();
     for (size_t d = 0; d < decode_rows.size(); ++d) {
       draw_sample.push_back(decode_rows[d]);
-      draw_row.push_back(logits.data() + static_cast<int64_t>(d) * V);
+      draw_logit.push_back(static_cast<int64_t>(d));
     }
     for (const Chunk& c : chunks)
       if (c.logit >= 0)
         for (size_t si : prefills[c.prefill].samples) {
           draw_sample.push_back(si);
-          draw_row.push_back(logits.data() + c.logit * V);  // the last prompt position
+          draw_logit.push_back(c.logit);  // the last prompt position
         }
-    draw_tokens();
+    if (greedy_step) {
+      draw_greedy_on_device(logits_dev, static_cast<int64_t>(logit_rows.size()));
+      ++stats_.device_greedy_steps;
+    } else {
+      for (int64_t row : draw_logit) draw_row.push_back(logits.data() + row * V);
+      draw_tokens();
+    }
     size_t next_draw = 0;
     for (size_t d = 0; d < decode_rows.size(); ++d) {
       Sample& s = samples[decode_rows[d]];

@@ -62,6 +62,13 @@ struct EngineOptions {
   // GEMM over more rows may sum a real row in another order, so log-probs may differ from the
   // eager ones in their last bits (tokens only where that flips a draw). `--cuda-graph-padding`.
   bool decode_graph_padding = false;
+  // Greedy steps sampled where the logits are (Backend::greedy_rows: the token and the softmax
+  // sums of each row, the host sampler's bits; only those come back, not the (rows, V) logits).
+  // kAuto: on a device backend that has Op::kGreedyRows; NIBBLE_DEVICE_GREEDY=on|off overrides
+  // (on also runs it on the CPU backend: tests). Steps with any sampled row, or reference_sampler,
+  // sample on the host.
+  enum class DeviceGreedy { kAuto, kOn, kOff };
+  DeviceGreedy device_greedy = DeviceGreedy::kAuto;
 };
 
 struct GenerationParams {
@@ -152,6 +159,7 @@ struct EngineStats {
   // Decode graphs: steps run padded through DecodeGraphs, of them replayed from a graph, graphs
   // captured, padding rows run.
   int64_t graph_steps = 0, graph_replays = 0, graph_captures = 0, padding_rows = 0;
+  int64_t device_greedy_steps = 0;  // steps sampled where the logits are (EngineOptions::device_greedy)
 };
 
 class Engine {
@@ -246,6 +254,9 @@ class Engine {
   bool lm_head_snapshot_ = false;
   int64_t lm_head_index_ = -1;  // lm_head_held(): its index in param_refs()
   std::unique_ptr<DecodeGraphs> graphs_;  // null: every step eager (graphs_off_ says why)
+  bool device_greedy_ = false;             // greedy steps on the device (EngineOptions::device_greedy)
+  backend::Buffer<float> greedy_logits_;   // (logit rows, V) an eager greedy step's logits
+  backend::Buffer<uint8_t> greedy_out_;    // (rows) i32 tokens, then (rows, 3) f64 stats (8-aligned)
   std::string graphs_off_;
   EngineStats stats_;
 };

@@ -460,6 +460,7 @@ int run_bench_decode(const DecodeBenchArgs& a) {
                      {"copy_gb_per_s", r.copy_bytes_per_s / 1e9}, {"bound_tokens_per_s", r.bound_tokens_per_s},
                      {"fraction_of_bound", r.fraction_of_bound}, {"init", a.init}, {"init_s", r.init_seconds},
                      {"cuda_graphs", r.cuda_graphs}, {"graph_replays", r.graph_replays},
+                     {"device_greedy_steps", r.device_greedy_steps},
                      {"graph_captures", r.graph_captures}};
     j["host_ms_per_step"] = {{"forward", r.host_forward_ms}, {"sample", r.host_sample_ms},
                              {"metadata", r.host_metadata_ms}, {"step", r.host_step_ms}};

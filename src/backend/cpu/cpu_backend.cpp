@@ -20,6 +20,7 @@
 #include "backend/cpu/paged_attention.h"
 #include "core/bits.h"
 #include "core/parallel.h"
+#include "core/softmax_f64.h"
 #include "formats/quantize_cpu.h"
 
 namespace nibble::backend {
@@ -583,6 +584,23 @@ void CpuBackend::grouped_matmul_nt_nvfp4_weight(float* y, const float* x, const 
     wg.codes = w.codes + g * cb, wg.scales = w.scales + g * sb, wg.outer = w.outer + g * ob;
     matmul_nt_nvfp4_weight(y + r0 * N, x + r0 * K, wg, r1 - r0);
   }
+}
+
+void CpuBackend::greedy_rows(int32_t* token, double* stats, const float* logits, int64_t rows, int64_t V) {
+  NIB_CHECK_MSG(rows >= 0 && V > 0, "greedy_rows: rows={} V={}", rows, V);
+  parallel_for(rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* l = logits + r * V;
+      int64_t best = 0;  // sample_with_logprob's greedy scan
+      for (int64_t i = 1; i < V; ++i)
+        if (l[i] > l[best]) best = i;
+      const double mx = softmax_scaled_max(l, V, 1.0);
+      token[r] = static_cast<int32_t>(best);
+      stats[3 * r] = static_cast<double>(l[best]);
+      stats[3 * r + 1] = mx;
+      stats[3 * r + 2] = softmax_exp_sum(l, V, 1.0, mx);
+    }
+  });
 }
 
 void CpuBackend::guided_overwrite_rows(QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows,

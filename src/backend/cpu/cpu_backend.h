@@ -143,6 +143,7 @@ class CpuBackend final : public Backend {
   void guided_overwrite_rows(QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows, int64_t R,
                              const uint8_t* scales, const float* outer, const uint8_t* guide,
                              formats::GuidanceKind kind) override;
+  void greedy_rows(int32_t* token, double* stats, const float* logits, int64_t rows, int64_t V) override;
   void guidance_payload_rows(uint8_t* out, const QuantizedTensor& q, formats::GuidanceKind kind) override;
 
  protected:

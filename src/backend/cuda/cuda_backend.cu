@@ -24,6 +24,7 @@
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/grouped_gemm_bf16.cuh"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/sampling.h"
 #include "backend/cuda/nn_ops.h"
 #include "backend/cuda/optimizer_ops.h"
 #include "backend/cuda/fp4_weight_mma.cuh"
@@ -915,6 +916,13 @@ void CudaBackend::grouped_matmul_nt_nvfp4_weight(float* y, const float* x, const
                                                   static_cast<int>(rows), static_cast<int>(w.rows),
                                                   static_cast<int>(w.cols), stream_),
               "grouped_matmul_nt_nvfp4_weight", "({}, {}) G={} rows={}", w.rows, w.cols, G, rows);
+}
+
+// ---- greedy decoding -------------------------------------------------------------------------------
+void CudaBackend::greedy_rows(int32_t* token, double* stats, const float* logits, int64_t rows, int64_t V) {
+  activate();
+  NIB_OP_REQUIRE(rows >= 0 && rows <= INT32_MAX && V > 0, "greedy_rows", "rows={} V={}", rows, V);
+  NIB_OP_CUDA(cuda::greedy_rows(token, stats, logits, rows, V, stream_), "greedy_rows", "rows={} V={}", rows, V);
 }
 
 // ---- TRACE guided rows -----------------------------------------------------------------------------

@@ -191,6 +191,7 @@ class CudaBackend final : public backend::Backend, public backend::GraphCapture 
   void guided_overwrite_rows(backend::QuantizedTensor& q, int64_t* stats, const float* x, const int32_t* rows,
                              int64_t R, const uint8_t* scales, const float* outer, const uint8_t* guide,
                              formats::GuidanceKind kind) override;
+  void greedy_rows(int32_t* token, double* stats, const float* logits, int64_t rows, int64_t V) override;
   void guidance_payload_rows(uint8_t* out, const backend::QuantizedTensor& q, formats::GuidanceKind kind) override;
   // paged KV cache (backend/cuda/paged_attention.h)
   void kv_cache_write(void* k_pages, void* v_pages, backend::KvPageFormat format, const float* k, const float* v,
