@@ -169,6 +169,11 @@ int main() {
       ++failures;
     }
     if (sh.M == 1) {  // the column-blocked M = 1 kernel gives the per-column kernel's bits
+      const int per_block = g::kWarpsPerBlock * g::kColsPerWarp;
+      g::nvfp4_gemv_row_kernel<<<(sh.N + per_block - 1) / per_block, g::kWarpsPerBlock * 32>>>(dy, dx, dc, di, dout,
+                                                                                            sh.N, sh.K);
+      CK(cudaGetLastError());
+      CK(cudaMemcpy(y.data(), dy, y.size() * sizeof(float), cudaMemcpyDeviceToHost));
       const dim3 grid((sh.N + g::kWarpsPerBlock - 1) / g::kWarpsPerBlock, 1);
       g::nvfp4_gemv_kernel<1><<<grid, g::kWarpsPerBlock * 32>>>(dy, dx, dc, di, dout, 1, sh.N, sh.K);
       CK(cudaGetLastError());

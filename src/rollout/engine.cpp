@@ -695,7 +695,10 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
     if (graph_step) {
       const int64_t replays = graphs_->replays(), captures = graphs_->captures(), pad = graphs_->padding_rows();
       graphs_->step(greedy_step ? nullptr : logits.data(), batch, row_tok, row_pos, cache_->table_stride());
-      if (greedy_step) logits_dev = graphs_->device_logits();
+      if (greedy_step) {
+        logits_dev = graphs_->device_logits();
+        model_->backend().synchronize();  // as the eager greedy step below
+      }
       ++stats_.graph_steps;
       stats_.graph_replays += graphs_->replays() - replays;
       stats_.graph_captures += graphs_->captures() - captures;
@@ -705,6 +708,7 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
                                                   "rollout greedy logits");
       model_->forward_decode(nullptr, batch);
       logits_dev = batch.logits_device;
+      model_->backend().synchronize();  // the forward's time stays forward time (the copy back would wait anyway)
     } else {
       model_->forward_decode(logits.data(), batch);
     }

@@ -122,6 +122,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 // A column's operations are the plain kernel's in the same order (lane chunks in order, FMAs in
 // element order, the same xor tree): the same bits. Grid ceil(N / (kWarpsPerBlock kColsPerWarp)).
 constexpr int kColsPerWarp = 4;
+// Below this N the row kernel has too few blocks to keep the H200's 132 SMs busy (2048 columns:
+// 128 blocks) and the per-column kernel is as fast or faster (H200, dev/cuda/fp4_gemv.cu at
+// 6404e61: N 2048 K 2048 7.8 vs 7.5 us, N 2048 K 8192 22.9 vs 20.9; N 6144 13.7 vs 21.7, N 16384
+// 29.5 vs 38.1). Both give the same bits.
+constexpr int kRowKernelMinN = 4096;
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     nvfp4_gemv_row_kernel(float* __restrict__ y, const float* __restrict__ x, const uint8_t* __restrict__ codes,
                           const uint8_t* __restrict__ inner, const float* __restrict__ outer, int N, int K) {
@@ -236,7 +241,7 @@ inline cudaError_t nvfp4_gemv(float* y, const float* x, const uint8_t* codes, co
   if (M < 0 || N < 0 || K <= 0 || K % 32 != 0 || (reinterpret_cast<uintptr_t>(codes) & 15u) != 0 ||
       (reinterpret_cast<uintptr_t>(x) & 15u) != 0)
     return cudaErrorInvalidValue;
-  if (M == 1) {
+  if (M == 1 && N >= kRowKernelMinN) {
     const int per_block = kWarpsPerBlock * kColsPerWarp;
     nvfp4_gemv_row_kernel<<<(N + per_block - 1) / per_block, kWarpsPerBlock * 32, 0, stream>>>(y, x, codes, inner,
                                                                                               outer, N, K);
