@@ -1,6 +1,7 @@
 // The RL trainer's fake-quantized linear with TRACE guided rounding (see fake_quant.h).
 #include "rl/fake_quant.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -143,26 +144,121 @@ Status FakeQuantLinear::apply_guidance(backend::Backend& be, backend::QuantizedT
 
 void FakeQuantLinear::forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N,
                                       int64_t K, const model::ExpertGroup& group) {
-  const TraceGuidance* g = options_.guidance;
-  const bool guided_layer = options_.activations && g != nullptr && g->store != nullptr && g->status.is_ok() &&
-                            group.token_of_row != nullptr && info_.block < static_cast<int>(g->layers.size()) &&
-                            g->layers[static_cast<size_t>(info_.block)];
-  if (!guided_layer) {
+  const bool four_bit = options_.weights || options_.activations;
+  group_off_.clear();
+  if (!four_bit || group.E == 0) {
     model::LinearRecipe::forward_experts(be, y, x, w, N, K, group);
     return;
   }
+  NIB_CHECK_MSG(K % 16 == 0, "{}: linear {} has in-features {}, NVFP4 needs a multiple of 16", kFakeQuantRecipe,
+                info_.name, K);
+  const int64_t E = group.E;
   std::vector<int64_t> copy;
   const int64_t* off = model::expert_offsets_host(be, group, copy);
-  std::vector<int32_t> tokens(static_cast<size_t>(off[group.E]));
-  be.copy_to_host(tokens.data(), group.token_of_row, tokens.size() * sizeof(int32_t));
-  for (int64_t e = 0; e < group.E; ++e) {
-    const int64_t r0 = off[e], rows = off[e + 1] - r0;
-    if (rows == 0) continue;
-    model::LinearCall call = group.calls[e];
-    call.token_of_row = group.token_of_row + r0;
-    call.token_of_row_host = tokens.data() + r0;
-    group.recipes[e]->forward(be, y + r0 * N, x + r0 * K, w + e * group.w_stride, rows, N, K, call);
+  const int64_t rows = off[E];
+  group_off_.assign(off, off + E + 1);
+  group_stride_ = group.w_stride;
+  float* xq = group_xq_.ensure(be, std::max<int64_t>(rows, 1) * K, "rl-fake-quant: saved expert inputs");
+  float* wq = group_wq_.ensure(be, E * N * K, "rl-fake-quant: saved expert weights");
+  if (rows > 0) be.round_to_bf16(xq, x, rows * K);
+  if (options_.activations && rows > 0) {
+    backend::QuantizedTensor q = qbuf_.view(be, QuantFormat::kNvfp4TwoLevel, rows, K);
+    be.quantize(q, xq);  // RTN, each row on its own: every expert's rows as its own call quantizes them
+    TraceGuidance* g = options_.guidance;
+    const bool guided = g != nullptr && g->store != nullptr && g->status.is_ok() && group.token_of_row != nullptr &&
+                        rollout::is_routed_expert(info_.kind) && info_.block < static_cast<int>(g->layers.size()) &&
+                        g->layers[static_cast<size_t>(info_.block)];
+    if (guided) {
+      std::vector<int32_t> tokens(static_cast<size_t>(rows));
+      be.copy_to_host(tokens.data(), group.token_of_row, tokens.size() * sizeof(int32_t));
+      const Status st = apply_guidance_experts(be, q, xq, off, E, tokens.data());
+      if (!st.is_ok()) g->status = st;
+    }
+    be.dequantize(xq, q);
   }
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = off[e], m = off[e + 1] - r0;
+    if (m == 0) continue;  // as the per-expert loop: an expert without rows is not called
+    float* we = wq + e * N * K;
+    be.round_to_bf16(we, w + e * group.w_stride, N * K);
+    if (options_.weights) {
+      backend::QuantizedTensor q = qbuf_.view(be, QuantFormat::kNvfp4TwoLevel, N, K);
+      be.quantize(q, we);
+      be.dequantize(we, q);
+    }
+    be.matmul_nt(y + r0 * N, xq + r0 * K, we, m, N, K, /*accumulate=*/false, /*operands_bf16=*/false);
+  }
+  if (rows > 0) be.round_to_bf16(y, y, rows * N);  // as the rollout's 4-bit modes: the GEMM writes BF16
+}
+
+void FakeQuantLinear::backward_experts(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t N,
+                                       int64_t K, const model::ExpertGroup& group) {
+  if (group_off_.empty()) {  // the forward took the per-expert loop
+    model::LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
+    return;
+  }
+  NIB_CHECK_MSG(static_cast<int64_t>(group_off_.size()) == group.E + 1 && group.w_stride == group_stride_,
+                "rl-fake-quant: backward_experts without a matching forward_experts");
+  const float* xq = group_xq_.data();
+  const float* wq = group_wq_.data();
+  for (int64_t e = 0; e < group.E; ++e) {  // straight-through, each expert's rows as its own backward
+    const int64_t r0 = group_off_[e], m = group_off_[e + 1] - r0;
+    if (m == 0) continue;
+    be.matmul_nn(dx + r0 * K, dy + r0 * N, wq + e * N * K, m, K, N);
+    be.matmul_tn(dw + e * group.w_stride, dy + r0 * N, xq + r0 * K, N, K, m, /*accumulate=*/true);
+  }
+}
+
+Status FakeQuantLinear::apply_guidance_experts(backend::Backend& be, backend::QuantizedTensor& q, const float* xb,
+                                               const int64_t* off, int64_t E, const int32_t* tokens) {
+  TraceGuidance& g = *options_.guidance;
+  const auto block = static_cast<uint16_t>(info_.block);
+  const int part = info_.kind == model::LinearKind::kExpertGateUp ? 0 : 1;
+  const int64_t K = q.cols;
+  GuidedSiteStats st;
+  std::vector<int64_t> rows;  // the guided rows of q, all experts
+  rollout::GuidanceBatch all;
+  all.cols = K;
+  for (int64_t e = 0; e < E; ++e) {
+    std::vector<int64_t> mine;
+    std::vector<uint64_t> seqs;
+    std::vector<uint32_t> poss;
+    for (int64_t r = off[e]; r < off[e + 1]; ++r) {
+      const int64_t n = tokens[r];
+      if (n < 0 || n >= static_cast<int64_t>(g.row_sequence.size()))
+        return Status(StatusCode::kInternal, fmt::format("{}: linear {} row {} is token {}, the batch has {}",
+                                                         kFakeQuantRecipe, info_.name, r, n, g.row_sequence.size()));
+      const auto t = static_cast<size_t>(n);
+      if (!g.row_recorded[t]) continue;
+      mine.push_back(r);
+      seqs.push_back(g.row_sequence[t]);
+      poss.push_back(g.row_position[t]);
+    }
+    if (mine.empty()) continue;
+    const uint16_t site = rollout::routed_expert_site(e, part);
+    NIB_ASSIGN_OR_RETURN(const TraceGuidance::Gathered* gathered,
+                         gather_cached(g, block, site, std::move(seqs), std::move(poss), /*with_found=*/true));
+    const rollout::GuidanceBatch& gb = gathered->batch;
+    st.routed_rows += static_cast<int64_t>(mine.size());
+    int64_t kept = 0;
+    for (size_t i = 0; i < mine.size(); ++i)
+      if (gathered->found[i] != 0) rows.push_back(mine[i]), ++kept;
+    st.routed_fallback_rows += static_cast<int64_t>(mine.size()) - kept;
+    if (kept == 0) continue;
+    if (gb.cols != K || gb.rows_per_record != 1 || gb.format != QuantFormat::kNvfp4TwoLevel || gb.rows != kept ||
+        (all.rows > 0 && gb.mode != all.mode))
+      return invalid_argument("{}: guidance of linear {} expert {} is {} {}x{}, the trainer quantizes {} rows of {} cols",
+                              kFakeQuantRecipe, info_.name, e, backend::quant_format_name(gb.format), gb.rows_per_record,
+                              gb.cols, backend::quant_format_name(QuantFormat::kNvfp4TwoLevel), K);
+    all.format = gb.format, all.mode = gb.mode;
+    all.rows += kept;
+    all.scales.insert(all.scales.end(), gb.scales.begin(), gb.scales.end());
+    all.outer.insert(all.outer.end(), gb.outer.begin(), gb.outer.end());
+    all.guide.insert(all.guide.end(), gb.guide.begin(), gb.guide.end());
+  }
+  if (!rows.empty()) NIB_RETURN_IF_ERROR(overwrite_guided_rows(be, q, xb, rows, all, scratch_, st, device_counts(g)));
+  g.stats.add(st);
+  return Status::ok();
 }
 
 void reset_guided_counts(backend::Backend& be, TraceGuidance& g) {

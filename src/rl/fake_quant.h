@@ -102,11 +102,17 @@ class FakeQuantLinear final : public model::LinearRecipe {
                const model::LinearCall& call) override;
   void backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
                 const model::LinearCall& call) override;
-  // A guided layer's routed experts: the dispatch plan's tokens of all the layer's rows come to the
-  // host in one copy, each expert's forward() reads its part (LinearCall::token_of_row_host; not
-  // one copy per expert); other layers and arms: LinearRecipe's per-expert loop.
+  // A layer part's routed experts at once (called on the first expert's instance, which keeps the
+  // group's saved operands): all rows rounded to BF16 and quantized in one call (the two-level
+  // format is row-local: each expert's rows get the codes its own call gave), at a guided layer
+  // one guidance gather per expert site and one re-rounding upload and kernel for all of them
+  // (the dispatch plan's tokens come to the host once), one dequantize; then each expert's weight
+  // fake-quantized and its FP32 GEMM (the per-expert calls' shapes, so the same bits). backward_experts
+  // pairs with it. Without activation or weight quantization: LinearRecipe's per-expert loop.
   void forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N, int64_t K,
                        const model::ExpertGroup& group) override;
+  void backward_experts(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t N, int64_t K,
+                        const model::ExpertGroup& group) override;
   void set_guidance(TraceGuidance* g) { options_.guidance = g; }
 
  private:
@@ -116,9 +122,17 @@ class FakeQuantLinear final : public model::LinearRecipe {
   // row; null for every other linear.
   Status apply_guidance(backend::Backend& be, backend::QuantizedTensor& q, const float* xb, int64_t M, int64_t K,
                         uint16_t site, const model::LinearCall* routed);
+  // The guided rows of the grouped q (rows, K): expert e's rows [off[e], off[e+1]) at its site,
+  // tokens (rows) host: each row's token row. One overwrite_guided_rows for all experts.
+  Status apply_guidance_experts(backend::Backend& be, backend::QuantizedTensor& q, const float* xb,
+                                const int64_t* off, int64_t E, const int32_t* tokens);
   FakeQuantOptions options_;
   model::LinearInfo info_;
   backend::Buffer<float> wq_, xq_;  // saved ŵ (N,K), x̂ (M,K) for backward
+  // forward_experts' saved operands: x̂ (rows, K) of all experts, ŵ (E, N, K); its offsets (host)
+  backend::Buffer<float> group_wq_, group_xq_;
+  std::vector<int64_t> group_off_;
+  int64_t group_stride_ = 0;
   backend::QuantizedBuffer qbuf_;
   GuidedRowsScratch scratch_;
 };

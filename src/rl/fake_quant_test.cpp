@@ -269,6 +269,89 @@ TEST(FakeQuant, ExpertGroupWithDeviceCountsEqualsThePerCallPath) {
   EXPECT_EQ(g2.stats.rtn_mismatch, g1.stats.rtn_mismatch);
 }
 
+// Three experts of a layer's down_proj with rows (2, 0, 4) through forward_experts /
+// backward_experts (one quantization of all rows, one guided re-rounding for the experts' records,
+// each expert's own weight and GEMMs) against each expert's own forward / backward on its rows:
+// y, dx and each expert's dw bit for bit, and the same counts. Expert 0's site holds every token,
+// expert 2's only tokens 7 and 2 (its rows of tokens 9 and 0 fall back to RTN); the weights differ
+// per expert.
+TEST(FakeQuant, GroupedExpertsEqualEachExpertsOwnCalls) {
+  const Operands s = expert_operands();
+  auto store = rollout::RecordStore::open({}).value();
+  {
+    std::vector<float> xb(s.x_roll.size());
+    model::round_to_bf16_array(xb.data(), s.x_roll.data(), M * K);
+    std::vector<uint8_t> codes(M * K / 2), scales(M * K / 16);
+    std::vector<float> outer(M * (K / 128 + 1));
+    formats::nvfp4_2level_quantize_cpu(codes.data(), scales.data(), outer.data(), xb.data(), M, K);
+    std::vector<uint64_t> seq(M, 5);
+    std::vector<uint32_t> pos(kRowPositions.begin(), kRowPositions.end());
+    for (int e : {0, 2}) {
+      const int64_t rows = e == 2 ? 2 : M;  // expert 2: only tokens 7 and 2 (rows 0, 1 of x_roll)
+      backend::QuantizedTensor q{backend::QuantFormat::kNvfp4TwoLevel, rows, K, codes.data(), scales.data(),
+                                 outer.data()};
+      ASSERT_TRUE(rollout::append_guidance(*store, q, seq.data(), pos.data(), 0, rollout::routed_expert_site(e, 1),
+                                           rollout::GuidanceMode::kTraceFull)
+                      .is_ok());
+    }
+    ASSERT_TRUE(store->flush().is_ok());
+  }
+  // the plan: rows 0-1 to expert 0 (tokens 7, 2), none to expert 1, rows 2-5 to expert 2 (tokens 7, 2, 9, 0)
+  const std::vector<int32_t> tokens = {7, 2, 7, 2, 9, 0};
+  const std::vector<int64_t> offsets = {0, 2, 2, M};
+  std::vector<float> w3(3 * N * K);
+  for (int64_t i = 0; i < 3 * N * K; ++i) w3[i] = s.w[i % (N * K)] * (1.0f + 0.25f * static_cast<float>(i / (N * K)));
+  std::vector<float> dy(M * N);
+  for (int64_t i = 0; i < M * N; ++i) dy[i] = static_cast<float>((i % 5) - 2) * 0.5f;
+  auto make = [&](TraceGuidance* g, std::vector<std::unique_ptr<FakeQuantLinear>>& ex) {
+    for (int e = 0; e < 3; ++e) {
+      model::LinearInfo info = s.info;
+      info.expert = e, info.id = e;
+      ex.push_back(std::make_unique<FakeQuantLinear>(FakeQuantOptions{true, true, g}, info));
+    }
+  };
+  // each expert alone
+  TraceGuidance g1 = guidance_over(store.get(), kTokenRows, kTokenRows);
+  std::vector<std::unique_ptr<FakeQuantLinear>> a;
+  make(&g1, a);
+  std::vector<float> y1(M * N), dx1(M * K), dw1(3 * N * K, 0.0f);
+  for (int e = 0; e < 3; ++e) {
+    const int64_t r0 = offsets[e], m = offsets[e + 1] - r0;
+    if (m == 0) continue;
+    model::LinearCall c;
+    c.token_of_row = tokens.data() + r0;
+    a[e]->forward(y1.data() + r0 * N, s.x_train.data() + r0 * K, w3.data() + e * N * K, m, N, K, c);
+    a[e]->backward(dx1.data() + r0 * K, dw1.data() + e * N * K, dy.data() + r0 * N, m, N, K, c);
+  }
+  ASSERT_TRUE(g1.status.is_ok()) << g1.status.message();
+  // grouped
+  TraceGuidance g2 = guidance_over(store.get(), kTokenRows, kTokenRows);
+  std::vector<std::unique_ptr<FakeQuantLinear>> b;
+  make(&g2, b);
+  std::vector<model::LinearRecipe*> recipes;
+  for (auto& e : b) recipes.push_back(e.get());
+  std::vector<model::LinearCall> calls(3);
+  model::ExpertGroup group;
+  group.recipes = recipes.data(), group.calls = calls.data(), group.offsets_host = offsets.data();
+  group.E = 3, group.rows = M, group.w_stride = N * K, group.token_of_row = tokens.data();
+  std::vector<float> y2(M * N), dx2(M * K), dw2(3 * N * K, 0.0f);
+  backend::Backend& be = backend::cpu_backend();
+  recipes[0]->forward_experts(be, y2.data(), s.x_train.data(), w3.data(), N, K, group);
+  recipes[0]->backward_experts(be, dx2.data(), dw2.data(), dy.data(), N, K, group);
+  ASSERT_TRUE(g2.status.is_ok()) << g2.status.message();
+  EXPECT_EQ(y2, y1);
+  EXPECT_EQ(dx2, dx1);
+  EXPECT_EQ(dw2, dw1);
+  EXPECT_EQ(g2.stats.elements, g1.stats.elements);
+  EXPECT_EQ(g2.stats.reproduced, g1.stats.reproduced);
+  EXPECT_EQ(g2.stats.rtn_mismatch, g1.stats.rtn_mismatch);
+  EXPECT_EQ(g2.stats.routed_rows, g1.stats.routed_rows);
+  EXPECT_EQ(g2.stats.routed_fallback_rows, g1.stats.routed_fallback_rows);
+  EXPECT_EQ(g1.stats.routed_rows, M);
+  EXPECT_EQ(g1.stats.routed_fallback_rows, 2);  // tokens 9 and 0 have no record at expert 2
+  EXPECT_EQ(g1.stats.elements, 4 * K);
+}
+
 TEST(FakeQuant, RoutedExpertWithoutItsTokensIsAnError) {
   const Operands s = expert_operands();
   auto store = rollout_records(s, rollout::GuidanceMode::kTraceFull, rollout::routed_expert_site(2, 1), kRowPositions);
