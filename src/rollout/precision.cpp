@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -231,6 +232,22 @@ float* QuantizedLinears::dequantized_weight(backend::Backend& be, const backend:
   return wd;
 }
 
+const float* QuantizedLinears::activation_operand(backend::Backend& be, const float* x, int64_t M, int64_t K,
+                                                 const std::function<void(const backend::QuantizedTensor&)>& observe) {
+  // the BF16 activation (zero rows pad the TE format's 16-row tiles)
+  const int64_t Mp = mode_ == PrecisionMode::kW4A4 ? (M + 15) / 16 * 16 : M;
+  float* xs = xs_.ensure(be, Mp * K, "rollout activation");
+  be.round_to_bf16(xs, x, M * K);
+  if (Mp > M) be.fill_zero(xs + M * K, static_cast<size_t>((Mp - M) * K) * sizeof(float));
+  if (mode_ != PrecisionMode::kW4A4) return xs;
+  backend::QuantizedTensor qx = xq_.view(be, act_format_, Mp, K);
+  be.quantize(qx, xs);  // RTN, as the recipes' forward
+  observe(qx);
+  float* xd = xd_.ensure(be, Mp * K, "rollout dequantized activation");
+  be.dequantize(xd, qx);
+  return xd;
+}
+
 void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
                                const model::LinearInfo& info, const model::LinearCall& call) {
   NIB_CHECK(info.id >= 0 && info.id < static_cast<int>(slots_.size()));
@@ -244,20 +261,9 @@ void QuantizedLinears::forward(backend::Backend& be, float* y, const float* x, c
     be.matmul_bf16_nt(y, xb, s.bits, M, N, K);
     return;
   }
-  // the BF16 activation (zero rows pad the TE format's 16-row tiles)
-  const int64_t Mp = mode_ == PrecisionMode::kW4A4 ? (M + 15) / 16 * 16 : M;
-  float* xs = xs_.ensure(be, Mp * K, "rollout activation");
-  be.round_to_bf16(xs, x, M * K);
-  if (Mp > M) be.fill_zero(xs + M * K, static_cast<size_t>((Mp - M) * K) * sizeof(float));
-  const float* a = xs;
-  if (mode_ == PrecisionMode::kW4A4) {
-    backend::QuantizedTensor qx = xq_.view(be, act_format_, Mp, K);
-    be.quantize(qx, xs);  // RTN, as the recipes' forward
+  const float* a = activation_operand(be, x, M, K, [&](const backend::QuantizedTensor& qx) {
     if (observer_ != nullptr) observer_->on_quantized_activation(be, info, qx, M, call.token_of_row);
-    float* xd = xd_.ensure(be, Mp * K, "rollout dequantized activation");
-    be.dequantize(xd, qx);
-    a = xd;
-  }
+  });
   // The dequantized NVFP4 values carry FP32 scales (not BF16 numbers). Decode batches
   // (M <= kPackedGemmMaxRows) of two-level weights read the packed codes (the CUDA GEMV
   // dequantizes in registers; the CPU's is dequantize + matmul_nt, these very numbers).
@@ -299,19 +305,10 @@ void QuantizedLinears::forward_experts(backend::Backend& be, float* y, const flo
     be.grouped_matmul_bf16_nt(y, xb, g->bits.data(), offsets, E, rows, N, K, N * K);
     return;
   }
-  const int64_t Mp = mode_ == PrecisionMode::kW4A4 ? (rows + 15) / 16 * 16 : rows;
-  float* xs = xs_.ensure(be, Mp * K, "rollout activation");
-  be.round_to_bf16(xs, x, rows * K);
-  if (Mp > rows) be.fill_zero(xs + rows * K, static_cast<size_t>((Mp - rows) * K) * sizeof(float));
-  const float* a = xs;
-  if (mode_ == PrecisionMode::kW4A4) {  // two-level: each row quantized on its own, as per expert
-    backend::QuantizedTensor qx = xq_.view(be, act_format_, Mp, K);
-    be.quantize(qx, xs);
+  // w4a4 (two-level): each row quantized on its own, so every expert's rows get its own call's codes
+  const float* a = activation_operand(be, x, rows, K, [&](const backend::QuantizedTensor& qx) {
     if (observer_ != nullptr) observer_->on_quantized_activation_experts(be, infos, E, qx, rows, offsets, token_of_row);
-    float* xd = xd_.ensure(be, Mp * K, "rollout dequantized activation");
-    be.dequantize(xd, qx);
-    a = xd;
-  }
+  });
   be.grouped_matmul_nt_nvfp4_weight(y, a, g->q0, offsets, E, rows);
   be.round_to_bf16(y, y, rows * N);  // as the 4-bit recipes: the GEMM writes BF16
 }

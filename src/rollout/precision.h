@@ -18,6 +18,7 @@
 // (set_quantized_weight(s): a trainer or a checkpoint).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -137,6 +138,10 @@ class QuantizedLinears final : public model::LinearOverride {
   };
   // The group of linear `id`, or null.
   const ExpertGroupStorage* group_of(int id) const;
+  // The 4-bit modes' GEMM activation operand of x (M, K) f32: rounded to BF16 (w4a4: zero rows pad
+  // to 16-row tiles, then quantized RTN, shown to `observe`, and dequantized), in this object's scratch.
+  const float* activation_operand(backend::Backend& be, const float* x, int64_t M, int64_t K,
+                                  const std::function<void(const backend::QuantizedTensor&)>& observe);
   // (q.rows, q.cols) f32 in wd_ <- dequantize(q): the GEMM weight of a prefill chunk.
   float* dequantized_weight(backend::Backend& be, const backend::QuantizedTensor& q);
   // Makes slot `id`'s storage from w: (N,K) f32 in backend memory.
