@@ -57,4 +57,18 @@ inline double softmax_exp_sum(const float* logits, int64_t V, double t, double m
   return softmax_combine_lanes(s);
 }
 
+// The greedy token: the first index of the largest logit, scanned in order (a NaN is never larger;
+// a NaN at index 0 stays the token). logits: (V) f32, V >= 1.
+inline int64_t softmax_first_argmax(const float* logits, int64_t V) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < V; ++i)
+    if (logits[i] > logits[best]) best = i;
+  return best;
+}
+
+// log p of a token under softmax(logits / t): its logit (as double), the scaled max mx and
+// log_z = log(sum of the softmax terms). Every sampler's log-prob, and the one the rollout engine
+// forms from Backend::greedy_rows' sums (t = 1): one expression, so one rounding sequence.
+inline double softmax_log_prob(double logit, double t, double mx, double log_z) { return logit / t - mx - log_z; }
+
 }  // namespace nibble

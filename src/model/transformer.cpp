@@ -243,7 +243,9 @@ struct TransformerT<T>::Impl {
   // one ExpertGroup's recipes and calls (E each), refilled per call
   std::vector<LinearRecipe*> group_recipes;
   std::vector<LinearCall> group_calls;
-  std::vector<LinearInfo> group_infos;  // a decode override's grouped experts (E)
+  // a decode override's grouped experts: the E infos of each layer part, by the part's first
+  // expert linear (made once: infos do not change)
+  std::vector<std::vector<LinearInfo>> group_infos;
   std::vector<int64_t> larena;
   int32_t *tokens = nullptr, *targets = nullptr, *forced = nullptr;  // (N), (N), (Lm,N,k) copies of the host inputs
   int32_t* routing_out = nullptr;  // (Lm,N,k) the expert ids a RoutingIO::record asks for, read back once
@@ -859,10 +861,12 @@ LossParts TransformerT<T>::run(const int32_t* tokens, const int32_t* targets, in
         return;
       }
       if (a.experts_grouped) {  // the decode override, all experts in one call on device offsets
-        im.group_infos.resize(static_cast<size_t>(E));
-        for (int64_t e = 0; e < E; ++e) im.group_infos[e] = im.linears[bp.lin_expert0 + 2 * e + part].info;
-        im.decode->linears->forward_experts(ops, y, xin, Nk, im.group_infos.data(), E, a.offsets_dev, a.token_of_row,
-                                            call(s0));
+        const auto key = static_cast<size_t>(bp.lin_expert0 + part);
+        if (im.group_infos.size() <= key) im.group_infos.resize(im.linears.size());
+        std::vector<LinearInfo>& infos = im.group_infos[key];
+        for (int64_t e = static_cast<int64_t>(infos.size()); e < E; ++e)
+          infos.push_back(im.linears[bp.lin_expert0 + 2 * e + part].info);
+        im.decode->linears->forward_experts(ops, y, xin, Nk, infos.data(), E, a.offsets_dev, a.token_of_row, call(s0));
         return;
       }
     }

@@ -48,17 +48,37 @@ void set_guidance_store(TraceGuidance& g, rollout::RecordStore* store) {
   g.gathered.clear();
 }
 
+void FakeQuantLinear::fake_quantize_weight(backend::Backend& be, float* wq, const float* w, int64_t N, int64_t K) {
+  be.round_to_bf16(wq, w, N * K);  // the rollout quantizes the BF16 weight (rollout/precision.cpp)
+  if (!options_.weights) return;
+  backend::QuantizedTensor q = qbuf_.view(be, QuantFormat::kNvfp4TwoLevel, N, K);
+  be.quantize(q, wq);
+  be.dequantize(wq, q);
+}
+
+Status FakeQuantLinear::recorded_rows(int64_t r0, int64_t r1, const int32_t* tokens, std::vector<int64_t>& rows,
+                                      std::vector<uint64_t>& seqs, std::vector<uint32_t>& poss) const {
+  const TraceGuidance& g = *options_.guidance;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t n = tokens == nullptr ? r : tokens[r];  // the row's token row
+    if (n < 0 || n >= static_cast<int64_t>(g.row_sequence.size()))
+      return Status(StatusCode::kInternal, fmt::format("{}: linear {} row {} is token {}, the batch has {}",
+                                                       kFakeQuantRecipe, info_.name, r, n, g.row_sequence.size()));
+    const auto t = static_cast<size_t>(n);
+    if (!g.row_recorded[t]) continue;
+    rows.push_back(r);
+    seqs.push_back(g.row_sequence[t]);
+    poss.push_back(g.row_position[t]);
+  }
+  return Status::ok();
+}
+
 void FakeQuantLinear::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N,
                               int64_t K, const model::LinearCall& call) {
   NIB_CHECK_MSG(K % 16 == 0, "{}: linear {} has in-features {}, NVFP4 needs a multiple of 16", kFakeQuantRecipe,
                 info_.name, K);
   float* wq = wq_.ensure(be, N * K, "rl-fake-quant: saved weight");
-  be.round_to_bf16(wq, w, N * K);  // the rollout quantizes the BF16 weight (rollout/precision.cpp)
-  if (options_.weights) {
-    backend::QuantizedTensor q = qbuf_.view(be, QuantFormat::kNvfp4TwoLevel, N, K);
-    be.quantize(q, wq);
-    be.dequantize(wq, q);
-  }
+  fake_quantize_weight(be, wq, w, N, K);
   float* xq = xq_.ensure(be, M * K, "rl-fake-quant: saved input");
   be.round_to_bf16(xq, x, M * K);
   const bool four_bit = options_.weights || options_.activations;
@@ -100,17 +120,7 @@ Status FakeQuantLinear::apply_guidance(backend::Backend& be, backend::QuantizedT
   std::vector<int64_t> rows;
   std::vector<uint64_t> seqs;
   std::vector<uint32_t> poss;
-  for (int64_t r = 0; r < M; ++r) {
-    const int64_t n = tokens == nullptr ? r : tokens[r];  // the row's token row
-    if (n < 0 || n >= static_cast<int64_t>(g.row_sequence.size()))
-      return Status(StatusCode::kInternal, fmt::format("{}: linear {} row {} is token {}, the batch has {}",
-                                                       kFakeQuantRecipe, info_.name, r, n, g.row_sequence.size()));
-    const auto t = static_cast<size_t>(n);
-    if (!g.row_recorded[t]) continue;
-    rows.push_back(r);
-    seqs.push_back(g.row_sequence[t]);
-    poss.push_back(g.row_position[t]);
-  }
+  NIB_RETURN_IF_ERROR(recorded_rows(0, M, tokens, rows, seqs, poss));
   if (rows.empty()) {
     g.stats.add(st);
     return Status::ok();
@@ -180,12 +190,7 @@ void FakeQuantLinear::forward_experts(backend::Backend& be, float* y, const floa
     const int64_t r0 = off[e], m = off[e + 1] - r0;
     if (m == 0) continue;  // as the per-expert loop: an expert without rows is not called
     float* we = wq + e * N * K;
-    be.round_to_bf16(we, w + e * group.w_stride, N * K);
-    if (options_.weights) {
-      backend::QuantizedTensor q = qbuf_.view(be, QuantFormat::kNvfp4TwoLevel, N, K);
-      be.quantize(q, we);
-      be.dequantize(we, q);
-    }
+    fake_quantize_weight(be, we, w + e * group.w_stride, N, K);
     be.matmul_nt(y + r0 * N, xq + r0 * K, we, m, N, K, /*accumulate=*/false, /*operands_bf16=*/false);
   }
   if (rows > 0) be.round_to_bf16(y, y, rows * N);  // as the rollout's 4-bit modes: the GEMM writes BF16
@@ -223,17 +228,7 @@ Status FakeQuantLinear::apply_guidance_experts(backend::Backend& be, backend::Qu
     std::vector<int64_t> mine;
     std::vector<uint64_t> seqs;
     std::vector<uint32_t> poss;
-    for (int64_t r = off[e]; r < off[e + 1]; ++r) {
-      const int64_t n = tokens[r];
-      if (n < 0 || n >= static_cast<int64_t>(g.row_sequence.size()))
-        return Status(StatusCode::kInternal, fmt::format("{}: linear {} row {} is token {}, the batch has {}",
-                                                         kFakeQuantRecipe, info_.name, r, n, g.row_sequence.size()));
-      const auto t = static_cast<size_t>(n);
-      if (!g.row_recorded[t]) continue;
-      mine.push_back(r);
-      seqs.push_back(g.row_sequence[t]);
-      poss.push_back(g.row_position[t]);
-    }
+    NIB_RETURN_IF_ERROR(recorded_rows(off[e], off[e + 1], tokens, mine, seqs, poss));
     if (mine.empty()) continue;
     const uint16_t site = rollout::routed_expert_site(e, part);
     NIB_ASSIGN_OR_RETURN(const TraceGuidance::Gathered* gathered,

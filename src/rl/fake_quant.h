@@ -122,6 +122,12 @@ class FakeQuantLinear final : public model::LinearRecipe {
   // row; null for every other linear.
   Status apply_guidance(backend::Backend& be, backend::QuantizedTensor& q, const float* xb, int64_t M, int64_t K,
                         uint16_t site, const model::LinearCall* routed);
+  // wq (N,K) <- w rounded to BF16 and, with `weights`, quantized and dequantized (the rollout's weight).
+  void fake_quantize_weight(backend::Backend& be, float* wq, const float* w, int64_t N, int64_t K);
+  // Rows r in [r0, r1) whose token row (tokens[r], or r without tokens) the rollout recorded: r
+  // and its token's record sequence and position appended. A token outside the batch: an error.
+  Status recorded_rows(int64_t r0, int64_t r1, const int32_t* tokens, std::vector<int64_t>& rows,
+                       std::vector<uint64_t>& seqs, std::vector<uint32_t>& poss) const;
   // The guided rows of the grouped q (rows, K): expert e's rows [off[e], off[e+1]) at its site,
   // tokens (rows) host: each row's token row. One overwrite_guided_rows for all experts.
   Status apply_guidance_experts(backend::Backend& be, backend::QuantizedTensor& q, const float* xb,

@@ -15,6 +15,7 @@
 #include "core/check.h"
 #include "core/parallel.h"
 #include "core/philox.h"
+#include "core/softmax_f64.h"
 #include "backend/graph_capture.h"
 #include "rollout/quantized_weights.h"
 
@@ -519,7 +520,7 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
       std::memcpy(&tok, greedy_host.data() + 4 * row, sizeof tok);
       std::memcpy(st, greedy_host.data() + tok_bytes + 24 * row, sizeof st);
       drawn[j].token = tok;
-      drawn[j].logprob = st[0] / 1.0 - st[1] - std::log(st[2]);
+      drawn[j].logprob = softmax_log_prob(st[0], 1.0, st[1], std::log(st[2]));  // the greedy sampler's, t = 1
     }
     stats_.sample_seconds += seconds_since(t0);
   };

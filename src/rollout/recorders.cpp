@@ -79,20 +79,8 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
     // for trace) into the step arena, a routed expert's tokens beside them; finish_step copies
     // the arena once
     if (M == 0) return Status::ok();
-    const auto align8 = [](int64_t n) { return (n + 7) & ~int64_t{7}; };
-    const int64_t P = guidance_record_bytes(qx.format, qx.cols, mode) - kGuidanceHeaderBytes;
-    const int64_t need = align8(M * P) + (routed ? align8(4 * M) : 0);
-    NIB_RETURN_IF_ERROR(reserve_arena(be, need));
-    Pending p{info.name, info.block, *site, qx.cols, M, P, arena_used_, -1};
-    be.guidance_payload_rows(arena_.data() + p.payload_at, q, guidance_kind(mode));
-    arena_used_ += align8(M * P);
-    if (routed) {
-      p.tokens_at = arena_used_;
-      be.copy(arena_.data() + p.tokens_at, token_of_row, sizeof(int32_t) * static_cast<size_t>(M));
-      arena_used_ += align8(4 * M);
-    }
-    pending_.push_back(p);
-    return Status::ok();
+    return stage(be, Pending{info.name, info.block, *site, qx.cols, M, 0, -1, -1}, q, routed ? token_of_row : nullptr,
+                 nullptr);
   }
   if (routed) {  // row r of the call is step row tokens_[r]
     tokens_.resize(static_cast<size_t>(M));
@@ -133,7 +121,12 @@ Status GuidanceRecorder::record(backend::Backend& be, const model::LinearInfo& i
   return store.append_batch(std::move(batch));
 }
 
-Status GuidanceRecorder::reserve_arena(backend::Backend& be, int64_t need) {
+Status GuidanceRecorder::stage(backend::Backend& be, Pending p, const backend::QuantizedTensor& q,
+                               const int32_t* tokens, const int64_t* offsets) {
+  const auto align8 = [](int64_t n) { return (n + 7) & ~int64_t{7}; };
+  p.P = guidance_record_bytes(q.format, q.cols, recorders_.guidance_mode) - kGuidanceHeaderBytes;
+  const int64_t need = align8(p.M * p.P) + (tokens != nullptr ? align8(4 * p.M) : 0) +
+                       (offsets != nullptr ? 8 * (p.E + 1) : 0);
   if (arena_be_ != &be || arena_used_ + need > arena_.size()) {
     // full: the step so far goes to the host, then the arena doubles (up to the cap; ensure()
     // keeps no contents, and does nothing when it is large enough)
@@ -142,6 +135,20 @@ Status GuidanceRecorder::reserve_arena(backend::Backend& be, int64_t need) {
     arena_.ensure(be, std::max(need, doubled), "guidance recorder: step arena");
     arena_be_ = &be;
   }
+  p.payload_at = arena_used_;
+  be.guidance_payload_rows(arena_.data() + p.payload_at, q, guidance_kind(recorders_.guidance_mode));
+  arena_used_ += align8(p.M * p.P);
+  if (tokens != nullptr) {
+    p.tokens_at = arena_used_;
+    be.copy(arena_.data() + p.tokens_at, tokens, sizeof(int32_t) * static_cast<size_t>(p.M));
+    arena_used_ += align8(4 * p.M);
+  }
+  if (offsets != nullptr) {
+    p.offsets_at = arena_used_;
+    be.copy(arena_.data() + p.offsets_at, offsets, sizeof(int64_t) * static_cast<size_t>(p.E + 1));
+    arena_used_ += 8 * (p.E + 1);
+  }
+  pending_.push_back(std::move(p));
   return Status::ok();
 }
 
@@ -163,26 +170,12 @@ void GuidanceRecorder::on_quantized_activation_experts(backend::Backend& be, con
                                  "activations, tokens and offsets", info.name));
     return;
   }
-  const auto align8 = [](int64_t n) { return (n + 7) & ~int64_t{7}; };
-  const GuidanceMode mode = recorders_.guidance_mode;
-  const int64_t P = guidance_record_bytes(qx.format, qx.cols, mode) - kGuidanceHeaderBytes;
-  const int64_t need = align8(rows * P) + align8(4 * rows) + 8 * (E + 1);
-  status_ = reserve_arena(be, need);
-  if (!status_.is_ok()) return;
-  const int part = info.kind == model::LinearKind::kExpertGateUp ? 0 : 1;
-  Pending p{info.name, info.block, routed_expert_site(0, part), qx.cols, rows, P, arena_used_, -1};
-  p.E = E, p.part = part;
   backend::QuantizedTensor q = qx;
   q.rows = rows;
-  be.guidance_payload_rows(arena_.data() + p.payload_at, q, guidance_kind(mode));
-  arena_used_ += align8(rows * P);
-  p.tokens_at = arena_used_;
-  be.copy(arena_.data() + p.tokens_at, token_of_row, sizeof(int32_t) * static_cast<size_t>(rows));
-  arena_used_ += align8(4 * rows);
-  p.offsets_at = arena_used_;
-  be.copy(arena_.data() + p.offsets_at, offsets, sizeof(int64_t) * static_cast<size_t>(E + 1));
-  arena_used_ += 8 * (E + 1);
-  pending_.push_back(p);
+  const int part = info.kind == model::LinearKind::kExpertGateUp ? 0 : 1;
+  Pending p{info.name, info.block, routed_expert_site(0, part), qx.cols, rows, 0, -1, -1};
+  p.E = E, p.part = part;
+  status_ = stage(be, std::move(p), q, token_of_row, offsets);
 }
 
 Status GuidanceRecorder::finish_step() {

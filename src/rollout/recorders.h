@@ -93,8 +93,10 @@ class GuidanceRecorder final : public ActivationObserver, public KvWriteObserver
     int64_t E = 0, offsets_at = -1;
     int part = 0;
   };
-  // Room for `need` more bytes in the step arena on `be` (flushing what is there when full).
-  Status reserve_arena(backend::Backend& be, int64_t need);
+  // Makes the step arena's part of call p (its rows' payloads from q, then the tokens and the
+  // offsets where given: p.P and the *_at fields are set here), flushing the arena first when full.
+  Status stage(backend::Backend& be, Pending p, const backend::QuantizedTensor& q, const int32_t* tokens,
+               const int64_t* offsets);
   Status flush_pending();  // the arena's payloads to the host, their records to the store
   Status record(backend::Backend& be, const model::LinearInfo& info, const backend::QuantizedTensor& qx, int64_t M,
                 const int32_t* token_of_row);

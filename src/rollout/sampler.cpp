@@ -19,10 +19,7 @@ int32_t sample_token(const float* logits, int64_t V, const SamplingParams& param
   NIB_CHECK(V > 0);
   const double temperature = params.temperature;
   if (!(temperature > 0)) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < V; ++i)
-      if (logits[i] > logits[best]) best = i;
-    return static_cast<int32_t>(best);
+    return static_cast<int32_t>(softmax_first_argmax(logits, V));
   }
   const double mx = softmax_scaled_max(logits, V, temperature);
   std::vector<double> p(static_cast<size_t>(V));
@@ -56,7 +53,7 @@ double token_logprob(const float* logits, int64_t V, int32_t token, double tempe
   NIB_CHECK(V > 0 && token >= 0 && token < V);
   const double t = temperature > 0 ? temperature : 1.0;
   const double mx = softmax_scaled_max(logits, V, t);
-  return static_cast<double>(logits[token]) / t - mx - std::log(softmax_exp_sum(logits, V, t, mx));
+  return softmax_log_prob(logits[token], t, mx, std::log(softmax_exp_sum(logits, V, t, mx)));
 }
 
 namespace {
@@ -170,11 +167,8 @@ SampledToken sample_with_logprob(const float* logits, int64_t V, const SamplingP
   const double mx = softmax_scaled_max(logits, V, t);
   SampledToken out;
   if (!(temperature > 0) && !split_row) {  // greedy on one thread: token_logprob's loop, no row kept
-    int64_t best = 0;
-    for (int64_t i = 1; i < V; ++i)
-      if (logits[i] > logits[best]) best = i;
-    out.token = static_cast<int32_t>(best);
-    out.logprob = static_cast<double>(logits[best]) / t - mx - std::log(softmax_exp_sum(logits, V, t, mx));
+    out.token = static_cast<int32_t>(softmax_first_argmax(logits, V));
+    out.logprob = softmax_log_prob(logits[out.token], t, mx, std::log(softmax_exp_sum(logits, V, t, mx)));
     return out;
   }
   Scratch& scr = scratch();
@@ -183,11 +177,8 @@ SampledToken sample_with_logprob(const float* logits, int64_t V, const SamplingP
   const double z = exponentials(p.data(), logits, V, t, mx, split_row);
   const double log_z = std::log(z);
   if (!(temperature > 0)) {  // greedy: sample_token's argmax, no draw
-    int64_t best = 0;
-    for (int64_t i = 1; i < V; ++i)
-      if (logits[i] > logits[best]) best = i;
-    out.token = static_cast<int32_t>(best);
-    out.logprob = static_cast<double>(logits[best]) / t - mx - log_z;
+    out.token = static_cast<int32_t>(softmax_first_argmax(logits, V));
+    out.logprob = softmax_log_prob(logits[out.token], t, mx, log_z);
     return out;
   }
   // from here on sample_token's steps, with ids[k] read from the lazily sorted ranking
@@ -215,7 +206,7 @@ SampledToken sample_with_logprob(const float* logits, int64_t V, const SamplingP
       break;
     }
   }
-  out.logprob = static_cast<double>(logits[out.token]) / t - mx - log_z;
+  out.logprob = softmax_log_prob(logits[out.token], t, mx, log_z);
   return out;
 }
 

@@ -11,12 +11,7 @@ namespace nibble::train {
 
 int32_t sample_token(const float* logits, int64_t V, double temperature, double top_p, PhiloxStream* rng) {
   NIB_CHECK(V > 0);
-  if (!(temperature > 0)) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < V; ++i)
-      if (logits[i] > logits[best]) best = i;
-    return static_cast<int32_t>(best);
-  }
+  if (!(temperature > 0)) return static_cast<int32_t>(softmax_first_argmax(logits, V));
   // Softmax of logits / T in double, then the smallest set of most likely ids with mass >= top_p.
   // (core/softmax_f64.h: the terms and sums in the order every sampler of nibble shares)
   const double mx = softmax_scaled_max(logits, V, temperature);

@@ -591,9 +591,7 @@ void CpuBackend::greedy_rows(int32_t* token, double* stats, const float* logits,
   parallel_for(rows, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float* l = logits + r * V;
-      int64_t best = 0;  // sample_with_logprob's greedy scan
-      for (int64_t i = 1; i < V; ++i)
-        if (l[i] > l[best]) best = i;
+      const int64_t best = softmax_first_argmax(l, V);  // every sampler's greedy scan
       const double mx = softmax_scaled_max(l, V, 1.0);
       token[r] = static_cast<int32_t>(best);
       stats[3 * r] = static_cast<double>(l[best]);
