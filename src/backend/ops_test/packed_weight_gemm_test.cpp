@@ -150,6 +150,19 @@ TEST_P(PackedWeightGemmOpsTest, Olmo1bDecodeLinears) {
   }
 }
 
+// Batch 1 on both CUDA GEMV kernels: N below 4096 (the per-column kernel) and from 4096 (the row
+// kernel, four columns a warp, a partial last warp at N = 4102), every column, BF16 and FP32 x.
+TEST_P(PackedWeightGemmOpsTest, BatchOneOnBothGemvKernels) {
+  for (const int64_t N : {int64_t{2048}, int64_t{4102}}) {
+    PackedWeight pw;
+    make_weight(pw, N, 2048);
+    for (const bool bf16 : {true, false}) {
+      check(pw, 1, N, 2048, all_columns(N), bf16);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
 // grouped_matmul_nt_nvfp4_weight (the fused MoE decode): G experts' weights back to back (one
 // (G N, K) two-level tensor: the format is row-local, so its rows [g N, (g+1) N) are expert g's
 // (N, K) tensor), rows grouped by device offsets with empty experts, experts of 1 .. 8 rows (one
