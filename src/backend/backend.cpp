@@ -205,6 +205,10 @@ void Backend::grouped_matmul_bf16_tn(float*, const uint16_t*, const uint16_t*, c
                                      int64_t, int64_t, int64_t, const float*, bool) {
   missing_override(*this, "grouped_matmul_bf16_tn");
 }
+void Backend::grouped_matmul_bf16_nt_blocks(float*, const uint16_t*, const uint16_t*, const int64_t*, int64_t,
+                                            int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, bool) {
+  missing_override(*this, "grouped_matmul_bf16_nt_blocks");
+}
 void Backend::moe_dispatch_plan_device(int64_t*, int32_t*, int32_t*, const int32_t*, int64_t, int64_t, int64_t) {
   missing_override(*this, "moe_dispatch_plan_device");
 }

@@ -248,6 +248,16 @@ class Backend {
   virtual void grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
                                       int64_t G, int64_t extent, int64_t M, int64_t N, int64_t y_stride,
                                       const float* alpha = nullptr, bool accumulate = false);
+  // Block-reduction grouped (the FP4 recipes' expert wgrads, each expert's along-token operands
+  // quantized by the expert itself and stored back to back): group g reduces over its own
+  // K_g = o_g+1 - o_g columns; a_g: (a_rows, K_g) at a + a_rows · o_g and b_g: (b_rows, K_g) at
+  // b + b_rows · o_g, row-major with leading dimension K_g (their first M / N rows are used);
+  //   y_g: (M,N) at y + g * y_stride = a_g[:M] . b_g[:N]^T
+  // An empty group's y_g is zero-filled (accumulate: left as it is).
+  virtual void grouped_matmul_bf16_nt_blocks(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                             int64_t G, int64_t extent, int64_t M, int64_t N, int64_t a_rows,
+                                             int64_t b_rows, int64_t y_stride, const float* alpha = nullptr,
+                                             bool accumulate = false);
   // moe_dispatch_plan with expert_offsets: (E+1) i64 in backend memory (no host round trip). The
   // ids must be in [0, E) (moe_router_forward's are; forced sets are checked there).
   virtual void moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,

@@ -86,6 +86,7 @@ constexpr OpInfo kOps[] = {
     {"grouped_matmul_bf16_nt", OpCategory::kGemm},
     {"grouped_matmul_bf16_nn", OpCategory::kGemm},
     {"grouped_matmul_bf16_tn", OpCategory::kGemm},
+    {"grouped_matmul_bf16_nt_blocks", OpCategory::kGemm},
     {"moe_dispatch_plan_device", OpCategory::kMoe},
     {"guided_overwrite_rows", OpCategory::kQuantize},
     {"guidance_payload_rows", OpCategory::kCopies},
@@ -480,6 +481,14 @@ void ProfilingBackend::grouped_matmul_bf16_tn(float* y, const uint16_t* a, const
                                               const float* alpha, bool accumulate) {
   Timed timed(*this, ProfiledOp::kGroupedMatmulBf16Tn);
   inner_->grouped_matmul_bf16_tn(y, a, b, offsets, G, extent, M, N, y_stride, alpha, accumulate);
+}
+void ProfilingBackend::grouped_matmul_bf16_nt_blocks(float* y, const uint16_t* a, const uint16_t* b,
+                                                     const int64_t* offsets, int64_t G, int64_t extent, int64_t M,
+                                                     int64_t N, int64_t a_rows, int64_t b_rows, int64_t y_stride,
+                                                     const float* alpha, bool accumulate) {
+  Timed timed(*this, ProfiledOp::kGroupedMatmulBf16NtBlocks);
+  inner_->grouped_matmul_bf16_nt_blocks(y, a, b, offsets, G, extent, M, N, a_rows, b_rows, y_stride, alpha,
+                                        accumulate);
 }
 void ProfilingBackend::moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,
                                                 const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) {

@@ -84,6 +84,7 @@ enum class ProfiledOp : uint8_t {
   kGroupedMatmulBf16Nt,
   kGroupedMatmulBf16Nn,
   kGroupedMatmulBf16Tn,
+  kGroupedMatmulBf16NtBlocks,
   kMoeDispatchPlanDevice,
   kGuidedOverwriteRows,
   kGuidancePayloadRows,
@@ -174,6 +175,9 @@ class ProfilingBackend final : public Backend {
   void grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets, int64_t G,
                               int64_t extent, int64_t M, int64_t N, int64_t y_stride, const float* alpha,
                               bool accumulate) override;
+  void grouped_matmul_bf16_nt_blocks(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                     int64_t G, int64_t extent, int64_t M, int64_t N, int64_t a_rows, int64_t b_rows,
+                                     int64_t y_stride, const float* alpha, bool accumulate) override;
   void moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,
                                 const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) override;
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t V, int64_t C) override;

@@ -124,6 +124,12 @@ class GuardBackend final : public backend::Backend {
     all("grouped_matmul_bf16_tn", {y, a, b, off}), opt("grouped_matmul_bf16_tn", alpha);
     cpu_->grouped_matmul_bf16_tn(y, a, b, off, G, extent, M, N, y_stride, alpha, acc);
   }
+  void grouped_matmul_bf16_nt_blocks(float* y, const uint16_t* a, const uint16_t* b, const int64_t* off, int64_t G,
+                                     int64_t extent, int64_t M, int64_t N, int64_t a_rows, int64_t b_rows,
+                                     int64_t y_stride, const float* alpha, bool acc) override {
+    all("grouped_matmul_bf16_nt_blocks", {y, a, b, off}), opt("grouped_matmul_bf16_nt_blocks", alpha);
+    cpu_->grouped_matmul_bf16_nt_blocks(y, a, b, off, G, extent, M, N, a_rows, b_rows, y_stride, alpha, acc);
+  }
   void dequantize_bf16(uint16_t* y, const QuantizedTensor& in) override {
     q("dequantize_bf16", in), all("dequantize_bf16", {y});
     cpu_->dequantize_bf16(y, in);

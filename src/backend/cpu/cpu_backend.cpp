@@ -251,6 +251,22 @@ void CpuBackend::grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint1
       std::fill(yg, yg + M * N, 0.f);  // an empty sum
   }
 }
+void CpuBackend::grouped_matmul_bf16_nt_blocks(float* y, const uint16_t* a, const uint16_t* b,
+                                               const int64_t* offsets, int64_t G, int64_t extent, int64_t M,
+                                               int64_t N, int64_t a_rows, int64_t b_rows, int64_t y_stride,
+                                               const float* alpha, bool accumulate) {
+  NIB_CHECK_MSG(a_rows >= M && b_rows >= N, "grouped_matmul_bf16_nt_blocks: blocks of {} / {} rows hold fewer than M={} / N={}",
+                a_rows, b_rows, M, N);
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t kg = group_rows(offsets, g, G, extent), k0 = offsets[g];
+    float* yg = y + g * y_stride;
+    if (kg > 0)
+      matmul_bf16_cpu(Bf16Layout::kNT, yg, a + a_rows * k0, b + b_rows * k0, M, N, kg,
+                      alpha != nullptr ? alpha + g : nullptr, accumulate);
+    else if (!accumulate)
+      std::fill(yg, yg + M * N, 0.f);  // an empty sum
+  }
+}
 void CpuBackend::moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,
                                           const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) {
   cpu::moe_dispatch_plan(expert_offsets, row_of_slot, token_of_row, topk_idx, N, E, k);  // host memory is ours

@@ -50,6 +50,9 @@ class CpuBackend final : public Backend {
   void grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets, int64_t G,
                               int64_t extent, int64_t M, int64_t N, int64_t y_stride, const float* alpha,
                               bool accumulate) override;
+  void grouped_matmul_bf16_nt_blocks(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                     int64_t G, int64_t extent, int64_t M, int64_t N, int64_t a_rows, int64_t b_rows,
+                                     int64_t y_stride, const float* alpha, bool accumulate) override;
   void moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,
                                 const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) override;
   void dequantize_bf16(uint16_t* y, const QuantizedTensor& q) override;

@@ -754,6 +754,19 @@ void CudaBackend::grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint
                                    accumulate, stream_),
               "grouped_matmul_bf16_tn", "G={} extent={} M={} N={}", G, extent, M, N);
 }
+void CudaBackend::grouped_matmul_bf16_nt_blocks(float* y, const uint16_t* a, const uint16_t* b,
+                                                const int64_t* offsets, int64_t G, int64_t extent, int64_t M,
+                                                int64_t N, int64_t a_rows, int64_t b_rows, int64_t y_stride,
+                                                const float* alpha, bool accumulate) {
+  activate();
+  NIB_OP_REQUIRE(G >= 0 && extent >= 0 && M >= 0 && N >= 0 && a_rows >= M && b_rows >= N &&
+                     (G <= 1 || y_stride >= M * N),
+                 "grouped_matmul_bf16_nt_blocks", "G={} extent={} M={} N={} a_rows={} b_rows={} y_stride={}", G, extent,
+                 M, N, a_rows, b_rows, y_stride);
+  NIB_OP_CUDA(grouped_gemm::launch_blocks(y, a, b, offsets, G, extent, M, N, a_rows, b_rows, y_stride, alpha,
+                                          accumulate, stream_),
+              "grouped_matmul_bf16_nt_blocks", "G={} extent={} M={} N={}", G, extent, M, N);
+}
 
 void CudaBackend::nvfp4_te_alpha(float* alpha, const float* amax_a, const float* amax_b) {
   activate();

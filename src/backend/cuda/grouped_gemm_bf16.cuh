@@ -6,7 +6,9 @@
 // operand keeps its global layout in shared memory (16-byte chunks both ways); fragments come from
 // ldmatrix, with .trans for operands stored transposed (k-major) in global memory.
 // Grouping kRows: groups split the rows of A and C (forward, dX); kReduction: groups split the
-// reduction dimension, each group owns its own C (dW). See docs/cuda-kernels.md.
+// reduction dimension, each group owns its own C (dW); kBlocks: as kReduction, but group g's A and
+// B are contiguous row-major blocks of K_g columns each (the FP4 recipes' per-expert along-token
+// operands). See docs/cuda-kernels.md.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,7 +29,7 @@ constexpr int kTileElems = kTileM * kLds > kTileK * kLdsT ? kTileM * kLds : kTil
 #define NIB_GG_MIN_BLOCKS 2
 #endif
 
-enum class Grouping : int { kRows, kReduction };
+enum class Grouping : int { kRows, kReduction, kBlocks };
 
 // Element (r, k) of an operand: transposed = stored (k, r) with leading dimension ld, else (r, k).
 struct Operand {
@@ -41,10 +43,11 @@ struct Problem {
   int64_t ldc, c_stride;
   Operand a, b;
   int64_t b_stride;      // kRows: group g's B at b.p + g * b_stride
+  int64_t a_rows, b_rows;  // kBlocks: rows of group g's A block (at a.p + a_rows * o_g) and B block
   const int64_t* offsets;  // (G+1) device, non-decreasing; clamped into [0, extent] on read
   int G;
-  int64_t extent;        // kRows: rows of A and C; kReduction: reduction rows of A and B
-  int64_t M, N, K;       // kRows: N, K per group (M unused); kReduction: M, N per group (K unused)
+  int64_t extent;        // kRows: rows of A and C; kReduction/kBlocks: the reduction extent
+  int64_t M, N, K;       // kRows: N, K per group (M unused); kReduction/kBlocks: M, N per group (K unused)
   const float* alpha;    // (G) device or null (= 1)
   bool accumulate;       // C = fma(alpha, sum, C) instead of alpha · sum
 };
@@ -172,6 +175,7 @@ __global__ void __launch_bounds__(kThreads, NIB_GG_MIN_BLOCKS) grouped_gemm_bf16
   int64_t rows, cols = p.N, kdim;
   const uint16_t *a_base, *b_base;
   float* c_base;
+  Operand oa = p.a, ob = p.b;  // kBlocks: this group's leading dimension K_g
   if constexpr (kGrouping == Grouping::kRows) {
     rows = hi - lo, kdim = p.K;
     a_base = p.a.p + lo * p.a.ld;  // plain A: row lo
@@ -180,8 +184,16 @@ __global__ void __launch_bounds__(kThreads, NIB_GG_MIN_BLOCKS) grouped_gemm_bf16
   } else {
     rows = p.M, kdim = hi - lo;
     if (kdim == 0 && p.accumulate) return;  // C_g += alpha · 0: nothing to do
-    a_base = p.a.p + lo * p.a.ld;  // transposed A and B: reduction row lo
-    b_base = p.b.p + lo * p.b.ld;
+    if constexpr (kGrouping == Grouping::kReduction) {
+      a_base = p.a.p + lo * p.a.ld;  // transposed A and B: reduction row lo
+      b_base = p.b.p + lo * p.b.ld;
+    } else {
+      a_base = p.a.p + lo * p.a_rows;  // plain blocks (rows, K_g) starting at a_rows · o_g
+      b_base = p.b.p + lo * p.b_rows;
+      oa.ld = ob.ld = kdim;
+      oa.vec = p.a.vec && kdim % 8 == 0 && (lo * p.a_rows) % 8 == 0;
+      ob.vec = p.b.vec && kdim % 8 == 0 && (lo * p.b_rows) % 8 == 0;
+    }
     c_base = p.c + static_cast<int64_t>(g) * p.c_stride;
   }
   const int64_t m0 = m_tile * kTileM, n0 = static_cast<int64_t>(blockIdx.y) * kTileN;
@@ -200,8 +212,8 @@ __global__ void __launch_bounds__(kThreads, NIB_GG_MIN_BLOCKS) grouped_gemm_bf16
   const int64_t k_tiles = (kdim + kTileK - 1) / kTileK;
   const int wm = warp / 4, wn = warp % 4, gid = lane / 4, tig = lane % 4;
   if (k_tiles > 0) {
-    la.load(p.a, a_base, rows, kdim, m0, 0);
-    lb.load(p.b, b_base, cols, kdim, n0, 0);
+    la.load(oa, a_base, rows, kdim, m0, 0);
+    lb.load(ob, b_base, cols, kdim, n0, 0);
     la.store(sA[0]);
     lb.store(sB[0]);
     __syncthreads();
@@ -210,8 +222,8 @@ __global__ void __launch_bounds__(kThreads, NIB_GG_MIN_BLOCKS) grouped_gemm_bf16
     const int buf = static_cast<int>(kt & 1);
     const bool next = kt + 1 < k_tiles;
     if (next) {  // global loads of the next tile in flight during this tile's MMAs
-      la.load(p.a, a_base, rows, kdim, m0, (kt + 1) * kTileK);
-      lb.load(p.b, b_base, cols, kdim, n0, (kt + 1) * kTileK);
+      la.load(oa, a_base, rows, kdim, m0, (kt + 1) * kTileK);
+      lb.load(ob, b_base, cols, kdim, n0, (kt + 1) * kTileK);
     }
     const uint16_t* As = sA[buf];
     const uint16_t* Bs = sB[buf];
@@ -249,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, NIB_GG_MIN_BLOCKS) grouped_gemm_bf16
     __syncthreads();  // the next tile is stored; nobody reads this buffer any more
   }
 
-  const float alpha = p.alpha != nullptr ? p.alpha[g] : 1.f;
+  const float alpha = p.alpha != nullptr && kdim > 0 ? p.alpha[g] : 1.f;  // an empty group's alpha is not read
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
@@ -315,6 +327,24 @@ inline cudaError_t launch(Layout layout, float* y, const uint16_t* a, const uint
       break;
     }
   }
+  return cudaGetLastError();
+}
+
+// kBlocks: y_g (M, N) = a_g[:M] (K_g) . b_g[:N] (K_g)^T, a_g = a + a_rows · o_g, b_g = b + b_rows · o_g
+// (row-major, leading dimension K_g), y_g = y + g * y_stride.
+inline cudaError_t launch_blocks(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets, int64_t G,
+                                 int64_t extent, int64_t M, int64_t N, int64_t a_rows, int64_t b_rows,
+                                 int64_t y_stride, const float* alpha, bool accumulate, cudaStream_t stream) {
+  if (G <= 0 || N <= 0 || M <= 0) return cudaSuccess;
+  Problem p{};
+  p.c = y, p.ldc = N, p.c_stride = y_stride, p.offsets = offsets, p.G = static_cast<int>(G), p.extent = extent;
+  p.M = M, p.N = N, p.alpha = alpha, p.accumulate = accumulate;
+  p.a = Operand{a, 0, aligned16(a)}, p.b = Operand{b, 0, aligned16(b)};  // ld = K_g per group
+  p.a_rows = a_rows, p.b_rows = b_rows;
+  const int64_t m_tiles = (M + kTileM - 1) / kTileM, n_tiles = (N + kTileN - 1) / kTileN;
+  if (m_tiles > INT32_MAX || n_tiles > 65535 || G > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), static_cast<unsigned>(G));
+  grouped_gemm_bf16_kernel<false, false, Grouping::kBlocks><<<grid, dim3(kThreads), 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -1,10 +1,10 @@
-// Op tests of the grouped BF16 GEMMs (grouped_matmul_bf16_nt / nn / tn, MoE experts, issue #13)
+// Op tests of the grouped BF16 GEMMs (grouped_matmul_bf16_nt / nn / tn / nt_blocks, MoE experts, issue #13)
 // against per-group cpu::matmul_* of the widened BF16 operands: ragged groups, empty ones (first,
 // inside, last), a single group, rows past offsets[G], per-group alpha, overwrite and accumulate.
 // Bound (as gemm_test.cpp's): BF16 products are exact in FP32; an n-term FP32 sum is within
 // (n+1) u sum|terms| (Higham Thm 3.5), tensor cores may truncate (<= 2u per addition, Fasi et al.
 // 2021), alpha is one more rounding and y0 one more term: |y - ref| <= (3n + 8) u (|alpha_g|
-// sum|a b| + |y0|), n the group's reduction length (K; its rows for tn). A wrong group, stride or
+// sum|a b| + |y0|), n the group's reduction length (K; its rows for tn; its columns for blocks). A wrong group, stride or
 // layout is off by O(1) relative, a missing alpha by a factor of 2 or more.
 #include <cmath>
 #include <vector>
@@ -17,13 +17,13 @@
 namespace nibble::backend::testing {
 namespace {
 
-enum class Layout { kNT, kNN, kTN };
+enum class Layout { kNT, kNN, kTN, kBlocks };
 
 // Rows of each group (kNT/kNN) or reduction rows (kTN); extent may exceed their sum.
 struct GroupedCase {
   std::vector<int64_t> sizes;
   int64_t extent_extra;  // rows past offsets[G]
-  int64_t M, N, K;       // kNT/kNN: N, K (M unused); kTN: M, N (K unused)
+  int64_t M, N, K;       // kNT/kNN: N, K (M unused); kTN, kBlocks: M, N (K unused)
 };
 
 class GroupedGemmOpsTest : public OpsTest {
@@ -41,13 +41,16 @@ class GroupedGemmOpsTest : public OpsTest {
     std::vector<int64_t> off(G + 1, 0);
     for (int64_t g = 0; g < G; ++g) off[g + 1] = off[g] + c.sizes[g];
     const int64_t extent = off[G] + c.extent_extra;
-    const bool tn = layout == Layout::kTN;
+    const bool blocks = layout == Layout::kBlocks, tn = layout == Layout::kTN || blocks;  // tn: reduction grouped
     const int64_t M = c.M, N = c.N, K = c.K;
     // per-group operand / output stride: a few elements of slack between groups
     const int64_t stride = tn ? M * N + 3 : N * K + 5;
+    // kBlocks: each group's blocks hold a few rows more than the M / N used
+    const int64_t a_rows = M + 2, b_rows = N + 1;
     std::vector<float> a, b;
-    const std::vector<uint16_t> ab = bf16_bits(extent * (tn ? M : K), seed, a);
-    const std::vector<uint16_t> bb = bf16_bits(tn ? extent * N : (G > 0 ? (G - 1) * stride + N * K : 0), seed + 1, b);
+    const std::vector<uint16_t> ab = bf16_bits(extent * (blocks ? a_rows : tn ? M : K), seed, a);
+    const std::vector<uint16_t> bb =
+        bf16_bits(blocks ? extent * b_rows : tn ? extent * N : (G > 0 ? (G - 1) * stride + N * K : 0), seed + 1, b);
     const int64_t y_count = tn ? (G > 0 ? (G - 1) * stride + M * N : 0) : extent * N;
     const std::vector<float> y0 = normal_vector(y_count, seed + 2);
     std::vector<float> alpha(static_cast<size_t>(G));
@@ -85,6 +88,10 @@ class GroupedGemmOpsTest : public OpsTest {
             cpu::matmul_tn(sum.data(), a.data() + r0 * M, b.data() + r0 * N, M, N, rows);
             cpu::matmul_tn(mag.data(), abs_a.data() + r0 * M, abs_b.data() + r0 * N, M, N, rows);
             break;
+          case Layout::kBlocks:  // (M, rows) and (N, rows) blocks, leading dimension rows
+            cpu::matmul_nt(sum.data(), a.data() + r0 * a_rows, b.data() + r0 * b_rows, M, N, rows);
+            cpu::matmul_nt(mag.data(), abs_a.data() + r0 * a_rows, abs_b.data() + r0 * b_rows, M, N, rows);
+            break;
         }
       }
       for (size_t i = 0; i < sum.size(); ++i) {
@@ -104,6 +111,9 @@ class GroupedGemmOpsTest : public OpsTest {
       case Layout::kNT: be().grouped_matmul_bf16_nt(y, ad, bd, offd, G, extent, N, K, stride, ald, accumulate); break;
       case Layout::kNN: be().grouped_matmul_bf16_nn(y, ad, bd, offd, G, extent, N, K, stride, ald, accumulate); break;
       case Layout::kTN: be().grouped_matmul_bf16_tn(y, ad, bd, offd, G, extent, M, N, stride, ald, accumulate); break;
+      case Layout::kBlocks:
+        be().grouped_matmul_bf16_nt_blocks(y, ad, bd, offd, G, extent, M, N, a_rows, b_rows, stride, ald, accumulate);
+        break;
     }
     EXPECT_TRUE(within_bound(download(y, y_count), ref, bound))
         << "layout " << int(layout) << " G=" << G << " M=" << M << " N=" << N << " K=" << K
@@ -140,6 +150,20 @@ TEST_P(GroupedGemmOpsTest, ReductionGroupedTnMatchesPerGroupGemms) {
   for (const GroupedCase& c : kReductionCases)
     for (bool acc : {false, true})
       for (bool al : {false, true}) check(Layout::kTN, c, acc, al, seed += 3);
+}
+
+// The blocks form (each group's operands contiguous, K_g columns): reduction lengths off and at
+// multiples of 8 (scalar and vector loads), empty groups, blocks with rows past M / N.
+TEST_P(GroupedGemmOpsTest, BlocksGroupedNtMatchesPerGroupGemms) {
+  uint64_t seed = 5500;
+  const GroupedCase kBlockCases[] = {
+      {{0, 37, 1, 0, 200, 129, 0}, 0, 136, 72, 0},
+      {{16, 0, 48, 256, 0}, 8, 40, 24, 0},  // the FP4 recipes' shape: groups padded to 16
+      {{0, 0, 0}, 4, 24, 40, 0},
+  };
+  for (const GroupedCase& c : kBlockCases)
+    for (bool acc : {false, true})
+      for (bool al : {false, true}) check(Layout::kBlocks, c, acc, al, seed += 3);
 }
 
 NIB_INSTANTIATE_OPS_TEST(GroupedGemmOpsTest);
