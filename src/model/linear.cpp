@@ -2,6 +2,7 @@
 // linear.h).
 #include "model/linear.h"
 
+#include <algorithm>
 #include <mutex>
 
 #include "core/bits.h"
@@ -228,6 +229,25 @@ const int64_t* expert_offsets_host(backend::Backend& be, const ExpertGroup& g, s
   copy.resize(static_cast<size_t>(g.E + 1));
   be.copy_to_host(copy.data(), g.offsets, copy.size() * sizeof(int64_t));
   return copy.data();
+}
+
+void ExpertRowPlan::build(backend::Backend& be, const ExpertGroup& group, int64_t multiple, LinearWorkspace& ws) {
+  std::vector<int64_t> copy;
+  const int64_t* o = expert_offsets_host(be, group, copy);
+  const int64_t E = group.E;
+  off.assign(o, o + E + 1);
+  pad.assign(static_cast<size_t>(E + 1), 0);
+  max_rows = max_padded = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = off[e + 1] - off[e], padded = (rows + multiple - 1) / multiple * multiple;
+    NIB_CHECK_MSG(rows >= 0, "experts: offsets decrease at expert {}", e);
+    pad[e + 1] = pad[e] + padded;
+    max_rows = std::max(max_rows, rows), max_padded = std::max(max_padded, padded);
+  }
+  int64_t* dev = ws.get<int64_t>(be, LinearWorkspace::kSlots - 1, 2 * (E + 1), "experts: offsets");
+  be.copy_to_device(dev, off.data(), off.size() * sizeof(int64_t));
+  be.copy_to_device(dev + E + 1, pad.data(), pad.size() * sizeof(int64_t));
+  off_dev = dev, pad_dev = dev + E + 1;
 }
 
 void LinearRecipe::forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N,

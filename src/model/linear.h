@@ -28,10 +28,13 @@ namespace nibble::model {
 // backend and shared by all its linears, in numbered grow-only slots: scratch is the largest
 // linear's, not the sum over linears, and a steady-state step allocates nothing. A slot's
 // contents are valid only within one forward() or backward() call; each call asks for a slot
-// once, at its largest size (a second, larger request may move it).
+// once, at its largest size (a second, larger request may move it). Slots from kGroupedSlot on
+// belong to a layer's grouped experts (forward_experts / backward_experts), which call each
+// expert's own operand code on slots below it.
 class LinearWorkspace {
  public:
-  static constexpr int kSlots = 10;
+  static constexpr int kSlots = 18;
+  static constexpr int kGroupedSlot = 10;
   static constexpr int kQuantSlots = 2;
   // Room for n elements of T in `slot` (0 <= slot < kSlots).
   template <typename T>
@@ -105,6 +108,23 @@ struct ExpertGroup {
   // (rows) i32 in backend memory: the token of each row (the dispatch plan's token_of_row), or
   // null; the per-expert default passes expert g's part on as its LinearCall::token_of_row.
   const int32_t* token_of_row = nullptr;
+};
+
+// The rows of a grouped FP4 experts call (nvfp4-nvidia, tetrajet-v2): each expert's own recipe
+// instance quantizes its operands (its own per-tensor amax, SR streams, outlier channels) into the
+// layer's grouped operand buffers, then one grouped GEMM per product runs every expert. The
+// per-expert quantizers need the host offsets; the along-token (wgrad) operands are padded per
+// expert to `multiple` rows, so their blocks never cross experts and expert g's start at padded
+// row pad[g]. Both offset arrays are also put in backend memory (workspace slot kSlots - 1).
+struct ExpertRowPlan {
+  std::vector<int64_t> off, pad;  // (E+1) host: row offsets, padded row offsets
+  const int64_t* off_dev = nullptr;  // (E+1) in backend memory
+  const int64_t* pad_dev = nullptr;  // (E+1) in backend memory
+  int64_t max_rows = 0, max_padded = 0;  // of one expert
+  int64_t rows() const { return off.back(); }
+  int64_t padded_rows() const { return pad.back(); }
+  // Builds the plan of `group` (host offsets, copied from the device ones where not given).
+  void build(backend::Backend& be, const ExpertGroup& group, int64_t multiple, LinearWorkspace& ws);
 };
 
 // One instance per linear layer; per-layer state (saved operands, outlier channels,

@@ -26,6 +26,9 @@ inline constexpr uint32_t kNvidiaStreamWgradDy = 1;  // RHT(dY^T), 1x16 along to
 // RHT_TE = fixed TE sign vector, result rounded to BF16 (rht16_te_transpose_cpu). The wgrad X
 // operand is a fresh quantization of X (no alignment). Tokens are zero-padded to a multiple of
 // 16 for the along-token operands (zero rows add nothing). Requires N, K multiples of 16.
+// Grouped experts (where the backend has Op::kGroupedGemm): each expert's instance quantizes its
+// own operands (own amax, own SR streams) into the layer's grouped buffers, its along-token
+// operands padded to 16 rows per expert; one grouped GEMM per product with per-expert alphas.
 class Nvfp4NvidiaLinearRecipe final : public LinearRecipe {
  public:
   NIB_LINEAR_RECIPE_HOST_OVERLOADS;
@@ -34,8 +37,24 @@ class Nvfp4NvidiaLinearRecipe final : public LinearRecipe {
                const LinearCall& call) override;
   void backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
                 const LinearCall& call) override;
+  void forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N, int64_t K,
+                       const ExpertGroup& group) override;
+  void backward_experts(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t N, int64_t K,
+                        const ExpertGroup& group) override;
 
  private:
+  // The GEMM operands of one call, written where the caller says (its own call: the workspace;
+  // grouped experts: the layer's buffers); the GEMMs are the caller's.
+  // forward: xq (M,K), wq (N,K) BF16 operands, alpha (1), from x (M,K) f32 and wb (N,K) BF16 W.
+  void forward_operands(backend::Backend& be, uint16_t* xq, uint16_t* wq, float* alpha, const float* x,
+                        const uint16_t* wb, int64_t M, int64_t N, int64_t K, const LinearCall& call);
+  // dgrad: a (M,N) dY operand, wq (N,K) Ŵ operand, alpha (1); dyb (Mp,N) <- BF16 dY, rows >= M zero.
+  void dgrad_operands(backend::Backend& be, uint16_t* a, uint16_t* wq, float* alpha, uint16_t* dyb, const float* dy,
+                      int64_t M, int64_t N, int64_t K, const LinearCall& call);
+  // wgrad: a (N,Mp), b (K,Mp) along-token operands, alpha (1), from dyb; tb: (Mp, max(N,K)) scratch.
+  void wgrad_operands(backend::Backend& be, uint16_t* a, uint16_t* b, float* alpha, uint16_t* tb,
+                      const uint16_t* dyb, int64_t M, int64_t N, int64_t K, const LinearCall& call);
+
   int64_t M_ = 0, N_ = 0, K_ = 0;
   // Saved for the backward (backend memory, grow-only; Mp = M rounded up to 16); everything
   // else is transient, in the model's LinearWorkspace.

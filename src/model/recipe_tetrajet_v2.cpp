@@ -345,13 +345,23 @@ void TetraJetV2LinearRecipe::fake_quantize_weight(float* wq, float* scale, const
   }
 }
 
+void TetraJetV2LinearRecipe::prepare_forward(backend::Backend& be, const float* x, int64_t M, const LinearCall& call) {
+  be_ = &be;
+  calibrate(be, x, M, call);
+  upload_channels(be);
+}
+
 void TetraJetV2LinearRecipe::forward(backend::Backend& be, float* y, const float* x, const float* w, int64_t M,
                                      int64_t N, int64_t K, const LinearCall& call) {
   NIB_CHECK_MSG(N == info_.N && K == info_.K, "tetrajet-v2: shape ({}, {}) differs from the layer's ({}, {})", N, K,
                 info_.N, info_.K);
-  be_ = &be;
-  calibrate(be, x, M, call);
-  upload_channels(be);
+  prepare_forward(be, x, M, call);
+  forward_prepared(be, y, x, w, M, N, K, call);
+}
+
+void TetraJetV2LinearRecipe::forward_operands(backend::Backend& be, uint16_t* xq, uint16_t* wq, uint16_t* xoq,
+                                              uint16_t* woq, const float* x, const float* w, int64_t M, int64_t N,
+                                              int64_t K, const LinearCall& call) {
   const int64_t Mp = round_up(M, 128), Np = round_up(N, 128);
   const int64_t nm = static_cast<int64_t>(main_idx_.size()), Km = round_up(nm, 16);
   const int64_t no = static_cast<int64_t>(out_idx_.size()), No = round_up(no, 32);
@@ -364,33 +374,43 @@ void TetraJetV2LinearRecipe::forward(backend::Backend& be, float* y, const float
   if (nm > 0) {
     float* xs = ws.get<float>(be, 0, Mp * Km, "tetrajet-v2: bf16 X");
     float* wsrc = ws.get<float>(be, 1, Np * Km, "tetrajet-v2: bf16 W");
-    uint16_t* xq = ws.get<uint16_t>(be, 2, Mp * Km, "tetrajet-v2: X^ operand");
-    uint16_t* wq = ws.get<uint16_t>(be, 3, Np * Km, "tetrajet-v2: W^ operand");
     be.gather_columns_bf16(xs, x, M, Mp, K, midx, nm, Km);
     be.gather_columns_bf16(wsrc, w, N, Np, K, midx, nm, Km);
     xhat_ = quant_operand(be, xq, xhat_buf_.view(be, QuantFormat::kNvfp4TwoLevel, Mp, Km), xs, nullptr);
     what_ = quant_operand(be, wq, what_buf_.view(be, QuantFormat::kNvfp4TwoLevel, Np, Km), wsrc, nullptr);
-    be.matmul_bf16_nt(y, xq, wq, M, N, Km);
-  } else {
-    be.fill_zero(y, static_cast<size_t>(M * N) * sizeof(float));
   }
   if (no > 0) {
-    // outlier channels: MXFP8 along the gathered channels, Y += X̂_o Ŵ_o^T (exact BF16 operands)
+    // outlier channels: MXFP8 along the gathered channels (exact BF16 operands)
     float* xos = ws.get<float>(be, 4, Mp * No, "tetrajet-v2: bf16 X outliers");
     float* wos = ws.get<float>(be, 5, N * No, "tetrajet-v2: bf16 W outliers");
-    uint16_t* xoq = ws.get<uint16_t>(be, 6, Mp * No, "tetrajet-v2: X^ outlier operand");
-    uint16_t* woq = ws.get<uint16_t>(be, 7, N * No, "tetrajet-v2: W^ outlier operand");
     be.gather_columns_bf16(xos, x, M, Mp, K, out_idx_dev_.data(), no, No);
     xohat_ = quant_operand(be, xoq, xohat_buf_.view(be, QuantFormat::kMxfp8, Mp, No), xos, nullptr);
     be.gather_columns_bf16(wos, w, N, N, K, out_idx_dev_.data(), no, No);
     wohat_ = quant_operand(be, woq, wohat_buf_.view(be, QuantFormat::kMxfp8, N, No), wos, nullptr);
-    be.matmul_bf16_nt(y, xoq, woq, M, N, No, /*alpha=*/nullptr, /*accumulate=*/true);
   }
+}
+
+void TetraJetV2LinearRecipe::forward_prepared(backend::Backend& be, float* y, const float* x, const float* w,
+                                              int64_t M, int64_t N, int64_t K, const LinearCall& call) {
+  const int64_t Mp = round_up(M, 128), Np = round_up(N, 128);
+  const int64_t nm = static_cast<int64_t>(main_idx_.size()), Km = round_up(nm, 16);
+  const int64_t no = static_cast<int64_t>(out_idx_.size()), No = round_up(no, 32);
+  LinearWorkspace& ws = workspace(call);
+  uint16_t* xq = nm > 0 ? ws.get<uint16_t>(be, 2, Mp * Km, "tetrajet-v2: X^ operand") : nullptr;
+  uint16_t* wq = nm > 0 ? ws.get<uint16_t>(be, 3, Np * Km, "tetrajet-v2: W^ operand") : nullptr;
+  uint16_t* xoq = no > 0 ? ws.get<uint16_t>(be, 6, Mp * No, "tetrajet-v2: X^ outlier operand") : nullptr;
+  uint16_t* woq = no > 0 ? ws.get<uint16_t>(be, 7, N * No, "tetrajet-v2: W^ outlier operand") : nullptr;
+  forward_operands(be, xq, wq, xoq, woq, x, w, M, N, K, call);
+  // Y = X̂_m Ŵ_m^T + X̂_o Ŵ_o^T
+  if (nm > 0) be.matmul_bf16_nt(y, xq, wq, M, N, Km);
+  else be.fill_zero(y, static_cast<size_t>(M * N) * sizeof(float));
+  if (no > 0) be.matmul_bf16_nt(y, xoq, woq, M, N, No, /*alpha=*/nullptr, /*accumulate=*/true);
   be.round_to_bf16(y, y, M * N);  // the GEMM writes BF16
 }
 
-void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M,
-                                      int64_t N, int64_t K, const LinearCall& call) {
+void TetraJetV2LinearRecipe::backward_operands(backend::Backend& be, uint16_t* q3, uint16_t* q4, uint16_t* q5,
+                                               uint16_t* q6, uint16_t* q6o, const float* dy, int64_t M, int64_t N,
+                                               int64_t K, const LinearCall& call) {
   NIB_CHECK_MSG(M == M_ && N == N_ && K == K_ && w_saved_ != nullptr && x_saved_ != nullptr,
                 "tetrajet-v2: backward without a matching forward");
   be_ = &be;
@@ -412,13 +432,9 @@ void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw
   // t: the staging operand of every quantizer below, large enough for each.
   float* t = ws.get<float>(be, 0, std::max({M * Np, Np * K, K * Np, Np * Mp, Km * Mp, No * Mp}), "tetrajet-v2: operand");
   float* dyb = ws.get<float>(be, 1, Mp * Np, "tetrajet-v2: bf16 dY");
-  uint16_t* q3 = ws.get<uint16_t>(be, 2, M * Np, "tetrajet-v2: Q3 operand");
-  uint16_t* q4 = ws.get<uint16_t>(be, 3, K * Np, "tetrajet-v2: Q4 operand");
-  uint16_t* q5 = ws.get<uint16_t>(be, 5, Np * Mp, "tetrajet-v2: Q5 operand");
-  uint16_t* q6 = ws.get<uint16_t>(be, 6, std::max(Km, No) * Mp, "tetrajet-v2: Q6 operand");
   // Only the unfused paths need these (the default switches with no outliers take none):
   const bool fused_dgrad = align && sr && rht && no == 0, fused_wgrad = align && sr && rht;
-  // src: Ŵ (Np,K) rebuilt for Q4, later the wgrad partial products (N, Km or No)
+  // src: Ŵ (Np,K) rebuilt for Q4; slot 4 is also backward()'s wgrad part (N, Km or No), at one size
   float* src = !fused_dgrad || no > 0 ? ws.get<float>(be, 4, std::max(Np * K, N * std::max(Km, No)),
                                                        "tetrajet-v2: W source / wgrad part")
                                       : nullptr;
@@ -431,43 +447,38 @@ void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw
   // dY (Mp, Np), BF16, zero-padded.
   be.gather_columns_bf16(dyb, dy, M, Mp, N, nullptr, N, Np);
 
-  // ---- dgrad: dX (M,K) = Q3 (M,Np) · Q4 (K,Np)^T ----
-  {
-    if (rht) be.rht16_rows(t, dyb, M, Np, sign_d);
-    else be.copy(t, dyb, static_cast<size_t>(M * Np) * sizeof(float));
-    quant_operand(be, q3, operand_slot(be, ws, f2, M, Np), t, sr ? &k3 : nullptr);
-    if (fused_dgrad) {
-      // fused: dequantize Ŵ (Np,K) -> transpose -> RHT along N -> SR requantize along N
-      QuantizedTensor o = operand_slot(be, ws, f2, K, Np);
-      be.backward_operand_two_level_bf16(o, q4, what_, sign_d, k4);
-    } else {
-      // source (Np, K): Ŵ rebuilt from both parts (alignment) or BF16 W (fresh quantization)
-      if (align) {
-        be.fill_zero(src, static_cast<size_t>(Np * K) * sizeof(float));
-        if (nm > 0) {
-          be.dequantize(main_src, what_);  // (Np, Km)
-          be.scatter_columns(src, main_src, N, K, main_idx_dev_.data(), nm, Km);
-        }
-        if (no > 0) {
-          be.dequantize(out_src, wohat_);  // (N, No)
-          be.scatter_columns(src, out_src, N, K, out_idx_dev_.data(), no, No);
-        }
-      } else {
-        be.gather_columns_bf16(src, w_saved_, N, Np, K, nullptr, K, K);
+  // ---- dgrad operands: dX (M,K) = Q3 (M,Np) · Q4 (K,Np)^T ----
+  if (rht) be.rht16_rows(t, dyb, M, Np, sign_d);
+  else be.copy(t, dyb, static_cast<size_t>(M * Np) * sizeof(float));
+  quant_operand(be, q3, operand_slot(be, ws, f2, M, Np), t, sr ? &k3 : nullptr);
+  if (fused_dgrad) {
+    // fused: dequantize Ŵ (Np,K) -> transpose -> RHT along N -> SR requantize along N
+    QuantizedTensor o = operand_slot(be, ws, f2, K, Np);
+    be.backward_operand_two_level_bf16(o, q4, what_, sign_d, k4);
+  } else {
+    // source (Np, K): Ŵ rebuilt from both parts (alignment) or BF16 W (fresh quantization)
+    if (align) {
+      be.fill_zero(src, static_cast<size_t>(Np * K) * sizeof(float));
+      if (nm > 0) {
+        be.dequantize(main_src, what_);  // (Np, Km)
+        be.scatter_columns(src, main_src, N, K, main_idx_dev_.data(), nm, Km);
       }
-      be.transpose(t, src, Np, K);
-      if (rht) be.rht16_rows(t, t, K, Np, sign_d);
-      quant_operand(be, q4, operand_slot(be, ws, f2, K, Np), t, sr ? &k4 : nullptr);
+      if (no > 0) {
+        be.dequantize(out_src, wohat_);  // (N, No)
+        be.scatter_columns(src, out_src, N, K, out_idx_dev_.data(), no, No);
+      }
+    } else {
+      be.gather_columns_bf16(src, w_saved_, N, Np, K, nullptr, K, K);
     }
-    be.matmul_bf16_nt(dx, q3, q4, M, K, Np);
-    be.round_to_bf16(dx, dx, M * K);
+    be.transpose(t, src, Np, K);
+    if (rht) be.rht16_rows(t, t, K, Np, sign_d);
+    quant_operand(be, q4, operand_slot(be, ws, f2, K, Np), t, sr ? &k4 : nullptr);
   }
 
-  // ---- wgrad: dW (N,K) += Q5 (N,Mp) · Q6 (K,Mp)^T ----
+  // ---- wgrad operands: dW (N,K) += Q5 (N,Mp) · Q6 (K,Mp)^T ----
   be.transpose(t, dyb, Mp, Np);
   if (rht) be.rht16_rows(t, t, Np, Mp, sign_w);
   quant_operand(be, q5, operand_slot(be, ws, f2, Np, Mp), t, sr ? &k5 : nullptr);
-  float* part = src;
   if (nm > 0) {
     if (fused_wgrad) {
       QuantizedTensor o = operand_slot(be, ws, f2, Km, Mp);
@@ -480,6 +491,37 @@ void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw
       if (rht) be.rht16_rows(t, t, Km, Mp, sign_w);
       quant_operand(be, q6, operand_slot(be, ws, f2, Km, Mp), t, sr ? &k6 : nullptr);
     }
+  }
+  if (no > 0) {
+    // outlier channels: X operand = MXFP8_RTN(RHT_w(X̂_o^T)) along tokens (aligned) or of X_o^T
+    if (align) be.dequantize(out_src, xohat_);  // (Mp, No)
+    else be.gather_columns_bf16(out_src, x_saved_, M, Mp, K, out_idx_dev_.data(), no, No);
+    be.transpose(t, out_src, Mp, No);
+    if (rht) be.rht16_rows(t, t, No, Mp, sign_w);
+    quant_operand(be, q6o, operand_slot(be, ws, QuantFormat::kMxfp8, No, Mp), t, nullptr);
+  }
+}
+
+void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M,
+                                      int64_t N, int64_t K, const LinearCall& call) {
+  const int64_t Mp = round_up(M, 128), Np = round_up(N, 128);
+  const int64_t nm = static_cast<int64_t>(main_idx_.size()), Km = round_up(nm, 16);
+  const int64_t no = static_cast<int64_t>(out_idx_.size()), No = round_up(no, 32);
+  LinearWorkspace& ws = workspace(call);
+  uint16_t* q3 = ws.get<uint16_t>(be, 2, M * Np, "tetrajet-v2: Q3 operand");
+  uint16_t* q4 = ws.get<uint16_t>(be, 3, K * Np, "tetrajet-v2: Q4 operand");
+  uint16_t* q5 = ws.get<uint16_t>(be, 5, Np * Mp, "tetrajet-v2: Q5 operand");
+  uint16_t* q6 = nm > 0 ? ws.get<uint16_t>(be, 6, Km * Mp, "tetrajet-v2: Q6 operand") : nullptr;
+  uint16_t* q6o = no > 0 ? ws.get<uint16_t>(be, 9, No * Mp, "tetrajet-v2: Q6 outlier operand") : nullptr;
+  // the wgrad partial products (N, Km or No) with outliers: slot 4, which backward_operands takes
+  // at this same size for Ŵ's rebuild (done before these GEMMs)
+  float* part = no > 0 ? ws.get<float>(be, 4, std::max(Np * K, N * std::max(Km, No)),
+                                       "tetrajet-v2: W source / wgrad part")
+                       : nullptr;
+  backward_operands(be, q3, q4, q5, q6, q6o, dy, M, N, K, call);
+  be.matmul_bf16_nt(dx, q3, q4, M, K, Np);
+  be.round_to_bf16(dx, dx, M * K);
+  if (nm > 0) {
     if (no == 0) {
       be.matmul_bf16_nt(dw, q5, q6, N, K, Mp, /*alpha=*/nullptr, /*accumulate=*/true);
     } else {
@@ -488,14 +530,130 @@ void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw
     }
   }
   if (no > 0) {
-    // outlier channels: X operand = MXFP8_RTN(RHT_w(X̂_o^T)) along tokens (aligned) or of X_o^T
-    if (align) be.dequantize(out_src, xohat_);  // (Mp, No)
-    else be.gather_columns_bf16(out_src, x_saved_, M, Mp, K, out_idx_dev_.data(), no, No);
-    be.transpose(t, out_src, Mp, No);
-    if (rht) be.rht16_rows(t, t, No, Mp, sign_w);
-    quant_operand(be, q6, operand_slot(be, ws, QuantFormat::kMxfp8, No, Mp), t, nullptr);
-    be.matmul_bf16_nt(part, q5, q6, N, No, Mp);
+    be.matmul_bf16_nt(part, q5, q6o, N, No, Mp);
     be.scatter_add_columns(dw, part, N, K, out_idx_dev_.data(), no, No);
+  }
+}
+
+// ---- grouped experts: each expert's operands into the layer's buffers, one grouped GEMM each ----
+// The GEMM shapes must agree: every routed expert has as many outlier channels (experts select
+// them at their own first forward after calibration, so they may differ for a while); otherwise
+// each expert runs its own GEMMs. Workspace slots from kGroupedSlot (g0): forward g0 X̂ operands,
+// g0+1 Ŵ operands (E,Np,Km), g0+2 X̂_o, g0+3 Ŵ_o (E,N,No); backward g0 Q3 (rows,Np), g0+1 Q4
+// (E,K,Np), g0+2 Q5 blocks (Np, padded rows), g0+3 Q6 blocks, g0+4 Q6 outlier blocks, g0+5 the
+// wgrad parts (E,N,Km or No).
+namespace {
+// The outlier-channel count of every routed expert of `plan`, or -1 when they differ.
+int64_t common_outlier_count(const ExpertGroup& group, const ExpertRowPlan& plan,
+                             const std::function<int64_t(int64_t)>& count) {
+  int64_t n = -2;
+  for (int64_t e = 0; e < group.E; ++e) {
+    if (plan.off[e + 1] == plan.off[e]) continue;
+    const int64_t c = count(e);
+    if (n == -2) n = c;
+    else if (n != c) return -1;
+  }
+  return n == -2 ? 0 : n;
+}
+}  // namespace
+
+void TetraJetV2LinearRecipe::forward_experts(backend::Backend& be, float* y, const float* x, const float* w,
+                                             int64_t N, int64_t K, const ExpertGroup& group) {
+  if (!be.supports(backend::Op::kGroupedGemm) || group.E == 0)
+    return LinearRecipe::forward_experts(be, y, x, w, N, K, group);
+  NIB_CHECK_MSG(N == info_.N && K == info_.K, "tetrajet-v2: shape ({}, {}) differs from the layer's ({}, {})", N, K,
+                info_.N, info_.K);
+  LinearWorkspace& ws = workspace(group.calls[0]);
+  ExpertRowPlan plan;
+  plan.build(be, group, 128, ws);
+  const int64_t E = group.E, rows = plan.rows();
+  auto expert = [&](int64_t e) { return static_cast<TetraJetV2LinearRecipe*>(group.recipes[e]); };
+  for (int64_t e = 0; e < E; ++e)  // calibration / outlier selection first: it decides the shapes
+    if (plan.off[e + 1] > plan.off[e]) expert(e)->prepare_forward(be, x + plan.off[e] * K, plan.off[e + 1] - plan.off[e], group.calls[e]);
+  const int64_t no = common_outlier_count(group, plan, [&](int64_t e) {
+    return static_cast<int64_t>(expert(e)->out_idx_.size());
+  });
+  if (no < 0) {  // the experts' GEMM shapes differ: each runs its own
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = plan.off[e], m = plan.off[e + 1] - r0;
+      if (m > 0)
+        expert(e)->forward_prepared(be, y + r0 * N, x + r0 * K, w + e * group.w_stride, m, N, K, group.calls[e]);
+    }
+    return;
+  }
+  const int64_t Np = round_up(N, 128), nm = K - no, Km = round_up(nm, 16), No = round_up(no, 32);
+  constexpr int g0 = LinearWorkspace::kGroupedSlot;
+  // X̂ operands (Mp_e, Km) each at row off[e]: an expert's zero pad rows run into the next expert's
+  // rows, which that expert writes after it (in order); 128 spare rows take the last one's.
+  uint16_t* xq = nm > 0 ? ws.get<uint16_t>(be, g0, (rows + 128) * Km, "tetrajet-v2 experts: X^ operands") : nullptr;
+  uint16_t* wq = nm > 0 ? ws.get<uint16_t>(be, g0 + 1, E * Np * Km, "tetrajet-v2 experts: W^ operands") : nullptr;
+  uint16_t* xoq = no > 0 ? ws.get<uint16_t>(be, g0 + 2, (rows + 128) * No, "tetrajet-v2 experts: X^o operands") : nullptr;
+  uint16_t* woq = no > 0 ? ws.get<uint16_t>(be, g0 + 3, E * N * No, "tetrajet-v2 experts: W^o operands") : nullptr;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = plan.off[e], m = plan.off[e + 1] - r0;
+    if (m == 0) continue;
+    expert(e)->forward_operands(be, xq ? xq + r0 * Km : nullptr, wq ? wq + e * Np * Km : nullptr,
+                                xoq ? xoq + r0 * No : nullptr, woq ? woq + e * N * No : nullptr, x + r0 * K,
+                                w + e * group.w_stride, m, N, K, group.calls[e]);
+  }
+  if (nm > 0) be.grouped_matmul_bf16_nt(y, xq, wq, plan.off_dev, E, rows, N, Km, Np * Km);
+  else be.fill_zero(y, static_cast<size_t>(rows * N) * sizeof(float));
+  if (no > 0)
+    be.grouped_matmul_bf16_nt(y, xoq, woq, plan.off_dev, E, rows, N, No, N * No, /*alpha=*/nullptr, /*accumulate=*/true);
+  be.round_to_bf16(y, y, rows * N);  // the GEMM writes BF16
+}
+
+void TetraJetV2LinearRecipe::backward_experts(backend::Backend& be, float* dx, float* dw, const float* dy,
+                                              int64_t N, int64_t K, const ExpertGroup& group) {
+  if (!be.supports(backend::Op::kGroupedGemm) || group.E == 0)
+    return LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
+  LinearWorkspace& ws = workspace(group.calls[0]);
+  ExpertRowPlan plan;
+  plan.build(be, group, 128, ws);
+  auto expert = [&](int64_t e) { return static_cast<TetraJetV2LinearRecipe*>(group.recipes[e]); };
+  const int64_t no = common_outlier_count(group, plan, [&](int64_t e) {
+    return static_cast<int64_t>(expert(e)->out_idx_.size());
+  });
+  if (no < 0) return LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
+  const int64_t E = group.E, rows = plan.rows(), padded = plan.padded_rows();
+  const int64_t Np = round_up(N, 128), nm = K - no, Km = round_up(nm, 16), No = round_up(no, 32);
+  constexpr int g0 = LinearWorkspace::kGroupedSlot;
+  uint16_t* q3 = ws.get<uint16_t>(be, g0, rows * Np, "tetrajet-v2 experts: Q3 operands");
+  uint16_t* q4 = ws.get<uint16_t>(be, g0 + 1, E * K * Np, "tetrajet-v2 experts: Q4 operands");
+  uint16_t* q5 = ws.get<uint16_t>(be, g0 + 2, Np * padded, "tetrajet-v2 experts: Q5 blocks");
+  uint16_t* q6 = nm > 0 ? ws.get<uint16_t>(be, g0 + 3, Km * padded, "tetrajet-v2 experts: Q6 blocks") : nullptr;
+  uint16_t* q6o = no > 0 ? ws.get<uint16_t>(be, g0 + 4, No * padded, "tetrajet-v2 experts: Q6 outlier blocks") : nullptr;
+  float* part = no > 0 ? ws.get<float>(be, g0 + 5, E * N * std::max(Km, No), "tetrajet-v2 experts: wgrad parts")
+                       : nullptr;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = plan.off[e], p0 = plan.pad[e], m = plan.off[e + 1] - r0;
+    if (m == 0) continue;
+    expert(e)->backward_operands(be, q3 + r0 * Np, q4 + e * K * Np, q5 + Np * p0, q6 ? q6 + Km * p0 : nullptr,
+                                 q6o ? q6o + No * p0 : nullptr, dy + r0 * N, m, N, K, group.calls[e]);
+  }
+  // dgrad: dX_e (m,K) = Q3_e (m,Np) · Q4_e (K,Np)^T
+  be.grouped_matmul_bf16_nt(dx, q3, q4, plan.off_dev, E, rows, K, Np, K * Np);
+  be.round_to_bf16(dx, dx, rows * K);
+  // wgrad: dW_e (N,K) += Q5_e (N of Np, Mp_e) · Q6_e (Km, Mp_e)^T over expert e's padded rows
+  auto scatter = [&](const float* parts, int64_t cols, bool outliers) {
+    for (int64_t e = 0; e < E; ++e) {
+      if (plan.off[e + 1] == plan.off[e]) continue;
+      const auto& idx = outliers ? expert(e)->out_idx_dev_ : expert(e)->main_idx_dev_;
+      be.scatter_add_columns(dw + e * group.w_stride, parts + e * N * cols, N, K, idx.data(), outliers ? no : nm, cols);
+    }
+  };
+  if (nm > 0) {
+    if (no == 0) {
+      be.grouped_matmul_bf16_nt_blocks(dw, q5, q6, plan.pad_dev, E, padded, N, K, Np, Km, group.w_stride,
+                                       /*alpha=*/nullptr, /*accumulate=*/true);
+    } else {
+      be.grouped_matmul_bf16_nt_blocks(part, q5, q6, plan.pad_dev, E, padded, N, Km, Np, Km, N * Km);
+      scatter(part, Km, false);
+    }
+  }
+  if (no > 0) {
+    be.grouped_matmul_bf16_nt_blocks(part, q5, q6o, plan.pad_dev, E, padded, N, No, Np, No, N * No);
+    scatter(part, No, true);
   }
 }
 

@@ -90,6 +90,10 @@ class OsciReset {
 // cannot be a GEMM alpha; docs/architecture.md "accepted rounding"), an MXFP8 value E4M3 × 2^k is
 // exact. The re-quantizations (alignment, Q4/Q6) read the FP32 dequantized values, not the
 // rounded operands.
+// Grouped experts (where the backend has Op::kGroupedGemm and every routed expert has as many
+// outlier channels): each expert's instance quantizes its own operands (its own SR streams, RHT
+// signs, outlier channels) into the layer's grouped buffers, the along-token ones padded to 128
+// rows per expert; one grouped GEMM per product.
 class TetraJetV2LinearRecipe final : public LinearRecipe {
  public:
   NIB_LINEAR_RECIPE_HOST_OVERLOADS;
@@ -100,6 +104,10 @@ class TetraJetV2LinearRecipe final : public LinearRecipe {
   void backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M, int64_t N, int64_t K,
                 const LinearCall& call) override;
   void after_optimizer_step(backend::Backend& be, float* w, int64_t N, int64_t K, int64_t step) override;
+  void forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N, int64_t K,
+                       const ExpertGroup& group) override;
+  void backward_experts(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t N, int64_t K,
+                        const ExpertGroup& group) override;
   std::map<std::string, Tensor> state() const override;
   Status load_state(const std::map<std::string, Tensor>& state) override;
   void set_total_steps(int64_t total_steps) override { oscireset_.set_total_steps(total_steps); }
@@ -126,6 +134,20 @@ class TetraJetV2LinearRecipe final : public LinearRecipe {
   // Copies the channel lists to be's memory when they changed (or the backend did).
   void upload_channels(backend::Backend& be) const;
   backend::Backend& backend_or_cpu() const;
+  // The split of one call (forward = prepare_forward + forward_prepared; the grouped experts call
+  // the parts for each expert and run the GEMMs grouped). Shapes: Mp, Np = M, N rounded up to
+  // 128; Km = main channels rounded up to 16, No = outlier channels rounded up to 32.
+  void prepare_forward(backend::Backend& be, const float* x, int64_t M, const LinearCall& call);  // calibration
+  void forward_prepared(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N,
+                        int64_t K, const LinearCall& call);
+  // xq (Mp,Km), wq (Np,Km): the main channels' X̂, Ŵ operands (written where nm > 0); xoq (Mp,No),
+  // woq (N,No): the outlier channels' (written where there are outliers).
+  void forward_operands(backend::Backend& be, uint16_t* xq, uint16_t* wq, uint16_t* xoq, uint16_t* woq,
+                        const float* x, const float* w, int64_t M, int64_t N, int64_t K, const LinearCall& call);
+  // q3 (M,Np), q4 (K,Np) dgrad operands; q5 (Np,Mp), q6 (Km,Mp), q6o (No,Mp) wgrad operands (q6
+  // where nm > 0, q6o where there are outliers).
+  void backward_operands(backend::Backend& be, uint16_t* q3, uint16_t* q4, uint16_t* q5, uint16_t* q6,
+                         uint16_t* q6o, const float* dy, int64_t M, int64_t N, int64_t K, const LinearCall& call);
 
   RecipeConfig config_;
   LinearInfo info_;
