@@ -114,7 +114,7 @@ void Nvfp4NvidiaLinearRecipe::forward_experts(backend::Backend& be, float* y, co
   if (!be.supports(backend::Op::kGroupedGemm) || group.E == 0)
     return LinearRecipe::forward_experts(be, y, x, w, N, K, group);
   LinearWorkspace& ws = workspace(group.calls[0]);
-  ExpertRowPlan plan;
+  ExpertRowPlan& plan = expert_plan_;  // kept: its host arrays are reused, not reallocated
   plan.build(be, group, 16, ws);
   const int64_t E = group.E, rows = plan.rows(), span = (E - 1) * group.w_stride + N * K;
   constexpr int g0 = LinearWorkspace::kGroupedSlot;
@@ -139,7 +139,7 @@ void Nvfp4NvidiaLinearRecipe::backward_experts(backend::Backend& be, float* dx, 
   if (!be.supports(backend::Op::kGroupedGemm) || group.E == 0)
     return LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
   LinearWorkspace& ws = workspace(group.calls[0]);
-  ExpertRowPlan plan;
+  ExpertRowPlan& plan = expert_plan_;  // kept: its host arrays are reused, not reallocated
   plan.build(be, group, 16, ws);
   const int64_t E = group.E, rows = plan.rows(), padded = plan.padded_rows();
   constexpr int g0 = LinearWorkspace::kGroupedSlot;

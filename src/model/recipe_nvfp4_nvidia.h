@@ -61,6 +61,7 @@ class Nvfp4NvidiaLinearRecipe final : public LinearRecipe {
   backend::Buffer<uint16_t> xb_;      // (Mp,K) bf16 bits of x, rows >= M zero (the wgrad X^T source)
   backend::QuantizedBuffer w_saved_;  // Ŵ as 2-D NVFP4 codes (N,K/2) + scales (N,K/16) + amax
   backend::QuantizedTensor qw_;       // the view of w_saved_ (dgrad uses the forward Ŵ numbers)
+  ExpertRowPlan expert_plan_;         // grouped experts (expert 0's instance): the rows of the last call
 };
 
 // Builds nvfp4-nvidia for one linear, or the bf16 recipe for the last `bf16_last_blocks` blocks.

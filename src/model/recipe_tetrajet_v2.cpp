@@ -564,7 +564,7 @@ void TetraJetV2LinearRecipe::forward_experts(backend::Backend& be, float* y, con
   NIB_CHECK_MSG(N == info_.N && K == info_.K, "tetrajet-v2: shape ({}, {}) differs from the layer's ({}, {})", N, K,
                 info_.N, info_.K);
   LinearWorkspace& ws = workspace(group.calls[0]);
-  ExpertRowPlan plan;
+  ExpertRowPlan& plan = expert_plan_;  // kept: its host arrays are reused, not reallocated
   plan.build(be, group, 128, ws);
   const int64_t E = group.E, rows = plan.rows();
   auto expert = [&](int64_t e) { return static_cast<TetraJetV2LinearRecipe*>(group.recipes[e]); };
@@ -608,7 +608,7 @@ void TetraJetV2LinearRecipe::backward_experts(backend::Backend& be, float* dx, f
   if (!be.supports(backend::Op::kGroupedGemm) || group.E == 0)
     return LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
   LinearWorkspace& ws = workspace(group.calls[0]);
-  ExpertRowPlan plan;
+  ExpertRowPlan& plan = expert_plan_;  // kept: its host arrays are reused, not reallocated
   plan.build(be, group, 128, ws);
   auto expert = [&](int64_t e) { return static_cast<TetraJetV2LinearRecipe*>(group.recipes[e]); };
   const int64_t no = common_outlier_count(group, plan, [&](int64_t e) {

@@ -175,6 +175,7 @@ class TetraJetV2LinearRecipe final : public LinearRecipe {
   backend::QuantizedTensor xhat_, what_;
   backend::QuantizedBuffer xohat_buf_, wohat_buf_;  // MXFP8 X̂_o (Mp,No) / Ŵ_o (N,No); No = n_o padded to 32
   backend::QuantizedTensor xohat_, wohat_;
+  ExpertRowPlan expert_plan_;          // grouped experts (expert 0's instance): the rows of the last call
   // fake_quantize_weight scratch
   mutable backend::Buffer<float> fq_w_, fq_src_, fq_deq_;
   mutable backend::QuantizedBuffer fq_q_;
