@@ -185,6 +185,24 @@ void Backend::cross_entropy_forward_backward_sums(double* sums, float* dlogits, 
                cross_entropy_forward_backward(dlogits, lse, token_ce, logits, targets, N, V, ce_scale, z_scale));
 }
 
+// ---- multi-tensor optimizer ops: the per-range reference ----------------------------------------
+void Backend::sum_squares_chunks_multi(double* partials_host, const float* const* g, const int64_t* n, int64_t count,
+                                       int64_t chunk, float grad_scale) {
+  for (int64_t r = 0; r < count; ++r) {
+    if (n[r] <= 0) continue;
+    sum_squares_chunks(partials_host, g[r], n[r], chunk, grad_scale);
+    partials_host += (n[r] + chunk - 1) / chunk;
+  }
+}
+void Backend::adamw_update_multi(const AdamWRange* ranges, int64_t count, const AdamWStep& s) {
+  AdamWStep one = s;
+  for (int64_t r = 0; r < count; ++r) {
+    if (ranges[r].n <= 0) continue;
+    one.weight_decay = ranges[r].weight_decay ? s.weight_decay : 0.0;
+    adamw_update(ranges[r].w, ranges[r].m, ranges[r].v, ranges[r].g, ranges[r].n, one);
+  }
+}
+
 // Backends without the grouped GEMMs (supports(Op::kGroupedGemm) is false) fail by name.
 namespace {
 [[noreturn]] void missing_override(const Backend& be, const char* method) {

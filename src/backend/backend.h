@@ -82,6 +82,16 @@ struct AdamWStep {
   int64_t step = 1;       // 1-based step count after this update (bias corrections)
   float grad_scale = 1;   // gradients are multiplied by this first
 };
+// One parameter of a multi-tensor AdamW call: w, m, v (n) updated from g (n), in backend memory;
+// the step's weight decay applies where weight_decay is set.
+struct AdamWRange {
+  float* w = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  const float* g = nullptr;
+  int64_t n = 0;
+  bool weight_decay = true;
+};
 
 // Precision of the attention ops (issue #13). kFp32: FP32 throughout. kBf16: q, k, v (backward:
 // dout, out) rounded to BF16, products with FP32 accumulation, the probabilities P (backward: dS)
@@ -275,6 +285,15 @@ class Backend {
   }
   // AdamW on one flat range: w, m, v (n) updated in place from g (n) (train/optimizer.h order).
   virtual void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const AdamWStep& s) = 0;
+  // The optimizer's whole parameter list at once (a MoE model has thousands of tensors: one
+  // launch and one round trip instead of one each). sum_squares_chunks_multi: partials_host holds
+  // the sum_squares_chunks pieces of g[0] (n[0]), then of g[1], ... (sum_r ceil(n_r / chunk)), the
+  // same values as one call per range. adamw_update_multi: adamw_update of every range with
+  // s.weight_decay where the range has weight_decay (0 elsewhere), the same bits. Defaults: one
+  // call per range.
+  virtual void sum_squares_chunks_multi(double* partials_host, const float* const* g, const int64_t* n, int64_t count,
+                                        int64_t chunk, float grad_scale);
+  virtual void adamw_update_multi(const AdamWRange* ranges, int64_t count, const AdamWStep& s);
   virtual void scale(float* x, int64_t n, float s) = 0;  // x *= s
 
   // ---- format ops the recipes use (bit-exact across backends) --------------------------------------

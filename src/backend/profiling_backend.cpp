@@ -87,6 +87,8 @@ constexpr OpInfo kOps[] = {
     {"grouped_matmul_bf16_nn", OpCategory::kGemm},
     {"grouped_matmul_bf16_tn", OpCategory::kGemm},
     {"grouped_matmul_bf16_nt_blocks", OpCategory::kGemm},
+    {"sum_squares_chunks_multi", OpCategory::kOptimizer},
+    {"adamw_update_multi", OpCategory::kOptimizer},
     {"moe_dispatch_plan_device", OpCategory::kMoe},
     {"guided_overwrite_rows", OpCategory::kQuantize},
     {"guidance_payload_rows", OpCategory::kCopies},
@@ -489,6 +491,15 @@ void ProfilingBackend::grouped_matmul_bf16_nt_blocks(float* y, const uint16_t* a
   Timed timed(*this, ProfiledOp::kGroupedMatmulBf16NtBlocks);
   inner_->grouped_matmul_bf16_nt_blocks(y, a, b, offsets, G, extent, M, N, a_rows, b_rows, y_stride, alpha,
                                         accumulate);
+}
+void ProfilingBackend::sum_squares_chunks_multi(double* partials_host, const float* const* g, const int64_t* n,
+                                                int64_t count, int64_t chunk, float grad_scale) {
+  Timed timed(*this, ProfiledOp::kSumSquaresChunksMulti);
+  inner_->sum_squares_chunks_multi(partials_host, g, n, count, chunk, grad_scale);
+}
+void ProfilingBackend::adamw_update_multi(const AdamWRange* ranges, int64_t count, const AdamWStep& s) {
+  Timed timed(*this, ProfiledOp::kAdamwUpdateMulti);
+  inner_->adamw_update_multi(ranges, count, s);
 }
 void ProfilingBackend::moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,
                                                 const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) {

@@ -85,6 +85,8 @@ enum class ProfiledOp : uint8_t {
   kGroupedMatmulBf16Nn,
   kGroupedMatmulBf16Tn,
   kGroupedMatmulBf16NtBlocks,
+  kSumSquaresChunksMulti,
+  kAdamwUpdateMulti,
   kMoeDispatchPlanDevice,
   kGuidedOverwriteRows,
   kGuidancePayloadRows,
@@ -178,6 +180,9 @@ class ProfilingBackend final : public Backend {
   void grouped_matmul_bf16_nt_blocks(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
                                      int64_t G, int64_t extent, int64_t M, int64_t N, int64_t a_rows, int64_t b_rows,
                                      int64_t y_stride, const float* alpha, bool accumulate) override;
+  void sum_squares_chunks_multi(double* partials_host, const float* const* g, const int64_t* n, int64_t count,
+                                int64_t chunk, float grad_scale) override;
+  void adamw_update_multi(const AdamWRange* ranges, int64_t count, const AdamWStep& s) override;
   void moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,
                                 const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) override;
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t V, int64_t C) override;

@@ -23,15 +23,21 @@ Status validate(const AdamWConfig& c) {
 }
 
 double grad_sum_squares(const std::vector<ParamView>& params, float grad_scale, backend::Backend& be) {
-  double total = 0;
-  std::vector<double> partial;
+  // One sum per fixed chunk of each parameter (one call, one round trip for all), added here in
+  // order: the same total on every backend and thread count.
+  std::vector<const float*> grads;
+  std::vector<int64_t> numels;
+  int64_t pieces = 0;
   for (const ParamView& p : params) {
     NIB_CHECK_MSG(p.numel >= 0 && (p.numel == 0 || p.grad), "param {}", p.name);
-    // One sum per fixed chunk, added here in order: the same total on every backend and thread count.
-    partial.resize(static_cast<size_t>((p.numel + kChunk - 1) / kChunk));
-    if (p.numel > 0) be.sum_squares_chunks(partial.data(), p.grad, p.numel, kChunk, grad_scale);
-    for (double s : partial) total += s;
+    grads.push_back(p.grad), numels.push_back(p.numel);
+    pieces += (p.numel + kChunk - 1) / kChunk;
   }
+  std::vector<double> partial(static_cast<size_t>(pieces));
+  be.sum_squares_chunks_multi(partial.data(), grads.data(), numels.data(), static_cast<int64_t>(params.size()), kChunk,
+                              grad_scale);
+  double total = 0;
+  for (double s : partial) total += s;
   return total;
 }
 
@@ -86,6 +92,8 @@ Status AdamW::step(const std::vector<ParamView>& params, double lr, float grad_s
   hp.eps = config_.eps;
   hp.step = ++step_;
   hp.grad_scale = grad_scale;
+  hp.weight_decay = config_.weight_decay;  // where the parameter has weight decay
+  ranges_.clear();
   for (const ParamView& p : params) {
     auto [it, fresh] = state_.try_emplace(Key{p.name, p.offset});
     Moments& st = it->second;
@@ -97,9 +105,9 @@ Status AdamW::step(const std::vector<ParamView>& params, double lr, float grad_s
       be_->fill_zero(st.v.ensure(*be_, p.numel, "AdamW exp_avg_sq"), bytes);
     }
     if (p.numel == 0) continue;
-    hp.weight_decay = p.weight_decay ? config_.weight_decay : 0.0;
-    be_->adamw_update(p.value, st.m.data(), st.v.data(), p.grad, p.numel, hp);
+    ranges_.push_back(backend::AdamWRange{p.value, st.m.data(), st.v.data(), p.grad, p.numel, p.weight_decay});
   }
+  be_->adamw_update_multi(ranges_.data(), static_cast<int64_t>(ranges_.size()), hp);  // one call for all
   return Status::ok();
 }
 

@@ -3,8 +3,9 @@
 // w *= 1 - lr*wd, m = lerp(m, g, 1-b1), v = b2*v + (1-b2)*g*g, then
 // w -= (lr / (1-b1^t)) * m / (sqrt(v) / sqrt(1-b2^t) + eps). Also the global gradient-norm
 // clip of torch.nn.utils.clip_grad_norm_ and gradient-accumulation helpers. Parameters, gradients
-// and moments live in a backend::Backend's memory; the update is the backend's adamw_update per
-// parameter, the norm its sum_squares over fixed chunks. Results do not depend on the thread count.
+// and moments live in a backend::Backend's memory; the update is the backend's adamw_update_multi
+// over all parameters (one call: one launch on CUDA), the norm its sum_squares_chunks_multi over
+// fixed chunks of each (one round trip). Results do not depend on the thread count.
 #pragma once
 
 #include <cstdint>
@@ -107,6 +108,7 @@ class AdamW {
   backend::Backend* be_;
   int64_t step_ = 0;
   std::map<Key, Moments> state_;
+  std::vector<backend::AdamWRange> ranges_;  // step()'s parameter list for adamw_update_multi (reused)
   mutable std::map<Key, std::vector<float>> host_m_, host_v_;  // exp_avg / exp_avg_sq copies
 };
 

@@ -576,9 +576,39 @@ void CudaBackend::sum_squares_chunks(double* partials_host, const float* g, int6
   sync_and_check_flags("sum_squares_chunks");
 }
 
-void CudaBackend::adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const backend::AdamWStep& s) {
+void CudaBackend::sum_squares_chunks_multi(double* partials_host, const float* const* g, const int64_t* n,
+                                           int64_t count, int64_t chunk, float grad_scale) {
   activate();
-  // The scalars exactly as train/optimizer.cpp computes them (Python doubles, then f32).
+  NIB_CHECK_MSG(chunk > 0, "sum_squares_chunks_multi: chunk {} must be positive", chunk);
+  // descriptors of the non-empty ranges, then one launch, one copy back, one synchronisation
+  sum_ranges_.clear();
+  int64_t total = 0;
+  for (int64_t r = 0; r < count; ++r) {
+    if (n[r] <= 0) continue;
+    sum_ranges_.push_back(cuda::SumSquaresRange{g[r], n[r], total});
+    total += (n[r] + chunk - 1) / chunk;
+  }
+  if (total == 0) return;
+  const size_t desc_bytes = (sum_ranges_.size() * sizeof(cuda::SumSquaresRange) + 15) / 16 * 16;
+  auto* base = static_cast<uint8_t*>(scratch(desc_bytes + static_cast<size_t>(total) * sizeof(double),
+                                             "sum_squares_chunks_multi"));
+  auto* ranges = reinterpret_cast<cuda::SumSquaresRange*>(base);
+  auto* partials = reinterpret_cast<double*>(base + desc_bytes);
+  NIB_OP_CUDA(cudaMemcpyAsync(ranges, sum_ranges_.data(), sum_ranges_.size() * sizeof(cuda::SumSquaresRange),
+                              cudaMemcpyHostToDevice, stream_),
+              "sum_squares_chunks_multi", "{} ranges", sum_ranges_.size());
+  NIB_OP_CUDA(cuda::sum_squares_chunks_multi(partials, ranges, static_cast<int>(sum_ranges_.size()), total, chunk,
+                                             grad_scale, stream_),
+              "sum_squares_chunks_multi", "{} ranges, {} pieces", sum_ranges_.size(), total);
+  NIB_OP_CUDA(cudaMemcpyAsync(partials_host, partials, static_cast<size_t>(total) * sizeof(double),
+                              cudaMemcpyDeviceToHost, stream_),
+              "sum_squares_chunks_multi", "{} pieces", total);
+  sync_and_check_flags("sum_squares_chunks_multi");
+}
+
+namespace {
+// The AdamW scalars exactly as train/optimizer.cpp computes them (Python doubles, then f32).
+AdamWScalars adamw_scalars(const backend::AdamWStep& s) {
   AdamWScalars a;
   a.decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
   a.weight_decay = s.weight_decay != 0.0;
@@ -591,7 +621,33 @@ void CudaBackend::adamw_update(float* w, float* m, float* v, const float* g, int
   a.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   a.eps = static_cast<float>(s.eps);
   a.grad_scale = s.grad_scale;
-  NIB_OP_CUDA(cuda::adamw_update(w, m, v, g, n, a, stream_), "adamw_update", "n={} step={}", n, s.step);
+  return a;
+}
+}  // namespace
+
+void CudaBackend::adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const backend::AdamWStep& s) {
+  activate();
+  NIB_OP_CUDA(cuda::adamw_update(w, m, v, g, n, adamw_scalars(s), stream_), "adamw_update", "n={} step={}", n, s.step);
+}
+
+void CudaBackend::adamw_update_multi(const backend::AdamWRange* ranges, int64_t count, const backend::AdamWStep& s) {
+  activate();
+  refuse_while_capturing("adamw_update_multi");
+  adamw_ranges_.clear();
+  int64_t blocks = 0;
+  for (int64_t r = 0; r < count; ++r) {
+    const backend::AdamWRange& x = ranges[r];
+    if (x.n <= 0) continue;
+    adamw_ranges_.push_back(cuda::AdamWMultiRange{x.w, x.m, x.v, x.g, x.n, blocks, x.weight_decay ? 1 : 0});
+    blocks += (x.n + cuda::kAdamWMultiTile - 1) / cuda::kAdamWMultiTile;
+  }
+  if (blocks == 0) return;
+  const size_t bytes = adamw_ranges_.size() * sizeof(cuda::AdamWMultiRange);
+  auto* dev = static_cast<cuda::AdamWMultiRange*>(scratch(bytes, "adamw_update_multi"));
+  NIB_OP_CUDA(cudaMemcpyAsync(dev, adamw_ranges_.data(), bytes, cudaMemcpyHostToDevice, stream_), "adamw_update_multi",
+              "{} ranges", adamw_ranges_.size());
+  NIB_OP_CUDA(cuda::adamw_update_multi(dev, static_cast<int>(adamw_ranges_.size()), blocks, adamw_scalars(s), stream_),
+              "adamw_update_multi", "{} ranges, step={}", adamw_ranges_.size(), s.step);
 }
 
 void CudaBackend::scale(float* x, int64_t n, float s) {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/optimizer_ops.h"
 #include "backend/graph_capture.h"
 
 namespace nibble::cuda {
@@ -89,6 +90,9 @@ class CudaBackend final : public backend::Backend, public backend::GraphCapture 
   void grouped_matmul_bf16_nt_blocks(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
                                      int64_t G, int64_t extent, int64_t M, int64_t N, int64_t a_rows, int64_t b_rows,
                                      int64_t y_stride, const float* alpha, bool accumulate) override;
+  void sum_squares_chunks_multi(double* partials_host, const float* const* g, const int64_t* n, int64_t count,
+                                int64_t chunk, float grad_scale) override;
+  void adamw_update_multi(const backend::AdamWRange* ranges, int64_t count, const backend::AdamWStep& s) override;
   void moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,
                                 const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) override;
   void dequantize_bf16(uint16_t* y, const backend::QuantizedTensor& q) override;
@@ -242,6 +246,8 @@ class CudaBackend final : public backend::Backend, public backend::GraphCapture 
   int64_t deallocation_count_ = 0;  // memory_epoch()
   bool capturing_ = false;
   std::vector<void*> deferred_frees_;  // deallocate() during a capture
+  std::vector<cuda::SumSquaresRange> sum_ranges_;   // sum_squares_chunks_multi's descriptors (grow-only)
+  std::vector<cuda::AdamWMultiRange> adamw_ranges_;  // adamw_update_multi's descriptors (grow-only)
   std::vector<double> moe_load_host_;  // (2E+1) moe_accumulate_load's sums on the host (grow-only)
 };
 

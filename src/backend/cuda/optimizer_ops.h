@@ -36,4 +36,29 @@ struct AdamWScalars {
 cudaError_t adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const AdamWScalars& s,
                          cudaStream_t stream);
 
+// ---- multi-range forms: one launch for a whole parameter list (descriptors in device memory) ----
+// A range of sum_squares_chunks_multi: its pieces are partials[chunk0 ..].
+struct SumSquaresRange {
+  const float* g;
+  int64_t n;       // > 0
+  int64_t chunk0;  // index of its first piece; ascending over the ranges
+};
+// partials (total_chunks) <- every range's sum_squares_chunks pieces, each as that kernel sums it.
+cudaError_t sum_squares_chunks_multi(double* partials, const SumSquaresRange* ranges, int count, int64_t total_chunks,
+                                     int64_t chunk, float grad_scale, cudaStream_t stream);
+// A range of adamw_update_multi: blocks [block0, block0 + ceil(n / kAdamWMultiTile)) update it.
+constexpr int64_t kAdamWMultiTile = 4096;
+struct AdamWMultiRange {
+  float* w;
+  float* m;
+  float* v;
+  const float* g;
+  int64_t n;       // > 0
+  int64_t block0;  // ascending over the ranges
+  int weight_decay;
+};
+// Each range updated as adamw_update would (s.weight_decay where the range has it).
+cudaError_t adamw_update_multi(const AdamWMultiRange* ranges, int count, int64_t total_blocks, const AdamWScalars& s,
+                               cudaStream_t stream);
+
 }  // namespace nibble::cuda

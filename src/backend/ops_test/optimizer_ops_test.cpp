@@ -2,7 +2,9 @@
 // reference written here from train/optimizer.cpp (PyTorch's single-tensor AdamW, FP32 element
 // arithmetic, scalars from doubles), over several steps with and without weight decay and with
 // a gradient scale; and the sum of squares behind the global gradient norm (double, fixed order
-// per backend; between backends the orders differ, bounded as written beside the case).
+// per backend; between backends the orders differ, bounded as written beside the case); the
+// multi-tensor forms give each range's single-call bits.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -103,6 +105,52 @@ TEST_P(OptimizerOpsTest, SumSquaresChunksPerPiece) {
     EXPECT_LE(std::fabs(got[c] - seq), 2.0 * double(e - b) * kUnitRoundoffF64 * seq) << "piece " << c;
     EXPECT_EQ(std::memcmp(&got[c], &again[c], sizeof(double)), 0) << "piece " << c;
   }
+}
+
+// The whole parameter list in one call: many ranges of ragged sizes (empty ones, one element,
+// off and at the tile and chunk sizes), mixed weight decay: each range gets exactly the bits of
+// its own adamw_update / sum_squares_chunks call on the same backend.
+TEST_P(OptimizerOpsTest, MultiRangeFormsEqualOneCallPerRange) {
+  const std::vector<int64_t> sizes = {1000, 0, 1, 4096, 4097, 65536, 65537 + 3, 0, 300, 131072, 17};
+  const int64_t count = static_cast<int64_t>(sizes.size()), chunk = 65536;
+  std::vector<float*> w1, m1, v1, w2, m2, v2;
+  std::vector<const float*> g;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t n = std::max<int64_t>(sizes[r], 1);  // an empty range still gets a valid pointer
+    const std::vector<float> w0 = normal_vector(n, 300 + r), mv0 = normal_vector(n, 400 + r, 0.01);
+    std::vector<float> v0(mv0.size());
+    for (size_t i = 0; i < v0.size(); ++i) v0[i] = mv0[i] * mv0[i];
+    w1.push_back(upload(w0)), m1.push_back(upload(mv0)), v1.push_back(upload(v0));
+    w2.push_back(upload(w0)), m2.push_back(upload(mv0)), v2.push_back(upload(v0));
+    g.push_back(upload(normal_vector(n, 500 + r, 0.02)));
+  }
+  AdamWStep s;
+  s.lr = 1e-3, s.weight_decay = 0.1, s.step = 7, s.grad_scale = 0.8f;
+  std::vector<AdamWRange> ranges;
+  for (int64_t r = 0; r < count; ++r) {
+    ranges.push_back(AdamWRange{w2[r], m2[r], v2[r], g[r], sizes[r], r % 3 != 1});
+    AdamWStep one = s;
+    one.weight_decay = r % 3 != 1 ? s.weight_decay : 0.0;
+    if (sizes[r] > 0) be().adamw_update(w1[r], m1[r], v1[r], g[r], sizes[r], one);
+  }
+  be().adamw_update_multi(ranges.data(), count, s);
+  int64_t pieces = 0;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t n = std::max<int64_t>(sizes[r], 1);
+    EXPECT_TRUE(bits_equal(download(w2[r], n), download(w1[r], n))) << "w of range " << r;
+    EXPECT_TRUE(bits_equal(download(m2[r], n), download(m1[r], n))) << "m of range " << r;
+    EXPECT_TRUE(bits_equal(download(v2[r], n), download(v1[r], n))) << "v of range " << r;
+    pieces += (sizes[r] + chunk - 1) / chunk;
+  }
+  std::vector<double> multi(static_cast<size_t>(pieces), -1.0), single;
+  be().sum_squares_chunks_multi(multi.data(), g.data(), sizes.data(), count, chunk, 0.5f);
+  for (int64_t r = 0; r < count; ++r) {
+    std::vector<double> part(static_cast<size_t>((sizes[r] + chunk - 1) / chunk), -2.0);
+    if (sizes[r] > 0) be().sum_squares_chunks(part.data(), g[r], sizes[r], chunk, 0.5f);
+    single.insert(single.end(), part.begin(), part.end());
+  }
+  ASSERT_EQ(multi.size(), single.size());
+  EXPECT_EQ(0, std::memcmp(multi.data(), single.data(), multi.size() * sizeof(double)));
 }
 
 NIB_INSTANTIATE_OPS_TEST(OptimizerOpsTest);
