@@ -231,7 +231,8 @@ const int64_t* expert_offsets_host(backend::Backend& be, const ExpertGroup& g, s
   return copy.data();
 }
 
-void ExpertRowPlan::build(backend::Backend& be, const ExpertGroup& group, int64_t multiple, LinearWorkspace& ws) {
+bool ExpertRowPlan::build(backend::Backend& be, const ExpertGroup& group, int64_t multiple, LinearWorkspace& ws) {
+  if (!be.supports(backend::Op::kGroupedGemm) || group.E == 0) return false;
   std::vector<int64_t> copy;
   const int64_t* o = expert_offsets_host(be, group, copy);
   const int64_t E = group.E;
@@ -248,6 +249,7 @@ void ExpertRowPlan::build(backend::Backend& be, const ExpertGroup& group, int64_
   be.copy_to_device(dev, off.data(), off.size() * sizeof(int64_t));
   be.copy_to_device(dev + E + 1, pad.data(), pad.size() * sizeof(int64_t));
   off_dev = dev, pad_dev = dev + E + 1;
+  return true;
 }
 
 void LinearRecipe::forward_experts(backend::Backend& be, float* y, const float* x, const float* w, int64_t N,

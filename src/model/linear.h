@@ -124,7 +124,9 @@ struct ExpertRowPlan {
   int64_t rows() const { return off.back(); }
   int64_t padded_rows() const { return pad.back(); }
   // Builds the plan of `group` (host offsets, copied from the device ones where not given).
-  void build(backend::Backend& be, const ExpertGroup& group, int64_t multiple, LinearWorkspace& ws);
+  // Returns false, building nothing, where the backend has no grouped GEMMs (Op::kGroupedGemm) or
+  // the group no experts: the caller then takes the per-expert loop.
+  bool build(backend::Backend& be, const ExpertGroup& group, int64_t multiple, LinearWorkspace& ws);
 };
 
 // One instance per linear layer; per-layer state (saved operands, outlier channels,

@@ -111,11 +111,9 @@ void Nvfp4NvidiaLinearRecipe::backward(backend::Backend& be, float* dx, float* d
 // (2E), g0+4 RHT-transpose scratch.
 void Nvfp4NvidiaLinearRecipe::forward_experts(backend::Backend& be, float* y, const float* x, const float* w,
                                               int64_t N, int64_t K, const ExpertGroup& group) {
-  if (!be.supports(backend::Op::kGroupedGemm) || group.E == 0)
-    return LinearRecipe::forward_experts(be, y, x, w, N, K, group);
   LinearWorkspace& ws = workspace(group.calls[0]);
   ExpertRowPlan& plan = expert_plan_;  // kept: its host arrays are reused, not reallocated
-  plan.build(be, group, 16, ws);
+  if (!plan.build(be, group, 16, ws)) return LinearRecipe::forward_experts(be, y, x, w, N, K, group);
   const int64_t E = group.E, rows = plan.rows(), span = (E - 1) * group.w_stride + N * K;
   constexpr int g0 = LinearWorkspace::kGroupedSlot;
   uint16_t* wb = ws.get<uint16_t>(be, g0, span, "nvfp4-nvidia experts: bf16 W");
@@ -136,11 +134,9 @@ void Nvfp4NvidiaLinearRecipe::forward_experts(backend::Backend& be, float* y, co
 
 void Nvfp4NvidiaLinearRecipe::backward_experts(backend::Backend& be, float* dx, float* dw, const float* dy,
                                                int64_t N, int64_t K, const ExpertGroup& group) {
-  if (!be.supports(backend::Op::kGroupedGemm) || group.E == 0)
-    return LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
   LinearWorkspace& ws = workspace(group.calls[0]);
   ExpertRowPlan& plan = expert_plan_;  // kept: its host arrays are reused, not reallocated
-  plan.build(be, group, 16, ws);
+  if (!plan.build(be, group, 16, ws)) return LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
   const int64_t E = group.E, rows = plan.rows(), padded = plan.padded_rows();
   constexpr int g0 = LinearWorkspace::kGroupedSlot;
   uint16_t* dyb = ws.get<uint16_t>(be, g0, padded * N, "nvfp4-nvidia experts: bf16 dY");

@@ -559,13 +559,11 @@ int64_t common_outlier_count(const ExpertGroup& group, const ExpertRowPlan& plan
 
 void TetraJetV2LinearRecipe::forward_experts(backend::Backend& be, float* y, const float* x, const float* w,
                                              int64_t N, int64_t K, const ExpertGroup& group) {
-  if (!be.supports(backend::Op::kGroupedGemm) || group.E == 0)
-    return LinearRecipe::forward_experts(be, y, x, w, N, K, group);
   NIB_CHECK_MSG(N == info_.N && K == info_.K, "tetrajet-v2: shape ({}, {}) differs from the layer's ({}, {})", N, K,
                 info_.N, info_.K);
   LinearWorkspace& ws = workspace(group.calls[0]);
   ExpertRowPlan& plan = expert_plan_;  // kept: its host arrays are reused, not reallocated
-  plan.build(be, group, 128, ws);
+  if (!plan.build(be, group, 128, ws)) return LinearRecipe::forward_experts(be, y, x, w, N, K, group);
   const int64_t E = group.E, rows = plan.rows();
   auto expert = [&](int64_t e) { return static_cast<TetraJetV2LinearRecipe*>(group.recipes[e]); };
   for (int64_t e = 0; e < E; ++e)  // calibration / outlier selection first: it decides the shapes
@@ -605,11 +603,9 @@ void TetraJetV2LinearRecipe::forward_experts(backend::Backend& be, float* y, con
 
 void TetraJetV2LinearRecipe::backward_experts(backend::Backend& be, float* dx, float* dw, const float* dy,
                                               int64_t N, int64_t K, const ExpertGroup& group) {
-  if (!be.supports(backend::Op::kGroupedGemm) || group.E == 0)
-    return LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
   LinearWorkspace& ws = workspace(group.calls[0]);
   ExpertRowPlan& plan = expert_plan_;  // kept: its host arrays are reused, not reallocated
-  plan.build(be, group, 128, ws);
+  if (!plan.build(be, group, 128, ws)) return LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
   auto expert = [&](int64_t e) { return static_cast<TetraJetV2LinearRecipe*>(group.recipes[e]); };
   const int64_t no = common_outlier_count(group, plan, [&](int64_t e) {
     return static_cast<int64_t>(expert(e)->out_idx_.size());
