@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/backend.h"
+#include "core/check.h"
 #include "core/status.h"
 #include "core/tensor.h"
 
@@ -128,6 +129,15 @@ struct ExpertRowPlan {
   // the group no experts: the caller then takes the per-expert loop.
   bool build(backend::Backend& be, const ExpertGroup& group, int64_t multiple, LinearWorkspace& ws);
 };
+
+// Expert e's recipe of `group` as the grouped implementation's class R (a layer's experts are built
+// by one factory from one config, so they share it; checked).
+template <typename R>
+R* group_expert(const ExpertGroup& group, int64_t e) {
+  R* r = dynamic_cast<R*>(group.recipes[e]);
+  NIB_CHECK_MSG(r != nullptr, "experts: expert {} of the group has another recipe class than expert 0", e);
+  return r;
+}
 
 // One instance per linear layer; per-layer state (saved operands, outlier channels,
 // OsciReset buffers) lives in the instance.

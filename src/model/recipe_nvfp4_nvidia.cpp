@@ -124,9 +124,8 @@ void Nvfp4NvidiaLinearRecipe::forward_experts(backend::Backend& be, float* y, co
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = plan.off[e], m = plan.off[e + 1] - r0;
     if (m == 0) continue;  // never called: its alpha is not read
-    auto* r = static_cast<Nvfp4NvidiaLinearRecipe*>(group.recipes[e]);
-    r->forward_operands(be, xq + r0 * K, wq + e * N * K, alpha + e, x + r0 * K, wb + e * group.w_stride, m, N, K,
-                        group.calls[e]);
+    group_expert<Nvfp4NvidiaLinearRecipe>(group, e)->forward_operands(
+        be, xq + r0 * K, wq + e * N * K, alpha + e, x + r0 * K, wb + e * group.w_stride, m, N, K, group.calls[e]);
   }
   be.grouped_matmul_bf16_nt(y, xq, wq, plan.off_dev, E, rows, N, K, N * K, alpha);
   be.round_to_bf16(y, y, rows * N);  // the GEMM writes BF16
@@ -144,7 +143,7 @@ void Nvfp4NvidiaLinearRecipe::backward_experts(backend::Backend& be, float* dx, 
   uint16_t* b = ws.get<uint16_t>(be, g0 + 2, std::max(E * N * K, padded * K), "nvfp4-nvidia experts: W^/X operands");
   float* alpha = ws.get<float>(be, g0 + 3, 2 * E, "nvfp4-nvidia experts: GEMM alphas");
   uint16_t* tb = ws.get<uint16_t>(be, g0 + 4, plan.max_padded * std::max(N, K), "nvfp4-nvidia experts: RHT scratch");
-  auto expert = [&](int64_t e) { return static_cast<Nvfp4NvidiaLinearRecipe*>(group.recipes[e]); };
+  auto expert = [&](int64_t e) { return group_expert<Nvfp4NvidiaLinearRecipe>(group, e); };
   // dgrad: dX_e = deq(dY_e) · Ŵ_e for every expert in one grouped GEMM (b holds the Ŵ operands)
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = plan.off[e], m = plan.off[e + 1] - r0;

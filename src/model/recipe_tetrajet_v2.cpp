@@ -565,9 +565,11 @@ void TetraJetV2LinearRecipe::forward_experts(backend::Backend& be, float* y, con
   ExpertRowPlan& plan = expert_plan_;  // kept: its host arrays are reused, not reallocated
   if (!plan.build(be, group, 128, ws)) return LinearRecipe::forward_experts(be, y, x, w, N, K, group);
   const int64_t E = group.E, rows = plan.rows();
-  auto expert = [&](int64_t e) { return static_cast<TetraJetV2LinearRecipe*>(group.recipes[e]); };
-  for (int64_t e = 0; e < E; ++e)  // calibration / outlier selection first: it decides the shapes
-    if (plan.off[e + 1] > plan.off[e]) expert(e)->prepare_forward(be, x + plan.off[e] * K, plan.off[e + 1] - plan.off[e], group.calls[e]);
+  auto expert = [&](int64_t e) { return group_expert<TetraJetV2LinearRecipe>(group, e); };
+  for (int64_t e = 0; e < E; ++e) {  // calibration / outlier selection first: it decides the shapes
+    const int64_t r0 = plan.off[e], m = plan.off[e + 1] - r0;
+    if (m > 0) expert(e)->prepare_forward(be, x + r0 * K, m, group.calls[e]);
+  }
   const int64_t no = common_outlier_count(group, plan, [&](int64_t e) {
     return static_cast<int64_t>(expert(e)->out_idx_.size());
   });
@@ -585,7 +587,8 @@ void TetraJetV2LinearRecipe::forward_experts(backend::Backend& be, float* y, con
   // rows, which that expert writes after it (in order); 128 spare rows take the last one's.
   uint16_t* xq = nm > 0 ? ws.get<uint16_t>(be, g0, (rows + 128) * Km, "tetrajet-v2 experts: X^ operands") : nullptr;
   uint16_t* wq = nm > 0 ? ws.get<uint16_t>(be, g0 + 1, E * Np * Km, "tetrajet-v2 experts: W^ operands") : nullptr;
-  uint16_t* xoq = no > 0 ? ws.get<uint16_t>(be, g0 + 2, (rows + 128) * No, "tetrajet-v2 experts: X^o operands") : nullptr;
+  uint16_t* xoq =
+      no > 0 ? ws.get<uint16_t>(be, g0 + 2, (rows + 128) * No, "tetrajet-v2 experts: X^o operands") : nullptr;
   uint16_t* woq = no > 0 ? ws.get<uint16_t>(be, g0 + 3, E * N * No, "tetrajet-v2 experts: W^o operands") : nullptr;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = plan.off[e], m = plan.off[e + 1] - r0;
@@ -597,7 +600,8 @@ void TetraJetV2LinearRecipe::forward_experts(backend::Backend& be, float* y, con
   if (nm > 0) be.grouped_matmul_bf16_nt(y, xq, wq, plan.off_dev, E, rows, N, Km, Np * Km);
   else be.fill_zero(y, static_cast<size_t>(rows * N) * sizeof(float));
   if (no > 0)
-    be.grouped_matmul_bf16_nt(y, xoq, woq, plan.off_dev, E, rows, N, No, N * No, /*alpha=*/nullptr, /*accumulate=*/true);
+    be.grouped_matmul_bf16_nt(y, xoq, woq, plan.off_dev, E, rows, N, No, N * No, /*alpha=*/nullptr,
+                              /*accumulate=*/true);
   be.round_to_bf16(y, y, rows * N);  // the GEMM writes BF16
 }
 
@@ -606,7 +610,7 @@ void TetraJetV2LinearRecipe::backward_experts(backend::Backend& be, float* dx, f
   LinearWorkspace& ws = workspace(group.calls[0]);
   ExpertRowPlan& plan = expert_plan_;  // kept: its host arrays are reused, not reallocated
   if (!plan.build(be, group, 128, ws)) return LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
-  auto expert = [&](int64_t e) { return static_cast<TetraJetV2LinearRecipe*>(group.recipes[e]); };
+  auto expert = [&](int64_t e) { return group_expert<TetraJetV2LinearRecipe>(group, e); };
   const int64_t no = common_outlier_count(group, plan, [&](int64_t e) {
     return static_cast<int64_t>(expert(e)->out_idx_.size());
   });
@@ -618,7 +622,8 @@ void TetraJetV2LinearRecipe::backward_experts(backend::Backend& be, float* dx, f
   uint16_t* q4 = ws.get<uint16_t>(be, g0 + 1, E * K * Np, "tetrajet-v2 experts: Q4 operands");
   uint16_t* q5 = ws.get<uint16_t>(be, g0 + 2, Np * padded, "tetrajet-v2 experts: Q5 blocks");
   uint16_t* q6 = nm > 0 ? ws.get<uint16_t>(be, g0 + 3, Km * padded, "tetrajet-v2 experts: Q6 blocks") : nullptr;
-  uint16_t* q6o = no > 0 ? ws.get<uint16_t>(be, g0 + 4, No * padded, "tetrajet-v2 experts: Q6 outlier blocks") : nullptr;
+  uint16_t* q6o =
+      no > 0 ? ws.get<uint16_t>(be, g0 + 4, No * padded, "tetrajet-v2 experts: Q6 outlier blocks") : nullptr;
   float* part = no > 0 ? ws.get<float>(be, g0 + 5, E * N * std::max(Km, No), "tetrajet-v2 experts: wgrad parts")
                        : nullptr;
   for (int64_t e = 0; e < E; ++e) {

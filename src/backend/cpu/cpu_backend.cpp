@@ -255,8 +255,9 @@ void CpuBackend::grouped_matmul_bf16_nt_blocks(float* y, const uint16_t* a, cons
                                                const int64_t* offsets, int64_t G, int64_t extent, int64_t M,
                                                int64_t N, int64_t a_rows, int64_t b_rows, int64_t y_stride,
                                                const float* alpha, bool accumulate) {
-  NIB_CHECK_MSG(a_rows >= M && b_rows >= N, "grouped_matmul_bf16_nt_blocks: blocks of {} / {} rows hold fewer than M={} / N={}",
-                a_rows, b_rows, M, N);
+  NIB_CHECK_MSG(a_rows >= M && b_rows >= N,
+                "grouped_matmul_bf16_nt_blocks: blocks of {} / {} rows hold fewer than M={} / N={}", a_rows, b_rows, M,
+                N);
   for (int64_t g = 0; g < G; ++g) {
     const int64_t kg = group_rows(offsets, g, G, extent), k0 = offsets[g];
     float* yg = y + g * y_stride;
