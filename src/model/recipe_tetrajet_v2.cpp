@@ -345,6 +345,11 @@ void TetraJetV2LinearRecipe::fake_quantize_weight(float* wq, float* scale, const
   }
 }
 
+TetraJetV2LinearRecipe::Shapes TetraJetV2LinearRecipe::shapes(int64_t M, int64_t N) const {
+  const int64_t nm = static_cast<int64_t>(main_idx_.size()), no = static_cast<int64_t>(out_idx_.size());
+  return Shapes{round_up(M, 128), round_up(N, 128), nm, round_up(nm, 16), no, round_up(no, 32)};
+}
+
 void TetraJetV2LinearRecipe::prepare_forward(backend::Backend& be, const float* x, int64_t M, const LinearCall& call) {
   be_ = &be;
   calibrate(be, x, M, call);
@@ -362,9 +367,7 @@ void TetraJetV2LinearRecipe::forward(backend::Backend& be, float* y, const float
 void TetraJetV2LinearRecipe::forward_operands(backend::Backend& be, uint16_t* xq, uint16_t* wq, uint16_t* xoq,
                                               uint16_t* woq, const float* x, const float* w, int64_t M, int64_t N,
                                               int64_t K, const LinearCall& call) {
-  const int64_t Mp = round_up(M, 128), Np = round_up(N, 128);
-  const int64_t nm = static_cast<int64_t>(main_idx_.size()), Km = round_up(nm, 16);
-  const int64_t no = static_cast<int64_t>(out_idx_.size()), No = round_up(no, 32);
+  const auto [Mp, Np, nm, Km, no, No] = shapes(M, N);
   const int64_t* midx = no > 0 ? main_idx_dev_.data() : nullptr;  // identity gather without outliers
   M_ = M, N_ = N, K_ = K;
   x_saved_ = x;
@@ -392,9 +395,7 @@ void TetraJetV2LinearRecipe::forward_operands(backend::Backend& be, uint16_t* xq
 
 void TetraJetV2LinearRecipe::forward_prepared(backend::Backend& be, float* y, const float* x, const float* w,
                                               int64_t M, int64_t N, int64_t K, const LinearCall& call) {
-  const int64_t Mp = round_up(M, 128), Np = round_up(N, 128);
-  const int64_t nm = static_cast<int64_t>(main_idx_.size()), Km = round_up(nm, 16);
-  const int64_t no = static_cast<int64_t>(out_idx_.size()), No = round_up(no, 32);
+  const auto [Mp, Np, nm, Km, no, No] = shapes(M, N);
   LinearWorkspace& ws = workspace(call);
   uint16_t* xq = nm > 0 ? ws.get<uint16_t>(be, 2, Mp * Km, "tetrajet-v2: X^ operand") : nullptr;
   uint16_t* wq = nm > 0 ? ws.get<uint16_t>(be, 3, Np * Km, "tetrajet-v2: W^ operand") : nullptr;
@@ -415,9 +416,7 @@ void TetraJetV2LinearRecipe::backward_operands(backend::Backend& be, uint16_t* q
                 "tetrajet-v2: backward without a matching forward");
   be_ = &be;
   upload_channels(be);
-  const int64_t Mp = round_up(M, 128), Np = round_up(N, 128);
-  const int64_t nm = static_cast<int64_t>(main_idx_.size()), Km = round_up(nm, 16);
-  const int64_t no = static_cast<int64_t>(out_idx_.size()), No = round_up(no, 32);
+  const auto [Mp, Np, nm, Km, no, No] = shapes(M, N);
   const int64_t* midx = no > 0 ? main_idx_dev_.data() : nullptr;
   const bool sr = config_.sr, rht = config_.rht, align = config_.alignment;
   const formats::SrKey k3{call.seed, linear_call_stream(call, kTetraStreamQ3)};
@@ -504,9 +503,7 @@ void TetraJetV2LinearRecipe::backward_operands(backend::Backend& be, uint16_t* q
 
 void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw, const float* dy, int64_t M,
                                       int64_t N, int64_t K, const LinearCall& call) {
-  const int64_t Mp = round_up(M, 128), Np = round_up(N, 128);
-  const int64_t nm = static_cast<int64_t>(main_idx_.size()), Km = round_up(nm, 16);
-  const int64_t no = static_cast<int64_t>(out_idx_.size()), No = round_up(no, 32);
+  const auto [Mp, Np, nm, Km, no, No] = shapes(M, N);
   LinearWorkspace& ws = workspace(call);
   uint16_t* q3 = ws.get<uint16_t>(be, 2, M * Np, "tetrajet-v2: Q3 operand");
   uint16_t* q4 = ws.get<uint16_t>(be, 3, K * Np, "tetrajet-v2: Q4 operand");

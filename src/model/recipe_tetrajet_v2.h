@@ -134,9 +134,14 @@ class TetraJetV2LinearRecipe final : public LinearRecipe {
   // Copies the channel lists to be's memory when they changed (or the backend did).
   void upload_channels(backend::Backend& be) const;
   backend::Backend& backend_or_cpu() const;
+  // The padded shapes of a call with M tokens: Mp, Np = M, N rounded up to 128; nm main and no
+  // outlier channels, Km = nm rounded up to 16, No = no rounded up to 32.
+  struct Shapes {
+    int64_t Mp, Np, nm, Km, no, No;
+  };
+  Shapes shapes(int64_t M, int64_t N) const;
   // The split of one call (forward = prepare_forward + forward_prepared; the grouped experts call
-  // the parts for each expert and run the GEMMs grouped). Shapes: Mp, Np = M, N rounded up to
-  // 128; Km = main channels rounded up to 16, No = outlier channels rounded up to 32.
+  // the parts for each expert and run the GEMMs grouped); shapes as in Shapes.
   void prepare_forward(backend::Backend& be, const float* x, int64_t M, const LinearCall& call);  // calibration
   void forward_prepared(backend::Backend& be, float* y, const float* x, const float* w, int64_t M, int64_t N,
                         int64_t K, const LinearCall& call);
