@@ -44,6 +44,8 @@
 #   NIBBLE_BENCH_RECIPES (default "bf16 nvfp4-nvidia tetrajet-v2"), NIBBLE_BENCH_SEQ (4096),
 #   NIBBLE_BENCH_WARMUP (2), NIBBLE_BENCH_STEPS (4), NIBBLE_BENCH_LINEAR (16384x4096x4096)
 #   NIBBLE_GPU_SANITIZE=1 compute-sanitizer memcheck + racecheck of the backend tests and op suite
+#                      (NIBBLE_GPU_SANITIZE_OPS: a gtest filter of op cases instead of every */cuda
+#                      case, e.g. '*MultiRange*/cuda:*GroupedGemm*/cuda' for the newest kernels)
 #   NIBBLE_GPU_NCU=1 (ncu counters of five format kernels), NIBBLE_GPU_SASS_KERNELS=<regex>
 # Files under $OUT: steps.log, tests.log, ops_tests.log, train_tests.log, bench_train_*.log,
 # torch_baseline.jsonl (+ .log), table.txt; with the options bench.log, sanitizer*.log, ncu.txt,
@@ -236,10 +238,11 @@ if [ "${NIBBLE_GPU_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/nul
   if [ -n "$OPS_BIN" ]; then
     # The op suite's CUDA cases. The out-of-memory case is left out of memcheck: its deliberate
     # 1 PiB cudaMallocAsync failure is an API error memcheck counts.
+    SAN_OPS=${NIBBLE_GPU_SANITIZE_OPS:-*/cuda}
     timeout "$(limit 300)" compute-sanitizer --tool memcheck --leak-check no "$OPS_BIN" \
-      --gtest_filter='*/cuda:-*OutOfMemory*' >"$OUT/sanitizer_ops.log" 2>&1
+      --gtest_filter="$SAN_OPS:-*OutOfMemory*" >"$OUT/sanitizer_ops.log" 2>&1
     echo "ops memcheck rc=$? $(grep 'ERROR SUMMARY' "$OUT/sanitizer_ops.log" | tail -1)" | tee -a "$OUT/steps.log"
-    timeout "$(limit 300)" compute-sanitizer --tool racecheck "$OPS_BIN" --gtest_filter='*/cuda' >>"$OUT/sanitizer_ops.log" 2>&1
+    timeout "$(limit 300)" compute-sanitizer --tool racecheck "$OPS_BIN" --gtest_filter="$SAN_OPS" >>"$OUT/sanitizer_ops.log" 2>&1
     echo "ops racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/sanitizer_ops.log" | tail -1)" | tee -a "$OUT/steps.log"
   fi
 fi
