@@ -109,6 +109,17 @@ TEST(ProfilingBackend, StepsThroughItEqualStepsOnTheWrappedBackend) {
       // and the ops went through the profiler
       EXPECT_GT(prof.timing(ProfiledOp::kMatmulNt).count + prof.timing(ProfiledOp::kMatmulBf16Nt).count, 0);
       EXPECT_EQ(prof.timing(ProfiledOp::kAdamwUpdateMulti).count, 1);  // all parameters in one call
+      // MoE experts: one grouped GEMM per product and MoE layer part (not a per-expert loop) for
+      // every recipe but fp32; the FP4 recipes' wgrad through the per-expert blocks form
+      const std::string recipe_name = name;
+      const int64_t grouped = prof.timing(ProfiledOp::kGroupedMatmulBf16Nt).count;
+      const int64_t blocks = prof.timing(ProfiledOp::kGroupedMatmulBf16NtBlocks).count;
+      if (cfg.num_experts > 0 && recipe_name != "fp32") {
+        EXPECT_GT(grouped, 0);
+        EXPECT_EQ(blocks > 0, recipe_name == "nvfp4-nvidia" || recipe_name == "tetrajet-v2");
+      } else {
+        EXPECT_EQ(grouped + blocks, 0);
+      }
     }
   }
 }
