@@ -235,20 +235,21 @@ bool ExpertRowPlan::build(backend::Backend& be, const ExpertGroup& group, int64_
   if (!be.supports(backend::Op::kGroupedGemm) || group.E == 0) return false;
   std::vector<int64_t> copy;
   const int64_t* o = expert_offsets_host(be, group, copy);
-  const int64_t E = group.E;
-  off.assign(o, o + E + 1);
-  pad.assign(static_cast<size_t>(E + 1), 0);
+  E = group.E;
+  host_.assign(static_cast<size_t>(2 * (E + 1)), 0);
+  int64_t* h_off = host_.data();
+  int64_t* h_pad = h_off + E + 1;
+  std::copy(o, o + E + 1, h_off);
   max_rows = max_padded = 0;
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t rows = off[e + 1] - off[e], padded = (rows + multiple - 1) / multiple * multiple;
+    const int64_t rows = h_off[e + 1] - h_off[e], padded = (rows + multiple - 1) / multiple * multiple;
     NIB_CHECK_MSG(rows >= 0, "experts: offsets decrease at expert {}", e);
-    pad[e + 1] = pad[e] + padded;
+    h_pad[e + 1] = h_pad[e] + padded;
     max_rows = std::max(max_rows, rows), max_padded = std::max(max_padded, padded);
   }
   int64_t* dev = ws.get<int64_t>(be, LinearWorkspace::kSlots - 1, 2 * (E + 1), "experts: offsets");
-  be.copy_to_device(dev, off.data(), off.size() * sizeof(int64_t));
-  be.copy_to_device(dev + E + 1, pad.data(), pad.size() * sizeof(int64_t));
-  off_dev = dev, pad_dev = dev + E + 1;
+  be.copy_to_device(dev, host_.data(), host_.size() * sizeof(int64_t));  // both arrays in one copy
+  off = h_off, pad = h_pad, off_dev = dev, pad_dev = dev + E + 1;
   return true;
 }
 

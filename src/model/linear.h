@@ -118,16 +118,21 @@ struct ExpertGroup {
 // expert to `multiple` rows, so their blocks never cross experts and expert g's start at padded
 // row pad[g]. Both offset arrays are also put in backend memory (workspace slot kSlots - 1).
 struct ExpertRowPlan {
-  std::vector<int64_t> off, pad;  // (E+1) host: row offsets, padded row offsets
+  const int64_t* off = nullptr;      // (E+1) host: row offsets
+  const int64_t* pad = nullptr;      // (E+1) host: padded row offsets
   const int64_t* off_dev = nullptr;  // (E+1) in backend memory
   const int64_t* pad_dev = nullptr;  // (E+1) in backend memory
+  int64_t E = 0;
   int64_t max_rows = 0, max_padded = 0;  // of one expert
-  int64_t rows() const { return off.back(); }
-  int64_t padded_rows() const { return pad.back(); }
+  int64_t rows() const { return off[E]; }
+  int64_t padded_rows() const { return pad[E]; }
   // Builds the plan of `group` (host offsets, copied from the device ones where not given).
   // Returns false, building nothing, where the backend has no grouped GEMMs (Op::kGroupedGemm) or
   // the group no experts: the caller then takes the per-expert loop.
   bool build(backend::Backend& be, const ExpertGroup& group, int64_t multiple, LinearWorkspace& ws);
+
+ private:
+  std::vector<int64_t> host_;  // (2(E+1)) off then pad: one copy to the backend (reused)
 };
 
 // Expert e's recipe of `group` as the grouped implementation's class R (a layer's experts are built

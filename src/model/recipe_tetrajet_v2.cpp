@@ -539,20 +539,18 @@ void TetraJetV2LinearRecipe::backward(backend::Backend& be, float* dx, float* dw
 // g0+1 Ŵ operands (E,Np,Km), g0+2 X̂_o, g0+3 Ŵ_o (E,N,No); backward g0 Q3 (rows,Np), g0+1 Q4
 // (E,K,Np), g0+2 Q5 blocks (Np, padded rows), g0+3 Q6 blocks, g0+4 Q6 outlier blocks, g0+5 the
 // wgrad parts (E,N,Km or No).
-namespace {
-// The outlier-channel count of every routed expert of `plan`, or -1 when they differ.
-int64_t common_outlier_count(const ExpertGroup& group, const ExpertRowPlan& plan,
-                             const std::function<int64_t(int64_t)>& count) {
-  int64_t n = -2;
+std::optional<TetraJetV2LinearRecipe::Shapes> TetraJetV2LinearRecipe::common_shapes(const ExpertGroup& group,
+                                                                                 const ExpertRowPlan& plan,
+                                                                                 int64_t N) {
+  std::optional<Shapes> common;
   for (int64_t e = 0; e < group.E; ++e) {
     if (plan.off[e + 1] == plan.off[e]) continue;
-    const int64_t c = count(e);
-    if (n == -2) n = c;
-    else if (n != c) return -1;
+    const Shapes s = group_expert<TetraJetV2LinearRecipe>(group, e)->shapes(0, N);
+    if (!common) common = s;
+    else if (common->no != s.no) return std::nullopt;
   }
-  return n == -2 ? 0 : n;
+  return common ? common : group_expert<TetraJetV2LinearRecipe>(group, 0)->shapes(0, N);
 }
-}  // namespace
 
 void TetraJetV2LinearRecipe::forward_experts(backend::Backend& be, float* y, const float* x, const float* w,
                                              int64_t N, int64_t K, const ExpertGroup& group) {
@@ -567,10 +565,8 @@ void TetraJetV2LinearRecipe::forward_experts(backend::Backend& be, float* y, con
     const int64_t r0 = plan.off[e], m = plan.off[e + 1] - r0;
     if (m > 0) expert(e)->prepare_forward(be, x + r0 * K, m, group.calls[e]);
   }
-  const int64_t no = common_outlier_count(group, plan, [&](int64_t e) {
-    return static_cast<int64_t>(expert(e)->out_idx_.size());
-  });
-  if (no < 0) {  // the experts' GEMM shapes differ: each runs its own
+  const std::optional<Shapes> common = common_shapes(group, plan, N);
+  if (!common) {  // the experts' GEMM shapes differ: each runs its own
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = plan.off[e], m = plan.off[e + 1] - r0;
       if (m > 0)
@@ -578,7 +574,7 @@ void TetraJetV2LinearRecipe::forward_experts(backend::Backend& be, float* y, con
     }
     return;
   }
-  const int64_t Np = round_up(N, 128), nm = K - no, Km = round_up(nm, 16), No = round_up(no, 32);
+  const int64_t Np = common->Np, nm = common->nm, Km = common->Km, no = common->no, No = common->No;
   constexpr int g0 = LinearWorkspace::kGroupedSlot;
   // X̂ operands (Mp_e, Km) each at row off[e]: an expert's zero pad rows run into the next expert's
   // rows, which that expert writes after it (in order); 128 spare rows take the last one's.
@@ -608,12 +604,10 @@ void TetraJetV2LinearRecipe::backward_experts(backend::Backend& be, float* dx, f
   ExpertRowPlan& plan = expert_plan_;  // kept: its host arrays are reused, not reallocated
   if (!plan.build(be, group, 128, ws)) return LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
   auto expert = [&](int64_t e) { return group_expert<TetraJetV2LinearRecipe>(group, e); };
-  const int64_t no = common_outlier_count(group, plan, [&](int64_t e) {
-    return static_cast<int64_t>(expert(e)->out_idx_.size());
-  });
-  if (no < 0) return LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
+  const std::optional<Shapes> common = common_shapes(group, plan, N);
+  if (!common) return LinearRecipe::backward_experts(be, dx, dw, dy, N, K, group);
   const int64_t E = group.E, rows = plan.rows(), padded = plan.padded_rows();
-  const int64_t Np = round_up(N, 128), nm = K - no, Km = round_up(nm, 16), No = round_up(no, 32);
+  const int64_t Np = common->Np, nm = common->nm, Km = common->Km, no = common->no, No = common->No;
   constexpr int g0 = LinearWorkspace::kGroupedSlot;
   uint16_t* q3 = ws.get<uint16_t>(be, g0, rows * Np, "tetrajet-v2 experts: Q3 operands");
   uint16_t* q4 = ws.get<uint16_t>(be, g0 + 1, E * K * Np, "tetrajet-v2 experts: Q4 operands");

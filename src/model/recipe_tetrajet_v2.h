@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -140,6 +141,10 @@ class TetraJetV2LinearRecipe final : public LinearRecipe {
     int64_t Mp, Np, nm, Km, no, No;
   };
   Shapes shapes(int64_t M, int64_t N) const;
+  // The shapes every routed expert of `plan` shares for N outputs (Mp 0: each pads its own rows),
+  // or none when their outlier-channel counts differ (each selects its channels at its own first
+  // forward after calibration).
+  static std::optional<Shapes> common_shapes(const ExpertGroup& group, const ExpertRowPlan& plan, int64_t N);
   // The split of one call (forward = prepare_forward + forward_prepared; the grouped experts call
   // the parts for each expert and run the GEMMs grouped); shapes as in Shapes.
   void prepare_forward(backend::Backend& be, const float* x, int64_t M, const LinearCall& call);  // calibration

@@ -238,18 +238,28 @@ void CpuBackend::grouped_matmul_bf16_nn(float* y, const uint16_t* a, const uint1
                                         const float* alpha, bool accumulate) {
   grouped_rows_cpu(Bf16Layout::kNN, y, a, b, offsets, G, extent, N, K, b_stride, alpha, accumulate);
 }
-void CpuBackend::grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
-                                        int64_t G, int64_t extent, int64_t M, int64_t N, int64_t y_stride,
-                                        const float* alpha, bool accumulate) {
+namespace {
+// Reduction grouped (tn, nt_blocks): y_g (M,N) at y + g * y_stride from group g's operands, which
+// start a_step / b_step elements per reduction row into a / b; an empty group's y_g is zero-filled.
+void grouped_reduction_cpu(Bf16Layout layout, float* y, const uint16_t* a, const uint16_t* b,
+                           const int64_t* offsets, int64_t G, int64_t extent, int64_t M, int64_t N, int64_t a_step,
+                           int64_t b_step, int64_t y_stride, const float* alpha, bool accumulate) {
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t rows = group_rows(offsets, g, G, extent), r0 = offsets[g];
+    const int64_t kg = group_rows(offsets, g, G, extent), k0 = offsets[g];
     float* yg = y + g * y_stride;
-    if (rows > 0)
-      matmul_bf16_cpu(Bf16Layout::kTN, yg, a + r0 * M, b + r0 * N, M, N, rows,
-                      alpha != nullptr ? alpha + g : nullptr, accumulate);
+    if (kg > 0)
+      matmul_bf16_cpu(layout, yg, a + a_step * k0, b + b_step * k0, M, N, kg, alpha != nullptr ? alpha + g : nullptr,
+                      accumulate);
     else if (!accumulate)
       std::fill(yg, yg + M * N, 0.f);  // an empty sum
   }
+}
+}  // namespace
+
+void CpuBackend::grouped_matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
+                                        int64_t G, int64_t extent, int64_t M, int64_t N, int64_t y_stride,
+                                        const float* alpha, bool accumulate) {
+  grouped_reduction_cpu(Bf16Layout::kTN, y, a, b, offsets, G, extent, M, N, M, N, y_stride, alpha, accumulate);
 }
 void CpuBackend::grouped_matmul_bf16_nt_blocks(float* y, const uint16_t* a, const uint16_t* b,
                                                const int64_t* offsets, int64_t G, int64_t extent, int64_t M,
@@ -258,15 +268,9 @@ void CpuBackend::grouped_matmul_bf16_nt_blocks(float* y, const uint16_t* a, cons
   NIB_CHECK_MSG(a_rows >= M && b_rows >= N,
                 "grouped_matmul_bf16_nt_blocks: blocks of {} / {} rows hold fewer than M={} / N={}", a_rows, b_rows, M,
                 N);
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t kg = group_rows(offsets, g, G, extent), k0 = offsets[g];
-    float* yg = y + g * y_stride;
-    if (kg > 0)
-      matmul_bf16_cpu(Bf16Layout::kNT, yg, a + a_rows * k0, b + b_rows * k0, M, N, kg,
-                      alpha != nullptr ? alpha + g : nullptr, accumulate);
-    else if (!accumulate)
-      std::fill(yg, yg + M * N, 0.f);  // an empty sum
-  }
+  // group g's blocks (a_rows, K_g) and (b_rows, K_g) start a_rows / b_rows elements per column before it
+  grouped_reduction_cpu(Bf16Layout::kNT, y, a, b, offsets, G, extent, M, N, a_rows, b_rows, y_stride, alpha,
+                        accumulate);
 }
 void CpuBackend::moe_dispatch_plan_device(int64_t* expert_offsets, int32_t* row_of_slot, int32_t* token_of_row,
                                           const int32_t* topk_idx, int64_t N, int64_t E, int64_t k) {
