@@ -245,12 +245,18 @@ static void run_timing(const Shape& s) {
   auto fwd_k = [&] { fa::forward_kernels<64>(out_, lse_, w, s.B, s.T, s.H, s.Hkv, s.D, 0); };
   auto bwd_k = [&] { fa::backward_kernels<64>(dq_, dk_, dv_, lse_, w, s.B, s.T, s.H, s.Hkv, s.D, 0); };
   const float t_fo = median_ms(fwd_op), t_bo = median_ms(bwd_op);  // bwd_op leaves w filled for bwd_k
+  auto dkdv_k = [&] { fa::backward_kernel_dkdv<64>(dk_, dv_, lse_, w, s.B, s.T, s.H, s.Hkv, s.D, 0); };
+  auto dq_k = [&] { fa::backward_kernel_dq<64>(dq_, lse_, w, s.B, s.T, s.H, s.Hkv, s.D, 0); };
+  auto pre_k = [&] { fa::run_backward_prepass(dout_, out_, q_, k_, v_, s.B, s.T, s.H, s.Hkv, s.D, ws, 0); };
   const float t_fk = median_ms(fwd_k), t_bk = median_ms(bwd_k);
+  const float t_dkdv = median_ms(dkdv_k), t_dq = median_ms(dq_k), t_pre = median_ms(pre_k);
   std::printf("time B=%d T=%d H=%d D=%d (median of 7)\n", s.B, s.T, s.H, s.D);
   std::printf("  fwd kernel %8.3f ms %6.1f TFLOP/s | op incl. bf16 pre-pass %8.3f ms %6.1f TFLOP/s\n", t_fk,
               fwd_flop / t_fk * 1e-9, t_fo, fwd_flop / t_fo * 1e-9);
   std::printf("  bwd kernels %7.3f ms %6.1f TFLOP/s | op incl. pre-pass      %8.3f ms %6.1f TFLOP/s\n", t_bk,
               bwd_flop / t_bk * 1e-9, t_bo, bwd_flop / t_bo * 1e-9);
+  std::printf("  bwd split: dK/dV kernel %.3f ms, dQ kernel %.3f ms, pre-passes (bf16 q k v dout, delta) %.3f ms\n",
+              t_dkdv, t_dq, t_pre);
   cudaFree(q_), cudaFree(k_), cudaFree(v_), cudaFree(out_), cudaFree(dout_), cudaFree(lse_), cudaFree(dq_);
   cudaFree(dk_), cudaFree(dv_), cudaFree(ws);
 }
