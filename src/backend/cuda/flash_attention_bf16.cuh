@@ -233,31 +233,31 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row_base + 8 * r;
+        // The max over raw scores (scale > 0 keeps the order), then p = 2^(s * scale_log2 - m) in
+        // one FMA per score.
         float mx = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            float x = s[mt][nt][2 * r + c] * scale_log2;
             if (need_mask) {
               const int key = k0 + nt * 8 + 2 * t4 + c;
-              if (key > row || key >= Tn) x = -INFINITY;
+              if (key > row || key >= Tn) s[mt][nt][2 * r + c] = -INFINITY;
             }
-            s[mt][nt][2 * r + c] = x;
-            mx = fmaxf(mx, x);
+            mx = fmaxf(mx, s[mt][nt][2 * r + c]);
           }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[mt][r], mx);
+        const float m_new = fmaxf(m_run[mt][r], mx * scale_log2);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = exp2f(m_run[mt][r] - m_use);
+        const float alpha = ex2_ftz(m_run[mt][r] - m_use);
         m_run[mt][r] = m_new;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const float p = exp2f(s[mt][nt][2 * r + c] - m_use);
+            const float p = ex2_ftz(__fmaf_rn(s[mt][nt][2 * r + c], scale_log2, -m_use));
             s[mt][nt][2 * r + c] = p;
             sum += p;
           }
@@ -415,7 +415,7 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int key = key_lo + 16 * mt + 8 * r;
-            float p = exp2f(s[mt][nt][2 * r + c] * scale_log2 - lse2);
+            float p = ex2_ftz(__fmaf_rn(s[mt][nt][2 * r + c], scale_log2, -lse2));
             if (need_mask && (!q_ok || key > qi)) p = 0.f;
             s[mt][nt][2 * r + c] = p;
             dp[mt][nt][2 * r + c] = p * (dp[mt][nt][2 * r + c] - dlt);
@@ -573,7 +573,7 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int row = row_lo + 16 * mt + 8 * r, key = k0 + nt * 8 + 2 * t4 + c;
-            float p = exp2f(s[mt][nt][2 * r + c] * scale_log2 - lse2[mt][r]);
+            float p = ex2_ftz(__fmaf_rn(s[mt][nt][2 * r + c], scale_log2, -lse2[mt][r]));
             if (need_mask && (row >= Tn || key > row)) p = 0.f;  // key > row also covers key >= T
             dp[mt][nt][2 * r + c] = p * (dp[mt][nt][2 * r + c] - dlt[mt][r]);
           }

@@ -49,6 +49,14 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// 2^x by the SFU alone (ex2.approx.ftz: results below 2^-126 flush to zero, which exp2f's extra
+// denormal-range instructions would keep); max relative error 2^-22.
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Two floats as a BF16 pair (round to nearest even); the low half is lo.
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
