@@ -146,8 +146,8 @@ __global__ void delta_kernel(float* delta, __nv_bfloat16* dout_bf, const float* 
 // kWarps * kMT * 16. out: (B,T,H,D) f32, lse: (B,H,T) f32 natural log of the scaled scores' sum;
 // q: (B,H,T,Dp) bf16; k, v: (B,Hkv,T,Dp) bf16. Shared: Q (kBlockM, Dp), K and V double-buffered
 // (kTN, Dp). Query tiles are visited last-first (the longest causal rows start first).
-template <int Dp, int kWarps, int kMT, int kTN>
-__global__ void __launch_bounds__(kWarps * 32)
+template <int Dp, int kWarps, int kMT, int kTN, int kMinBlocks>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     fwd_kernel(float* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                int Tn, int H, int Hkv, int D, float scale_log2) {
   constexpr int kThreads = kWarps * 32, kBlockM = kWarps * kMT * 16, LD = ld_smem<Dp>();
@@ -314,8 +314,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 // (B,T,Hkv,D) f32; q, dout: (B,H,T,Dp) bf16; k, v: (B,Hkv,T,Dp) bf16; lse, delta: (B,H,T) f32.
 // Shared: K, V (kBN, Dp), Q and dO double-buffered (kQT, Dp). More keys per warp means fewer shared
 // loads of the Q/dO operands per MMA (each B fragment feeds kMT m-tiles).
-template <int Dp, int kMT, int kQT>
-__global__ void __launch_bounds__(128)
+template <int Dp, int kMT, int kQT, int kMinBlocks>
+__global__ void __launch_bounds__(128, kMinBlocks)
     bwd_dkdv_kernel(float* dk, float* dv, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                     const __nv_bfloat16* dout, const float* lse, const float* delta, int Tn, int H, int Hkv,
                     int D, float scale, float scale_log2) {
@@ -473,8 +473,8 @@ __global__ void __launch_bounds__(128)
 // queries a block); loops over the K/V tiles of kKT keys up to the diagonal, recomputing P from lse.
 // dq: (B,T,H,D) f32; shapes otherwise as bwd_dkdv_kernel. Shared: Q, dO (kBM, Dp), K and V
 // double-buffered (kKT, Dp).
-template <int Dp, int kMT, int kKT>
-__global__ void __launch_bounds__(128)
+template <int Dp, int kMT, int kKT, int kMinBlocks>
+__global__ void __launch_bounds__(128, kMinBlocks)
     bwd_dq_kernel(float* dq, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                   const __nv_bfloat16* dout, const float* lse, const float* delta, int Tn, int H, int Hkv,
                   int D, float scale, float scale_log2) {
@@ -631,11 +631,16 @@ inline int padded_head_dim(int64_t D) { return D <= 16 ? 16 : D <= 32 ? 32 : D <
 #ifndef NIB_FA_FWD_TN
 #define NIB_FA_FWD_TN 64
 #endif
+#ifndef NIB_FA_FWD_MINB
+#define NIB_FA_FWD_MINB 0
+#endif
 template <int Dp>
 struct FwdShape {
   static constexpr int kWarps = Dp <= 64 ? NIB_FA_FWD_WARPS : 8, kMT = Dp <= 64 ? NIB_FA_FWD_MT : 1;
   static constexpr int kBlockM = kWarps * kMT * 16;
   static constexpr int kTN = Dp <= 64 ? NIB_FA_FWD_TN : 64;
+  // Resident blocks per SM asked of ptxas (__launch_bounds__' second argument; 0: no request).
+  static constexpr int kMinBlocks = Dp <= 64 ? NIB_FA_FWD_MINB : 0;
   static constexpr size_t kSmem = static_cast<size_t>(kBlockM + 4 * kTN) * ld_smem<Dp>() * 2;
 };
 // Backward: dK/dV kernel m-tiles of 16 keys per warp and queries per Q/dO tile; dQ kernel m-tiles
@@ -653,10 +658,17 @@ struct FwdShape {
 #ifndef NIB_FA_BWD_KT
 #define NIB_FA_BWD_KT 64
 #endif
+#ifndef NIB_FA_BWD_KV_MINB
+#define NIB_FA_BWD_KV_MINB 0
+#endif
+#ifndef NIB_FA_BWD_Q_MINB
+#define NIB_FA_BWD_Q_MINB 0
+#endif
 template <int Dp>
 struct BwdShape {
   static constexpr int kKvMT = Dp <= 64 ? NIB_FA_BWD_KV_MT : 1, kQT = Dp <= 64 ? NIB_FA_BWD_QT : 64;
   static constexpr int kQMT = Dp <= 64 ? NIB_FA_BWD_Q_MT : 1, kKT = Dp <= 64 ? NIB_FA_BWD_KT : 64;
+  static constexpr int kKvMinBlocks = Dp <= 64 ? NIB_FA_BWD_KV_MINB : 0, kQMinBlocks = Dp <= 64 ? NIB_FA_BWD_Q_MINB : 0;
   static constexpr int kBN = 4 * kKvMT * 16, kBM = 4 * kQMT * 16;  // keys / queries a block owns
   static constexpr size_t kSmemKv = static_cast<size_t>(2 * kBN + 4 * kQT) * ld_smem<Dp>() * 2;
   static constexpr size_t kSmemQ = static_cast<size_t>(2 * kBM + 4 * kKT) * ld_smem<Dp>() * 2;
@@ -705,7 +717,7 @@ template <int Dp>
 void forward_kernels(float* out, float* lse, const Workspace& w, int64_t B, int64_t Tn, int64_t H, int64_t Hkv,
                      int64_t D, cudaStream_t st) {
   using S = FwdShape<Dp>;
-  auto kernel = fwd_kernel<Dp, S::kWarps, S::kMT, S::kTN>;
+  auto kernel = fwd_kernel<Dp, S::kWarps, S::kMT, S::kTN, S::kMinBlocks>;
   NIB_FA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::kSmem)));
   const dim3 grid(static_cast<unsigned>((Tn + S::kBlockM - 1) / S::kBlockM), static_cast<unsigned>(H),
                   static_cast<unsigned>(B));
@@ -720,7 +732,7 @@ template <int Dp>
 void backward_kernel_dkdv(float* dk, float* dv, const float* lse, const Workspace& w, int64_t B, int64_t Tn,
                           int64_t H, int64_t Hkv, int64_t D, cudaStream_t st) {
   using S = BwdShape<Dp>;
-  auto kernel = bwd_dkdv_kernel<Dp, S::kKvMT, S::kQT>;
+  auto kernel = bwd_dkdv_kernel<Dp, S::kKvMT, S::kQT, S::kKvMinBlocks>;
   NIB_FA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::kSmemKv)));
   const double scale_d = 1.0 / std::sqrt(static_cast<double>(D));
   const dim3 grid(static_cast<unsigned>((Tn + S::kBN - 1) / S::kBN), static_cast<unsigned>(Hkv),
@@ -734,7 +746,7 @@ template <int Dp>
 void backward_kernel_dq(float* dq, const float* lse, const Workspace& w, int64_t B, int64_t Tn, int64_t H,
                         int64_t Hkv, int64_t D, cudaStream_t st) {
   using S = BwdShape<Dp>;
-  auto kernel = bwd_dq_kernel<Dp, S::kQMT, S::kKT>;
+  auto kernel = bwd_dq_kernel<Dp, S::kQMT, S::kKT, S::kQMinBlocks>;
   NIB_FA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::kSmemQ)));
   const double scale_d = 1.0 / std::sqrt(static_cast<double>(D));
   const dim3 grid(static_cast<unsigned>((Tn + S::kBM - 1) / S::kBM), static_cast<unsigned>(H),
