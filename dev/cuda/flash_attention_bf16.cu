@@ -5,7 +5,8 @@
 // with the same BF16 roundings and timed at the OLMo-2 shapes. No dependency beyond CUDA:
 //   nvcc -O3 -std=c++17 -arch=sm_90a dev/cuda/flash_attention_bf16.cu -o fa && ./fa
 // Exits non-zero when a check fails. The kernels live in src/backend/cuda/flash_attention_bf16.cuh,
-// which the backend (attention_bf16.cu) includes too.
+// which the backend (attention_bf16.cu) includes too. Other tile shapes are timed by defining the
+// header's NIB_FA_* knobs (FwdShape, BwdShape), e.g. -DNIB_FA_FWD_MT=1 -DNIB_FA_FWD_MINB=4.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

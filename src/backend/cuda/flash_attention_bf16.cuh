@@ -312,10 +312,11 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 // keys a block). Loops over the H/Hkv query heads of the group and, per head, the query tiles of kQT
 // rows from the diagonal on (fixed order, one writer per dK/dV row: deterministic). dk, dv:
 // (B,T,Hkv,D) f32; q, dout: (B,H,T,Dp) bf16; k, v: (B,Hkv,T,Dp) bf16; lse, delta: (B,H,T) f32.
-// Shared: K, V (kBN, Dp), Q and dO double-buffered (kQT, Dp) with the tile's lse and delta. More
-// keys per warp means fewer shared loads of the Q/dO operands per MMA (each B fragment feeds kMT
-// m-tiles); lse and delta staged in shared keep global-load latency out of the loop.
-template <int Dp, int kMT, int kQT, int kMinBlocks>
+// Shared: K, V (kBN, Dp), Q and dO double-buffered (kQT, Dp). More keys per warp means fewer shared
+// loads of the Q/dO operands per MMA (each B fragment feeds kMT m-tiles). kStageRows: each query
+// tile's lse and delta travel beside it into shared (cp.async), keeping global-load latency out of
+// the loop (measured 2.65 -> 2.10 ms; off until compute-sanitizer has run on it, docs/benchmarks.md).
+template <int Dp, int kMT, int kQT, int kMinBlocks, bool kStageRows>
 __global__ void __launch_bounds__(128, kMinBlocks)
     bwd_dkdv_kernel(float* dk, float* dv, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                     const __nv_bfloat16* dout, const float* lse, const float* delta, int Tn, int H, int Hkv,
@@ -325,7 +326,7 @@ __global__ void __launch_bounds__(128, kMinBlocks)
   __nv_bfloat16* k_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // (kBN, LD)
   __nv_bfloat16* v_s = k_s + kBN * LD;                               // (kBN, LD)
   __nv_bfloat16* qd_s = v_s + kBN * LD;                              // [buf][Q|dO] (kQT, LD)
-  float* rows_s = reinterpret_cast<float*>(qd_s + 4 * kQT * LD);     // [buf][lse|delta] (kQT)
+  float* rows_s = reinterpret_cast<float*>(qd_s + 4 * kQT * LD);     // kStageRows: [buf][lse|delta] (kQT)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const int b = blockIdx.z, hk = blockIdx.y, group = H / Hkv;
   const int k0 = (gridDim.x - 1 - blockIdx.x) * kBN;
@@ -341,13 +342,14 @@ __global__ void __launch_bounds__(128, kMinBlocks)
     __nv_bfloat16* dst = qd_s + (it & 1) * 2 * kQT * LD;
     load_tile_async<kQT, Dp, kThreads>(dst, q + off, qt0, Tn);
     load_tile_async<kQT, Dp, kThreads>(dst + kQT * LD, dout + off, qt0, Tn);
-    // The tile's lse and delta beside it (zeros past T): read from shared in the loop, not global.
-    const int64_t roff = (static_cast<int64_t>(b) * H + h) * Tn;
-    float* rdst = rows_s + (it & 1) * 2 * kQT;
-    for (int i = threadIdx.x; i < 2 * kQT; i += kThreads) {
-      const int qi = qt0 + i % kQT;
-      const bool ok = qi < Tn;
-      cp_async4(rdst + i, (i < kQT ? lse : delta) + roff + (ok ? qi : 0), ok ? 4 : 0);
+    if constexpr (kStageRows) {  // the tile's lse and delta (zeros past T)
+      const int64_t roff = (static_cast<int64_t>(b) * H + h) * Tn;
+      float* rdst = rows_s + (it & 1) * 2 * kQT;
+      for (int i = threadIdx.x; i < 2 * kQT; i += kThreads) {
+        const int qi = qt0 + i % kQT;
+        const bool ok = qi < Tn;
+        cp_async4(rdst + i, (i < kQT ? lse : delta) + roff + (ok ? qi : 0), ok ? 4 : 0);
+      }
     }
   };
   load_tile_async<kBN, Dp, kThreads>(k_s, kb, k0, Tn);
@@ -373,9 +375,11 @@ __global__ void __launch_bounds__(128, kMinBlocks)
       cp_async_wait<0>();
     }
     __syncthreads();
-    const int qt0 = (qt_first + it % n_qt) * kQT;
+    const int h = hk * group + it / n_qt, qt0 = (qt_first + it % n_qt) * kQT;
     const __nv_bfloat16* q_s = qd_s + (it & 1) * 2 * kQT * LD;
     const __nv_bfloat16* do_s = q_s + kQT * LD;
+    const float* lse_h = lse + (static_cast<int64_t>(b) * H + h) * Tn;
+    const float* delta_h = delta + (static_cast<int64_t>(b) * H + h) * Tn;
     const bool need_mask = (qt0 < k0 + kBN) || (qt0 + kQT > Tn);
 
     // S^T = K Q^T and dP^T = V dO^T: (kMT x 16 keys, kQT queries) per warp.
@@ -416,8 +420,13 @@ __global__ void __launch_bounds__(128, kMinBlocks)
       for (int c = 0; c < 2; ++c) {
         const int qi = qt0 + nt * 8 + 2 * t4 + c;
         const bool q_ok = qi < Tn;
-        const float* r_s = rows_s + (it & 1) * 2 * kQT + nt * 8 + 2 * t4 + c;  // zeros past T
-        const float lse2 = r_s[0] * kLog2e, dlt = r_s[kQT];
+        float lse2, dlt;
+        if constexpr (kStageRows) {
+          const float* r_s = rows_s + (it & 1) * 2 * kQT + nt * 8 + 2 * t4 + c;  // zeros past T
+          lse2 = r_s[0] * kLog2e, dlt = r_s[kQT];
+        } else {
+          lse2 = q_ok ? lse_h[qi] * kLog2e : 0.f, dlt = q_ok ? delta_h[qi] : 0.f;
+        }
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -666,6 +675,9 @@ struct FwdShape {
 #ifndef NIB_FA_BWD_KT
 #define NIB_FA_BWD_KT 64
 #endif
+#ifndef NIB_FA_BWD_STAGE_ROWS
+#define NIB_FA_BWD_STAGE_ROWS 0
+#endif
 #ifndef NIB_FA_BWD_KV_MINB
 #define NIB_FA_BWD_KV_MINB 0
 #endif
@@ -678,7 +690,9 @@ struct BwdShape {
   static constexpr int kQMT = Dp <= 64 ? NIB_FA_BWD_Q_MT : 1, kKT = Dp <= 64 ? NIB_FA_BWD_KT : 64;
   static constexpr int kKvMinBlocks = Dp <= 64 ? NIB_FA_BWD_KV_MINB : 0, kQMinBlocks = Dp <= 64 ? NIB_FA_BWD_Q_MINB : 0;
   static constexpr int kBN = 4 * kKvMT * 16, kBM = 4 * kQMT * 16;  // keys / queries a block owns
-  static constexpr size_t kSmemKv = static_cast<size_t>(2 * kBN + 4 * kQT) * ld_smem<Dp>() * 2 + 4 * kQT * 4;
+  static constexpr bool kStageRows = NIB_FA_BWD_STAGE_ROWS != 0;     // lse/delta tiles in shared (dK/dV)
+  static constexpr size_t kSmemKv =
+      static_cast<size_t>(2 * kBN + 4 * kQT) * ld_smem<Dp>() * 2 + (kStageRows ? 4 * kQT * 4 : 0);
   static constexpr size_t kSmemQ = static_cast<size_t>(2 * kBM + 4 * kKT) * ld_smem<Dp>() * 2;
 };
 
@@ -740,7 +754,7 @@ template <int Dp>
 void backward_kernel_dkdv(float* dk, float* dv, const float* lse, const Workspace& w, int64_t B, int64_t Tn,
                           int64_t H, int64_t Hkv, int64_t D, cudaStream_t st) {
   using S = BwdShape<Dp>;
-  auto kernel = bwd_dkdv_kernel<Dp, S::kKvMT, S::kQT, S::kKvMinBlocks>;
+  auto kernel = bwd_dkdv_kernel<Dp, S::kKvMT, S::kQT, S::kKvMinBlocks, S::kStageRows>;
   NIB_FA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::kSmemKv)));
   const double scale_d = 1.0 / std::sqrt(static_cast<double>(D));
   const dim3 grid(static_cast<unsigned>((Tn + S::kBN - 1) / S::kBN), static_cast<unsigned>(Hkv),
