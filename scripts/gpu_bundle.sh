@@ -13,7 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-.gpubin}
 TARGETS=(nibble nibble_backend_cuda_tests nibble_backend_ops_tests nibble_train_tests nibble_model_tests nibble_dist_nccl_tests nibble_rollout_tests)
+# NIBBLE_BUNDLE_CUDA_FLAGS: extra nvcc flags for this bundle (e.g. -DNIB_FA_BWD_STAGE_ROWS=1 to check a
+# kernel knob on the GPU before it becomes a default); set on every configure, so it never lingers.
 cmake -S . -B build/cuda -G Ninja -DNIBBLE_CUDA=ON -DNIBBLE_BENCH=OFF -DCMAKE_BUILD_TYPE=Release \
+  "-DCMAKE_CUDA_FLAGS=${NIBBLE_BUNDLE_CUDA_FLAGS:-}" \
   ${NIBBLE_CCACHE:+-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache} >/dev/null
 cmake --build build/cuda -j "${JOBS:-$(nproc)}" --target "${TARGETS[@]}"
 rm -rf "$OUTDIR"
