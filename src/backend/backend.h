@@ -116,6 +116,17 @@ class Backend {
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;              // device to device
   virtual void fill_zero(void* dst, size_t bytes) = 0;
   virtual void synchronize() = 0;
+  // Batch-invariant GEMMs, for inference: while on, matmul_nt and the NT products built on it
+  // (matmul_bf16_nt, grouped_matmul_bf16_nt, matmul_nt_nvfp4_weight and its grouped form) compute
+  // each output row from that row's operands alone by one fixed sequence of operations, so a row
+  // gets the same bits whatever M and the other rows are: the rollout engine's promise that a seed
+  // gives the same tokens whatever else is in the batch. Returns whether this backend honours it;
+  // the default does not and changes nothing (CUDA today: its decode GEMV for M <= 8 is
+  // row-invariant by construction, cuBLASLt above it is not promised to be).
+  virtual bool set_batch_invariant(bool on) {
+    (void)on;
+    return false;
+  }
   // Bytes held through allocate() now and at most since the last reset_peak_memory() (-1 where a
   // backend does not track them).
   struct MemoryStats {

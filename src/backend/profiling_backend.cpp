@@ -198,6 +198,9 @@ void ProfilingBackend::fill_zero(void* dst, size_t bytes) {
 void ProfilingBackend::synchronize() {
   inner_->synchronize();
 }
+bool ProfilingBackend::set_batch_invariant(bool on) {
+  return inner_->set_batch_invariant(on);
+}
 Backend::MemoryStats ProfilingBackend::memory_stats() {
   return inner_->memory_stats();
 }

@@ -138,6 +138,7 @@ class ProfilingBackend final : public Backend {
   void copy(void* dst, const void* src, size_t bytes) override;
   void fill_zero(void* dst, size_t bytes) override;
   void synchronize() override;
+  bool set_batch_invariant(bool on) override;
   MemoryStats memory_stats() override;
   void reset_peak_memory() override;
   void matmul_nt(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K, bool accumulate = false,

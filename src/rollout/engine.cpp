@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <string>
 
 #include <fmt/format.h>
@@ -24,6 +25,19 @@ namespace nibble::rollout {
 namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// A step's forward with the backend's GEMMs batch-invariant (Backend::set_batch_invariant): each
+// row's logits are those it gets alone, whatever else is in the step. Off again when it ends.
+class BatchInvariantGemms {
+ public:
+  explicit BatchInvariantGemms(backend::Backend& be) : be_(be) { be_.set_batch_invariant(true); }
+  ~BatchInvariantGemms() { be_.set_batch_invariant(false); }
+  BatchInvariantGemms(const BatchInvariantGemms&) = delete;
+  BatchInvariantGemms& operator=(const BatchInvariantGemms&) = delete;
+
+ private:
+  backend::Backend& be_;
+};
 }  // namespace
 
 const char* finish_reason_name(FinishReason r) {
@@ -693,6 +707,7 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
       batch.routing_record = routing.data();
     }
     const auto t_forward = Clock::now();
+    std::optional<BatchInvariantGemms> invariant(std::in_place, model_->backend());
     if (graph_step) {
       const int64_t replays = graphs_->replays(), captures = graphs_->captures(), pad = graphs_->padding_rows();
       graphs_->step(greedy_step ? nullptr : logits.data(), batch, row_tok, row_pos, cache_->table_stride());
@@ -713,6 +728,7 @@ Result<std::vector<Completion>> Engine::generate(const std::vector<Request>& giv
     } else {
       model_->forward_decode(logits.data(), batch);
     }
+    invariant.reset();
     stats_.forward_seconds += seconds_since(t_forward);
     cache_->finish_batch();
     ++stats_.steps;

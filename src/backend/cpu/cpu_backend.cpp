@@ -134,7 +134,10 @@ void CpuBackend::fill_zero(void* dst, size_t bytes) {
 // ---- GEMMs (operands_bf16 changes nothing on the CPU: FP32 products of BF16 values are exact) -----
 void CpuBackend::matmul_nt(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K, bool accumulate,
                            bool) {
-  cpu::matmul_nt(y, x, w, M, N, K, accumulate);
+  if (batch_invariant_)
+    cpu::matmul_nt_row_invariant(y, x, w, M, N, K, accumulate);
+  else
+    cpu::matmul_nt(y, x, w, M, N, K, accumulate);
 }
 void CpuBackend::matmul_nn(float* y, const float* a, const float* b, int64_t M, int64_t N, int64_t K, bool accumulate,
                            bool) {
@@ -163,7 +166,7 @@ void widen_bf16(std::vector<float>& dst, const uint16_t* src, int64_t n) {
 // FP32 GEMM accumulates as matmul_* does; with alpha the sum s is formed first, then
 // y = fl(alpha · s) or fma(alpha, s, y).
 void matmul_bf16_cpu(Bf16Layout layout, float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N,
-                     int64_t K, const float* alpha, bool accumulate) {
+                     int64_t K, const float* alpha, bool accumulate, bool batch_invariant) {
   // grow-only per thread: the oracle allocates nothing in a steady-state step
   thread_local std::vector<float> af, bf, sum;
   widen_bf16(af, a, M * K);
@@ -175,7 +178,12 @@ void matmul_bf16_cpu(Bf16Layout layout, float* y, const uint16_t* a, const uint1
     out = sum.data(), acc = false;
   }
   switch (layout) {
-    case Bf16Layout::kNT: cpu::matmul_nt(out, af.data(), bf.data(), M, N, K, acc); break;
+    case Bf16Layout::kNT:
+      if (batch_invariant)
+        cpu::matmul_nt_row_invariant(out, af.data(), bf.data(), M, N, K, acc);
+      else
+        cpu::matmul_nt(out, af.data(), bf.data(), M, N, K, acc);
+      break;
     case Bf16Layout::kNN: cpu::matmul_nn(out, af.data(), bf.data(), M, N, K, acc); break;
     case Bf16Layout::kTN: cpu::matmul_tn(out, af.data(), bf.data(), M, N, K, acc); break;
   }
@@ -194,15 +202,15 @@ void matmul_bf16_cpu(Bf16Layout layout, float* y, const uint16_t* a, const uint1
 
 void CpuBackend::matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
                                 const float* alpha, bool accumulate) {
-  matmul_bf16_cpu(Bf16Layout::kNT, y, a, b, M, N, K, alpha, accumulate);
+  matmul_bf16_cpu(Bf16Layout::kNT, y, a, b, M, N, K, alpha, accumulate, batch_invariant_);
 }
 void CpuBackend::matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
                                 const float* alpha, bool accumulate) {
-  matmul_bf16_cpu(Bf16Layout::kNN, y, a, b, M, N, K, alpha, accumulate);
+  matmul_bf16_cpu(Bf16Layout::kNN, y, a, b, M, N, K, alpha, accumulate, false);
 }
 void CpuBackend::matmul_bf16_tn(float* y, const uint16_t* a, const uint16_t* b, int64_t M, int64_t N, int64_t K,
                                 const float* alpha, bool accumulate) {
-  matmul_bf16_cpu(Bf16Layout::kTN, y, a, b, M, N, K, alpha, accumulate);
+  matmul_bf16_cpu(Bf16Layout::kTN, y, a, b, M, N, K, alpha, accumulate, false);
 }
 
 // ---- grouped BF16 GEMMs: the reference is one matmul_bf16 per non-empty group ----------------------
@@ -218,12 +226,12 @@ int64_t group_rows(const int64_t* offsets, int64_t g, int64_t G, int64_t extent)
 // Rows grouped (nt, nn): group g's rows of a and y against b + g * b_stride.
 void grouped_rows_cpu(Bf16Layout layout, float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
                       int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride, const float* alpha,
-                      bool accumulate) {
+                      bool accumulate, bool batch_invariant) {
   for (int64_t g = 0; g < G; ++g) {
     const int64_t rows = group_rows(offsets, g, G, extent), r0 = offsets[g];
     if (rows > 0)
       matmul_bf16_cpu(layout, y + r0 * N, a + r0 * K, b + g * b_stride, rows, N, K,
-                      alpha != nullptr ? alpha + g : nullptr, accumulate);
+                      alpha != nullptr ? alpha + g : nullptr, accumulate, batch_invariant);
   }
 }
 }  // namespace
@@ -231,12 +239,12 @@ void grouped_rows_cpu(Bf16Layout layout, float* y, const uint16_t* a, const uint
 void CpuBackend::grouped_matmul_bf16_nt(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
                                         int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
                                         const float* alpha, bool accumulate) {
-  grouped_rows_cpu(Bf16Layout::kNT, y, a, b, offsets, G, extent, N, K, b_stride, alpha, accumulate);
+  grouped_rows_cpu(Bf16Layout::kNT, y, a, b, offsets, G, extent, N, K, b_stride, alpha, accumulate, batch_invariant_);
 }
 void CpuBackend::grouped_matmul_bf16_nn(float* y, const uint16_t* a, const uint16_t* b, const int64_t* offsets,
                                         int64_t G, int64_t extent, int64_t N, int64_t K, int64_t b_stride,
                                         const float* alpha, bool accumulate) {
-  grouped_rows_cpu(Bf16Layout::kNN, y, a, b, offsets, G, extent, N, K, b_stride, alpha, accumulate);
+  grouped_rows_cpu(Bf16Layout::kNN, y, a, b, offsets, G, extent, N, K, b_stride, alpha, accumulate, false);
 }
 namespace {
 // Reduction grouped (tn, nt_blocks): y_g (M,N) at y + g * y_stride from group g's operands, which
@@ -249,7 +257,7 @@ void grouped_reduction_cpu(Bf16Layout layout, float* y, const uint16_t* a, const
     float* yg = y + g * y_stride;
     if (kg > 0)
       matmul_bf16_cpu(layout, yg, a + a_step * k0, b + b_step * k0, M, N, kg, alpha != nullptr ? alpha + g : nullptr,
-                      accumulate);
+                      accumulate, /*batch_invariant=*/false);  // a training reduction
     else if (!accumulate)
       std::fill(yg, yg + M * N, 0.f);  // an empty sum
   }

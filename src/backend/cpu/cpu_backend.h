@@ -26,6 +26,11 @@ class CpuBackend final : public Backend {
   void copy(void* dst, const void* src, size_t bytes) override;
   void fill_zero(void* dst, size_t bytes) override;
   void synchronize() override {}
+  // The NT GEMMs through cpu::matmul_nt_row_invariant while on (OpenBLAS otherwise).
+  bool set_batch_invariant(bool on) override {
+    batch_invariant_ = on;
+    return true;
+  }
   MemoryStats memory_stats() override;
   void reset_peak_memory() override;
 
@@ -153,6 +158,7 @@ class CpuBackend final : public Backend {
   bool host_memory_scratch() const override { return true; }  // the composed fused ops' skipped parts
 
  private:
+  bool batch_invariant_ = false;
   std::vector<float> nvfp4_weight_scratch_;  // (N, K) the dequantized weight of matmul_nt_nvfp4_weight
   std::mutex memory_mutex_;
   std::unordered_map<void*, size_t> sizes_;  // live allocations (for memory_stats)

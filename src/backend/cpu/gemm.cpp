@@ -7,8 +7,12 @@
 #include "backend/cpu/gemm.h"
 
 #include <cblas.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
+#include <cmath>
 #include <mutex>
 #include <type_traits>
 
@@ -103,6 +107,130 @@ void matmul_tn(T* y, const T* a, const T* b, int64_t M, int64_t N, int64_t K, bo
   // a: (K,M), rows m of a^T are columns m of a: a + m (ld M); b columns n: b + n (ld N)
   split_gemm(CblasTrans, CblasNoTrans, M, N, K, [&](int64_t m) { return a + m; }, M,
              [&](int64_t n) { return b + n; }, N, accumulate ? T(1) : T(0), y);
+}
+
+namespace {
+// 16 float lanes, each updated by an exact fma: AVX-512, two AVX2 halves, or scalar std::fma. Every
+// form gives the same bits (fma rounds once), so the row-invariant product is the same on any x86.
+constexpr int kLanes = 16;
+#if defined(__AVX512F__)
+struct Lanes {
+  __m512 v;
+  static Lanes zero() { return {_mm512_setzero_ps()}; }
+  static Lanes load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  void fma(const Lanes& a, const Lanes& b) { v = _mm512_fmadd_ps(a.v, b.v, v); }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+constexpr int kBlockRows = 4, kBlockCols = 4;  // 16 accumulators of the 32 zmm registers
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Lanes {
+  __m256 lo, hi;
+  static Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static Lanes load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  void fma(const Lanes& a, const Lanes& b) {
+    lo = _mm256_fmadd_ps(a.lo, b.lo, lo);
+    hi = _mm256_fmadd_ps(a.hi, b.hi, hi);
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, lo), _mm256_storeu_ps(p + 8, hi); }
+};
+constexpr int kBlockRows = 2, kBlockCols = 2;  // 8 accumulators of the 16 ymm registers
+#else
+struct Lanes {
+  float v[kLanes];
+  static Lanes zero() { return {}; }
+  static Lanes load(const float* p) {
+    Lanes l;
+    std::copy(p, p + kLanes, l.v);
+    return l;
+  }
+  void fma(const Lanes& a, const Lanes& b) {
+    for (int i = 0; i < kLanes; ++i) v[i] = std::fma(a.v[i], b.v[i], v[i]);
+  }
+  void store(float* p) const { std::copy(v, v + kLanes, p); }
+};
+constexpr int kBlockRows = 2, kBlockCols = 2;
+#endif
+
+// out[r][c] = dot(x[r], w[c]) over K in the fixed order of matmul_nt_row_invariant (lane l: fma over
+// k = l, l + 16, ..., ascending; the last partial chunk zero-padded; then lanes added by a fixed
+// tree), for an R x C block of rows and weights. The per-output operations are the same for every
+// R, C, so edge blocks give the bits of full ones.
+template <int R, int C>
+inline void dot_block(float (&out)[R][C], const float* const (&x)[R], const float* const (&w)[C], int64_t K) {
+  Lanes acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = Lanes::zero();
+  const int64_t k_full = K / kLanes * kLanes;
+  for (int64_t k = 0; k < k_full; k += kLanes) {
+    Lanes xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = Lanes::load(x[r] + k);
+    for (int c = 0; c < C; ++c) {
+      const Lanes wv = Lanes::load(w[c] + k);
+      for (int r = 0; r < R; ++r) acc[r][c].fma(xv[r], wv);
+    }
+  }
+  if (k_full < K) {  // the last partial chunk, zero-padded
+    alignas(64) float t[kLanes] = {};
+    Lanes xv[R];
+    for (int r = 0; r < R; ++r) {
+      std::copy(x[r] + k_full, x[r] + K, t);
+      xv[r] = Lanes::load(t);
+    }
+    for (int c = 0; c < C; ++c) {
+      std::copy(w[c] + k_full, w[c] + K, t);
+      const Lanes wv = Lanes::load(t);
+      for (int r = 0; r < R; ++r) acc[r][c].fma(xv[r], wv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      alignas(64) float a[kLanes];
+      acc[r][c].store(a);
+      for (int half = kLanes / 2; half >= 1; half /= 2)
+        for (int l = 0; l < half; ++l) a[l] += a[l + half];
+      out[r][c] = a[0];
+    }
+}
+
+// The R x C block of y at rows m.., columns n.. (y = x . w^T, y += when accumulating).
+template <int R, int C>
+inline void store_block(float* y, const float* x, const float* w, int64_t m, int64_t n, int64_t N, int64_t K,
+                        bool accumulate) {
+  const float* xr[R];
+  const float* wr[C];
+  for (int r = 0; r < R; ++r) xr[r] = x + (m + r) * K;
+  for (int c = 0; c < C; ++c) wr[c] = w + (n + c) * K;
+  float out[R][C];
+  dot_block<R, C>(out, xr, wr, K);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float& dst = y[(m + r) * N + n + c];
+      dst = accumulate ? out[r][c] + dst : out[r][c];
+    }
+}
+}  // namespace
+
+void matmul_nt_row_invariant(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
+                             bool accumulate) {
+  if (empty_product(y, M, N, K, accumulate)) return;
+  constexpr int64_t kCols = 64;  // weight rows a task owns (a shape-only split: any thread count)
+  parallel_for((N + kCols - 1) / kCols, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * kCols, n1 = std::min(N, n0 + kCols);
+      constexpr int R = kBlockRows, C = kBlockCols;
+      int64_t m = 0;
+      for (; m + R <= M; m += R) {
+        int64_t n = n0;
+        for (; n + C <= n1; n += C) store_block<R, C>(y, x, w, m, n, N, K, accumulate);
+        for (; n < n1; ++n) store_block<R, 1>(y, x, w, m, n, N, K, accumulate);
+      }
+      for (; m < M; ++m) {
+        int64_t n = n0;
+        for (; n + C <= n1; n += C) store_block<1, C>(y, x, w, m, n, N, K, accumulate);
+        for (; n < n1; ++n) store_block<1, 1>(y, x, w, m, n, N, K, accumulate);
+      }
+    }
+  });
 }
 
 template <typename T>

@@ -1,14 +1,17 @@
 // Op tests of the GEMMs (matmul_nt / nn / tn, overwrite and accumulate, FP32 and BF16 operands)
-// against cpu::matmul_* with odd shapes. Bound: round-to-nearest sums of K products are within
-// (K+1) u sum|terms| of the exact sum (Higham, Thm 3.5; the accumulated y0 is one more term);
-// tensor cores may truncate in FP32 accumulation (Fasi et al. 2021: <= 2u per addition), so
-// the GPU is within 2 (K+1) u sum|terms|: |y - ref| <= (3K + 6) u (sum_k |a b| + |y0|). A wrong
-// layout exceeds it by orders of magnitude; TF32 products (operands rounded to 2^-11) by 24x,
-// 10x and 2x at K = 53, 96, 257 (simulated, largest element): the FP32 path must be true FP32.
-// The BF16-operand GEMMs (matmul_bf16_*: BF16 bits in, alpha in backend memory) are checked the
-// same way against the FP32 product of the widened operands, alpha applied once more: one more
-// rounding of |alpha s| <= |alpha| sum|terms|, so (3K + 8) u (|alpha| sum_k |a b| + |y0|).
+// against cpu::matmul_* with odd shapes, and the batch-invariant NT mode (at the end). Bound:
+// round-to-nearest sums of K products are within (K+1) u sum|terms| of the exact sum (Higham,
+// Thm 3.5; the accumulated y0 is one more term); tensor cores may truncate in FP32 accumulation
+// (Fasi et al. 2021: <= 2u per addition), so the GPU is within 2 (K+1) u sum|terms|: |y - ref| <=
+// (3K + 6) u (sum_k |a b| + |y0|). A wrong layout exceeds it by orders of magnitude; TF32 products
+// (operands rounded to 2^-11) by 24x, 10x and 2x at K = 53, 96, 257 (simulated, largest element):
+// the FP32 path must be true FP32. The BF16-operand GEMMs (matmul_bf16_*: BF16 bits in, alpha in
+// backend memory) are checked the same way against the FP32 product of the widened operands, alpha
+// applied once more: one more rounding of |alpha s| <= |alpha| sum|terms|, so (3K + 8) u (|alpha|
+// sum_k |a b| + |y0|).
+#include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "backend/cpu/gemm.h"
@@ -175,6 +178,68 @@ TEST_P(GemmOpsTest, RepeatedShapeAndUnalignedOutput) {
     be().matmul_nt(y + 1, ad, bd, M, N, K);
     std::vector<float> shifted = download(y, M * N + 1);
     EXPECT_TRUE(within_bound(std::vector<float>(shifted.begin() + 1, shifted.end()), ref, bound)) << "offset " << rep;
+  }
+}
+
+// Backend::set_batch_invariant (inference): each row of matmul_nt and of matmul_bf16_nt (with alpha,
+// overwrite and accumulate) is the same bits as that row multiplied alone (M = 1), wherever it sits
+// among other rows and whatever M is, and the FP32 product stays within the bound above (a fixed
+// order of round-to-nearest additions). K = 7, 37, 130 cover the zero-padded last 16-lane chunk,
+// N = 5, 19, 70 the edge blocks of 4 weights. Skipped where the backend does not offer the mode.
+TEST_P(GemmOpsTest, BatchInvariantNtRowsAreTheRowAlone) {
+  if (!be().set_batch_invariant(true)) GTEST_SKIP() << be().name() << " does not offer batch-invariant GEMMs";
+  struct Off {
+    Backend& b;
+    ~Off() { b.set_batch_invariant(false); }
+  } off{be()};
+  const float alpha_host = 0.37f;
+  const float* alpha = upload(std::vector<float>{alpha_host});
+  uint64_t seed = 2100;
+  for (const auto& [N, K] : {std::pair<int64_t, int64_t>{5, 7}, {19, 37}, {70, 130}}) {
+    const std::vector<float> row = normal_vector(K, seed += 7), w = normal_vector(N * K, seed += 7);
+    const std::vector<float> y0_row = normal_vector(N, seed += 7);
+    std::vector<uint16_t> row_b(row.size()), w_b(w.size());
+    for (size_t i = 0; i < row.size(); ++i) row_b[i] = f32_to_bf16_bits(row[i]);
+    for (size_t i = 0; i < w.size(); ++i) w_b[i] = f32_to_bf16_bits(w[i]);
+    const float* wd = upload(w);
+    const uint16_t* wbd = upload(w_b);
+    // The row alone: FP32 overwrite, BF16 bits with alpha accumulating onto y0_row.
+    float* y = upload(std::vector<float>(static_cast<size_t>(N), 7.0f));
+    be().matmul_nt(y, upload(row), wd, 1, N, K, false, false);
+    const std::vector<float> alone = download(y, N);
+    float* yb = upload(y0_row);
+    be().matmul_bf16_nt(yb, upload(row_b), wbd, 1, N, K, alpha, true);
+    const std::vector<float> alone_b = download(yb, N);
+    {
+      std::vector<float> ref(static_cast<size_t>(N));
+      cpu::matmul_nt(ref.data(), row.data(), w.data(), 1, N, K, false);
+      std::vector<double> ra(row.begin(), row.end()), wa(w.begin(), w.end()), mag(static_cast<size_t>(N));
+      for (double& v : ra) v = std::fabs(v);
+      for (double& v : wa) v = std::fabs(v);
+      cpu::matmul_nt(mag.data(), ra.data(), wa.data(), 1, N, K, false);
+      std::vector<double> bound(mag.size());
+      for (size_t i = 0; i < mag.size(); ++i) bound[i] = double(3 * K + 6) * kUnitRoundoff * mag[i];
+      EXPECT_TRUE(within_bound(alone, ref, bound)) << "N=" << N << " K=" << K;
+    }
+    for (int64_t M : {2, 5, 13}) {
+      for (int64_t at : {int64_t{0}, M / 2, M - 1}) {
+        std::vector<float> x = normal_vector(M * K, seed += 7), y0 = normal_vector(M * N, seed += 7);
+        std::copy(row.begin(), row.end(), x.begin() + at * K);
+        std::copy(y0_row.begin(), y0_row.end(), y0.begin() + at * N);
+        std::vector<uint16_t> x_b(x.size());
+        for (size_t i = 0; i < x.size(); ++i) x_b[i] = f32_to_bf16_bits(x[i]);
+        float* ym = zeros<float>(M * N);
+        be().matmul_nt(ym, upload(x), wd, M, N, K, false, false);
+        const std::vector<float> got = download(ym, M * N);
+        EXPECT_TRUE(bits_equal(std::vector<float>(got.begin() + at * N, got.begin() + (at + 1) * N), alone))
+            << "fp32 N=" << N << " K=" << K << " M=" << M << " row " << at;
+        float* ymb = upload(y0);
+        be().matmul_bf16_nt(ymb, upload(x_b), wbd, M, N, K, alpha, true);
+        const std::vector<float> got_b = download(ymb, M * N);
+        EXPECT_TRUE(bits_equal(std::vector<float>(got_b.begin() + at * N, got_b.begin() + (at + 1) * N), alone_b))
+            << "bf16 N=" << N << " K=" << K << " M=" << M << " row " << at;
+      }
+    }
   }
 }
 
