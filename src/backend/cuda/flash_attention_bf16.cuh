@@ -70,6 +70,15 @@ __device__ __forceinline__ const __nv_bfloat16* b_addr_trans(const __nv_bfloat16
   return tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld_smem<Dp>() + n0 + (lane >> 4) * 8;
 }
 
+// The bf16 A fragment (16 rows x 16 k) of two f32 accumulator tiles of 16 x 8 (columns k 0-7 in
+// lo, 8-15 in hi): the mma output layout of a product becomes the A operand of the next one.
+__device__ __forceinline__ void a_frag_of(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack_bf16(lo[0], lo[1]);
+  a[1] = pack_bf16(lo[2], lo[3]);
+  a[2] = pack_bf16(hi[0], hi[1]);
+  a[3] = pack_bf16(hi[2], hi[3]);
+}
+
 // row[c], row[c + 1] <- x, y for the columns below D (row: f32, D columns; c even). One 8-byte
 // store when D is even (then c + 1 < D whenever c < D and the address is 8-byte aligned).
 __device__ __forceinline__ void store_pair(float* row, int c, int D, float x, float y) {
@@ -267,10 +276,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       }
 #pragma unroll
       for (int kk = 0; kk < kTN / 16; ++kk) {
-        pf[mt][kk][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        pf[mt][kk][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        pf[mt][kk][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        pf[mt][kk][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        a_frag_of(pf[mt][kk], s[mt][2 * kk], s[mt][2 * kk + 1]);
       }
     }
 #pragma unroll
@@ -444,14 +450,8 @@ __global__ void __launch_bounds__(128, kMinBlocks)
       uint32_t pa[kMT][4], da[kMT][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        pa[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        pa[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        pa[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        pa[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-        da[mt][0] = pack_bf16(dp[mt][2 * kk][0], dp[mt][2 * kk][1]);
-        da[mt][1] = pack_bf16(dp[mt][2 * kk][2], dp[mt][2 * kk][3]);
-        da[mt][2] = pack_bf16(dp[mt][2 * kk + 1][0], dp[mt][2 * kk + 1][1]);
-        da[mt][3] = pack_bf16(dp[mt][2 * kk + 1][2], dp[mt][2 * kk + 1][3]);
+        a_frag_of(pa[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
+        a_frag_of(da[mt], dp[mt][2 * kk], dp[mt][2 * kk + 1]);
       }
 #pragma unroll
       for (int dpair = 0; dpair < Dp / 16; ++dpair) {
@@ -600,10 +600,7 @@ __global__ void __launch_bounds__(128, kMinBlocks)
       uint32_t da[kMT][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        da[mt][0] = pack_bf16(dp[mt][2 * kk][0], dp[mt][2 * kk][1]);
-        da[mt][1] = pack_bf16(dp[mt][2 * kk][2], dp[mt][2 * kk][3]);
-        da[mt][2] = pack_bf16(dp[mt][2 * kk + 1][0], dp[mt][2 * kk + 1][1]);
-        da[mt][3] = pack_bf16(dp[mt][2 * kk + 1][2], dp[mt][2 * kk + 1][3]);
+        a_frag_of(da[mt], dp[mt][2 * kk], dp[mt][2 * kk + 1]);
       }
 #pragma unroll
       for (int dpair = 0; dpair < Dp / 16; ++dpair) {
